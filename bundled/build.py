@@ -1,0 +1,119 @@
+"""Rebuild the bundled offline assets: tiny chat tokenizer, random-init tiny Qwen2, addition task.
+
+    python bundled/build.py            # writes bundled/tiny-qwen2 and bundled/addition
+
+Deterministic: the same torch version gives the same weights, and any Python gives the same data.
+The shipped SFT checkpoint (bundled/tiny-qwen2-sft) is made from these by recipes/sft.py; the
+command is in bundled/README.md.
+"""
+
+import json
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from tokenizers import AddedToken
+from tokenizers.pre_tokenizers import ByteLevel
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+HERE = Path(__file__).resolve().parent
+DATA_SOURCE = "bundled/addition"
+N_TEST = 500
+SEED = 0
+
+# Qwen's chat template, trimmed to what the bundled task needs (no tools), same markers and layout.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Like Qwen3's <think>/</think>: ordinary (non-special) added tokens, so decoded text keeps them.
+ADDED = ["<answer>", "</answer>"]
+
+
+def build_tokenizer() -> Qwen2Tokenizer:
+    # Byte-level BPE with no merges: every byte is a token, so any text round-trips exactly.
+    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    for tok in SPECIAL + ADDED:
+        vocab[tok] = len(vocab)
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=512,
+    )
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
+    return tok
+
+
+def build_model(tokenizer) -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(SEED)
+    return Qwen2ForCausalLM(config)
+
+
+def question(a: int, b: int) -> str:
+    return f"{a}+{b}=? Answer in <answer></answer>."
+
+
+def build_task(out: Path) -> None:
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(SEED).shuffle(pairs)
+    splits = {"test": pairs[:N_TEST], "train": pairs[N_TEST:]}
+    out.mkdir(parents=True, exist_ok=True)
+    for split, rows in splits.items():
+        records = [
+            {
+                "data_source": DATA_SOURCE,
+                "prompt": [{"role": "user", "content": question(a, b)}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                # verl keeps the worked answer in extra_info; sft.py trains on it (--response-key).
+                "extra_info": {
+                    "split": split,
+                    "index": i,
+                    "question": question(a, b),
+                    "answer": f"<answer>{a + b}</answer>",
+                },
+            }
+            for i, (a, b) in enumerate(rows)
+        ]
+        pq.write_table(pa.Table.from_pylist(records), out / f"{split}.parquet")
+
+
+def main() -> None:
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer)
+    model_dir = HERE / "tiny-qwen2"
+    model.to(torch.bfloat16).save_pretrained(model_dir)  # bf16 on disk keeps the bundle small
+    tokenizer.save_pretrained(model_dir)
+    build_task(HERE / "addition")
+    n = sum(p.numel() for p in model.parameters())
+    print(json.dumps({"model": str(model_dir), "params": n, "vocab": len(tokenizer)}))
+
+
+if __name__ == "__main__":
+    main()

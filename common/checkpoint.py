@@ -1,0 +1,170 @@
+"""Checkpoints: sharded training state, exact-resume trainer state, and a plain HF export.
+
+Layout of <output_dir>/checkpoints/step_<N>/:
+    state/              torch.distributed.checkpoint of model + optimizer (sharded under FSDP2)
+    trainer_state.json  step, epoch, data position, lr scheduler, world size, anything the recipe adds
+    rng_<rank>.pt       python / numpy / torch RNG of each rank (loaded with weights_only=True)
+    hf/                 safetensors + config + tokenizer (LoRA: the adapter; merged model on request)
+A checkpoint is written to step_<N>.tmp and renamed when complete, so a folder named step_<N> is
+always whole. Only the newest `keep` are kept.
+"""
+
+import json
+import logging
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from common.model import is_lora
+from common.parallel import Dist, barrier, unwrap
+
+log = logging.getLogger(__name__)
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def list_checkpoints(output_dir) -> list[Path]:
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()
+    ]
+    return [p for _, p in sorted(found)]
+
+
+def find_resume(resume: str, output_dir) -> Path | None:
+    """`auto`: the newest complete checkpoint in output_dir (or None); `disable`: None; else a path."""
+    if resume == "disable":
+        return None
+    if resume == "auto":
+        found = list_checkpoints(output_dir)
+        return found[-1] if found else None
+    path = Path(resume).expanduser()
+    if not (path / "trainer_state.json").is_file():
+        raise FileNotFoundError(
+            f"--resume {resume}: not a checkpoint folder (no trainer_state.json); pass a "
+            f"<output_dir>/checkpoints/step_<N> folder, auto or disable"
+        )
+    return path
+
+
+def _rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def export_hf(model, tokenizer, out_dir: Path, dist: Dist, merged_lora: bool = False) -> None:
+    """Write a folder that `AutoModelForCausalLM.from_pretrained` (or peft, for an adapter) loads.
+
+    Collective: every rank must call it (FSDP2 gathers the full weights onto rank 0).
+    """
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if dist.is_main:
+        inner = unwrap(model)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        inner.save_pretrained(out_dir, state_dict=full)
+        tokenizer.save_pretrained(out_dir)
+        if merged_lora and is_lora(inner):
+            from peft import PeftModel
+            from transformers import AutoModelForCausalLM
+
+            base_path = inner.peft_config["default"].base_model_name_or_path
+            base = AutoModelForCausalLM.from_pretrained(base_path, dtype=inner.dtype)
+            merged = PeftModel.from_pretrained(base, out_dir).merge_and_unload()
+            merged.save_pretrained(out_dir / "merged")
+            tokenizer.save_pretrained(out_dir / "merged")
+    barrier()
+
+
+def save_checkpoint(
+    output_dir,
+    step: int,
+    *,
+    model,
+    optimizer,
+    scheduler,
+    tokenizer,
+    dist: Dist,
+    trainer_state: dict,
+    keep: int = 2,
+    merged_lora: bool = False,
+) -> Path:
+    root = Path(output_dir) / "checkpoints"
+    final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+    torch.save(_rng_state(), tmp / f"rng_{dist.rank}.pt")
+    export_hf(model, tokenizer, tmp / "hf", dist, merged_lora=merged_lora)
+    if dist.is_main:
+        state = {
+            **trainer_state,
+            "step": step,
+            "world_size": dist.world_size,
+            "scheduler": scheduler.state_dict(),
+        }
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        if keep > 0:
+            for old in list_checkpoints(output_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def load_checkpoint(path: Path, *, model, optimizer, scheduler, dist: Dist) -> dict:
+    """Restore model, optimizer, scheduler and this rank's RNG; return the trainer state."""
+    path = Path(path)
+    state = json.loads((path / "trainer_state.json").read_text())
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    to_load = {"model": model_sd, "optim": optim_sd}
+    dcp.load(to_load, checkpoint_id=str(path / "state"))
+    set_state_dict(
+        model, optimizer, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"]
+    )
+    scheduler.load_state_dict(state["scheduler"])
+    rng_file = path / f"rng_{dist.rank}.pt"
+    if state.get("world_size") == dist.world_size and rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    else:
+        log.warning(
+            "checkpoint was written by %s process(es), this run has %d: RNG streams are not "
+            "restored, so sampling after resume differs from an uninterrupted run",
+            state.get("world_size"),
+            dist.world_size,
+        )
+    return state

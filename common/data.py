@@ -1,0 +1,349 @@
+"""Parquet loading for verl-format RL prompts and SFT data, chat templating, truncation, batching.
+
+Every error names the file, the row and the column, and says what to change.
+"""
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+log = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right", "middle")
+
+
+class DataError(ValueError):
+    pass
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+def read_parquet(files, what: str = "train_files") -> list[tuple[str, list[dict]]]:
+    """[(file, rows)] for one or many parquet files; rows are plain dicts (structs become dicts)."""
+    if isinstance(files, str | Path):
+        files = [files]
+    if not files:
+        raise DataError(f"{what} is empty; pass at least one parquet file")
+    out = []
+    for file in files:
+        path = Path(file).expanduser()
+        if not path.is_file():
+            raise DataError(f"{what}: file {str(file)!r} does not exist")
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # pyarrow raises several types for a bad file
+            raise DataError(f"{what}: {str(file)!r} is not a readable parquet file ({e})") from e
+        if table.num_rows == 0:
+            raise DataError(f"{what}: {str(file)!r} has no rows")
+        out.append((str(file), table.to_pylist()))
+    return out
+
+
+def has_column(rows: list[dict], key: str) -> bool:
+    head, *rest = key.split(".")
+    if head not in rows[0]:
+        return False
+    value = rows[0][head]
+    for part in rest:
+        if not isinstance(value, dict) or part not in value:
+            return False
+        value = value[part]
+    return True
+
+
+def get_field(row: dict, key: str, file: str, index: int, flag: str | None = None):
+    """row[key], where a dotted key reaches into struct columns (e.g. reward_model.ground_truth)."""
+    value = row
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        if not isinstance(value, dict) or part not in value:
+            have = sorted(value) if isinstance(value, dict) else type(value).__name__
+            where = ".".join(parts[:depth]) or "the file"
+            hint = f"; set --{flag.replace('_', '-')} to the right column" if flag else ""
+            raise DataError(
+                f"{file} row {index}: column {key!r} not found ({where} has {have}){hint}"
+            )
+        value = value[part]
+    return value
+
+
+def as_messages(value, file: str, index: int, key: str) -> list[dict]:
+    """A prompt cell as a chat list: a plain string becomes one user message."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if isinstance(value, list | tuple) and value:
+        for m in value:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+                break
+            if not isinstance(m.get("content"), str):
+                break
+        else:
+            return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise DataError(
+        f"{file} row {index} column {key!r}: expected a string or a non-empty list of "
+        f"{{'role': str, 'content': str}} messages, got {type(value).__name__}: {str(value)[:80]!r}"
+    )
+
+
+# --- templating and truncation -------------------------------------------------------------------
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def truncate(ids: list, max_len: int, mode: str) -> list:
+    """Shorten to max_len: left keeps the end, right keeps the start, middle keeps both ends."""
+    if len(ids) <= max_len:
+        return ids
+    if mode == "left":
+        return ids[len(ids) - max_len :]
+    if mode == "right":
+        return ids[:max_len]
+    if mode == "middle":
+        head = max_len // 2
+        return ids[:head] + ids[len(ids) - (max_len - head) :]
+    raise ValueError(f"truncation={mode!r}; use one of {TRUNCATION_MODES}")
+
+
+# --- RL prompts (verl format) ----------------------------------------------------------------------
+
+
+@dataclass
+class LoadStats:
+    rows: int = 0
+    kept: int = 0
+    filtered_overlong: int = 0
+    truncated: int = 0
+    no_loss_tokens: int = 0
+    per_file: dict = field(default_factory=dict)
+
+    def summary(self, what: str) -> str:
+        parts = [f"{what}: {self.kept}/{self.rows} rows from {len(self.per_file)} file(s)"]
+        if self.filtered_overlong:
+            parts.append(f"{self.filtered_overlong} over-long rows filtered out")
+        if self.truncated:
+            parts.append(f"{self.truncated} truncated")
+        if self.no_loss_tokens:
+            parts.append(f"{self.no_loss_tokens} left out: no response token survived truncation")
+        return "; ".join(parts)
+
+
+def _too_long(file, index, n, limit, limit_flag, extra=""):
+    return DataError(
+        f"{file} row {index}: {n} tokens > {limit_flag}={limit}{extra}; raise "
+        f"--{limit_flag.replace('_', '-')}, set --truncation left/right/middle"
+        + (", or --filter-overlong-prompts" if limit_flag == "max_prompt_length" else "")
+    )
+
+
+def load_prompts(
+    files,
+    tokenizer,
+    *,
+    prompt_key: str = "prompt",
+    max_prompt_length: int,
+    truncation: str = "error",
+    filter_overlong_prompts: bool = False,
+    what: str = "train_files",
+) -> tuple[list[dict], LoadStats]:
+    """verl parquet rows as dicts with templated `prompt_ids` plus data_source, ground_truth,
+    extra_info and the raw `messages`. ground_truth is None when reward_model is absent."""
+    stats = LoadStats()
+    out = []
+    for file, rows in read_parquet(files, what):
+        stats.per_file[file] = len(rows)
+        for i, row in enumerate(rows):
+            stats.rows += 1
+            messages = as_messages(
+                get_field(row, prompt_key, file, i, "prompt_key"), file, i, prompt_key
+            )
+            ids = render_chat(tokenizer, messages, add_generation_prompt=True)
+            if len(ids) > max_prompt_length:
+                if filter_overlong_prompts:
+                    stats.filtered_overlong += 1
+                    continue
+                if truncation == "error":
+                    raise _too_long(file, i, len(ids), max_prompt_length, "max_prompt_length")
+                ids = truncate(ids, max_prompt_length, truncation)
+                stats.truncated += 1
+            reward_model = row.get("reward_model") or {}
+            out.append(
+                {
+                    "prompt_ids": ids,
+                    "messages": messages,
+                    "data_source": row.get("data_source") or "unknown",
+                    "ground_truth": reward_model.get("ground_truth")
+                    if isinstance(reward_model, dict)
+                    else None,
+                    "extra_info": row.get("extra_info"),
+                    "file": file,
+                    "row": i,
+                }
+            )
+            stats.kept += 1
+    if not out:
+        raise DataError(f"{what}: no rows left after filtering ({stats.summary(what)})")
+    return out, stats
+
+
+# --- SFT examples ----------------------------------------------------------------------------------
+
+
+def _assistant_spans(tokenizer, messages, file, index) -> tuple[list[int], list[int]]:
+    full = render_chat(tokenizer, messages, add_generation_prompt=False)
+    mask = [0] * len(full)
+    for turn, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = render_chat(tokenizer, messages[:turn], add_generation_prompt=True)
+        end = render_chat(tokenizer, messages[: turn + 1], add_generation_prompt=False)
+        if full[: len(start)] != start or full[: len(end)] != end:
+            raise DataError(
+                f"{file} row {index}: the chat template does not render turn {turn} as a prefix "
+                f"of the whole conversation, so assistant tokens cannot be located; use "
+                f"prompt/response columns or a template that renders history unchanged"
+            )
+        mask[len(start) : len(end)] = [1] * (len(end) - len(start))
+    return full, mask
+
+
+def load_sft(
+    files,
+    tokenizer,
+    *,
+    max_length: int,
+    messages_key: str = "messages",
+    prompt_key: str = "prompt",
+    response_key: str = "response",
+    truncation: str = "error",
+    what: str = "train_files",
+) -> tuple[list[dict], LoadStats]:
+    """SFT examples: `input_ids` and `loss_mask` (1 on assistant/response tokens only).
+
+    A file with a `messages_key` column is read as chat conversations (loss on every assistant
+    turn); otherwise prompt_key/response_key are read (dotted keys reach into structs, as in
+    extra_info.answer) and the response is followed by the tokenizer's eos. Each example also keeps
+    `prompt_ids` (the prompt up to the last assistant turn), `data_source` and `ground_truth`
+    (None without reward_model) for generation-based validation.
+    """
+    stats = LoadStats()
+    out = []
+    eos = tokenizer.eos_token_id
+    for file, rows in read_parquet(files, what):
+        stats.per_file[file] = len(rows)
+        chat = has_column(rows, messages_key)
+        if not chat and not has_column(rows, prompt_key):
+            raise DataError(
+                f"{file}: neither a {messages_key!r} column (chat) nor a {prompt_key!r} column "
+                f"(prompt/response) found; columns are {sorted(rows[0])}; set --messages-key or "
+                f"--prompt-key/--response-key"
+            )
+        for i, row in enumerate(rows):
+            stats.rows += 1
+            if chat:
+                messages = as_messages(
+                    get_field(row, messages_key, file, i, "messages_key"), file, i, messages_key
+                )
+                last = max(
+                    (t for t, m in enumerate(messages) if m["role"] == "assistant"), default=None
+                )
+                if last is None:
+                    raise DataError(
+                        f"{file} row {i} column {messages_key!r}: no assistant message to train on"
+                    )
+                ids, mask = _assistant_spans(tokenizer, messages, file, i)
+                prompt_ids = render_chat(tokenizer, messages[:last], add_generation_prompt=True)
+            else:
+                messages = as_messages(
+                    get_field(row, prompt_key, file, i, "prompt_key"), file, i, prompt_key
+                )
+                response = get_field(row, response_key, file, i, "response_key")
+                if not isinstance(response, str):
+                    raise DataError(
+                        f"{file} row {i} column {response_key!r}: expected a string response, "
+                        f"got {type(response).__name__}: {str(response)[:80]!r}"
+                    )
+                prompt_ids = render_chat(tokenizer, messages, add_generation_prompt=True)
+                response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [eos]
+                ids = prompt_ids + response_ids
+                mask = [0] * len(prompt_ids) + [1] * len(response_ids)
+            if len(ids) > max_length:
+                if truncation == "error":
+                    raise _too_long(
+                        file, i, len(ids), max_length, "max_length", " (prompt + response)"
+                    )
+                ids, mask = (
+                    truncate(ids, max_length, truncation),
+                    truncate(mask, max_length, truncation),
+                )
+                stats.truncated += 1
+            if not any(mask):
+                stats.no_loss_tokens += 1
+                continue
+            reward_model = row.get("reward_model")
+            out.append(
+                {
+                    "input_ids": ids,
+                    "loss_mask": mask,
+                    "prompt_ids": prompt_ids,
+                    "data_source": row.get("data_source") or "unknown",
+                    "ground_truth": reward_model.get("ground_truth")
+                    if isinstance(reward_model, dict)
+                    else None,
+                }
+            )
+            stats.kept += 1
+    if stats.no_loss_tokens:
+        log.warning(
+            "%s: %d example(s) had no response token left after truncation=%s and were left out",
+            what,
+            stats.no_loss_tokens,
+            truncation,
+        )
+    if not out:
+        raise DataError(f"{what}: no examples left ({stats.summary(what)})")
+    return out, stats
+
+
+# --- order and batching ----------------------------------------------------------------------------
+
+
+def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
+    """The example order of one epoch: a permutation seeded by (seed, epoch), or 0..n-1."""
+    if not shuffle:
+        return list(range(n))
+    gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(n, generator=gen).tolist()
+
+
+def batch_indices(
+    step: int, n: int, batch_size: int, seed: int, shuffle: bool
+) -> tuple[int, list[int]]:
+    """(epoch, example indices) of global batch `step` (0-based). The data position is a pure
+    function of the step, so resuming at step k reads exactly the batches an uninterrupted run
+    would. The n % batch_size examples left over in an epoch's order wait for a later epoch."""
+    per_epoch = n // batch_size
+    if per_epoch == 0:
+        raise DataError(f"{n} examples cannot fill one batch of {batch_size}; lower the batch size")
+    epoch, k = divmod(step, per_epoch)
+    order = epoch_order(n, epoch, seed, shuffle)
+    return epoch, order[k * batch_size : (k + 1) * batch_size]
+
+
+def pad(
+    seqs: list[list[int]], value: int, side: str = "right", width: int | None = None
+) -> torch.Tensor:
+    width = width or max(len(s) for s in seqs)
+    rows = [
+        ([value] * (width - len(s)) + s) if side == "left" else (s + [value] * (width - len(s)))
+        for s in seqs
+    ]
+    return torch.tensor(rows, dtype=torch.long)

@@ -1,0 +1,86 @@
+"""Load the policy and its tokenizer from a local folder or a hub name; LoRA through peft."""
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _check_source(path: str, what: str) -> None:
+    looks_local = path.startswith((".", "/", "~")) or Path(path).exists()
+    if looks_local and not Path(path).expanduser().is_dir():
+        raise FileNotFoundError(
+            f"{what} folder {path!r} does not exist; pass a Hugging Face folder (config.json, "
+            f"weights, tokenizer files) or a hub name such as Qwen/Qwen2.5-0.5B-Instruct"
+        )
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    _check_source(path, "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(Path(path).expanduser()) if Path(path).expanduser().exists() else path,
+        trust_remote_code=trust_remote_code,
+    )
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"tokenizer {path!r} has neither a pad nor an eos token; set one")
+        log.warning("tokenizer %s has no pad token; padding with eos %r", path, tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.chat_template is None:
+        raise ValueError(
+            f"tokenizer {path!r} has no chat template; use an instruct/chat model or add one "
+            f"(tokenizer.chat_template) to its folder"
+        )
+    return tokenizer
+
+
+def load_policy(
+    path: str,
+    *,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    gradient_checkpointing: bool = False,
+    lora_rank: int = 0,
+    lora_alpha: int = 16,
+    target_modules: tuple[str, ...] | list[str] = ("all-linear",),
+):
+    """AutoModelForCausalLM in `dtype`, optionally with LoRA adapters (the base is then frozen)."""
+    _check_source(path, "model")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(Path(path).expanduser()) if Path(path).expanduser().exists() else path,
+        dtype=DTYPES[dtype],
+        trust_remote_code=trust_remote_code,
+    )
+    model.config.use_cache = False
+    if lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        targets = list(target_modules)
+        config = LoraConfig(
+            r=lora_rank,
+            lora_alpha=lora_alpha,
+            target_modules="all-linear" if targets == ["all-linear"] else targets,
+            task_type="CAUSAL_LM",
+            bias="none",
+        )
+        model = get_peft_model(model, config)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora_rank > 0:
+            model.enable_input_require_grads()
+    return model
+
+
+def is_lora(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def count_parameters(model) -> tuple[int, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return total, trainable

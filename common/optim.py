@@ -1,0 +1,62 @@
+"""AdamW and the learning-rate schedules users know from verl: constant, cosine, wsd, with warmup."""
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+# wsd: the lr stays at its peak until this fraction of the steps, then decays (cosine) to min_lr.
+WSD_STABLE_RATIO = 0.9
+
+
+def build_optimizer(model, lr: float, weight_decay: float, betas=(0.9, 0.999)) -> torch.optim.AdamW:
+    """AdamW over trainable parameters; biases and norm weights (1-D) get no weight decay."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    # foreach=False: the multi-tensor path needs every parameter on one mesh/dtype; the loop is safe.
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=lr, betas=tuple(betas), foreach=False
+    )
+
+
+def lr_factor(
+    step: int, *, kind: str, total_steps: int, warmup_steps: int, min_lr_ratio: float = 0.0
+) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based).
+
+    Warmup is linear and reaches the peak on step warmup_steps-1, so no step runs with lr 0.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if kind == "constant":
+        return 1.0
+    if kind == "cosine":
+        decay_start = warmup_steps
+    elif kind == "wsd":
+        decay_start = max(warmup_steps, int(WSD_STABLE_RATIO * total_steps))
+    else:
+        raise ValueError(f"lr_scheduler={kind!r}; use constant, cosine or wsd")
+    if step < decay_start:
+        return 1.0
+    progress = min(1.0, (step - decay_start) / max(1, total_steps - decay_start))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    optimizer, *, kind: str, total_steps: int, warmup_ratio: float, min_lr_ratio: float = 0.0
+) -> LambdaLR:
+    if not 0 <= warmup_ratio <= 1:
+        raise ValueError(f"lr_warmup_steps_ratio={warmup_ratio} must be within [0, 1]")
+    warmup = int(warmup_ratio * total_steps)
+    return LambdaLR(
+        optimizer,
+        lambda s: lr_factor(
+            s, kind=kind, total_steps=total_steps, warmup_steps=warmup, min_lr_ratio=min_lr_ratio
+        ),
+    )

@@ -1,0 +1,159 @@
+"""Process group setup through accelerate, and data parallelism: DDP or FSDP2 (`fully_shard`).
+
+FSDP2 is applied by this module rather than by accelerate's plugin, so the very same code path runs
+on CPU with gloo (in the tests) and on GPUs with NCCL.
+"""
+
+import contextlib
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> Dist:
+    """Start (or join) the process group via accelerate and check it matches the launcher's.
+
+    Works under `accelerate launch` and `torchrun`; on a machine without CUDA it selects CPU/gloo
+    itself, since torchrun without ACCELERATE_USE_CPU would give processes that each think they are
+    alone (no gradient sync, silently).
+    """
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and not torch.cuda.is_available():
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    from accelerate import PartialState
+
+    state = PartialState()
+    if state.num_processes != launched:
+        raise RuntimeError(
+            f"the launcher started {launched} processes but the process group has "
+            f"{state.num_processes}; on CPU launch with `ACCELERATE_USE_CPU=true torchrun "
+            f"--nproc_per_node N ...` (accelerate launch --cpu --num_processes N starts only one)"
+        )
+    if state.device.type == "cpu" and state.num_processes > 1:
+        # Two busy processes with two threads each on two cores ran several times slower.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    return Dist(
+        rank=state.process_index,
+        world_size=state.num_processes,
+        local_rank=state.local_process_index,
+        device=state.device,
+    )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def resolve_strategy(strategy: str) -> str:
+    if strategy != "auto":
+        return strategy
+    use_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
+    return "fsdp2" if use_fsdp else "ddp"
+
+
+def _block_classes(model: nn.Module) -> set[str]:
+    names = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    return names
+
+
+def wrap_model(model: nn.Module, strategy: str, dist: Dist, mixed_precision=None) -> nn.Module:
+    """Data-parallel wrap for training: DDP, or FSDP2 with one shard unit per transformer block.
+
+    Single process: the model unchanged. `mixed_precision` is an FSDP2 MixedPrecisionPolicy.
+    """
+    model.to(dist.device)
+    if dist.world_size == 1:
+        return model
+    if strategy == "ddp":
+        ids = [dist.device.index] if dist.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    if strategy != "fsdp2":
+        raise ValueError(f"unknown strategy {strategy!r}; use ddp or fsdp2")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(dist.device.type, (dist.world_size,))
+    kwargs = {"mesh": mesh, "mp_policy": mixed_precision or MixedPrecisionPolicy()}
+    blocks = _block_classes(model)
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    return hasattr(model, "set_requires_gradient_sync")
+
+
+@contextlib.contextmanager
+def grad_sync(model: nn.Module, enabled: bool):
+    """Skip the gradient all-reduce / reduce-scatter on accumulation micro-batches."""
+    if isinstance(model, nn.parallel.DistributedDataParallel) and not enabled:
+        with model.no_sync():
+            yield
+    elif is_fsdp(model):
+        model.set_requires_gradient_sync(enabled)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Global grad norm (over all ranks and shards), clipped to max_norm when max_norm > 0."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    limit = max_norm if max_norm > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, limit)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    if tdist.is_available() and tdist.is_initialized():
+        value = value.clone()
+        tdist.all_reduce(value, op=tdist.ReduceOp.SUM)
+    return value
+
+
+def gather_objects(obj) -> list:
+    """Every rank's obj, in rank order, on every rank."""
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return [obj]
+    out = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.barrier()

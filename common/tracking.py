@@ -1,0 +1,184 @@
+"""Metrics: metrics.jsonl always, a console progress bar, wandb / tensorboard on request, PNG curves."""
+
+import fnmatch
+import json
+import logging
+import math
+import os
+import sys
+import warnings
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+
+def setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+    for noisy in ("httpx", "urllib3", "filelock", "matplotlib"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Our own bar is the one progress display; library bars (weight loading, shard writing) and
+    # the single-process notice of torch.distributed.checkpoint would interleave with it.
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings(
+        "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+    )
+
+
+class Tracker:
+    """Writes every metric record to <run_dir>/metrics.jsonl (rank 0 only).
+
+    On resume from step k, records after step k (logged by the interrupted run after its last
+    checkpoint) are dropped so the file reads like one uninterrupted run.
+    """
+
+    def __init__(
+        self,
+        run_dir,
+        *,
+        loggers=("console",),
+        project: str = "recipes",
+        experiment: str = "run",
+        config: dict | None = None,
+        is_main: bool = True,
+        total_steps: int = 0,
+        start_step: int = 0,
+        bar_keys: tuple[str, ...] = (),
+    ):
+        self.is_main = is_main
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.bar_keys = bar_keys
+        self.wandb = self.tb = None
+        self.bar = None
+        if not is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if start_step > 0 and self.path.is_file():
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line and json.loads(line).get("step", 0) <= start_step
+            ]
+        self.path.write_text("".join(line + "\n" for line in kept))
+        if config is not None:
+            (self.run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str))
+        if "wandb" in loggers:
+            import wandb
+
+            # wandb keeps WANDB_MODE from the first init in a process unless mode is passed.
+            self.wandb = wandb.init(
+                project=project,
+                name=experiment,
+                config=config,
+                dir=str(self.run_dir),
+                mode=os.environ.get("WANDB_MODE", "online"),
+                resume="allow",
+            )
+        if "tensorboard" in loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if "console" in loggers:
+            self.bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc=experiment,
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.is_main:
+            return
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, int | float):
+                    self.tb.add_scalar(k, v, step)
+        if self.bar is not None:
+            shown = {
+                k.split("/", 1)[-1]: f"{record[k]:.4g}"
+                for k in self.bar_keys
+                if isinstance(record.get(k), float | int)
+            }
+            if shown:
+                self.bar.set_postfix(shown, refresh=False)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def write(self, message: str) -> None:
+        """Print above the progress bar (rank 0)."""
+        if self.is_main:
+            (self.bar.write if self.bar is not None else print)(message)
+
+    def close(self, plot_keys: tuple[str, ...] = ()) -> Path | None:
+        if not self.is_main:
+            return None
+        if self.bar is not None:
+            self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.tb is not None:
+            self.tb.close()
+        return plot_curves(self.path, self.run_dir / "curves.png", plot_keys) if plot_keys else None
+
+
+def _plain(v):
+    if hasattr(v, "item"):
+        v = v.item()
+    return v
+
+
+def read_metrics(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+
+
+def plot_curves(metrics_path, out_path, patterns: tuple[str, ...]) -> Path | None:
+    """One panel per metric whose name matches a pattern (fnmatch), value against step."""
+    records = read_metrics(metrics_path)
+    names = sorted(
+        {
+            k
+            for r in records
+            for k in r
+            if k != "step" and any(fnmatch.fnmatch(k, p) for p in patterns)
+        }
+    )
+    if not names:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(3, len(names))
+    rows = math.ceil(len(names) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        points = [(r["step"], r[name]) for r in records if isinstance(r.get(name), int | float)]
+        ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(names) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=90)
+    plt.close(fig)
+    return Path(out_path)

@@ -1,0 +1,329 @@
+"""Supervised fine-tuning: next-token cross-entropy on assistant / response tokens only.
+
+How this file departs from the textbook loop:
+1. The loss is the summed negative log-likelihood of response tokens divided by the response-token
+   count of the whole global batch (every micro-batch on every rank), so splitting the batch into
+   micro-batches or processes does not change the gradient.
+2. Validation reports the loss and, when rows carry reward_model.ground_truth, greedy accuracy:
+   the generated response scored by the data_source's built-in reward (the bundled task: the
+   <answer> tag must equal the ground truth exactly).
+3. The data position is a function of the step (seeded permutation per epoch), so a resumed run
+   reads exactly the batches an uninterrupted run would.
+
+Run (the tests run the same commands, shortened):
+    python recipes/sft.py --lr 2e-3 --total-training-steps 700 --train-batch-size 64
+    ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 recipes/sft.py --strategy fsdp2
+    accelerate launch --config_file configs/fsdp2.yaml recipes/sft.py --model Qwen/Qwen2.5-0.5B-Instruct \
+        --train-files ~/data/gsm8k/train.parquet --response-key extra_info.answer --lr 1e-5
+"""
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+
+from common.checkpoint import find_resume, load_checkpoint, save_checkpoint
+from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, plan_batches
+from common.data import batch_indices, load_sft, pad
+from common.model import count_parameters, load_policy, load_tokenizer
+from common.ops import logprobs_from_logits
+from common.optim import build_optimizer, build_scheduler
+from common.parallel import (
+    all_reduce_sum,
+    barrier,
+    clip_grad_norm,
+    gather_objects,
+    grad_sync,
+    init_distributed,
+    resolve_strategy,
+    seed_everything,
+    wrap_model,
+)
+from common.rewards import default_compute_score, score_value
+from common.rollout import hf_generate_greedy
+from common.tracking import Tracker, setup_logging
+
+
+# --- config ---------------------------------------------------------------------------------------
+@dataclass
+class Args(ModelArgs, DataArgs, OptimArgs, TrainerArgs):
+    response_key: str = "extra_info.answer"
+    """column holding the response (dotted keys reach into structs)"""
+    messages_key: str = "messages"
+    """chat column; used instead of prompt/response when a file has it"""
+    max_length: int = 128
+    """longest prompt + response in tokens (longer rows follow --truncation)"""
+    train_batch_size: int = 64
+    """examples per optimizer step, over all processes"""
+    micro_batch_size_per_gpu: int = 64
+    """examples per forward/backward pass on one process"""
+    lr: float = 2e-3
+    """peak learning rate (AdamW)"""
+    lr_warmup_steps_ratio: float = 0.05
+    """fraction of the total steps spent warming the lr up linearly from 0"""
+    lr_scheduler: Literal["constant", "cosine", "wsd"] = "cosine"
+    """lr after warmup: constant, cosine decay, or warmup-stable-decay"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_new_tokens: int = 16
+    """validation accuracy: greedy tokens generated per prompt"""
+    val_batch_size: int = 256
+    """validation: prompts per generate / forward call on one process"""
+
+
+# --- the loss ---------------------------------------------------------------------------------------
+def compute_loss(logits, input_ids, loss_mask, num_tokens):
+    """Summed NLL of masked next tokens divided by `num_tokens` (the global batch's token count).
+
+    logits (B, L, V), input_ids / loss_mask (B, L); position t predicts token t+1.
+    Returns (loss, nll_sum) with nll_sum detached for logging.
+    """
+    logprobs = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:])  # (B, L-1)
+    mask = loss_mask[:, 1:].to(logprobs.dtype)
+    nll_sum = -(logprobs * mask).sum()
+    return nll_sum / num_tokens, nll_sum.detach()
+
+
+def collate(examples, pad_id, device):
+    ids = pad([e["input_ids"] for e in examples], pad_id).to(device)
+    attention = pad([[1] * len(e["input_ids"]) for e in examples], 0).to(device)
+    loss_mask = pad([e["loss_mask"] for e in examples], 0).to(device)
+    return ids, attention, loss_mask
+
+
+# --- validation ---------------------------------------------------------------------------------------
+def validate(model, tokenizer, val, args, dist):
+    """Token-mean loss over all val examples; greedy accuracy over those with a ground truth."""
+    local = val[dist.rank :: dist.world_size]
+    nll, tokens = torch.zeros((), device=dist.device), torch.zeros((), device=dist.device)
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(local), args.val_batch_size):
+            ids, attention, loss_mask = collate(
+                local[start : start + args.val_batch_size], tokenizer.pad_token_id, dist.device
+            )
+            logits = model(input_ids=ids, attention_mask=attention).logits
+            nll += compute_loss(logits, ids, loss_mask, 1.0)[1]
+            tokens += loss_mask[:, 1:].sum()
+    metrics = {"val/loss": (all_reduce_sum(nll) / all_reduce_sum(tokens).clamp(min=1)).item()}
+
+    scored = [e for e in val if e["ground_truth"] is not None]
+    if scored:
+        # Equal shard sizes on every rank: FSDP2 generation is collective, call for call.
+        per_rank = math.ceil(len(scored) / dist.world_size)
+        mine = scored[dist.rank * per_rank : (dist.rank + 1) * per_rank]
+        padded = mine + [scored[0]] * (per_rank - len(mine))
+        completions = hf_generate_greedy(
+            model,
+            [e["prompt_ids"] for e in padded],
+            pad_id=tokenizer.pad_token_id,
+            eos_id=tokenizer.eos_token_id,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.val_batch_size,
+            device=dist.device,
+            world_size=dist.world_size,
+        )[: len(mine)]
+        results = []
+        for e, ids in zip(mine, completions):
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            results.append(
+                (
+                    e["data_source"],
+                    score_value(default_compute_score(e["data_source"], text, e["ground_truth"])),
+                )
+            )
+        results = [r for part in gather_objects(results) for r in part]
+        metrics["val/accuracy"] = sum(s for _, s in results) / len(results)
+        for source in sorted({d for d, _ in results}):
+            hits = [s for d, s in results if d == source]
+            metrics[f"val/accuracy/{source}"] = sum(hits) / len(hits)
+    model.train()
+    return metrics
+
+
+# --- main ---------------------------------------------------------------------------------------
+def main(args: Args) -> dict:
+    # Setup: process group, batch arithmetic (before any model loads), run folder, seeds.
+    dist = init_distributed()
+    setup_logging(dist.rank)
+    plan = plan_batches(
+        world_size=dist.world_size,
+        train_batch_size=args.train_batch_size,
+        micro_batch_size_per_gpu=args.micro_batch_size_per_gpu,
+    )
+    name = args.experiment_name or "sft"
+    run_dir = Path(args.output_dir or f"runs/{name}")
+    seed_everything(args.seed + dist.rank)
+
+    # Data, read and checked before the model so bad rows fail in seconds.
+    tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
+    data_kwargs = dict(
+        max_length=args.max_length,
+        messages_key=args.messages_key,
+        prompt_key=args.prompt_key,
+        response_key=args.response_key,
+        truncation=args.truncation,
+    )
+    train, train_stats = load_sft(args.train_files, tokenizer, **data_kwargs, what="train_files")
+    val, val_stats = (
+        load_sft(args.val_files, tokenizer, **data_kwargs, what="val_files")
+        if args.val_files
+        else ([], None)
+    )
+    steps_per_epoch = len(train) // args.train_batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"train_files hold {len(train)} examples, fewer than train_batch_size={args.train_batch_size}"
+        )
+    total_steps = args.total_training_steps or args.total_epochs * steps_per_epoch
+
+    # Model, optimizer, schedule; then resume.
+    strategy = resolve_strategy(args.strategy)
+    model = load_policy(
+        args.model,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+        gradient_checkpointing=args.gradient_checkpointing,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        target_modules=args.target_modules,
+    )
+    n_params, n_trainable = count_parameters(model)
+    model = wrap_model(model, strategy, dist)
+    optimizer = build_optimizer(model, args.lr, args.weight_decay, args.betas)
+    scheduler = build_scheduler(
+        optimizer,
+        kind=args.lr_scheduler,
+        total_steps=total_steps,
+        warmup_ratio=args.lr_warmup_steps_ratio,
+        min_lr_ratio=args.min_lr_ratio,
+    )
+    start_step = 0
+    resume_from = find_resume(args.resume, run_dir)
+    if resume_from is not None:
+        start_step = load_checkpoint(
+            resume_from, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist
+        )["step"]
+    tracker = Tracker(
+        run_dir,
+        loggers=args.logger,
+        project=args.project_name,
+        experiment=name,
+        config=dataclasses.asdict(args),
+        is_main=dist.is_main,
+        total_steps=total_steps,
+        start_step=start_step,
+        bar_keys=("train/loss", "val/accuracy"),
+    )
+    tracker.write(
+        f"{train_stats.summary('train')}; {steps_per_epoch} steps/epoch; {total_steps} steps"
+        + (f"; resumed from {resume_from}" if resume_from else "")
+        + f"\nmodel {args.model}: {n_params / 1e6:.2f}M params ({n_trainable / 1e6:.2f}M trainable), "
+        f"{strategy if dist.world_size > 1 else 'single process'} on {dist.world_size} x {dist.device.type}; "
+        f"{plan.local_sequences_per_step} examples/process/step in {plan.grad_accum} micro-batches"
+    )
+
+    def save(step):
+        save_checkpoint(
+            run_dir,
+            step,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            tokenizer=tokenizer,
+            dist=dist,
+            keep=args.max_ckpt_to_keep,
+            merged_lora=args.export_merged_lora,
+            trainer_state={
+                "epoch": step // steps_per_epoch,
+                "batch_in_epoch": step % steps_per_epoch,
+            },
+        )
+
+    val_metrics = {}
+    if val and args.val_before_train and start_step == 0:
+        val_metrics = validate(model, tokenizer, val, args, dist)
+        tracker.log(val_metrics, step=0)
+    first_val = dict(val_metrics)
+    t_start = time.time()
+    model.train()
+    for step in range(start_step, total_steps):
+        t0 = time.time()
+        # 1. this rank's slice of the global batch
+        epoch, indices = batch_indices(
+            step, len(train), args.train_batch_size, args.seed, args.shuffle
+        )
+        mine = [train[i] for i in indices[dist.rank :: dist.world_size]]
+        # The loss divides by the token count of the whole global batch, not of one micro-batch.
+        num_tokens = all_reduce_sum(
+            torch.tensor(float(sum(sum(e["loss_mask"][1:]) for e in mine)), device=dist.device)
+        )
+
+        # 2. forward / backward over micro-batches; gradients sync on the last one only
+        nll_total = torch.zeros((), device=dist.device)
+        micro_batches = [
+            mine[k : k + args.micro_batch_size_per_gpu]
+            for k in range(0, len(mine), args.micro_batch_size_per_gpu)
+        ]
+        for k, micro in enumerate(micro_batches):
+            ids, attention, loss_mask = collate(micro, tokenizer.pad_token_id, dist.device)
+            with grad_sync(model, enabled=k == len(micro_batches) - 1):
+                logits = model(input_ids=ids, attention_mask=attention).logits
+                loss, nll_sum = compute_loss(logits, ids, loss_mask, num_tokens)
+                # DDP and FSDP2 average gradients over ranks; the loss is already a global mean.
+                (loss * dist.world_size).backward()
+            nll_total += nll_sum
+
+        # 3. optimizer step
+        grad_norm = clip_grad_norm(model, args.grad_clip)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        # 4. log
+        step_s = time.time() - t0
+        metrics = {
+            "train/loss": (all_reduce_sum(nll_total) / num_tokens).item(),
+            "train/grad_norm": grad_norm,
+            "train/lr": lr,
+            "train/epoch": epoch,
+            "train/tokens": num_tokens.item(),
+            "perf/step_s": step_s,
+            "perf/tokens_per_s": num_tokens.item() / step_s,
+        }
+        done = step + 1
+        # 5. validate / save
+        if (
+            val
+            and args.test_freq != 0
+            and (done == total_steps or (args.test_freq > 0 and done % args.test_freq == 0))
+        ):
+            val_metrics = validate(model, tokenizer, val, args, dist)
+            metrics.update(val_metrics)
+        tracker.log(metrics, step=done)
+        tracker.advance()
+        if args.save_freq != 0 and (
+            done == total_steps or (args.save_freq > 0 and done % args.save_freq == 0)
+        ):
+            save(done)
+
+    barrier()
+    tracker.close(plot_keys=("train/loss", "train/lr", "val/*"))
+    summary = {"steps": total_steps - start_step, "seconds": time.time() - t_start, **val_metrics}
+    before = f"{first_val['val/accuracy']:.1%} -> " if "val/accuracy" in first_val else ""
+    if "val/accuracy" in val_metrics:
+        tracker.write(
+            f"val accuracy {before}{val_metrics['val/accuracy']:.1%}, val loss {val_metrics['val/loss']:.4f}"
+        )
+    tracker.write(f"{summary['steps']} steps in {summary['seconds']:.0f}s; run folder {run_dir}")
+    return summary
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,81 @@
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BUNDLED = ROOT / "bundled"
+TINY = BUNDLED / "tiny-qwen2"
+TASK_TRAIN = BUNDLED / "addition" / "train.parquet"
+TASK_TEST = BUNDLED / "addition" / "test.parquet"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def load_recipe(name: str):
+    """Import recipes/<name>.py as a module (recipes are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_recipe(
+    name: str,
+    *flags,
+    nproc: int = 1,
+    env: dict | None = None,
+    check: bool = True,
+    timeout: int = 300,
+):
+    """Run a recipe the way users do: `python recipes/x.py`, or torchrun with nproc processes."""
+    if nproc == 1:
+        cmd = [sys.executable, str(ROOT / "recipes" / f"{name}.py"), *map(str, flags)]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(29500 + os.getpid() % 1000),
+            str(ROOT / "recipes" / f"{name}.py"),
+            *map(str, flags),
+        ]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **(env or {})}
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def read_metrics(run_dir) -> list[dict]:
+    return [
+        json.loads(line)
+        for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+        if line
+    ]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from common.model import load_tokenizer
+
+    return load_tokenizer(str(TINY))

@@ -1,0 +1,169 @@
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import TASK_TEST, TASK_TRAIN
+
+from common.data import DataError, batch_indices, load_prompts, load_sft, pad, truncate
+
+
+def write(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def test_bundled_task_is_verl_format(tokenizer):
+    rows, stats = load_prompts([TASK_TEST], tokenizer, max_prompt_length=64)
+    assert stats.kept == stats.rows == 500 and len(rows) == 500
+    row = rows[0]
+    assert row["data_source"] == "bundled/addition" and row["ground_truth"].isdigit()
+    text = tokenizer.decode(row["prompt_ids"])
+    assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
+    assert row["extra_info"]["split"] == "test"
+
+
+def test_many_files_and_string_prompts(tmp_path, tokenizer):
+    a = write(tmp_path / "a.parquet", [{"prompt": "hi", "data_source": "x"}])
+    b = write(
+        tmp_path / "b.parquet",
+        [{"prompt": "yo", "data_source": "y"}, {"prompt": "ok", "data_source": "y"}],
+    )
+    rows, stats = load_prompts([a, b], tokenizer, max_prompt_length=64)
+    assert [r["data_source"] for r in rows] == ["x", "y", "y"]
+    assert stats.per_file == {a: 1, b: 2}
+    assert rows[1]["messages"] == [{"role": "user", "content": "yo"}]
+    assert rows[0]["ground_truth"] is None
+
+
+def test_missing_column_names_file_row_column_and_flag(tmp_path, tokenizer):
+    f = write(tmp_path / "q.parquet", [{"question": "hi"}])
+    with pytest.raises(DataError) as err:
+        load_prompts([f], tokenizer, max_prompt_length=64)
+    msg = str(err.value)
+    assert (
+        f in msg
+        and "row 0" in msg
+        and "'prompt'" in msg
+        and "['question']" in msg
+        and "--prompt-key" in msg
+    )
+
+
+def test_wrong_type_names_row_and_type(tmp_path, tokenizer):
+    f = write(tmp_path / "t.parquet", [{"prompt": [1, 2]}, {"prompt": [3]}])
+    with pytest.raises(
+        DataError,
+        match=r"t.parquet row 0 column 'prompt': expected a string or a non-empty list .* got list",
+    ):
+        load_prompts([f], tokenizer, max_prompt_length=64)
+
+
+def test_empty_missing_and_broken_files(tmp_path, tokenizer):
+    empty = tmp_path / "e.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
+    with pytest.raises(DataError, match="e.parquet' has no rows"):
+        load_prompts([empty], tokenizer, max_prompt_length=64)
+    with pytest.raises(DataError, match="does not exist"):
+        load_prompts([tmp_path / "nope.parquet"], tokenizer, max_prompt_length=64, what="val_files")
+    junk = tmp_path / "j.parquet"
+    junk.write_text("not parquet")
+    with pytest.raises(DataError, match="not a readable parquet file"):
+        load_prompts([junk], tokenizer, max_prompt_length=64)
+
+
+def test_overlong_prompt_error_filter_and_truncate(tmp_path, tokenizer):
+    f = write(tmp_path / "l.parquet", [{"prompt": "short"}, {"prompt": "x" * 100}])
+    with pytest.raises(DataError) as err:
+        load_prompts([f], tokenizer, max_prompt_length=40)
+    assert (
+        "row 1" in str(err.value)
+        and "max_prompt_length=40" in str(err.value)
+        and "--filter-overlong-prompts" in str(err.value)
+    )
+    rows, stats = load_prompts([f], tokenizer, max_prompt_length=40, filter_overlong_prompts=True)
+    assert len(rows) == 1 and stats.filtered_overlong == 1 and "filtered" in stats.summary("train")
+    rows, stats = load_prompts([f], tokenizer, max_prompt_length=40, truncation="left")
+    assert len(rows[1]["prompt_ids"]) == 40 and stats.truncated == 1
+    assert tokenizer.decode(rows[1]["prompt_ids"]).endswith("<|im_start|>assistant\n")
+
+
+def test_truncate_modes():
+    ids = list(range(10))
+    assert truncate(ids, 4, "left") == [6, 7, 8, 9]
+    assert truncate(ids, 4, "right") == [0, 1, 2, 3]
+    assert truncate(ids, 5, "middle") == [0, 1, 7, 8, 9]
+    assert truncate(ids, 20, "error") == ids
+
+
+def test_sft_prompt_response_masks_response_and_eos(tokenizer):
+    rows, _ = load_sft([TASK_TEST], tokenizer, max_length=128, response_key="extra_info.answer")
+    ex = rows[0]
+    masked = [t for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m]
+    assert tokenizer.decode(masked) == f"<answer>{ex['ground_truth']}</answer><|im_end|>"
+    assert ex["input_ids"][: len(ex["prompt_ids"])] == ex["prompt_ids"]
+    assert not any(ex["loss_mask"][: len(ex["prompt_ids"])])
+
+
+def test_sft_messages_trains_on_every_assistant_turn_only(tmp_path, tokenizer):
+    conv = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "1+1"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "2+2"},
+        {"role": "assistant", "content": "4"},
+    ]
+    f = write(tmp_path / "m.parquet", [{"messages": conv}])
+    (ex,), _ = load_sft([f], tokenizer, max_length=128)
+    masked = tokenizer.decode([t for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m])
+    assert masked == "2<|im_end|>\n4<|im_end|>\n"
+    assert tokenizer.decode(ex["prompt_ids"]).endswith("2+2<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_sft_errors(tmp_path, tokenizer):
+    f = write(tmp_path / "n.parquet", [{"text": "a"}])
+    with pytest.raises(DataError, match="neither a 'messages' column .* nor a 'prompt' column"):
+        load_sft([f], tokenizer, max_length=64)
+    g = write(tmp_path / "r.parquet", [{"prompt": "a", "response": 5}])
+    with pytest.raises(
+        DataError, match="row 0 column 'response': expected a string response, got int"
+    ):
+        load_sft([g], tokenizer, max_length=64)
+    h = write(tmp_path / "h.parquet", [{"prompt": "a", "response": "b" * 200}])
+    with pytest.raises(DataError, match=r"row 0: \d+ tokens > max_length=64"):
+        load_sft([h], tokenizer, max_length=64)
+    rows, stats = load_sft([h], tokenizer, max_length=64, truncation="right")
+    assert len(rows[0]["input_ids"]) == 64 and stats.truncated == 1
+
+
+def test_sft_rows_without_loss_tokens_are_counted(tmp_path, tokenizer):
+    f = write(
+        tmp_path / "c.parquet",
+        [{"prompt": "a" * 60, "response": "b"}, {"prompt": "a", "response": "b"}],
+    )
+    rows, stats = load_sft([f], tokenizer, max_length=40, truncation="right")
+    assert len(rows) == 1 and stats.no_loss_tokens == 1 and "1 left out" in stats.summary("train")
+
+
+def test_batch_order_is_a_function_of_the_step():
+    n, bs = 10, 3
+    seen = [batch_indices(s, n, bs, seed=0, shuffle=True) for s in range(6)]
+    assert [e for e, _ in seen] == [0, 0, 0, 1, 1, 1]
+    epoch0 = [i for _, b in seen[:3] for i in b]
+    assert len(set(epoch0)) == 9
+    assert seen[0][1] != seen[3][1]
+    assert batch_indices(4, n, bs, seed=0, shuffle=True) == seen[4]
+    assert batch_indices(0, n, bs, seed=0, shuffle=False) == (0, [0, 1, 2])
+    with pytest.raises(DataError, match="cannot fill one batch"):
+        batch_indices(0, 2, 3, seed=0, shuffle=True)
+
+
+def test_pad_sides():
+    assert pad([[1, 2], [3]], 0).tolist() == [[1, 2], [3, 0]]
+    assert pad([[1, 2], [3]], 0, side="left").tolist() == [[1, 2], [0, 3]]
+
+
+def test_train_split_disjoint_from_test(tokenizer):
+    train, _ = load_prompts([TASK_TRAIN], tokenizer, max_prompt_length=64)
+    test, _ = load_prompts([TASK_TEST], tokenizer, max_prompt_length=64)
+    assert not {r["messages"][0]["content"] for r in train} & {
+        r["messages"][0]["content"] for r in test
+    }

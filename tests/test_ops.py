@@ -1,0 +1,53 @@
+import pytest
+import torch
+
+from common import ops
+
+
+def test_masked_mean_sum_with_explicit_denominator():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert ops.masked_sum(x, mask).item() == 7.0
+    assert ops.masked_mean(x, mask).item() == pytest.approx(7 / 3)
+    assert ops.masked_mean(x, mask, denom=10).item() == pytest.approx(0.7)
+    assert torch.allclose(ops.masked_mean(x, mask, dim=1), torch.tensor([1.5, 4.0]))
+    assert ops.masked_mean(x, torch.zeros_like(mask)).item() == 0.0
+
+
+def test_masked_whiten_matches_naive():
+    torch.manual_seed(0)
+    x = torch.randn(4, 7)
+    mask = torch.rand(4, 7) > 0.3
+    vals = x[mask]
+    naive = (x - vals.mean()) / torch.sqrt(vals.var(unbiased=True) + 1e-8)
+    out = ops.masked_whiten(x, mask)
+    assert torch.allclose(out[mask], naive[mask], atol=1e-6)
+    kept = ops.masked_whiten(x, mask, shift_mean=False)
+    assert torch.allclose(kept[mask], naive[mask] + vals.mean(), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_match_log_softmax_across_chunks(monkeypatch, dtype):
+    monkeypatch.setattr(ops, "CHUNK_ROWS", 5)  # 3 x 7 = 21 rows: several chunks and a partial one
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, 11).to(dtype).requires_grad_()
+    labels = torch.randint(0, 11, (3, 7))
+    out = ops.logprobs_from_logits(logits, labels)
+    ref_logits = logits.detach().float().requires_grad_()
+    ref = torch.log_softmax(ref_logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    assert out.dtype == torch.float32 and out.shape == (3, 7)
+    assert torch.allclose(out, ref, atol=1e-5)
+    out.sum().backward()
+    ref.sum().backward()
+    assert torch.allclose(
+        logits.grad.float(), ref_logits.grad, atol=1e-2 if dtype == torch.bfloat16 else 1e-6
+    )
+
+
+def test_entropy_matches_naive(monkeypatch):
+    monkeypatch.setattr(ops, "CHUNK_ROWS", 4)
+    torch.manual_seed(1)
+    logits = torch.randn(2, 5, 13) * 3
+    p = torch.softmax(logits, -1)
+    naive = -(p * torch.log_softmax(logits, -1)).sum(-1)
+    assert torch.allclose(ops.entropy_from_logits(logits), naive, atol=1e-5)

@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from common.optim import build_optimizer, build_scheduler, lr_factor
+
+
+def test_warmup_then_constant():
+    f = [lr_factor(s, kind="constant", total_steps=10, warmup_steps=4) for s in range(10)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0] and f[4:] == [1.0] * 6
+
+
+def test_cosine_reaches_min_lr():
+    f = [
+        lr_factor(s, kind="cosine", total_steps=11, warmup_steps=1, min_lr_ratio=0.1)
+        for s in range(11)
+    ]
+    # As in transformers/verl, the decay reaches min_lr one step after the last step.
+    assert f[0] == 1.0 and f[-1] > 0.1
+    assert lr_factor(
+        11, kind="cosine", total_steps=11, warmup_steps=1, min_lr_ratio=0.1
+    ) == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f, f[1:]))
+    assert f[6] == pytest.approx(
+        0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * 0.5)).item())
+    )
+
+
+def test_wsd_is_stable_then_decays():
+    f = [lr_factor(s, kind="wsd", total_steps=100, warmup_steps=0) for s in range(100)]
+    assert f[:90] == [1.0] * 90
+    assert f[95] < 1.0 and f[99] < f[95]
+
+
+def test_scheduler_and_no_decay_groups():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = build_optimizer(model, lr=1.0, weight_decay=0.1)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert sum(len(g["params"]) for g in opt.param_groups) == 4
+    sched = build_scheduler(opt, kind="constant", total_steps=10, warmup_ratio=0.5)
+    assert sched.get_last_lr()[0] == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="lr_warmup_steps_ratio"):
+        build_scheduler(opt, kind="constant", total_steps=10, warmup_ratio=2)
