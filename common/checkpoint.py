@@ -14,6 +14,7 @@ import logging
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,11 @@ from common.model import is_lora
 from common.parallel import Dist, barrier, unwrap
 
 log = logging.getLogger(__name__)
+# Single-process runs save and load with torch.distributed.checkpoint on purpose (one format for
+# every world size); its notice about that would print on every save.
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 

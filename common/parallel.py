@@ -35,11 +35,10 @@ def init_distributed() -> Dist:
     alone (no gradient sync, silently).
     """
     launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched > 1 and not torch.cuda.is_available():
-        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     from accelerate import PartialState
 
-    state = PartialState()
+    wants_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
+    state = PartialState(cpu=wants_cpu or not torch.cuda.is_available())
     if state.num_processes != launched:
         raise RuntimeError(
             f"the launcher started {launched} processes but the process group has "
@@ -157,3 +156,17 @@ def gather_objects(obj) -> list:
 def barrier() -> None:
     if tdist.is_available() and tdist.is_initialized():
         tdist.barrier()
+
+
+def sharding_report(model: nn.Module, strategy: str, dist: Dist) -> dict:
+    """What is really in effect: world size, strategy and the parameter elements each rank holds."""
+    full = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one
+    local = sum(
+        p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters()
+    )
+    return {
+        "world_size": dist.world_size,
+        "strategy": strategy if dist.world_size > 1 else "single",
+        "params_full": full,
+        "params_local_per_rank": gather_objects(local),
+    }

@@ -6,7 +6,6 @@ import logging
 import math
 import os
 import sys
-import warnings
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -23,14 +22,11 @@ def setup_logging(rank: int) -> None:
     )
     for noisy in ("httpx", "urllib3", "filelock", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    # Our own bar is the one progress display; library bars (weight loading, shard writing) and
-    # the single-process notice of torch.distributed.checkpoint would interleave with it.
+    # Our own bar is the one progress display; library bars (weight loading, shard writing)
+    # would interleave with it.
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    warnings.filterwarnings(
-        "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
-    )
 
 
 class Tracker:

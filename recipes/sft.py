@@ -42,6 +42,7 @@ from common.parallel import (
     init_distributed,
     resolve_strategy,
     seed_everything,
+    sharding_report,
     wrap_model,
 )
 from common.rewards import default_compute_score, score_value
@@ -60,7 +61,7 @@ class Args(ModelArgs, DataArgs, OptimArgs, TrainerArgs):
     """longest prompt + response in tokens (longer rows follow --truncation)"""
     train_batch_size: int = 64
     """examples per optimizer step, over all processes"""
-    micro_batch_size_per_gpu: int = 64
+    micro_batch_size_per_gpu: int = 32
     """examples per forward/backward pass on one process"""
     lr: float = 2e-3
     """peak learning rate (AdamW)"""
@@ -70,6 +71,10 @@ class Args(ModelArgs, DataArgs, OptimArgs, TrainerArgs):
     """lr after warmup: constant, cosine decay, or warmup-stable-decay"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
+    total_epochs: int = 6
+    """passes over the training data (ignored when total_training_steps is set)"""
+    test_freq: int = 100
+    """validate every N steps (-1: only at the end); 0 never validates"""
     max_new_tokens: int = 16
     """validation accuracy: greedy tokens generated per prompt"""
     val_batch_size: int = 256
@@ -195,6 +200,7 @@ def main(args: Args) -> dict:
     )
     n_params, n_trainable = count_parameters(model)
     model = wrap_model(model, strategy, dist)
+    run_info = sharding_report(model, strategy, dist)
     optimizer = build_optimizer(model, args.lr, args.weight_decay, args.betas)
     scheduler = build_scheduler(
         optimizer,
@@ -214,7 +220,7 @@ def main(args: Args) -> dict:
         loggers=args.logger,
         project=args.project_name,
         experiment=name,
-        config=dataclasses.asdict(args),
+        config={**dataclasses.asdict(args), "run": run_info},
         is_main=dist.is_main,
         total_steps=total_steps,
         start_step=start_step,
@@ -224,7 +230,7 @@ def main(args: Args) -> dict:
         f"{train_stats.summary('train')}; {steps_per_epoch} steps/epoch; {total_steps} steps"
         + (f"; resumed from {resume_from}" if resume_from else "")
         + f"\nmodel {args.model}: {n_params / 1e6:.2f}M params ({n_trainable / 1e6:.2f}M trainable), "
-        f"{strategy if dist.world_size > 1 else 'single process'} on {dist.world_size} x {dist.device.type}; "
+        f"{run_info['strategy']} on {dist.world_size} x {dist.device.type}; "
         f"{plan.local_sequences_per_step} examples/process/step in {plan.grad_accum} micro-batches"
     )
 

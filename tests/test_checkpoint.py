@@ -1,0 +1,84 @@
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY
+
+from common.checkpoint import find_resume, list_checkpoints, load_checkpoint, save_checkpoint
+from common.model import load_policy
+from common.optim import build_optimizer, build_scheduler
+from common.parallel import Dist
+
+DIST = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def make():
+    model = load_policy(str(TINY))
+    opt = build_optimizer(model, 1e-2, 0.0)
+    sched = build_scheduler(opt, kind="cosine", total_steps=10, warmup_ratio=0.2)
+    return model, opt, sched
+
+
+def train_step(model, opt, sched):
+    ids = torch.randint(0, 200, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+
+
+def test_roundtrip_continues_exactly(tmp_path, tokenizer):
+    torch.manual_seed(0)
+    model, opt, sched = make()
+    train_step(model, opt, sched)
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    save_checkpoint(
+        tmp_path,
+        1,
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        tokenizer=tokenizer,
+        dist=DIST,
+        trainer_state={"epoch": 0},
+    )
+    expected_rng = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    train_step(model, opt, sched)  # the uninterrupted run's next step
+    want = model.state_dict()
+
+    ckpt = tmp_path / "checkpoints" / "step_1"
+    fresh, fresh_opt, fresh_sched = make()
+    state = load_checkpoint(
+        ckpt, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched, dist=DIST
+    )
+    assert state["step"] == 1 and state["epoch"] == 0 and fresh_sched.last_epoch == 1
+    train_step(fresh, fresh_opt, fresh_sched)  # same weights, moments, lr and random batch
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+    load_checkpoint(ckpt, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched, dist=DIST)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected_rng
+
+
+def test_keep_last_k_and_tmp_folders_are_not_checkpoints(tmp_path, tokenizer):
+    model, opt, sched = make()
+    for step in (1, 2, 3):
+        save_checkpoint(
+            tmp_path,
+            step,
+            model=model,
+            optimizer=opt,
+            scheduler=sched,
+            tokenizer=tokenizer,
+            dist=DIST,
+            trainer_state={},
+            keep=2,
+        )
+    (tmp_path / "checkpoints" / "step_9.tmp").mkdir()  # a save that was killed half-way
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_2", "step_3"]
+    assert find_resume("auto", tmp_path).name == "step_3"
+    assert (tmp_path / "checkpoints" / "step_3" / "hf" / "model.safetensors").is_file()
+    with pytest.raises(FileNotFoundError):
+        find_resume(str(tmp_path / "checkpoints" / "step_9.tmp"), tmp_path)

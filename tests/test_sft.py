@@ -1,0 +1,385 @@
+"""sft.py end to end: run as users run it (subprocess), plus in-process bad-input checks."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import ROOT, TASK_TEST, TINY, load_recipe, read_metrics, run_recipe
+
+from common.data import DataError, load_sft
+
+
+@pytest.fixture(scope="module")
+def small_val(tmp_path_factory):
+    """64 rows of the bundled test split: enough for val loss and accuracy, fast to generate."""
+    path = tmp_path_factory.mktemp("data") / "val64.parquet"
+    pq.write_table(pq.read_table(TASK_TEST).slice(0, 64), path)
+    return path
+
+
+def base_flags(out, val, *extra):
+    return ["--output-dir", out, "--val-files", val, "--resume", "disable", *extra]
+
+
+def losses(run_dir, key="train/loss"):
+    return [r[key] for r in read_metrics(run_dir) if key in r]
+
+
+def test_help_renders():
+    proc = run_recipe("sft", "--help")
+    for flag in (
+        "--train-batch-size",
+        "--micro-batch-size-per-gpu",
+        "--lr-scheduler",
+        "--lora-rank",
+        "--resume",
+        "--truncation",
+    ):
+        assert flag in proc.stdout
+
+
+def test_smoke_checkpoint_and_export_reload(tmp_path, small_val, tokenizer):
+    out = tmp_path / "run"
+    run_recipe(
+        "sft",
+        *base_flags(
+            out,
+            small_val,
+            "--total-training-steps",
+            6,
+            "--save-freq",
+            2,
+            "--test-freq",
+            3,
+            "--max-ckpt-to-keep",
+            2,
+        ),
+    )
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert "val/accuracy" in records[2] and "val/loss" in records[5]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_4", "step_6"]
+    assert (out / "curves.png").stat().st_size > 1000
+    ckpt = out / "checkpoints" / "step_6"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert (state["step"], state["epoch"], state["batch_in_epoch"]) == (6, 0, 6)
+
+    # The HF export is the trained model: its val loss equals the one the live model logged.
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(ckpt / "hf")
+    val, _ = load_sft([small_val], tokenizer, max_length=128, response_key="extra_info.answer")
+    sft = load_recipe("sft")
+    ids, attention, mask = sft.collate(val, tokenizer.pad_token_id, "cpu")
+    with torch.no_grad():
+        logits = exported(input_ids=ids, attention_mask=attention).logits
+    _, nll = sft.compute_loss(logits, ids, mask, 1.0)
+    assert nll.item() / mask[:, 1:].sum().item() == pytest.approx(records[5]["val/loss"], rel=1e-5)
+
+    # ... and equals the model restored from the sharded training state.
+    from common.checkpoint import load_checkpoint
+    from common.model import load_policy
+    from common.optim import build_optimizer, build_scheduler
+    from common.parallel import Dist
+
+    restored = load_policy(str(TINY))
+    opt = build_optimizer(restored, 1e-3, 0.0)
+    sched = build_scheduler(opt, kind="constant", total_steps=6, warmup_ratio=0)
+    dist = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    load_checkpoint(ckpt, model=restored, optimizer=opt, scheduler=sched, dist=dist)
+    with torch.no_grad():
+        assert torch.allclose(
+            restored(input_ids=ids, attention_mask=attention).logits, logits, atol=1e-5
+        )
+    assert sched.last_epoch == 6 and len(opt.state) > 0
+
+
+def test_kill_and_resume_continues_exactly(tmp_path, small_val):
+    flags = [
+        "--total-training-steps",
+        40,
+        "--save-freq",
+        5,
+        "--test-freq",
+        0,
+        "--max-ckpt-to-keep",
+        0,
+        "--lr-scheduler",
+        "cosine",
+    ]
+    ref = tmp_path / "ref"
+    run_recipe("sft", *base_flags(ref, small_val, *flags))
+
+    run = tmp_path / "killed"
+    cmd = [
+        sys.executable,
+        str(ROOT / "recipes" / "sft.py"),
+        *map(str, base_flags(run, small_val, *flags)),
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while (
+        not (run / "checkpoints" / "step_10").is_dir()
+        and time.time() < deadline
+        and proc.poll() is None
+    ):
+        time.sleep(0.02)
+    still_running = proc.poll() is None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert still_running, "the run finished before it could be killed; the test would prove nothing"
+    saved = sorted(
+        int(p.name.split("_")[1])
+        for p in (run / "checkpoints").glob("step_*")
+        if not p.name.endswith(".tmp")
+    )
+    resumed_from = saved[-1]
+    assert 10 <= resumed_from < 40
+
+    # `--resume auto` (the default) picks the newest checkpoint up.
+    run_recipe("sft", "--output-dir", run, "--val-files", small_val, *flags)
+    got, want = read_metrics(run), read_metrics(ref)
+    assert [r["step"] for r in got] == list(range(1, 41)), "every step logged once, none replayed"
+    for a, b in zip(got, want):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-6, abs=1e-7), a["step"]
+        assert a["train/lr"] == pytest.approx(b["train/lr"], rel=1e-9)
+    assert got[-1]["train/grad_norm"] == pytest.approx(want[-1]["train/grad_norm"], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def single_process_run(tmp_path_factory, small_val):
+    out = tmp_path_factory.mktemp("single")
+    run_recipe(
+        "sft",
+        *base_flags(
+            out,
+            small_val,
+            "--total-training-steps",
+            3,
+            "--micro-batch-size-per-gpu",
+            64,
+            "--test-freq",
+            0,
+            "--save-freq",
+            0,
+        ),
+    )
+    return out
+
+
+def test_micro_batch_and_checkpointing_invariance(tmp_path, small_val, single_process_run):
+    out = tmp_path / "micro"
+    run_recipe(
+        "sft",
+        *base_flags(
+            out,
+            small_val,
+            "--total-training-steps",
+            3,
+            "--micro-batch-size-per-gpu",
+            16,
+            "--gradient-checkpointing",
+            "--test-freq",
+            0,
+            "--save-freq",
+            0,
+        ),
+    )
+    assert losses(out) == pytest.approx(losses(single_process_run), rel=1e-5)
+    assert losses(out, "train/grad_norm") == pytest.approx(
+        losses(single_process_run, "train/grad_norm"), rel=1e-4
+    )
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_match_one(tmp_path, small_val, single_process_run, strategy):
+    out = tmp_path / strategy
+    run_recipe(
+        "sft",
+        *base_flags(
+            out,
+            small_val,
+            "--total-training-steps",
+            3,
+            "--micro-batch-size-per-gpu",
+            16,
+            "--strategy",
+            strategy,
+            "--test-freq",
+            3,
+            "--save-freq",
+            3,
+        ),
+        nproc=2,
+    )
+    run = json.loads((out / "config.json").read_text())["run"]
+    assert run["world_size"] == 2 and run["strategy"] == strategy
+    local = run["params_local_per_rank"]
+    if strategy == "fsdp2":
+        assert all(n < 0.6 * run["params_full"] for n in local) and sum(local) == run["params_full"]
+    else:
+        assert local == [run["params_full"]] * 2
+    assert losses(out) == pytest.approx(losses(single_process_run), rel=1e-4)
+    assert losses(out, "train/grad_norm") == pytest.approx(
+        losses(single_process_run, "train/grad_norm"), rel=1e-3
+    )
+    assert (out / "checkpoints" / "step_3" / "hf" / "model.safetensors").is_file()
+    assert "val/accuracy" in read_metrics(out)[-1]
+
+
+def test_lora_adapter_and_merged_export(tmp_path, small_val):
+    out = tmp_path / "lora"
+    run_recipe(
+        "sft",
+        *base_flags(
+            out,
+            small_val,
+            "--total-training-steps",
+            4,
+            "--lora-rank",
+            8,
+            "--lora-alpha",
+            16,
+            "--lr",
+            "1e-2",
+            "--export-merged-lora",
+            "--test-freq",
+            0,
+        ),
+    )
+    hf = out / "checkpoints" / "step_4" / "hf"
+    assert (hf / "adapter_config.json").is_file() and (hf / "adapter_model.safetensors").is_file()
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    ids = torch.tensor([[257, 84, 82, 68, 81, 198, 16, 17, 10]])
+    with torch.no_grad():
+        base_logits = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, hf)(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(hf / "merged")(ids).logits
+    assert torch.allclose(merged, adapted, atol=1e-4)
+    assert not torch.allclose(adapted, base_logits, atol=1e-3), "the adapter learned nothing"
+
+
+def test_loss_falls_from_random_init(tmp_path, small_val):
+    """Shortened form of the command that made bundled/tiny-qwen2-sft (bundled/README.md)."""
+    out = tmp_path / "learn"
+    run_recipe(
+        "sft",
+        *base_flags(
+            out, small_val, "--total-training-steps", 60, "--test-freq", 60, "--save-freq", 0
+        ),
+    )
+    train = losses(out)
+    assert train[-1] < 0.35 * train[0]
+    assert read_metrics(out)[-1]["val/loss"] < 0.4 * train[0]
+
+
+def test_shipped_checkpoint_sits_at_moderate_accuracy(tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from common.data import load_prompts
+    from common.rewards import default_compute_score
+    from common.rollout import hf_generate_greedy
+
+    model = AutoModelForCausalLM.from_pretrained(
+        ROOT / "bundled" / "tiny-qwen2-sft", dtype=torch.float32
+    )
+    rows, _ = load_prompts([TASK_TEST], tokenizer, max_prompt_length=64)
+    completions = hf_generate_greedy(
+        model,
+        [r["prompt_ids"] for r in rows],
+        pad_id=tokenizer.pad_token_id,
+        eos_id=tokenizer.eos_token_id,
+        max_new_tokens=16,
+        batch_size=500,
+        device="cpu",
+    )
+    scores = [
+        default_compute_score(
+            r["data_source"], tokenizer.decode(c, skip_special_tokens=True), r["ground_truth"]
+        )
+        for r, c in zip(rows, completions)
+    ]
+    assert 0.40 <= sum(scores) / len(scores) <= 0.60
+
+
+# --- bad input: a clear error, before any model loads -------------------------------------------
+
+
+@pytest.fixture
+def sft_no_model(monkeypatch):
+    sft = load_recipe("sft")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(sft, "load_policy", refuse)
+    return sft
+
+
+def write(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "rows, flags, expected",
+    [
+        ([{"question": "a", "answer": "b"}], {}, "neither a 'messages' column"),
+        (
+            [{"prompt": "a", "extra_info": {"answer": 3}}],
+            {},
+            "column 'extra_info.answer': expected a string response, got int",
+        ),
+        ([{"prompt": "a" * 300, "extra_info": {"answer": "b"}}], {}, "row 0: 3"),
+        (
+            [{"prompt": "a", "extra_info": {"answer": "b"}}] * 10,
+            {"train_batch_size": 10, "micro_batch_size_per_gpu": 3},
+            "micro_batch_size_per_gpu=3; try micro_batch_size_per_gpu=",
+        ),
+    ],
+    ids=["missing-column", "wrong-type", "too-long", "indivisible-batch"],
+)
+def test_bad_input_fails_before_model_loads(tmp_path, sft_no_model, rows, flags, expected):
+    f = write(tmp_path / "bad.parquet", rows)
+    args = sft_no_model.Args(
+        train_files=(f,), val_files=(), output_dir=str(tmp_path / "o"), **flags
+    )
+    with pytest.raises((DataError, ValueError)) as err:
+        sft_no_model.main(args)
+    assert expected in str(err.value)
+    if "row" in expected or "column" in expected:
+        assert "bad.parquet" in str(err.value)
+
+
+def test_empty_file_fails_before_model_loads(tmp_path, sft_no_model):
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
+    with pytest.raises(DataError, match="empty.parquet' has no rows"):
+        sft_no_model.main(
+            sft_no_model.Args(train_files=(str(empty),), output_dir=str(tmp_path / "o"))
+        )
+
+
+def test_missing_model_folder_is_named(tmp_path):
+    sft = load_recipe("sft")
+    with pytest.raises(FileNotFoundError, match="folder './no/such/model' does not exist"):
+        sft.main(sft.Args(model="./no/such/model", output_dir=str(tmp_path / "o")))
+
+
+def test_resume_path_must_be_a_checkpoint(tmp_path):
+    from common.checkpoint import find_resume
+
+    with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
+        find_resume(str(tmp_path), tmp_path)
+    assert find_resume("auto", tmp_path) is None and find_resume("disable", tmp_path) is None
+    assert Path(tmp_path).is_dir()

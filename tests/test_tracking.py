@@ -1,0 +1,36 @@
+import json
+
+from common.tracking import Tracker, read_metrics
+
+
+def test_metrics_jsonl_resume_drops_steps_after_the_checkpoint(tmp_path):
+    t = Tracker(tmp_path, loggers=(), config={"lr": 1.0}, total_steps=5)
+    for step in range(1, 6):
+        t.log({"train/loss": 1.0 / step, "val/accuracy": 0.1 * step}, step=step)
+    png = t.close(plot_keys=("train/loss", "val/*"))
+    assert png is not None and png.stat().st_size > 1000
+    assert json.loads((tmp_path / "config.json").read_text()) == {"lr": 1.0}
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+
+    # A run killed after logging step 5 but resumed from its step-3 checkpoint logs 4 and 5 again.
+    t = Tracker(tmp_path, loggers=(), start_step=3, total_steps=5)
+    t.log({"train/loss": 0.0}, step=4)
+    t.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_fresh_run_starts_a_new_file_and_other_ranks_write_nothing(tmp_path):
+    Tracker(tmp_path, loggers=()).log({"a": 1}, step=1)
+    t = Tracker(tmp_path, loggers=())
+    t.log({"a": 2}, step=1)
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "a": 2}]
+    other = tmp_path / "rank1"
+    Tracker(other, loggers=(), is_main=False).log({"a": 3}, step=1)
+    assert not other.exists()
+
+
+def test_tensorboard_logger(tmp_path):
+    t = Tracker(tmp_path, loggers=("tensorboard",))
+    t.log({"train/loss": 0.5}, step=1)
+    t.close()
+    assert any((tmp_path / "tensorboard").iterdir())
