@@ -30,9 +30,9 @@ class Dist:
 def init_distributed() -> Dist:
     """Start (or join) the process group via accelerate and check it matches the launcher's.
 
-    Works under `accelerate launch` and `torchrun`; on a machine without CUDA it selects CPU/gloo
-    itself, since torchrun without ACCELERATE_USE_CPU would give processes that each think they are
-    alone (no gradient sync, silently).
+    Works under `accelerate launch` and `torchrun`. Without CUDA it asks accelerate for CPU/gloo
+    itself: left to decide, accelerate gives torchrun's CPU processes no process group, each
+    thinking it is alone (no gradient sync, silently).
     """
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     from accelerate import PartialState
@@ -42,8 +42,8 @@ def init_distributed() -> Dist:
     if state.num_processes != launched:
         raise RuntimeError(
             f"the launcher started {launched} processes but the process group has "
-            f"{state.num_processes}; on CPU launch with `ACCELERATE_USE_CPU=true torchrun "
-            f"--nproc_per_node N ...` (accelerate launch --cpu --num_processes N starts only one)"
+            f"{state.num_processes}; on CPU launch with `torchrun --nproc_per_node N ...` "
+            f"(accelerate launch --cpu --num_processes N starts only one)"
         )
     if state.device.type == "cpu" and state.num_processes > 1:
         # Two busy processes with two threads each on two cores ran several times slower.
@@ -170,3 +170,11 @@ def sharding_report(model: nn.Module, strategy: str, dist: Dist) -> dict:
         "params_full": full,
         "params_local_per_rank": gather_objects(local),
     }
+
+
+def shard_evenly(items: list, dist: Dist) -> tuple[list, int]:
+    """This rank's contiguous share, padded with copies of items[0] to the same length on every
+    rank (FSDP2 forward passes are collective, call for call). Returns (share, real_count)."""
+    per_rank = -(-len(items) // dist.world_size)
+    mine = items[dist.rank * per_rank : (dist.rank + 1) * per_rank]
+    return mine + [items[0]] * (per_rank - len(mine)), len(mine)

@@ -24,8 +24,8 @@ def small_val(tmp_path_factory):
     return path
 
 
-def base_flags(out, val, *extra):
-    return ["--output-dir", out, "--val-files", val, "--resume", "disable", *extra]
+def base_flags(out, val, extra: str = ""):
+    return ["--output-dir", out, "--val-files", val, "--resume", "disable", *extra.split()]
 
 
 def losses(run_dir, key="train/loss"):
@@ -52,14 +52,7 @@ def test_smoke_checkpoint_and_export_reload(tmp_path, small_val, tokenizer):
         *base_flags(
             out,
             small_val,
-            "--total-training-steps",
-            6,
-            "--save-freq",
-            2,
-            "--test-freq",
-            3,
-            "--max-ckpt-to-keep",
-            2,
+            "--total-training-steps 6 --save-freq 2 --test-freq 3 --max-ckpt-to-keep 2",
         ),
     )
     records = read_metrics(out)
@@ -102,26 +95,15 @@ def test_smoke_checkpoint_and_export_reload(tmp_path, small_val, tokenizer):
 
 
 def test_kill_and_resume_continues_exactly(tmp_path, small_val):
-    flags = [
-        "--total-training-steps",
-        40,
-        "--save-freq",
-        5,
-        "--test-freq",
-        0,
-        "--max-ckpt-to-keep",
-        0,
-        "--lr-scheduler",
-        "cosine",
-    ]
+    flags = "--total-training-steps 40 --save-freq 5 --test-freq 0 --max-ckpt-to-keep 0 --lr-scheduler cosine"
     ref = tmp_path / "ref"
-    run_recipe("sft", *base_flags(ref, small_val, *flags))
+    run_recipe("sft", *base_flags(ref, small_val, flags))
 
     run = tmp_path / "killed"
     cmd = [
         sys.executable,
         str(ROOT / "recipes" / "sft.py"),
-        *map(str, base_flags(run, small_val, *flags)),
+        *map(str, base_flags(run, small_val, flags)),
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
@@ -144,7 +126,7 @@ def test_kill_and_resume_continues_exactly(tmp_path, small_val):
     assert 10 <= resumed_from < 40
 
     # `--resume auto` (the default) picks the newest checkpoint up.
-    run_recipe("sft", "--output-dir", run, "--val-files", small_val, *flags)
+    run_recipe("sft", "--output-dir", run, "--val-files", small_val, *flags.split())
     got, want = read_metrics(run), read_metrics(ref)
     assert [r["step"] for r in got] == list(range(1, 41)), "every step logged once, none replayed"
     for a, b in zip(got, want):
@@ -154,22 +136,22 @@ def test_kill_and_resume_continues_exactly(tmp_path, small_val):
 
 
 @pytest.fixture(scope="module")
-def single_process_run(tmp_path_factory, small_val):
+def odd_val(tmp_path_factory):
+    """63 rows: two ranks get 32 and 31, so the shorter share is padded for FSDP2's collectives."""
+    path = tmp_path_factory.mktemp("data") / "val63.parquet"
+    pq.write_table(pq.read_table(TASK_TEST).slice(0, 63), path)
+    return path
+
+
+STEPS3 = "--total-training-steps 3 --test-freq 3 --val-batch-size 16"
+
+
+@pytest.fixture(scope="module")
+def single_process_run(tmp_path_factory, odd_val):
     out = tmp_path_factory.mktemp("single")
     run_recipe(
         "sft",
-        *base_flags(
-            out,
-            small_val,
-            "--total-training-steps",
-            3,
-            "--micro-batch-size-per-gpu",
-            64,
-            "--test-freq",
-            0,
-            "--save-freq",
-            0,
-        ),
+        *base_flags(out, odd_val, f"{STEPS3} --micro-batch-size-per-gpu 64 --save-freq 0"),
     )
     return out
 
@@ -181,15 +163,7 @@ def test_micro_batch_and_checkpointing_invariance(tmp_path, small_val, single_pr
         *base_flags(
             out,
             small_val,
-            "--total-training-steps",
-            3,
-            "--micro-batch-size-per-gpu",
-            16,
-            "--gradient-checkpointing",
-            "--test-freq",
-            0,
-            "--save-freq",
-            0,
+            "--total-training-steps 3 --micro-batch-size-per-gpu 16 --gradient-checkpointing --test-freq 0 --save-freq 0",
         ),
     )
     assert losses(out) == pytest.approx(losses(single_process_run), rel=1e-5)
@@ -199,23 +173,14 @@ def test_micro_batch_and_checkpointing_invariance(tmp_path, small_val, single_pr
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_processes_match_one(tmp_path, small_val, single_process_run, strategy):
+def test_two_processes_match_one(tmp_path, odd_val, single_process_run, strategy):
     out = tmp_path / strategy
     run_recipe(
         "sft",
         *base_flags(
             out,
-            small_val,
-            "--total-training-steps",
-            3,
-            "--micro-batch-size-per-gpu",
-            16,
-            "--strategy",
-            strategy,
-            "--test-freq",
-            3,
-            "--save-freq",
-            3,
+            odd_val,
+            f"{STEPS3} --micro-batch-size-per-gpu 16 --strategy {strategy} --save-freq 3",
         ),
         nproc=2,
     )
@@ -231,7 +196,9 @@ def test_two_processes_match_one(tmp_path, small_val, single_process_run, strate
         losses(single_process_run, "train/grad_norm"), rel=1e-3
     )
     assert (out / "checkpoints" / "step_3" / "hf" / "model.safetensors").is_file()
-    assert "val/accuracy" in read_metrics(out)[-1]
+    got, want = read_metrics(out)[-1], read_metrics(single_process_run)[-1]
+    assert got["val/loss"] == pytest.approx(want["val/loss"], rel=1e-4)
+    assert got["val/accuracy"] == want["val/accuracy"]
 
 
 def test_lora_adapter_and_merged_export(tmp_path, small_val):
@@ -241,17 +208,7 @@ def test_lora_adapter_and_merged_export(tmp_path, small_val):
         *base_flags(
             out,
             small_val,
-            "--total-training-steps",
-            4,
-            "--lora-rank",
-            8,
-            "--lora-alpha",
-            16,
-            "--lr",
-            "1e-2",
-            "--export-merged-lora",
-            "--test-freq",
-            0,
+            "--total-training-steps 4 --lora-rank 8 --lora-alpha 16 --lr 1e-2 --export-merged-lora --test-freq 0",
         ),
     )
     hf = out / "checkpoints" / "step_4" / "hf"
@@ -274,9 +231,7 @@ def test_loss_falls_from_random_init(tmp_path, small_val):
     out = tmp_path / "learn"
     run_recipe(
         "sft",
-        *base_flags(
-            out, small_val, "--total-training-steps", 60, "--test-freq", 60, "--save-freq", 0
-        ),
+        *base_flags(out, small_val, "--total-training-steps 60 --test-freq 60 --save-freq 0"),
     )
     train = losses(out)
     assert train[-1] < 0.35 * train[0]
@@ -383,3 +338,31 @@ def test_resume_path_must_be_a_checkpoint(tmp_path):
         find_resume(str(tmp_path), tmp_path)
     assert find_resume("auto", tmp_path) is None and find_resume("disable", tmp_path) is None
     assert Path(tmp_path).is_dir()
+
+
+def test_rerun_of_a_finished_run_says_so(tmp_path, small_val):
+    out = tmp_path / "done"
+    run_recipe(
+        "sft",
+        "--output-dir",
+        out,
+        "--val-files",
+        small_val,
+        "--total-training-steps",
+        2,
+        "--test-freq",
+        0,
+    )
+    again = run_recipe(
+        "sft",
+        "--output-dir",
+        out,
+        "--val-files",
+        small_val,
+        "--total-training-steps",
+        2,
+        "--test-freq",
+        0,
+    )
+    assert "already completed all 2 steps: nothing to train" in again.stdout
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]

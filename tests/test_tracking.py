@@ -34,3 +34,12 @@ def test_tensorboard_logger(tmp_path):
     t.log({"train/loss": 0.5}, step=1)
     t.close()
     assert any((tmp_path / "tensorboard").iterdir())
+
+
+def test_wandb_logger_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    t = Tracker(tmp_path, loggers=("wandb",), project="p", experiment="e", config={"lr": 1.0})
+    t.log({"train/loss": 0.5}, step=1)
+    t.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
