@@ -33,9 +33,7 @@ from common.parallel import Dist, barrier, unwrap
 log = logging.getLogger(__name__)
 # Single-process runs save and load with torch.distributed.checkpoint on purpose (one format for
 # every world size); its notice about that would print on every save.
-warnings.filterwarnings(
-    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
-)
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -43,9 +41,7 @@ def list_checkpoints(output_dir) -> list[Path]:
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [
-        (int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()
-    ]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
 
 
@@ -92,9 +88,7 @@ def export_hf(model, tokenizer, out_dir: Path, dist: Dist, merged_lora: bool = F
 
     Collective: every rank must call it (FSDP2 gathers the full weights onto rank 0).
     """
-    full = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.is_main:
         inner = unwrap(model)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -159,9 +153,7 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, dist: Dist) -> d
     model_sd, optim_sd = get_state_dict(model, optimizer)
     to_load = {"model": model_sd, "optim": optim_sd}
     dcp.load(to_load, checkpoint_id=str(path / "state"))
-    set_state_dict(
-        model, optimizer, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"]
-    )
+    set_state_dict(model, optimizer, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"])
     scheduler.load_state_dict(state["scheduler"])
     rng_file = path / f"rng_{dist.rank}.pt"
     if state.get("world_size") == dist.world_size and rng_file.is_file():

@@ -159,8 +159,7 @@ def plan_batches(
             f"each process gets {local_mini} sequences per optimizer step "
             f"({mini}x{rollout_n} over {world_size} processes), which is not divisible by "
             f"micro_batch_size_per_gpu={micro_batch_size_per_gpu}; try "
-            f"micro_batch_size_per_gpu="
-            + " or ".join(map(str, _nearby_divisors(local_mini, micro_batch_size_per_gpu)))
+            f"micro_batch_size_per_gpu=" + " or ".join(map(str, _nearby_divisors(local_mini, micro_batch_size_per_gpu)))
         )
     sequences = train_batch_size * rollout_n
     return BatchPlan(

@@ -64,9 +64,7 @@ def get_field(row: dict, key: str, file: str, index: int, flag: str | None = Non
             have = sorted(value) if isinstance(value, dict) else type(value).__name__
             where = ".".join(parts[:depth]) or "the file"
             hint = f"; set --{flag.replace('_', '-')} to the right column" if flag else ""
-            raise DataError(
-                f"{file} row {index}: column {key!r} not found ({where} has {have}){hint}"
-            )
+            raise DataError(f"{file} row {index}: column {key!r} not found ({where} has {have}){hint}")
         value = value[part]
     return value
 
@@ -93,9 +91,7 @@ def as_messages(value, file: str, index: int, key: str) -> list[dict]:
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=False
-    )
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -162,9 +158,7 @@ def load_prompts(
         stats.per_file[file] = len(rows)
         for i, row in enumerate(rows):
             stats.rows += 1
-            messages = as_messages(
-                get_field(row, prompt_key, file, i, "prompt_key"), file, i, prompt_key
-            )
+            messages = as_messages(get_field(row, prompt_key, file, i, "prompt_key"), file, i, prompt_key)
             ids = render_chat(tokenizer, messages, add_generation_prompt=True)
             if len(ids) > max_prompt_length:
                 if filter_overlong_prompts:
@@ -180,9 +174,7 @@ def load_prompts(
                     "prompt_ids": ids,
                     "messages": messages,
                     "data_source": row.get("data_source") or "unknown",
-                    "ground_truth": reward_model.get("ground_truth")
-                    if isinstance(reward_model, dict)
-                    else None,
+                    "ground_truth": reward_model.get("ground_truth") if isinstance(reward_model, dict) else None,
                     "extra_info": row.get("extra_info"),
                     "file": file,
                     "row": i,
@@ -249,22 +241,14 @@ def load_sft(
         for i, row in enumerate(rows):
             stats.rows += 1
             if chat:
-                messages = as_messages(
-                    get_field(row, messages_key, file, i, "messages_key"), file, i, messages_key
-                )
-                last = max(
-                    (t for t, m in enumerate(messages) if m["role"] == "assistant"), default=None
-                )
+                messages = as_messages(get_field(row, messages_key, file, i, "messages_key"), file, i, messages_key)
+                last = max((t for t, m in enumerate(messages) if m["role"] == "assistant"), default=None)
                 if last is None:
-                    raise DataError(
-                        f"{file} row {i} column {messages_key!r}: no assistant message to train on"
-                    )
+                    raise DataError(f"{file} row {i} column {messages_key!r}: no assistant message to train on")
                 ids, mask = _assistant_spans(tokenizer, messages, file, i)
                 prompt_ids = render_chat(tokenizer, messages[:last], add_generation_prompt=True)
             else:
-                messages = as_messages(
-                    get_field(row, prompt_key, file, i, "prompt_key"), file, i, prompt_key
-                )
+                messages = as_messages(get_field(row, prompt_key, file, i, "prompt_key"), file, i, prompt_key)
                 response = get_field(row, response_key, file, i, "response_key")
                 if not isinstance(response, str):
                     raise DataError(
@@ -277,9 +261,7 @@ def load_sft(
                 mask = [0] * len(prompt_ids) + [1] * len(response_ids)
             if len(ids) > max_length:
                 if truncation == "error":
-                    raise _too_long(
-                        file, i, len(ids), max_length, "max_length", " (prompt + response)"
-                    )
+                    raise _too_long(file, i, len(ids), max_length, "max_length", " (prompt + response)")
                 ids, mask = (
                     truncate(ids, max_length, truncation),
                     truncate(mask, max_length, truncation),
@@ -295,9 +277,7 @@ def load_sft(
                     "loss_mask": mask,
                     "prompt_ids": prompt_ids,
                     "data_source": row.get("data_source") or "unknown",
-                    "ground_truth": reward_model.get("ground_truth")
-                    if isinstance(reward_model, dict)
-                    else None,
+                    "ground_truth": reward_model.get("ground_truth") if isinstance(reward_model, dict) else None,
                 }
             )
             stats.kept += 1
@@ -324,9 +304,7 @@ def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
     return torch.randperm(n, generator=gen).tolist()
 
 
-def batch_indices(
-    step: int, n: int, batch_size: int, seed: int, shuffle: bool
-) -> tuple[int, list[int]]:
+def batch_indices(step: int, n: int, batch_size: int, seed: int, shuffle: bool) -> tuple[int, list[int]]:
     """(epoch, example indices) of global batch `step` (0-based). The data position is a pure
     function of the step, so resuming at step k reads exactly the batches an uninterrupted run
     would. The n % batch_size examples left over in an epoch's order wait for a later epoch."""
@@ -338,12 +316,29 @@ def batch_indices(
     return epoch, order[k * batch_size : (k + 1) * batch_size]
 
 
-def pad(
-    seqs: list[list[int]], value: int, side: str = "right", width: int | None = None
-) -> torch.Tensor:
+def pad(seqs: list[list[int]], value: int, side: str = "right", width: int | None = None) -> torch.Tensor:
     width = width or max(len(s) for s in seqs)
-    rows = [
-        ([value] * (width - len(s)) + s) if side == "left" else (s + [value] * (width - len(s)))
-        for s in seqs
-    ]
+    rows = [([value] * (width - len(s)) + s) if side == "left" else (s + [value] * (width - len(s))) for s in seqs]
     return torch.tensor(rows, dtype=torch.long)
+
+
+def pack_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device=None) -> dict:
+    """Left-padded prompts followed by right-padded responses, for a trainer forward pass.
+
+    Returns input_ids / attention_mask / position_ids (B, P+T) and response_mask (B, T), where
+    P and T are the longest prompt and response. Position ids count real tokens only, as in
+    generation, so the trainer sees each token at the position the sampler saw it.
+    """
+    prompt_ids = pad(prompts, pad_id, side="left")
+    response_ids = pad(responses, pad_id, side="right", width=max(1, max(len(r) for r in responses)))
+    prompt_mask = pad([[1] * len(p) for p in prompts], 0, side="left")
+    response_mask = pad([[1] * len(r) for r in responses], 0, side="right", width=response_ids.shape[1])
+    attention = torch.cat([prompt_mask, response_mask], 1)
+    batch = {
+        "input_ids": torch.cat([prompt_ids, response_ids], 1),
+        "attention_mask": attention,
+        "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+        "responses": response_ids,
+        "response_mask": response_mask,
+    }
+    return {k: v.to(device) for k, v in batch.items()} if device is not None else batch

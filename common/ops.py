@@ -37,9 +37,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
-def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
-) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over the masked elements (unbiased var); mean added back if not shift_mean."""
     mean, var = masked_mean(x, mask), masked_var(x, mask)
     out = (x - mean) * torch.rsqrt(var + eps)
@@ -77,3 +75,66 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
         probs = torch.exp(chunk - logz)
         out.append(logz.squeeze(-1) - (probs * chunk).sum(-1))
     return torch.cat(out).reshape(logits.shape[:-1]) if out else flat.new_zeros(logits.shape[:-1])
+
+
+# --- KL estimators and loss aggregation (same formulas as verl, so numbers carry over) ----------
+
+KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL(policy || ref) estimate from sampled-token logprobs, (B, T) -> (B, T).
+
+    kl/k1: logp - ref;  abs: |logp - ref|;  mse/k2: (logp - ref)^2 / 2;
+    low_var_kl/k3: exp(ref - logp) - (ref - logp) - 1, with ref - logp clamped to +-20 before
+    the exp and the result clamped to +-10 (Schulman's k3; the clamps as in verl).
+    """
+    if kind in ("kl", "k1"):
+        return logprobs - ref_logprobs
+    if kind == "abs":
+        return (logprobs - ref_logprobs).abs()
+    if kind in ("mse", "k2"):
+        return 0.5 * (logprobs - ref_logprobs).square()
+    if kind in ("low_var_kl", "k3"):
+        log_ratio = torch.clamp(ref_logprobs - logprobs, min=-20, max=20)
+        return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10, max=10)
+    raise ValueError(f"kl kind {kind!r}; use one of {KL_KINDS}")
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+    norm_constant: float | None = None,
+) -> torch.Tensor:
+    """Reduce a (B, T) per-token loss to a scalar.
+
+    token-mean:               sum(loss * mask) / num_tokens
+    seq-mean-token-sum:       sum_seq(sum_t loss) / num_seqs
+    seq-mean-token-mean:      sum_seq(mean_t loss) / num_seqs
+    seq-mean-token-sum-norm:  seq-mean-token-sum / norm_constant (default: T, the padded width)
+
+    num_tokens / num_seqs default to this batch's valid tokens / sequences with at least one valid
+    token (empty sequences are left out of sequence means). Pass the counts of the whole
+    mini-batch (all micro-batches, all ranks) so the micro-batch results add up to one pass.
+    """
+    mask = mask.to(loss_mat.dtype)
+    if mode == "token-mean":
+        denom = mask.sum() if num_tokens is None else num_tokens
+        return (loss_mat * mask).sum() / torch.clamp(torch.as_tensor(denom, dtype=loss_mat.dtype), min=1)
+    if mode not in AGG_MODES:
+        raise ValueError(f"loss_agg_mode {mode!r}; use one of {AGG_MODES}")
+    lengths = mask.sum(-1)
+    valid = lengths > 0
+    seq = (loss_mat * mask).sum(-1)
+    if mode == "seq-mean-token-mean":
+        seq = seq / torch.clamp(lengths, min=1)
+    denom = valid.sum() if num_seqs is None else num_seqs
+    out = seq[valid].sum() / torch.clamp(torch.as_tensor(denom, dtype=loss_mat.dtype), min=1)
+    if mode == "seq-mean-token-sum-norm":
+        out = out / (mask.shape[-1] if norm_constant is None else norm_constant)
+    return out

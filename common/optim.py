@@ -20,14 +20,10 @@ def build_optimizer(model, lr: float, weight_decay: float, betas=(0.9, 0.999)) -
         {"params": no_decay, "weight_decay": 0.0},
     ]
     # foreach=False: the multi-tensor path needs every parameter on one mesh/dtype; the loop is safe.
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=lr, betas=tuple(betas), foreach=False
-    )
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas), foreach=False)
 
 
-def lr_factor(
-    step: int, *, kind: str, total_steps: int, warmup_steps: int, min_lr_ratio: float = 0.0
-) -> float:
+def lr_factor(step: int, *, kind: str, total_steps: int, warmup_steps: int, min_lr_ratio: float = 0.0) -> float:
     """Multiplier of the peak lr for optimizer step `step` (0-based).
 
     Warmup is linear and reaches the peak on step warmup_steps-1, so no step runs with lr 0.
@@ -56,7 +52,5 @@ def build_scheduler(
     warmup = int(warmup_ratio * total_steps)
     return LambdaLR(
         optimizer,
-        lambda s: lr_factor(
-            s, kind=kind, total_steps=total_steps, warmup_steps=warmup, min_lr_ratio=min_lr_ratio
-        ),
+        lambda s: lr_factor(s, kind=kind, total_steps=total_steps, warmup_steps=warmup, min_lr_ratio=min_lr_ratio),
     )

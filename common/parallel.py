@@ -161,9 +161,7 @@ def barrier() -> None:
 def sharding_report(model: nn.Module, strategy: str, dist: Dist) -> dict:
     """What is really in effect: world size, strategy and the parameter elements each rank holds."""
     full = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one
-    local = sum(
-        p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters()
-    )
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     return {
         "world_size": dist.world_size,
         "strategy": strategy if dist.world_size > 1 else "single",

@@ -1,12 +1,39 @@
-"""Reward functions with verl's signature: compute_score(data_source, solution_str, ground_truth, extra_info=None).
+"""Reward functions with verl's signature, and the worker pool that makes them hang-proof.
 
-A score is a float, or a dict with a `score` key whose other keys become metrics.
+    compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+
+A dict carries the score under "score"; its other numeric keys become metrics. `--reward-fn
+path/to/file.py:name` loads a user function (name defaults to compute_score); without it the
+built-in for each row's data_source is used. Scoring runs in worker processes with a per-sample
+timeout: a function that raises or never returns costs that sample a 0 and is counted, never the run.
 """
 
+import importlib.util
+import logging
+import math
+import multiprocessing as mp
 import re
+import sys
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# --- built-in scorers --------------------------------------------------------------------------
 
 BUNDLED_ADDITION = "bundled/addition"
+GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
+MATH_SOURCES = (
+    "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math",
+    "math_dapo", "aime", "aime24", "aime25", "amc", "olympiad_bench",
+)  # fmt: skip
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+_NUMBER = re.compile(r"(\-?[0-9\.\,]+)")
 
 
 def extract_answer_tag(text: str) -> str | None:
@@ -15,21 +42,232 @@ def extract_answer_tag(text: str) -> str | None:
     return found[-1].strip() if found else None
 
 
-def addition_score(solution_str: str, ground_truth: str) -> float:
+def addition_score(solution_str: str, ground_truth) -> float:
     """Bundled task: 1.0 when the last <answer> tag holds exactly the ground truth, else 0.0."""
     return float(extract_answer_tag(solution_str) == str(ground_truth).strip())
 
 
-def exact_match(solution_str: str, ground_truth: str) -> float:
+def gsm8k_score(
+    solution_str: str, ground_truth, method: str = "strict", format_score: float = 0.0, score: float = 1.0
+) -> float:
+    """verl's GSM8K rule: strict reads the number after '#### ', flexible the last number in the
+    text; commas and a trailing period are ignored. format_score for an answer that is wrong."""
+    if method == "strict":
+        found = _GSM8K_STRICT.findall(solution_str[-300:])
+        answer = found[-1] if found else None
+    else:
+        numbers = [n for n in _NUMBER.findall(solution_str[-300:]) if n not in ("", ".")]
+        answer = numbers[-1] if numbers else None
+    if answer is None:
+        return 0.0
+    clean = answer.replace(",", "").rstrip(".")
+    return score if clean == str(ground_truth).replace(",", "").strip() else format_score
+
+
+def math_score(solution_str: str, ground_truth) -> float:
+    """Checks the \\boxed{} (or last) answer against the ground truth with math-verify."""
+    from math_verify import parse, verify
+
+    gold = parse(str(ground_truth) if "$" in str(ground_truth) or "\\" in str(ground_truth) else f"${ground_truth}$")
+    return float(verify(gold, parse(solution_str)))
+
+
+def format_score(solution_str: str, pattern: str = r"^\s*<answer>.*?</answer>\s*$") -> float:
+    """1.0 when the whole response matches `pattern` (default: a single <answer>...</answer>)."""
+    return float(re.match(pattern, solution_str, re.DOTALL) is not None)
+
+
+def exact_match(solution_str: str, ground_truth) -> float:
     return float(solution_str.strip() == str(ground_truth).strip())
 
 
-def default_compute_score(data_source: str, solution_str: str, ground_truth, extra_info=None):
-    """Built-in scorer chosen by data_source; unknown sources are scored by exact match."""
+def builtin_scorer(data_source: str):
+    """The built-in (solution_str, ground_truth) -> score for a data_source, or None."""
     if data_source == BUNDLED_ADDITION:
-        return addition_score(solution_str, ground_truth)
-    return exact_match(solution_str, ground_truth)
+        return addition_score
+    if data_source in GSM8K_SOURCES:
+        return gsm8k_score
+    if data_source in MATH_SOURCES or data_source.startswith(("math", "aime")):
+        return math_score
+    if data_source == "format":
+        return lambda solution_str, ground_truth: format_score(solution_str)
+    return None
+
+
+def default_compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    scorer = builtin_scorer(data_source)
+    if scorer is None:
+        raise ValueError(
+            f"no built-in reward for data_source={data_source!r} (built-ins: {BUNDLED_ADDITION}, "
+            f"{', '.join(GSM8K_SOURCES)}, math sources such as {MATH_SOURCES[0]}, format); pass "
+            f"--reward-fn path/to/file.py:compute_score"
+        )
+    return scorer(solution_str, ground_truth)
+
+
+# --- user reward functions ----------------------------------------------------------------------
+
+
+def load_reward_fn(spec: str | None):
+    """`path/to/file.py[:name]` -> the function (name defaults to compute_score); None -> built-ins."""
+    if not spec:
+        return default_compute_score
+    path, _, name = spec.partition(":")
+    name = name or "compute_score"
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"--reward-fn {spec}: file {path!r} does not exist")
+    module_name = f"_reward_fn_{abs(hash(str(file.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, file)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    module_spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise AttributeError(f"--reward-fn {spec}: {path!r} defines no function {name!r}")
+    return fn
 
 
 def score_value(result) -> float:
-    return float(result["score"] if isinstance(result, dict) else result)
+    """The float score of a reward result (a number, or a dict with a 'score' key)."""
+    value = result["score"] if isinstance(result, dict) else result
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TypeError(f"reward must be a finite number or a dict with a numeric 'score', got {result!r}")
+    return float(value)
+
+
+def check_reward_fn(fn, rows: list[dict], spec: str | None) -> None:
+    """Dry run before the first step: call fn on a few rows in this process and check the type.
+
+    Uses each row's ground truth as a stand-in response, so a bad signature, an import error or a
+    missing built-in shows up now rather than as step-1 zeros.
+    """
+    name = spec or "built-in rewards"
+    for row in rows:
+        args = (row["data_source"], str(row["ground_truth"]), row["ground_truth"], row.get("extra_info"))
+        try:
+            score_value(fn(*args))
+        except Exception as e:
+            raise ValueError(
+                f"reward dry run failed ({name}) on {row.get('file', '?')} row {row.get('row', '?')} "
+                f"(data_source={row['data_source']!r}): {type(e).__name__}: {e}"
+            ) from e
+
+
+# --- the worker pool ----------------------------------------------------------------------------
+
+
+@dataclass
+class Scored:
+    scores: list[float]
+    extras: list[dict]  # the other numeric keys of dict results
+    errors: int = 0
+    timeouts: int = 0
+    first_error: str | None = None
+    seconds: float = 0.0
+    metrics: dict = field(default_factory=dict)
+
+
+def _worker(conn, spec):
+    fn = load_reward_fn(spec)
+    while True:
+        task = conn.recv()
+        if task is None:
+            return
+        index, args = task
+        try:
+            result = fn(*args)
+            score_value(result)
+            reply = (index, "ok", result)
+        except BaseException:  # a reward function may raise anything, SystemExit included
+            reply = (index, "error", traceback.format_exc())
+        try:
+            conn.send(reply)
+        except Exception:
+            conn.send((index, "error", traceback.format_exc()))
+
+
+class RewardPool:
+    """Scores (data_source, solution_str, ground_truth, extra_info) tuples in worker processes.
+
+    One task per worker at a time, so every sample gets its own timeout: a worker that overruns
+    is killed and replaced, and the sample scores 0. Exceptions score 0 as well; both are counted
+    and the first traceback is printed once per run.
+    """
+
+    def __init__(self, spec: str | None = None, workers: int = 2, timeout: float = 10.0):
+        self.spec, self.timeout = spec, timeout
+        self.ctx = mp.get_context("forkserver")
+        self.workers = [self._start() for _ in range(max(1, workers))]
+        self.printed_error = False
+
+    def _start(self):
+        parent, child = self.ctx.Pipe()
+        proc = self.ctx.Process(target=_worker, args=(child, self.spec), daemon=True)
+        proc.start()
+        child.close()
+        return [proc, parent]
+
+    def _replace(self, worker) -> None:
+        worker[0].kill()
+        worker[0].join()
+        worker[1].close()
+        worker[:] = self._start()
+
+    def score(self, tasks: list[tuple]) -> Scored:
+        t0 = time.time()
+        results: list = [None] * len(tasks)
+        pending = deque(enumerate(tasks))
+        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (task index, start time)
+        errors, timeouts, first_error = 0, 0, None
+        while pending or busy:
+            for slot, worker in enumerate(self.workers):
+                if slot not in busy and pending:
+                    index, args = pending.popleft()
+                    worker[1].send((index, args))
+                    busy[slot] = (index, time.time())
+            deadline = min(start for _, start in busy.values()) + self.timeout
+            ready = wait([self.workers[s][1] for s in busy], timeout=max(0.0, deadline - time.time()))
+            for slot in list(busy):
+                worker, (index, start) = self.workers[slot], busy[slot]
+                if worker[1] in ready:
+                    try:
+                        _, status, payload = worker[1].recv()
+                    except (EOFError, OSError):  # the worker died (os._exit, segfault)
+                        status, payload = "error", f"reward worker exited with code {worker[0].exitcode}"
+                        self._replace(worker)
+                    del busy[slot]
+                    if status == "ok":
+                        results[index] = payload
+                    else:
+                        errors += 1
+                        first_error = first_error or payload
+                elif time.time() - start >= self.timeout:
+                    self._replace(worker)
+                    del busy[slot]
+                    timeouts += 1
+        if first_error and not self.printed_error:
+            self.printed_error = True
+            log.error("reward function raised (scored 0, counted in reward/errors; shown once):\n%s", first_error)
+        if timeouts:
+            log.warning("%d sample(s) exceeded the %.1fs reward timeout and scored 0", timeouts, self.timeout)
+        scores = [0.0 if r is None else score_value(r) for r in results]
+        extras = [
+            {k: float(v) for k, v in r.items() if k != "score" and isinstance(v, int | float)}
+            if isinstance(r, dict)
+            else {}
+            for r in results
+        ]
+        return Scored(scores, extras, errors, timeouts, first_error, time.time() - t0)
+
+    def close(self) -> None:
+        for proc, conn in self.workers:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+            proc.join(timeout=1)
+            if proc.is_alive():
+                proc.kill()
+            conn.close()
+        self.workers = []

@@ -1,48 +1,136 @@
-"""Generation with the live policy through transformers' generate."""
+"""Rollout engines: generate completions for token-id prompts.
+
+One interface for every engine (DESIGN.md section 7):
+    engine.generate(prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]
+one list of `sampling.n` completions per prompt, each with the response token ids, the logprob of
+every sampled token as the sampler saw it (after temperature / top-k / top-p), and the finish
+reason ("stop" at an eos token, "length" at max_tokens). Lifecycle hooks (`sleep`, `wake_up`,
+`reset_cache`) and `update_weights(version)` let engines that hold their own copy of the policy
+(vLLM, remote) plug into the same loop; for the HF engine, which generates with the live policy,
+they only keep the bookkeeping.
+"""
+
+import contextlib
+from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
 
 from common.data import pad
 from common.parallel import is_fsdp, unwrap
 
 
-@torch.no_grad()
-def hf_generate_greedy(
-    model,
-    prompts: list[list[int]],
-    *,
-    pad_id: int,
-    eos_id: int,
-    max_new_tokens: int,
-    batch_size: int,
-    device,
-    world_size: int = 1,
-) -> list[list[int]]:
-    """Greedy completions (token ids up to and including eos) for left-padded prompt batches.
+@dataclass(frozen=True)
+class Sampling:
+    n: int = 1
+    """completions per prompt"""
+    temperature: float = 1.0
+    """0 means greedy"""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0) disables top-k"""
+    max_tokens: int = 16
 
-    Under FSDP2 every rank must make the same number of calls; `synced_gpus` keeps the forward
-    passes in step when one rank finishes its sequences early.
-    """
-    inner = unwrap(model)
-    was_training = inner.training
-    inner.eval()
-    out = []
-    for start in range(0, len(prompts), batch_size):
-        batch = prompts[start : start + batch_size]
-        ids = pad(batch, pad_id, side="left").to(device)
-        attention = pad([[1] * len(p) for p in batch], 0, side="left").to(device)
-        generated = inner.generate(
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+
+@contextlib.contextmanager
+def _clean_generation_config(model, config: GenerationConfig):
+    """Generate with exactly `config`: transformers fills every unset field from the model's own
+    generation_config.json (a repetition_penalty or top_k there would silently change sampling),
+    so the model's config is swapped out for the call and restored afterwards."""
+    saved = model.generation_config
+    model.generation_config = config
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+class HFEngine:
+    """transformers' generate on the live policy (single process, DDP or FSDP2)."""
+
+    def __init__(self, model, *, pad_id: int, eos_ids: list[int], device, world_size: int = 1, batch_size: int = 256):
+        self.model, self.pad_id, self.eos_ids = model, pad_id, list(eos_ids)
+        self.device, self.world_size, self.batch_size = device, world_size, batch_size
+        self.weight_version = 0
+
+    # Lifecycle: the HF engine is the policy itself, so there is nothing to offload or resync.
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def reset_cache(self) -> None:
+        pass
+
+    def update_weights(self, version: int) -> None:
+        self.weight_version = version
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        """Under FSDP2 every rank must call this with the same number of prompts: the forward
+        passes are collective (`synced_gpus` keeps them in step when one rank finishes early)."""
+        inner = unwrap(self.model)
+        was_training = inner.training
+        inner.eval()
+        config = GenerationConfig(
+            do_sample=not sampling.greedy,
+            temperature=sampling.temperature if not sampling.greedy else 1.0,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else 0,
+            max_new_tokens=sampling.max_tokens,
+            num_return_sequences=sampling.n,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+            use_cache=True,
+        )
+        out: list[list[Completion]] = []
+        with _clean_generation_config(inner, config):
+            for start in range(0, len(prompts), self.batch_size):
+                out.extend(self._generate_batch(inner, prompts[start : start + self.batch_size], config, sampling.n))
+        inner.train(was_training)
+        return out
+
+    def _generate_batch(self, inner, prompts, config, n) -> list[list[Completion]]:
+        ids = pad(prompts, self.pad_id, side="left").to(self.device)
+        attention = pad([[1] * len(p) for p in prompts], 0, side="left").to(self.device)
+        result = inner.generate(
             input_ids=ids,
             attention_mask=attention,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos_id,
-            pad_token_id=pad_id,
-            use_cache=True,
-            synced_gpus=is_fsdp(model) and world_size > 1,
+            generation_config=config,
+            synced_gpus=is_fsdp(self.model) and self.world_size > 1,
         )
-        for row in generated[:, ids.shape[1] :].tolist():
-            cut = row.index(eos_id) + 1 if eos_id in row else len(row)
-            out.append(row[:cut])
-    inner.train(was_training)
-    return out
+        tokens = result.sequences[:, ids.shape[1] :]  # (B*n, T), grouped by prompt
+        # scores are the logits after temperature / top-k / top-p: the sampler's distribution.
+        logprobs = torch.stack([torch.log_softmax(s.float(), -1) for s in result.scores], 1)
+        picked = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        completions = []
+        for row, lps in zip(tokens.tolist(), picked.tolist()):
+            stop = next((t for t, tok in enumerate(row) if tok in self.eos_ids), None)
+            end = len(row) if stop is None else stop + 1
+            completions.append(Completion(row[:end], lps[:end], "length" if stop is None else "stop"))
+        return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+def hf_generate_greedy(
+    model, prompts, *, pad_id, eos_id, max_new_tokens, batch_size, device, world_size=1
+) -> list[list[int]]:
+    """Greedy completion token ids (up to and including eos), one per prompt."""
+    engine = HFEngine(
+        model, pad_id=pad_id, eos_ids=[eos_id], device=device, world_size=world_size, batch_size=batch_size
+    )
+    completions = engine.generate(prompts, Sampling(n=1, temperature=0, max_tokens=max_new_tokens))
+    return [c[0].token_ids for c in completions]

@@ -107,9 +107,7 @@ class Tracker:
                     self.tb.add_scalar(k, v, step)
         if self.bar is not None:
             shown = {
-                k.split("/", 1)[-1]: f"{record[k]:.4g}"
-                for k in self.bar_keys
-                if isinstance(record.get(k), float | int)
+                k.split("/", 1)[-1]: f"{record[k]:.4g}" for k in self.bar_keys if isinstance(record.get(k), float | int)
             }
             if shown:
                 self.bar.set_postfix(shown, refresh=False)
@@ -148,14 +146,7 @@ def read_metrics(path) -> list[dict]:
 def plot_curves(metrics_path, out_path, patterns: tuple[str, ...]) -> Path | None:
     """One panel per metric whose name matches a pattern (fnmatch), value against step."""
     records = read_metrics(metrics_path)
-    names = sorted(
-        {
-            k
-            for r in records
-            for k in r
-            if k != "step" and any(fnmatch.fnmatch(k, p) for p in patterns)
-        }
-    )
+    names = sorted({k for r in records for k in r if k != "step" and any(fnmatch.fnmatch(k, p) for p in patterns)})
     if not names:
         return None
     import matplotlib

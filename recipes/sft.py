@@ -6,7 +6,7 @@ How this file departs from the textbook loop:
    micro-batches or processes does not change the gradient.
 2. Validation reports the loss and, when rows carry reward_model.ground_truth, greedy accuracy:
    the generated response scored by the data_source's built-in reward (the bundled task: the
-   <answer> tag must equal the ground truth exactly).
+   <answer> tag must equal the ground truth exactly), or by exact match for other sources.
 3. The data position is a function of the step (seeded permutation per epoch), so a resumed run
    reads exactly the batches an uninterrupted run would.
 
@@ -45,14 +45,14 @@ from common.parallel import (
     sharding_report,
     wrap_model,
 )
-from common.rewards import default_compute_score, score_value
+from common.rewards import builtin_scorer, exact_match
 from common.rollout import hf_generate_greedy
 from common.tracking import Tracker, setup_logging
 
 
 # --- config ---------------------------------------------------------------------------------------
 @dataclass
-class Args(ModelArgs, DataArgs, OptimArgs, TrainerArgs):
+class Args(TrainerArgs, OptimArgs, DataArgs, ModelArgs):  # flags listed model, data, optim, trainer
     response_key: str = "extra_info.answer"
     """column holding the response (dotted keys reach into structs)"""
     messages_key: str = "messages"
@@ -127,8 +127,9 @@ def validate(model, tokenizer, val, args, dist):
             batch_size=args.val_batch_size, device=dist.device, world_size=dist.world_size,
         )  # fmt: skip
         texts = tokenizer.batch_decode(completions[:n_real], skip_special_tokens=True)
+        # Rows whose data_source has no built-in reward are scored by exact match.
         results = [
-            (e["data_source"], score_value(default_compute_score(e["data_source"], text, e["ground_truth"])))
+            (e["data_source"], (builtin_scorer(e["data_source"]) or exact_match)(text, e["ground_truth"]))
             for e, text in zip(local[:n_real], texts)
         ]  # fmt: skip
         results = [r for part in gather_objects(results) for r in part]
@@ -165,15 +166,11 @@ def main(args: Args) -> dict:
     )
     train, train_stats = load_sft(args.train_files, tokenizer, **data_kwargs, what="train_files")
     val, val_stats = (
-        load_sft(args.val_files, tokenizer, **data_kwargs, what="val_files")
-        if args.val_files
-        else ([], None)
+        load_sft(args.val_files, tokenizer, **data_kwargs, what="val_files") if args.val_files else ([], None)
     )
     steps_per_epoch = len(train) // args.train_batch_size
     if steps_per_epoch == 0:
-        raise ValueError(
-            f"train_files hold {len(train)} examples, fewer than train_batch_size={args.train_batch_size}"
-        )
+        raise ValueError(f"train_files hold {len(train)} examples, fewer than train_batch_size={args.train_batch_size}")
     total_steps = args.total_training_steps or args.total_epochs * steps_per_epoch
 
     # Model, optimizer, schedule; then resume.
@@ -201,9 +198,9 @@ def main(args: Args) -> dict:
     start_step = 0
     resume_from = find_resume(args.resume, run_dir)
     if resume_from is not None:
-        start_step = load_checkpoint(
-            resume_from, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist
-        )["step"]
+        start_step = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)[
+            "step"
+        ]
     if start_step >= total_steps:
         # Say so rather than "train" zero steps without a word.
         if dist.is_main:
@@ -259,20 +256,15 @@ def main(args: Args) -> dict:
     for step in range(start_step, total_steps):
         t0 = time.time()
         # 1. this rank's slice of the global batch
-        epoch, indices = batch_indices(
-            step, len(train), args.train_batch_size, args.seed, args.shuffle
-        )
+        epoch, indices = batch_indices(step, len(train), args.train_batch_size, args.seed, args.shuffle)
         mine = [train[i] for i in indices[dist.rank :: dist.world_size]]
         # The loss divides by the token count of the whole global batch, not of one micro-batch.
-        num_tokens = all_reduce_sum(
-            torch.tensor(float(sum(sum(e["loss_mask"][1:]) for e in mine)), device=dist.device)
-        )
+        num_tokens = all_reduce_sum(torch.tensor(float(sum(sum(e["loss_mask"][1:]) for e in mine)), device=dist.device))
 
         # 2. forward / backward over micro-batches; gradients sync on the last one only
         nll_total = torch.zeros((), device=dist.device)
         micro_batches = [
-            mine[k : k + args.micro_batch_size_per_gpu]
-            for k in range(0, len(mine), args.micro_batch_size_per_gpu)
+            mine[k : k + args.micro_batch_size_per_gpu] for k in range(0, len(mine), args.micro_batch_size_per_gpu)
         ]
         for k, micro in enumerate(micro_batches):
             ids, attention, loss_mask = collate(micro, tokenizer.pad_token_id, dist.device)
@@ -303,18 +295,12 @@ def main(args: Args) -> dict:
         }
         done = step + 1
         # 5. validate / save
-        if (
-            val
-            and args.test_freq != 0
-            and (done == total_steps or (args.test_freq > 0 and done % args.test_freq == 0))
-        ):
+        if val and args.test_freq != 0 and (done == total_steps or (args.test_freq > 0 and done % args.test_freq == 0)):
             val_metrics = validate(model, tokenizer, val, args, dist)
             metrics.update(val_metrics)
         tracker.log(metrics, step=done)
         tracker.advance()
-        if args.save_freq != 0 and (
-            done == total_steps or (args.save_freq > 0 and done % args.save_freq == 0)
-        ):
+        if args.save_freq != 0 and (done == total_steps or (args.save_freq > 0 and done % args.save_freq == 0)):
             save(done)
 
     barrier()
@@ -322,9 +308,7 @@ def main(args: Args) -> dict:
     summary = {"steps": total_steps - start_step, "seconds": time.time() - t_start, **val_metrics}
     before = f"{first_val['val/accuracy']:.1%} -> " if "val/accuracy" in first_val else ""
     if "val/accuracy" in val_metrics:
-        tracker.write(
-            f"val accuracy {before}{val_metrics['val/accuracy']:.1%}, val loss {val_metrics['val/loss']:.4f}"
-        )
+        tracker.write(f"val accuracy {before}{val_metrics['val/accuracy']:.1%}, val loss {val_metrics['val/loss']:.4f}")
     final = run_dir / "checkpoints" / f"step_{total_steps}" / "hf"
     tracker.write(
         f"{summary['steps']} steps in {summary['seconds']:.0f}s; run folder {run_dir}"

@@ -56,22 +56,14 @@ def run_recipe(
             *map(str, flags),
         ]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **(env or {})}
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
-    )
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 
 def read_metrics(run_dir) -> list[dict]:
-    return [
-        json.loads(line)
-        for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-        if line
-    ]
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
 
 
 @pytest.fixture(scope="session")

@@ -50,9 +50,7 @@ def test_roundtrip_continues_exactly(tmp_path, tokenizer):
 
     ckpt = tmp_path / "checkpoints" / "step_1"
     fresh, fresh_opt, fresh_sched = make()
-    state = load_checkpoint(
-        ckpt, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched, dist=DIST
-    )
+    state = load_checkpoint(ckpt, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched, dist=DIST)
     assert state["step"] == 1 and state["epoch"] == 0 and fresh_sched.last_epoch == 1
     train_step(fresh, fresh_opt, fresh_sched)  # same weights, moments, lr and random batch
     for k, v in fresh.state_dict().items():

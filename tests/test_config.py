@@ -4,9 +4,7 @@ from common.config import plan_batches
 
 
 def test_plan_derives_local_sizes():
-    plan = plan_batches(
-        world_size=2, train_batch_size=8, micro_batch_size_per_gpu=4, mini_batch_size=4, rollout_n=4
-    )
+    plan = plan_batches(world_size=2, train_batch_size=8, micro_batch_size_per_gpu=4, mini_batch_size=4, rollout_n=4)
     assert plan.sequences_per_step == 32
     assert plan.local_sequences_per_step == 16
     assert plan.mini_batches_per_step == 2
@@ -48,8 +46,6 @@ def test_indivisible_batches_name_the_numbers(kwargs, expected):
 
 def test_suggestions_are_valid():
     with pytest.raises(ValueError) as err:
-        plan_batches(
-            world_size=1, train_batch_size=48, micro_batch_size_per_gpu=1, mini_batch_size=32
-        )
+        plan_batches(world_size=1, train_batch_size=48, micro_batch_size_per_gpu=1, mini_batch_size=32)
     suggested = [int(s) for s in str(err.value).split("ppo_mini_batch_size=")[-1].split(" or ")]
     assert suggested and all(48 % s == 0 for s in suggested)

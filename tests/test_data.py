@@ -39,13 +39,7 @@ def test_missing_column_names_file_row_column_and_flag(tmp_path, tokenizer):
     with pytest.raises(DataError) as err:
         load_prompts([f], tokenizer, max_prompt_length=64)
     msg = str(err.value)
-    assert (
-        f in msg
-        and "row 0" in msg
-        and "'prompt'" in msg
-        and "['question']" in msg
-        and "--prompt-key" in msg
-    )
+    assert f in msg and "row 0" in msg and "'prompt'" in msg and "['question']" in msg and "--prompt-key" in msg
 
 
 def test_wrong_type_names_row_and_type(tmp_path, tokenizer):
@@ -123,9 +117,7 @@ def test_sft_errors(tmp_path, tokenizer):
     with pytest.raises(DataError, match="neither a 'messages' column .* nor a 'prompt' column"):
         load_sft([f], tokenizer, max_length=64)
     g = write(tmp_path / "r.parquet", [{"prompt": "a", "response": 5}])
-    with pytest.raises(
-        DataError, match="row 0 column 'response': expected a string response, got int"
-    ):
+    with pytest.raises(DataError, match="row 0 column 'response': expected a string response, got int"):
         load_sft([g], tokenizer, max_length=64)
     h = write(tmp_path / "h.parquet", [{"prompt": "a", "response": "b" * 200}])
     with pytest.raises(DataError, match=r"row 0: \d+ tokens > max_length=64"):
@@ -164,6 +156,4 @@ def test_pad_sides():
 def test_train_split_disjoint_from_test(tokenizer):
     train, _ = load_prompts([TASK_TRAIN], tokenizer, max_prompt_length=64)
     test, _ = load_prompts([TASK_TEST], tokenizer, max_prompt_length=64)
-    assert not {r["messages"][0]["content"] for r in train} & {
-        r["messages"][0]["content"] for r in test
-    }
+    assert not {r["messages"][0]["content"] for r in train} & {r["messages"][0]["content"] for r in test}

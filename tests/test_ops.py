@@ -39,9 +39,7 @@ def test_logprobs_match_log_softmax_across_chunks(monkeypatch, dtype):
     assert torch.allclose(out, ref, atol=1e-5)
     out.sum().backward()
     ref.sum().backward()
-    assert torch.allclose(
-        logits.grad.float(), ref_logits.grad, atol=1e-2 if dtype == torch.bfloat16 else 1e-6
-    )
+    assert torch.allclose(logits.grad.float(), ref_logits.grad, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
 
 
 def test_entropy_matches_naive(monkeypatch):

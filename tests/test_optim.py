@@ -10,19 +10,12 @@ def test_warmup_then_constant():
 
 
 def test_cosine_reaches_min_lr():
-    f = [
-        lr_factor(s, kind="cosine", total_steps=11, warmup_steps=1, min_lr_ratio=0.1)
-        for s in range(11)
-    ]
+    f = [lr_factor(s, kind="cosine", total_steps=11, warmup_steps=1, min_lr_ratio=0.1) for s in range(11)]
     # As in transformers/verl, the decay reaches min_lr one step after the last step.
     assert f[0] == 1.0 and f[-1] > 0.1
-    assert lr_factor(
-        11, kind="cosine", total_steps=11, warmup_steps=1, min_lr_ratio=0.1
-    ) == pytest.approx(0.1)
+    assert lr_factor(11, kind="cosine", total_steps=11, warmup_steps=1, min_lr_ratio=0.1) == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(f, f[1:]))
-    assert f[6] == pytest.approx(
-        0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * 0.5)).item())
-    )
+    assert f[6] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * 0.5)).item()))
 
 
 def test_wsd_is_stable_then_decays():

@@ -88,9 +88,7 @@ def test_smoke_checkpoint_and_export_reload(tmp_path, small_val, tokenizer):
     dist = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     load_checkpoint(ckpt, model=restored, optimizer=opt, scheduler=sched, dist=dist)
     with torch.no_grad():
-        assert torch.allclose(
-            restored(input_ids=ids, attention_mask=attention).logits, logits, atol=1e-5
-        )
+        assert torch.allclose(restored(input_ids=ids, attention_mask=attention).logits, logits, atol=1e-5)
     assert sched.last_epoch == 6 and len(opt.state) > 0
 
 
@@ -107,20 +105,14 @@ def test_kill_and_resume_continues_exactly(tmp_path, small_val):
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
-    while (
-        not (run / "checkpoints" / "step_10").is_dir()
-        and time.time() < deadline
-        and proc.poll() is None
-    ):
+    while not (run / "checkpoints" / "step_10").is_dir() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.02)
     still_running = proc.poll() is None
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert still_running, "the run finished before it could be killed; the test would prove nothing"
     saved = sorted(
-        int(p.name.split("_")[1])
-        for p in (run / "checkpoints").glob("step_*")
-        if not p.name.endswith(".tmp")
+        int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*") if not p.name.endswith(".tmp")
     )
     resumed_from = saved[-1]
     assert 10 <= resumed_from < 40
@@ -167,9 +159,7 @@ def test_micro_batch_and_checkpointing_invariance(tmp_path, small_val, single_pr
         ),
     )
     assert losses(out) == pytest.approx(losses(single_process_run), rel=1e-5)
-    assert losses(out, "train/grad_norm") == pytest.approx(
-        losses(single_process_run, "train/grad_norm"), rel=1e-4
-    )
+    assert losses(out, "train/grad_norm") == pytest.approx(losses(single_process_run, "train/grad_norm"), rel=1e-4)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
@@ -192,9 +182,7 @@ def test_two_processes_match_one(tmp_path, odd_val, single_process_run, strategy
     else:
         assert local == [run["params_full"]] * 2
     assert losses(out) == pytest.approx(losses(single_process_run), rel=1e-4)
-    assert losses(out, "train/grad_norm") == pytest.approx(
-        losses(single_process_run, "train/grad_norm"), rel=1e-3
-    )
+    assert losses(out, "train/grad_norm") == pytest.approx(losses(single_process_run, "train/grad_norm"), rel=1e-3)
     assert (out / "checkpoints" / "step_3" / "hf" / "model.safetensors").is_file()
     got, want = read_metrics(out)[-1], read_metrics(single_process_run)[-1]
     assert got["val/loss"] == pytest.approx(want["val/loss"], rel=1e-4)
@@ -245,9 +233,7 @@ def test_shipped_checkpoint_sits_at_moderate_accuracy(tokenizer):
     from common.rewards import default_compute_score
     from common.rollout import hf_generate_greedy
 
-    model = AutoModelForCausalLM.from_pretrained(
-        ROOT / "bundled" / "tiny-qwen2-sft", dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "bundled" / "tiny-qwen2-sft", dtype=torch.float32)
     rows, _ = load_prompts([TASK_TEST], tokenizer, max_prompt_length=64)
     completions = hf_generate_greedy(
         model,
@@ -259,9 +245,7 @@ def test_shipped_checkpoint_sits_at_moderate_accuracy(tokenizer):
         device="cpu",
     )
     scores = [
-        default_compute_score(
-            r["data_source"], tokenizer.decode(c, skip_special_tokens=True), r["ground_truth"]
-        )
+        default_compute_score(r["data_source"], tokenizer.decode(c, skip_special_tokens=True), r["ground_truth"])
         for r, c in zip(rows, completions)
     ]
     assert 0.40 <= sum(scores) / len(scores) <= 0.60
@@ -306,9 +290,7 @@ def write(path, rows):
 )
 def test_bad_input_fails_before_model_loads(tmp_path, sft_no_model, rows, flags, expected):
     f = write(tmp_path / "bad.parquet", rows)
-    args = sft_no_model.Args(
-        train_files=(f,), val_files=(), output_dir=str(tmp_path / "o"), **flags
-    )
+    args = sft_no_model.Args(train_files=(f,), val_files=(), output_dir=str(tmp_path / "o"), **flags)
     with pytest.raises((DataError, ValueError)) as err:
         sft_no_model.main(args)
     assert expected in str(err.value)
@@ -320,9 +302,7 @@ def test_empty_file_fails_before_model_loads(tmp_path, sft_no_model):
     empty = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
     with pytest.raises(DataError, match="empty.parquet' has no rows"):
-        sft_no_model.main(
-            sft_no_model.Args(train_files=(str(empty),), output_dir=str(tmp_path / "o"))
-        )
+        sft_no_model.main(sft_no_model.Args(train_files=(str(empty),), output_dir=str(tmp_path / "o")))
 
 
 def test_missing_model_folder_is_named(tmp_path):

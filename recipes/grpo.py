@@ -1,0 +1,522 @@
+"""GRPO: group-relative policy optimisation (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300).
+
+For every prompt, sample rollout_n responses; a response's advantage is its reward standardised
+within its group, and the policy climbs a PPO-style clipped surrogate. How this file departs
+from the paper (and matches verl's defaults):
+1. Outcome reward only: one score per response, broadcast to every response token.
+2. Advantage (r - mean_group) / (std_group + eps) with the unbiased std; a group of one uses mean 0
+   and std 1; --no-norm-adv-by-std-in-grpo gives Dr.GRPO's r - mean.
+3. No KL by default (--use-kl-loss adds it to the loss, never to the reward); the clip may be
+   asymmetric (DAPO clip-higher) and negative advantages get dual-clip at clip_ratio_c.
+4. The loss is aggregated by --loss-agg-mode with the token / sequence count of the whole
+   mini-batch (all micro-batches, all ranks), so splitting a batch never changes the gradient.
+5. Old logprobs come from the trainer: the detached logprobs of the update pass when each sample
+   is used once at unchanged weights (one mini-batch, one epoch), else one no-grad pass first.
+6. Optional DAPO pieces: overlong penalty (--overlong-buffer-len) and leaving zero-variance
+   groups out of the loss (--filter-groups, without re-sampling to refill the batch).
+
+Run (the tests run the same commands, shortened):
+    python recipes/grpo.py                    # bundled SFT checkpoint + addition task, CPU
+    torchrun --nproc_per_node 2 recipes/grpo.py --strategy fsdp2
+    accelerate launch --config_file configs/fsdp2.yaml recipes/grpo.py --model Qwen/Qwen2.5-0.5B-Instruct \
+        --train-files ~/data/gsm8k/train.parquet --val-files ~/data/gsm8k/test.parquet --lr 1e-6
+"""
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+
+from common.checkpoint import find_resume, load_checkpoint, save_checkpoint
+from common.config import BUNDLED, DataArgs, ModelArgs, OptimArgs, TrainerArgs, plan_batches
+from common.data import batch_indices, load_prompts, pack_sequences
+from common.model import count_parameters, load_policy, load_tokenizer
+from common.ops import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, masked_mean
+from common.optim import build_optimizer, build_scheduler
+from common.parallel import (
+    all_reduce_sum,
+    barrier,
+    clip_grad_norm,
+    gather_objects,
+    grad_sync,
+    init_distributed,
+    resolve_strategy,
+    seed_everything,
+    shard_evenly,
+    sharding_report,
+    unwrap,
+    wrap_model,
+)  # fmt: skip
+from common.rewards import RewardPool, check_reward_fn, load_reward_fn
+from common.rollout import HFEngine, Sampling
+from common.tracking import Tracker, setup_logging
+
+
+# --- config ---------------------------------------------------------------------------------------
+@dataclass
+class Args(TrainerArgs, OptimArgs, DataArgs, ModelArgs):  # flags listed model, data, optim, trainer
+    model: str = str(BUNDLED / "tiny-qwen2-sft")
+    """policy: a local Hugging Face folder or a hub name"""
+    max_prompt_length: int = 64
+    """prompt tokens after the chat template (longer ones follow --truncation)"""
+    max_response_length: int = 16
+    """generated tokens per response"""
+    filter_overlong_prompts: bool = False
+    """drop (and count) prompts longer than max_prompt_length instead of truncating / failing"""
+    train_batch_size: int = 16
+    """prompts per step, over all processes"""
+    rollout_n: int = 16
+    """responses sampled per prompt (the group)"""
+    ppo_mini_batch_size: int = 16
+    """prompts per optimizer step; train_batch_size / ppo_mini_batch_size updates per step"""
+    micro_batch_size_per_gpu: int = 64
+    """sequences per forward/backward pass on one process"""
+    ppo_epochs: int = 1
+    """passes over each step's samples"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer scales logits by it too)"""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 disables top-k"""
+    val_temperature: float = 0.0
+    """validation sampling; 0 is greedy"""
+    val_n: int = 1
+    """validation responses per prompt"""
+    norm_adv_by_std_in_grpo: bool = True
+    """divide by the group std (off: Dr.GRPO)"""
+    clip_ratio: float = 0.2
+    """PPO clip range; clip_ratio_low / clip_ratio_high override each side"""
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    """DAPO clip-higher uses e.g. 0.28"""
+    clip_ratio_c: float = 3.0
+    """dual-clip bound for negative advantages (> 1)"""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """how per-token losses become one number"""
+    use_kl_loss: bool = False
+    """add a KL(policy || reference) term to the loss"""
+    kl_loss_coef: float = 0.001
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    entropy_coeff: float = 0.0
+    """entropy bonus weight"""
+    overlong_buffer_len: int = 0
+    """DAPO overlong penalty: tokens before max_response_length where the penalty ramps up (0: off)"""
+    overlong_penalty_factor: float = 1.0
+    """DAPO overlong penalty at max_response_length"""
+    filter_groups: bool = False
+    """leave groups whose rewards are all equal (zero advantage) out of the loss denominators"""
+    reward_fn: str | None = None
+    """path/to/file.py[:name] with verl's compute_score signature (default: built-ins by data_source)"""
+    reward_timeout: float = 10.0
+    """seconds one sample may take to score before it gets 0"""
+    reward_workers: int = 2
+    """reward worker processes per rank"""
+    reward_model: str | None = None
+    """AutoModelForSequenceClassification folder / hub name; replaces the rule-based score"""
+    lr: float = 2e-4
+    """peak learning rate (AdamW)"""
+    lr_scheduler: Literal["constant", "cosine", "wsd"] = "cosine"
+    """lr after warmup: constant, cosine decay, or warmup-stable-decay"""
+    total_training_steps: int | None = 80
+    """stop after this many steps (None: total_epochs over the training prompts)"""
+    test_freq: int = 20
+    """validate every N steps (-1: only at the end); 0 never validates"""
+    val_before_train: bool = True
+    """validate once before the first step"""
+    val_batch_size: int = 256
+    """prompts per generate call in validation"""
+
+
+# --- the algorithm ------------------------------------------------------------------------------------
+def compute_advantages(rewards, group_ids, response_mask, norm_by_std=True, eps=1e-6):
+    """GRPO outcome advantage: (r - mean_g) / (std_g + eps), broadcast over response tokens.
+
+    rewards (B,), group_ids (B,) ints (equal for responses to the same prompt), response_mask
+    (B, T). std is unbiased (n-1); a group of one has mean 0, std 1. norm_by_std=False: r - mean_g.
+    Returns (B, T), zero on padding.
+    """
+    scores = torch.zeros_like(rewards, dtype=torch.float32)
+    for g in torch.unique(group_ids):
+        idx = group_ids == g
+        r = rewards[idx].float()
+        mean, std = (r.mean(), r.std()) if r.numel() > 1 else (r.new_tensor(0.0), r.new_tensor(1.0))
+        scores[idx] = (r - mean) / (std + eps) if norm_by_std else r - mean
+    return scores.unsqueeze(-1) * response_mask
+
+
+def compute_loss(
+    new_logprobs, old_logprobs, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
+    clip_ratio_c, loss_agg_mode, ref_logprobs=None, kl_loss_coef=0.0, kl_loss_type="low_var_kl",
+    entropy=None, entropy_coeff=0.0, num_tokens=None, num_seqs=None, norm_constant=None,
+):  # fmt: skip
+    """Clipped surrogate with dual-clip, plus optional KL-to-reference and entropy terms.
+
+    All tensors (B, T). ratio = exp(clamp(new - old, +-20)); per token
+        pg = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))
+        pg = min(pg, -A * clip_ratio_c)  where A < 0  (dual-clip bounds the loss of bad samples)
+    loss = agg(pg) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl(new, ref)), each agg
+    by loss_agg_mode over num_tokens / num_seqs (see common.ops.agg_loss). Returns (loss, metrics).
+    """
+    mask = response_mask
+    agg = dict(mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant)
+    log_ratio = torch.clamp(new_logprobs - old_logprobs, min=-20.0, max=20.0)  # exp overflow guard
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    pg = torch.maximum(loss_unclipped, loss_clipped)
+    dual = -advantages * clip_ratio_c
+    pg_dual = torch.where(advantages < 0, torch.minimum(pg, dual), pg)
+    loss = agg_loss(pg_dual, mask, **agg)
+    metrics = {
+        "policy/pg_loss": loss.detach(),
+        "policy/clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
+        "policy/clipfrac_dual": masked_mean(((pg > dual) & (advantages < 0)).float(), mask),
+        "policy/approx_kl": masked_mean(-log_ratio.detach(), mask),
+    }
+    if entropy is not None:
+        if entropy_coeff:
+            loss = loss - entropy_coeff * agg_loss(entropy, mask, **agg)
+        metrics["policy/entropy"] = masked_mean(entropy.detach(), mask)
+    if ref_logprobs is not None:
+        kl = kl_penalty(new_logprobs, ref_logprobs, kl_loss_type)
+        loss = loss + kl_loss_coef * agg_loss(kl, mask, **agg)
+        metrics["policy/kl_ref"] = masked_mean(kl.detach(), mask)
+    return loss, metrics
+
+
+def overlong_penalty(lengths, max_len, buffer_len, factor):
+    """DAPO soft overlong punishment: 0 until max_len - buffer_len, then down linearly to -factor."""
+    over = (lengths.float() - (max_len - buffer_len)).clamp(min=0)
+    return -factor * over / buffer_len
+
+
+# --- plumbing the loop uses ------------------------------------------------------------------------
+def forward_logprobs(model, batch, rows, temperature, with_entropy=False):
+    """Logprobs (and entropy) of the response tokens of batch[rows] under the model, (b, T).
+    The logits are divided by the sampling temperature, as the sampler did."""
+    T = batch["responses"].shape[1]
+    logits = (
+        model(
+            input_ids=batch["input_ids"][rows],
+            attention_mask=batch["attention_mask"][rows],
+            position_ids=batch["position_ids"][rows],
+        ).logits[:, -T - 1 : -1]
+        / temperature
+    )  # position t predicts token t+1
+    logprobs = logprobs_from_logits(logits, batch["responses"][rows])
+    return logprobs, (entropy_from_logits(logits) if with_entropy else None)
+
+
+def score_and_log_validation(engine, pool, tokenizer, val, sampling, dist):
+    """Sample val responses, score them, and return val/* metrics per data_source."""
+    local, n_real = shard_evenly(val, dist)
+    completions = engine.generate([r["prompt_ids"] for r in local], sampling)[:n_real]
+    tasks, sources = [], []
+    for row, group in zip(local[:n_real], completions):
+        for c in group:
+            tasks.append(
+                (
+                    row["data_source"],
+                    tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                    row["ground_truth"],
+                    row["extra_info"],
+                )
+            )
+            sources.append(row["data_source"])
+    scored = pool.score(tasks)
+    # accuracy: a result's own "acc" key when it has one, else score > 0
+    hits = [e.get("acc", float(s > 0)) for s, e in zip(scored.scores, scored.extras)]
+    results = [r for part in gather_objects(list(zip(sources, scored.scores, hits))) for r in part]
+    metrics = {
+        "val/reward/mean": sum(s for _, s, _ in results) / len(results),
+        "val/accuracy": sum(h for *_, h in results) / len(results),
+    }
+    for source in sorted({d for d, *_ in results}):
+        mine = [(s, h) for d, s, h in results if d == source]
+        metrics[f"val/accuracy/{source}"] = sum(h for _, h in mine) / len(mine)
+    return metrics
+
+
+# --- main ---------------------------------------------------------------------------------------
+def main(args: Args) -> dict:
+    # Setup: process group, batch arithmetic (before any model loads), seeds.
+    dist = init_distributed()
+    setup_logging(dist.rank)
+    plan = plan_batches(
+        world_size=dist.world_size, train_batch_size=args.train_batch_size, rollout_n=args.rollout_n,
+        mini_batch_size=args.ppo_mini_batch_size, micro_batch_size_per_gpu=args.micro_batch_size_per_gpu,
+    )  # fmt: skip
+    clip_low = args.clip_ratio if args.clip_ratio_low is None else args.clip_ratio_low
+    clip_high = args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
+    if args.clip_ratio_c <= 1:
+        raise ValueError(f"clip_ratio_c={args.clip_ratio_c} must be > 1 (dual-clip bound)")
+    name = args.experiment_name or "grpo"
+    run_dir = Path(args.output_dir or f"runs/{name}")
+    seed_everything(args.seed + dist.rank)  # ranks sample different responses
+
+    # Data and rewards, checked before the model loads.
+    tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
+    prompt_kwargs = dict(
+        prompt_key=args.prompt_key,
+        max_prompt_length=args.max_prompt_length,
+        truncation=args.truncation,
+        filter_overlong_prompts=args.filter_overlong_prompts,
+    )
+    train, train_stats = load_prompts(args.train_files, tokenizer, **prompt_kwargs, what="train_files")
+    val, _ = (
+        load_prompts(args.val_files, tokenizer, **prompt_kwargs, what="val_files") if args.val_files else ([], None)
+    )
+    if args.reward_model is None:
+        check_reward_fn(load_reward_fn(args.reward_fn), (train[:2] + val[:2]), args.reward_fn)
+    pool = RewardPool(args.reward_fn, workers=args.reward_workers, timeout=args.reward_timeout)
+    steps_per_epoch = len(train) // args.train_batch_size
+    total_steps = args.total_training_steps or args.total_epochs * steps_per_epoch
+
+    # Models: the policy; the reference only for the KL loss (with LoRA: the adapter switched off).
+    strategy = resolve_strategy(args.strategy)
+    model_kwargs = dict(dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    model = load_policy(
+        args.model, **model_kwargs, gradient_checkpointing=args.gradient_checkpointing,
+        lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=args.target_modules,
+    )  # fmt: skip
+    n_params, n_trainable = count_parameters(model)
+    model = wrap_model(model, strategy, dist)
+    ref = None
+    if args.use_kl_loss and args.lora_rank == 0:
+        ref = load_policy(args.model, **model_kwargs).eval().requires_grad_(False)
+        ref = wrap_model(ref, "fsdp2", dist) if strategy == "fsdp2" else ref.to(dist.device)
+    engine = HFEngine(
+        model,
+        pad_id=tokenizer.pad_token_id,
+        eos_ids=[tokenizer.eos_token_id],
+        device=dist.device,
+        world_size=dist.world_size,
+        batch_size=args.val_batch_size,
+    )
+    sampling = Sampling(
+        n=args.rollout_n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_response_length,
+    )
+    val_sampling = Sampling(
+        n=args.val_n,
+        temperature=args.val_temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_response_length,
+    )
+    reward_model = None
+    if args.reward_model:
+        from common.rewards import RewardModel
+
+        reward_model = RewardModel(
+            args.reward_model,
+            tokenizer,
+            device=dist.device,
+            trust_remote_code=args.trust_remote_code,
+        )
+
+    optimizer = build_optimizer(model, args.lr, args.weight_decay, args.betas)
+    scheduler = build_scheduler(
+        optimizer,
+        kind=args.lr_scheduler,
+        total_steps=total_steps,
+        warmup_ratio=args.lr_warmup_steps_ratio,
+        min_lr_ratio=args.min_lr_ratio,
+    )
+    start_step, resume_from = 0, find_resume(args.resume, run_dir)
+    if resume_from is not None:
+        start_step = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)[
+            "step"
+        ]
+    if start_step >= total_steps:
+        if dist.is_main:
+            print(
+                f"{resume_from} already completed all {total_steps} steps: nothing to train. Use --resume disable (or another --output-dir) to start over, or a larger --total-training-steps to train further."
+            )
+        pool.close()
+        return {"steps": 0}
+    run_info = sharding_report(model, strategy, dist)
+    tracker = Tracker(
+        run_dir, loggers=args.logger, project=args.project_name, experiment=name, is_main=dist.is_main,
+        config={**dataclasses.asdict(args), "run": run_info}, total_steps=total_steps,
+        start_step=start_step, bar_keys=("reward/mean", "val/accuracy"),
+    )  # fmt: skip
+    tracker.write(
+        f"{train_stats.summary('train')}; {total_steps} steps of {args.train_batch_size} prompts x {args.rollout_n}"
+        + (f"; resumed from {resume_from}" if resume_from else "")
+        + f"\nmodel {args.model}: {n_params / 1e6:.2f}M params ({n_trainable / 1e6:.2f}M trainable), {run_info['strategy']} on "
+        f"{dist.world_size} x {dist.device.type}; {plan.mini_batches_per_step} update(s)/step of {plan.grad_accum} micro-batch(es)"
+    )
+
+    first_val, val_metrics, t_start = {}, {}, time.time()
+    if val and args.val_before_train and start_step == 0:
+        first_val = val_metrics = score_and_log_validation(engine, pool, tokenizer, val, val_sampling, dist)
+        tracker.log(val_metrics, step=0)
+    # The old logprobs may come free from the update pass only if every sample is used once, at
+    # the weights that sampled it.
+    separate_old_pass = plan.mini_batches_per_step > 1 or args.ppo_epochs > 1
+    for step in range(start_step, total_steps):
+        timing, t0 = {}, time.time()
+        # 1. sample prompts: this rank's share of the global batch
+        epoch, indices = batch_indices(step, len(train), args.train_batch_size, args.seed, args.shuffle)
+        prompts = [train[i] for i in indices[dist.rank :: dist.world_size]]
+
+        # 2. generate rollout_n responses per prompt with the live policy
+        t = time.time()
+        groups = engine.generate([p["prompt_ids"] for p in prompts], sampling)
+        rows = [(g, p, c) for g, (p, group) in enumerate(zip(prompts, groups)) for c in group]
+        batch = pack_sequences(
+            [p["prompt_ids"] for _, p, _ in rows],
+            [c.token_ids for *_, c in rows],
+            tokenizer.pad_token_id,
+            dist.device,
+        )
+        group_ids = torch.tensor([g for g, _, _ in rows], device=dist.device)
+        mask = batch["response_mask"].float()  # (B, T)
+        lengths = mask.sum(-1)
+        timing["perf/generate_s"] = time.time() - t
+
+        # 3. score
+        t = time.time()
+        texts = tokenizer.batch_decode([c.token_ids for *_, c in rows], skip_special_tokens=True)
+        scored = pool.score(
+            [(p["data_source"], text, p["ground_truth"], p["extra_info"]) for (_, p, _), text in zip(rows, texts)]
+        )
+        rewards = torch.tensor(scored.scores, device=dist.device)  # (B,)
+        if reward_model is not None:
+            rewards = reward_model.score([p["messages"] for _, p, _ in rows], texts, batch).to(dist.device)
+        if args.overlong_buffer_len:
+            rewards = rewards + overlong_penalty(
+                lengths,
+                args.max_response_length,
+                args.overlong_buffer_len,
+                args.overlong_penalty_factor,
+            )
+        timing["perf/score_s"] = time.time() - t
+
+        # 4. old / ref logprobs (no grad), in micro-batches
+        t = time.time()
+        micro = args.micro_batch_size_per_gpu
+        chunks = [slice(k, k + micro) for k in range(0, len(rows), micro)]
+        old_logprobs = ref_logprobs = None
+        with torch.no_grad():
+            if separate_old_pass:
+                old_logprobs = torch.cat([forward_logprobs(model, batch, s, args.temperature)[0] for s in chunks])
+            if args.use_kl_loss:
+                with unwrap(model).disable_adapter() if ref is None else torch.enable_grad():
+                    ref_logprobs = torch.cat(
+                        [forward_logprobs(ref or model, batch, s, args.temperature)[0] for s in chunks]
+                    )
+        timing["perf/logprobs_s"] = time.time() - t
+
+        # 5. advantages: standardised within each prompt's group
+        advantages = compute_advantages(rewards, group_ids, mask, norm_by_std=args.norm_adv_by_std_in_grpo)
+        loss_mask = mask.clone()
+        if args.filter_groups:  # DAPO: all-equal groups carry no signal; keep them out of the means
+            for g in torch.unique(group_ids):
+                if torch.all(rewards[group_ids == g] == rewards[group_ids == g][0]):
+                    loss_mask[group_ids == g] = 0
+
+        # 6. update: ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch
+        t = time.time()
+        stats, grad_norms = [], []
+        for _ in range(args.ppo_epochs):
+            for m in range(plan.mini_batches_per_step):
+                mb = slice(m * plan.local_mini_batch, (m + 1) * plan.local_mini_batch)
+                # Normalise by the whole mini-batch (every micro-batch, every rank), not per micro-batch.
+                num_tokens = all_reduce_sum(loss_mask[mb].sum())
+                num_seqs = all_reduce_sum((loss_mask[mb].sum(-1) > 0).sum().float())
+                micro_slices = [slice(k, min(k + micro, mb.stop)) for k in range(mb.start, mb.stop, micro)]
+                for k, s in enumerate(micro_slices):
+                    with grad_sync(model, enabled=k == len(micro_slices) - 1):
+                        new_logprobs, entropy = forward_logprobs(model, batch, s, args.temperature, with_entropy=True)
+                        old = old_logprobs[s] if old_logprobs is not None else new_logprobs.detach()
+                        loss, metrics = compute_loss(
+                            new_logprobs, old, advantages[s], loss_mask[s], clip_ratio_low=clip_low,
+                            clip_ratio_high=clip_high, clip_ratio_c=args.clip_ratio_c,
+                            loss_agg_mode=args.loss_agg_mode, entropy=entropy, entropy_coeff=args.entropy_coeff,
+                            ref_logprobs=None if ref_logprobs is None else ref_logprobs[s],
+                            kl_loss_coef=args.kl_loss_coef, kl_loss_type=args.kl_loss_type,
+                            num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=args.max_response_length,
+                        )  # fmt: skip
+                        # DDP and FSDP2 average gradients over ranks; the loss is already a global mean.
+                        (loss * dist.world_size).backward()
+                    stats.append((mask[s].sum().item(), {k: float(v) for k, v in metrics.items()}))
+                grad_norms.append(clip_grad_norm(model, args.grad_clip))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        engine.update_weights(step + 1)
+        timing["perf/update_s"] = time.time() - t
+
+        # 7. log (rewards and lengths gathered from every rank)
+        everything = [
+            r
+            for part in gather_objects(
+                list(zip(rewards.tolist(), lengths.tolist(), [p["data_source"] for _, p, _ in rows]))
+            )
+            for r in part
+        ]
+        all_rewards = torch.tensor([r for r, _, _ in everything])
+        all_lengths = torch.tensor([n for _, n, _ in everything])
+        weight = sum(w for w, _ in stats) or 1.0
+        metrics = {k: sum(w * m[k] for w, m in stats) / weight for k in stats[0][1]}
+        metrics.update({
+            "reward/mean": all_rewards.mean().item(), "reward/std": all_rewards.std().item() if len(all_rewards) > 1 else 0.0,
+            "reward/errors": all_reduce_sum(torch.tensor(float(scored.errors))).item(),
+            "reward/timeouts": all_reduce_sum(torch.tensor(float(scored.timeouts))).item(),
+            "response/length_mean": all_lengths.float().mean().item(), "response/length_max": all_lengths.max().item(),
+            "response/clip_ratio": (all_lengths >= args.max_response_length).float().mean().item(),
+            "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/lr": lr, "train/epoch": epoch,
+            **timing, "perf/step_s": time.time() - t0,
+            "perf/tokens_per_s": all_reduce_sum(batch["attention_mask"].sum().float()).item() / (time.time() - t0),
+        })  # fmt: skip
+        for source in sorted({d for *_, d in everything}):
+            metrics[f"reward/{source}"] = sum(r for r, _, d in everything if d == source) / sum(
+                1 for *_, d in everything if d == source
+            )
+
+        # 8. validate / save
+        done = step + 1
+        if val and args.test_freq != 0 and (done == total_steps or (args.test_freq > 0 and done % args.test_freq == 0)):
+            val_metrics = score_and_log_validation(engine, pool, tokenizer, val, val_sampling, dist)
+            metrics.update(val_metrics)
+        tracker.log(metrics, step=done)
+        tracker.advance()
+        if args.save_freq != 0 and (done == total_steps or (args.save_freq > 0 and done % args.save_freq == 0)):
+            save_checkpoint(
+                run_dir, done, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer, dist=dist,
+                keep=args.max_ckpt_to_keep, merged_lora=args.export_merged_lora, trainer_state={"epoch": done // steps_per_epoch, "batch_in_epoch": done % steps_per_epoch},
+            )  # fmt: skip
+
+    barrier()
+    pool.close()
+    tracker.close(
+        plot_keys=(
+            "reward/mean",
+            "val/accuracy",
+            "response/length_mean",
+            "policy/*",
+            "train/grad_norm",
+        )
+    )
+    summary = {"steps": total_steps - start_step, "seconds": time.time() - t_start, **val_metrics}
+    if "val/accuracy" in val_metrics:
+        before = f"{first_val['val/accuracy']:.1%} -> " if "val/accuracy" in first_val else ""
+        tracker.write(f"val accuracy {before}{val_metrics['val/accuracy']:.1%}")
+    tracker.write(f"{summary['steps']} steps in {summary['seconds']:.0f}s; run folder {run_dir}")
+    return summary
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
