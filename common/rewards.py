@@ -271,3 +271,52 @@ class RewardPool:
                 proc.kill()
             conn.close()
         self.workers = []
+
+
+# --- reward model -------------------------------------------------------------------------------
+
+
+class RewardModel:
+    """An AutoModelForSequenceClassification scoring whole conversations (one logit each).
+
+    With the policy's tokenizer and chat template, the sampled token ids are scored as they are;
+    otherwise each conversation is decoded to text and re-rendered with the reward model's own
+    chat template and tokenizer (verl's return_raw_input_ids case).
+    """
+
+    def __init__(self, path: str, policy_tokenizer, device, trust_remote_code: bool = False, batch_size: int = 64):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.torch, self.device, self.batch_size = torch, device, batch_size
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.model.to(device).eval().requires_grad_(False)
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.same_tokens = (
+            self.tokenizer.get_vocab() == policy_tokenizer.get_vocab()
+            and self.tokenizer.chat_template == policy_tokenizer.chat_template
+        )
+
+    def inputs(self, messages: list[list[dict]], responses: list[str], prompt_ids, response_ids) -> list[list[int]]:
+        if self.same_tokens:
+            return [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
+        texts = [
+            self.tokenizer.apply_chat_template(m + [{"role": "assistant", "content": r}], tokenize=False)
+            for m, r in zip(messages, responses)
+        ]
+        return [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+    def score(self, messages, responses, prompt_ids, response_ids):
+        from common.data import pad
+
+        ids = self.inputs(messages, responses, prompt_ids, response_ids)
+        out = []
+        with self.torch.no_grad():
+            for start in range(0, len(ids), self.batch_size):
+                chunk = ids[start : start + self.batch_size]
+                input_ids = pad(chunk, self.model.config.pad_token_id).to(self.device)
+                attention = pad([[1] * len(x) for x in chunk], 0).to(self.device)
+                out.append(self.model(input_ids=input_ids, attention_mask=attention).logits[:, 0].float())
+        return self.torch.cat(out)

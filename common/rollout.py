@@ -17,7 +17,7 @@ import torch
 from transformers import GenerationConfig
 
 from common.data import pad
-from common.parallel import is_fsdp, unwrap
+from common.parallel import gather_objects, is_fsdp, shard_evenly, unwrap
 
 
 @dataclass(frozen=True)
@@ -134,3 +134,25 @@ def hf_generate_greedy(
     )
     completions = engine.generate(prompts, Sampling(n=1, temperature=0, max_tokens=max_new_tokens))
     return [c[0].token_ids for c in completions]
+
+
+def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist) -> dict:
+    """Sample responses to every row (sharded over ranks), score them, and return val/* metrics:
+    the mean reward, and the accuracy overall and per data_source (a result's own "acc" key when
+    it has one, else score > 0)."""
+    local, n_real = shard_evenly(rows, dist)
+    completions = engine.generate([r["prompt_ids"] for r in local], sampling)[:n_real]
+    pairs = [(row, c) for row, group in zip(local[:n_real], completions) for c in group]
+    texts = tokenizer.batch_decode([c.token_ids for _, c in pairs], skip_special_tokens=True)
+    scored = pool.score([(r["data_source"], t, r["ground_truth"], r["extra_info"]) for (r, _), t in zip(pairs, texts)])
+    hits = [e.get("acc", float(s > 0)) for s, e in zip(scored.scores, scored.extras)]
+    mine = list(zip([r["data_source"] for r, _ in pairs], scored.scores, hits))
+    results = [x for part in gather_objects(mine) for x in part]
+    metrics = {
+        "val/reward/mean": sum(s for _, s, _ in results) / len(results),
+        "val/accuracy": sum(h for *_, h in results) / len(results),
+    }
+    for source in sorted({d for d, *_ in results}):
+        hits_d = [h for d, _, h in results if d == source]
+        metrics[f"val/accuracy/{source}"] = sum(hits_d) / len(hits_d)
+    return metrics

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
@@ -169,3 +170,26 @@ def plot_curves(metrics_path, out_path, patterns: tuple[str, ...]) -> Path | Non
     fig.savefig(out_path, dpi=90)
     plt.close(fig)
     return Path(out_path)
+
+
+def rollout_metrics(rewards, lengths, truncated, sources, scored) -> dict:
+    """reward/* and response/* over the samples of every rank (gathered; rank order)."""
+    from common.parallel import all_reduce_sum, gather_objects
+
+    rows = [r for part in gather_objects(list(zip(rewards, lengths, truncated, sources))) for r in part]
+    values = torch.tensor([r for r, *_ in rows], dtype=torch.float64)
+    lens = torch.tensor([n for _, n, *_ in rows], dtype=torch.float64)
+    metrics = {
+        "reward/mean": values.mean().item(),
+        "reward/std": values.std().item() if len(rows) > 1 else 0.0,
+        "reward/errors": all_reduce_sum(torch.tensor(float(scored.errors))).item(),
+        "reward/timeouts": all_reduce_sum(torch.tensor(float(scored.timeouts))).item(),
+        "response/length_mean": lens.mean().item(),
+        "response/length_max": lens.max().item(),
+        "response/clip_ratio": sum(t for *_, t, _ in rows) / len(rows),
+    }
+    for source in sorted({d for *_, d in rows}):
+        metrics[f"reward/{source}"] = sum(r for r, *_, d in rows if d == source) / sum(
+            1 for *_, d in rows if d == source
+        )
+    return metrics

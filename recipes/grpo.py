@@ -41,19 +41,17 @@ from common.parallel import (
     all_reduce_sum,
     barrier,
     clip_grad_norm,
-    gather_objects,
     grad_sync,
     init_distributed,
     resolve_strategy,
     seed_everything,
-    shard_evenly,
     sharding_report,
     unwrap,
     wrap_model,
 )  # fmt: skip
 from common.rewards import RewardPool, check_reward_fn, load_reward_fn
-from common.rollout import HFEngine, Sampling
-from common.tracking import Tracker, setup_logging
+from common.rollout import HFEngine, Sampling, evaluate
+from common.tracking import Tracker, rollout_metrics, setup_logging
 
 
 # --- config ---------------------------------------------------------------------------------------
@@ -213,36 +211,6 @@ def forward_logprobs(model, batch, rows, temperature, with_entropy=False):
     return logprobs, (entropy_from_logits(logits) if with_entropy else None)
 
 
-def score_and_log_validation(engine, pool, tokenizer, val, sampling, dist):
-    """Sample val responses, score them, and return val/* metrics per data_source."""
-    local, n_real = shard_evenly(val, dist)
-    completions = engine.generate([r["prompt_ids"] for r in local], sampling)[:n_real]
-    tasks, sources = [], []
-    for row, group in zip(local[:n_real], completions):
-        for c in group:
-            tasks.append(
-                (
-                    row["data_source"],
-                    tokenizer.decode(c.token_ids, skip_special_tokens=True),
-                    row["ground_truth"],
-                    row["extra_info"],
-                )
-            )
-            sources.append(row["data_source"])
-    scored = pool.score(tasks)
-    # accuracy: a result's own "acc" key when it has one, else score > 0
-    hits = [e.get("acc", float(s > 0)) for s, e in zip(scored.scores, scored.extras)]
-    results = [r for part in gather_objects(list(zip(sources, scored.scores, hits))) for r in part]
-    metrics = {
-        "val/reward/mean": sum(s for _, s, _ in results) / len(results),
-        "val/accuracy": sum(h for *_, h in results) / len(results),
-    }
-    for source in sorted({d for d, *_ in results}):
-        mine = [(s, h) for d, s, h in results if d == source]
-        metrics[f"val/accuracy/{source}"] = sum(h for _, h in mine) / len(mine)
-    return metrics
-
-
 # --- main ---------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     # Setup: process group, batch arithmetic (before any model loads), seeds.
@@ -359,7 +327,7 @@ def main(args: Args) -> dict:
 
     first_val, val_metrics, t_start = {}, {}, time.time()
     if val and args.val_before_train and start_step == 0:
-        first_val = val_metrics = score_and_log_validation(engine, pool, tokenizer, val, val_sampling, dist)
+        first_val = val_metrics = evaluate(engine, pool, tokenizer, val, val_sampling, dist)
         tracker.log(val_metrics, step=0)
     # The old logprobs may come free from the update pass only if every sample is used once, at
     # the weights that sampled it.
@@ -393,7 +361,12 @@ def main(args: Args) -> dict:
         )
         rewards = torch.tensor(scored.scores, device=dist.device)  # (B,)
         if reward_model is not None:
-            rewards = reward_model.score([p["messages"] for _, p, _ in rows], texts, batch).to(dist.device)
+            rewards = reward_model.score(
+                [p["messages"] for _, p, _ in rows],
+                texts,
+                [p["prompt_ids"] for _, p, _ in rows],
+                [c.token_ids for *_, c in rows],
+            ).to(dist.device)
         if args.overlong_buffer_len:
             rewards = rewards + overlong_penalty(
                 lengths,
@@ -428,7 +401,7 @@ def main(args: Args) -> dict:
 
         # 6. update: ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch
         t = time.time()
-        stats, grad_norms = [], []
+        stats, grad_norms, loss_sum = [], [], 0.0
         for _ in range(args.ppo_epochs):
             for m in range(plan.mini_batches_per_step):
                 mb = slice(m * plan.local_mini_batch, (m + 1) * plan.local_mini_batch)
@@ -451,6 +424,7 @@ def main(args: Args) -> dict:
                         # DDP and FSDP2 average gradients over ranks; the loss is already a global mean.
                         (loss * dist.world_size).backward()
                     stats.append((mask[s].sum().item(), {k: float(v) for k, v in metrics.items()}))
+                    loss_sum += loss.item()
                 grad_norms.append(clip_grad_norm(model, args.grad_clip))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -459,37 +433,29 @@ def main(args: Args) -> dict:
         engine.update_weights(step + 1)
         timing["perf/update_s"] = time.time() - t
 
-        # 7. log (rewards and lengths gathered from every rank)
-        everything = [
-            r
-            for part in gather_objects(
-                list(zip(rewards.tolist(), lengths.tolist(), [p["data_source"] for _, p, _ in rows]))
-            )
-            for r in part
-        ]
-        all_rewards = torch.tensor([r for r, _, _ in everything])
-        all_lengths = torch.tensor([n for _, n, _ in everything])
+        # 7. log
         weight = sum(w for w, _ in stats) or 1.0
         metrics = {k: sum(w * m[k] for w, m in stats) / weight for k in stats[0][1]}
+        metrics.update(
+            rollout_metrics(
+                rewards.tolist(),
+                lengths.tolist(),
+                [c.finish_reason == "length" for *_, c in rows],
+                [p["data_source"] for _, p, _ in rows],
+                scored,
+            )
+        )
         metrics.update({
-            "reward/mean": all_rewards.mean().item(), "reward/std": all_rewards.std().item() if len(all_rewards) > 1 else 0.0,
-            "reward/errors": all_reduce_sum(torch.tensor(float(scored.errors))).item(),
-            "reward/timeouts": all_reduce_sum(torch.tensor(float(scored.timeouts))).item(),
-            "response/length_mean": all_lengths.float().mean().item(), "response/length_max": all_lengths.max().item(),
-            "response/clip_ratio": (all_lengths >= args.max_response_length).float().mean().item(),
+            "train/loss": all_reduce_sum(torch.tensor(loss_sum)).item() / len(grad_norms),
             "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/lr": lr, "train/epoch": epoch,
             **timing, "perf/step_s": time.time() - t0,
             "perf/tokens_per_s": all_reduce_sum(batch["attention_mask"].sum().float()).item() / (time.time() - t0),
         })  # fmt: skip
-        for source in sorted({d for *_, d in everything}):
-            metrics[f"reward/{source}"] = sum(r for r, _, d in everything if d == source) / sum(
-                1 for *_, d in everything if d == source
-            )
 
         # 8. validate / save
         done = step + 1
         if val and args.test_freq != 0 and (done == total_steps or (args.test_freq > 0 and done % args.test_freq == 0)):
-            val_metrics = score_and_log_validation(engine, pool, tokenizer, val, val_sampling, dist)
+            val_metrics = evaluate(engine, pool, tokenizer, val, val_sampling, dist)
             metrics.update(val_metrics)
         tracker.log(metrics, step=done)
         tracker.advance()

@@ -1,0 +1,131 @@
+import logging
+
+import pytest
+import torch
+from conftest import TINY
+
+from common.rewards import (
+    RewardModel,
+    RewardPool,
+    check_reward_fn,
+    default_compute_score,
+    gsm8k_score,
+    load_reward_fn,
+    math_score,
+    score_value,
+)
+
+BAD_FN = """
+import os, time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "hang":
+        while True:
+            pass
+    if solution_str == "sleep":
+        time.sleep(60)
+    if solution_str == "boom":
+        raise RuntimeError("boom in reward")
+    if solution_str == "exit":
+        os._exit(3)
+    if solution_str == "text":
+        return "not a number"
+    return {"score": float(solution_str == ground_truth), "acc": 1.0, "note": "ignored"}
+"""
+
+
+@pytest.fixture
+def bad_fn(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(BAD_FN)
+    return str(path)
+
+
+def test_builtins():
+    assert default_compute_score("bundled/addition", "<answer>12</answer>", "12") == 1.0
+    assert default_compute_score("bundled/addition", "<answer>1</answer><answer>12</answer>", "12") == 1.0
+    assert default_compute_score("bundled/addition", "12", "12") == 0.0
+    assert gsm8k_score("so #### 1,234.", "1234") == 1.0
+    assert gsm8k_score("the answer is 72", "72") == 0.0
+    assert gsm8k_score("the answer is 72", "72", method="flexible") == 1.0
+    assert default_compute_score("openai/gsm8k", "#### 5", "6") == 0.0
+    assert math_score("thus $\\boxed{\\frac{1}{2}}$", "0.5") == 1.0
+    assert default_compute_score("lighteval/MATH", "\\boxed{3}", "4") == 0.0
+    assert default_compute_score("format", " <answer>x</answer> ", None) == 1.0
+    with pytest.raises(ValueError, match="no built-in reward for data_source='mystery'.*--reward-fn"):
+        default_compute_score("mystery", "a", "b")
+
+
+def test_score_value_rejects_non_numbers():
+    assert score_value({"score": 1, "acc": 0}) == 1.0
+    for bad in ("1", None, float("nan"), {"acc": 1}, True):
+        with pytest.raises((TypeError, KeyError)):
+            score_value(bad)
+
+
+def test_load_reward_fn_errors(tmp_path, bad_fn):
+    assert load_reward_fn(None) is default_compute_score
+    assert load_reward_fn(bad_fn)("d", "1", "1") == {"score": 1.0, "acc": 1.0, "note": "ignored"}
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_reward_fn(str(tmp_path / "missing.py"))
+    with pytest.raises(AttributeError, match="defines no function 'nope'"):
+        load_reward_fn(f"{bad_fn}:nope")
+
+
+def test_dry_run_names_the_row_and_error(bad_fn):
+    rows = [{"data_source": "d", "ground_truth": "boom", "extra_info": None, "file": "f.parquet", "row": 3}]
+    with pytest.raises(ValueError, match=r"reward dry run failed .* f.parquet row 3 .*RuntimeError: boom in reward"):
+        check_reward_fn(load_reward_fn(bad_fn), rows, bad_fn)
+    check_reward_fn(load_reward_fn(bad_fn), [dict(rows[0], ground_truth="7")], bad_fn)
+
+
+def test_pool_survives_hangs_exceptions_exits_and_bad_returns(bad_fn, caplog):
+    pool = RewardPool(bad_fn, workers=2, timeout=1.0)
+    try:
+        tasks = [("d", s, "1", None) for s in ("1", "hang", "boom", "exit", "sleep", "text", "0")] + [
+            ("d", "1", "1", None)
+        ] * 20
+        with caplog.at_level(logging.ERROR, logger="common.rewards"):
+            out = pool.score(tasks)
+            again = pool.score([("d", "boom", "1", None), ("d", "1", "1", None)])
+        assert out.scores[:7] == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0] and out.scores[7:] == [1.0] * 20
+        assert (out.timeouts, out.errors) == (2, 3)
+        assert out.extras[0] == {"acc": 1.0} and out.extras[1] == {}
+        assert "boom in reward" in out.first_error
+        assert out.seconds < 10, "hung samples must cost about one timeout, not block"
+        assert again.scores == [0.0, 1.0] and again.errors == 1
+        assert sum("boom in reward" in r.message for r in caplog.records) == 1, "traceback printed once"
+    finally:
+        pool.close()
+
+
+def test_reward_model_reuses_or_retemplates(tmp_path, tokenizer):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(TINY, num_labels=1)
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_config(config)
+    same_dir, other_dir = tmp_path / "rm_same", tmp_path / "rm_other"
+    rm.save_pretrained(same_dir)
+    tokenizer.save_pretrained(same_dir)
+    rm.save_pretrained(other_dir)
+    other = type(tokenizer).from_pretrained(TINY)
+    other.chat_template = "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    other.save_pretrained(other_dir)
+
+    messages = [[{"role": "user", "content": "1+2=?"}]]
+    prompt_ids = [tokenizer.apply_chat_template(messages[0], add_generation_prompt=True, tokenize=False)]
+    prompt_ids = [tokenizer(prompt_ids[0], add_special_tokens=False)["input_ids"]]
+    response_ids = [tokenizer("<answer>3</answer>", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
+
+    same = RewardModel(str(same_dir), tokenizer, device="cpu")
+    assert same.same_tokens
+    assert same.inputs(messages, ["<answer>3</answer>"], prompt_ids, response_ids) == [prompt_ids[0] + response_ids[0]]
+    retemplated = RewardModel(str(other_dir), tokenizer, device="cpu")
+    assert not retemplated.same_tokens
+    (ids,) = retemplated.inputs(messages, ["<answer>3</answer>"], prompt_ids, response_ids)
+    assert other.decode(ids) == "### user: 1+2=?\n### assistant: <answer>3</answer>\n"
+    score = retemplated.score(messages, ["<answer>3</answer>"], prompt_ids, response_ids)
+    with torch.no_grad():
+        direct = rm(input_ids=torch.tensor([ids])).logits[0, 0].float()
+    assert score.shape == (1,) and torch.allclose(score[0], direct, atol=1e-5)
