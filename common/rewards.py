@@ -136,24 +136,6 @@ def score_value(result) -> float:
     return float(value)
 
 
-def check_reward_fn(fn, rows: list[dict], spec: str | None) -> None:
-    """Dry run before the first step: call fn on a few rows in this process and check the type.
-
-    Uses each row's ground truth as a stand-in response, so a bad signature, an import error or a
-    missing built-in shows up now rather than as step-1 zeros.
-    """
-    name = spec or "built-in rewards"
-    for row in rows:
-        args = (row["data_source"], str(row["ground_truth"]), row["ground_truth"], row.get("extra_info"))
-        try:
-            score_value(fn(*args))
-        except Exception as e:
-            raise ValueError(
-                f"reward dry run failed ({name}) on {row.get('file', '?')} row {row.get('row', '?')} "
-                f"(data_source={row['data_source']!r}): {type(e).__name__}: {e}"
-            ) from e
-
-
 # --- the worker pool ----------------------------------------------------------------------------
 
 
@@ -169,9 +151,17 @@ class Scored:
 
 
 def _worker(conn, spec):
-    fn = load_reward_fn(spec)
+    try:
+        fn = load_reward_fn(spec)
+    except BaseException:
+        conn.send(("failed", traceback.format_exc()))
+        return
+    conn.send(("ready", None))
     while True:
-        task = conn.recv()
+        try:
+            task = conn.recv()
+        except EOFError:  # the trainer went away
+            return
         if task is None:
             return
         index, args = task
@@ -185,6 +175,9 @@ def _worker(conn, spec):
             conn.send(reply)
         except Exception:
             conn.send((index, "error", traceback.format_exc()))
+
+
+STARTUP_TIMEOUT = 300.0  # seconds a new worker may take to import the reward function
 
 
 class RewardPool:
@@ -202,10 +195,16 @@ class RewardPool:
         self.printed_error = False
 
     def _start(self):
+        """A new worker, returned once it has loaded the reward function, so that start-up time
+        never counts against a sample's timeout."""
         parent, child = self.ctx.Pipe()
         proc = self.ctx.Process(target=_worker, args=(child, self.spec), daemon=True)
         proc.start()
         child.close()
+        status, detail = parent.recv() if parent.poll(STARTUP_TIMEOUT) else ("failed", "no answer")
+        if status != "ready":
+            proc.kill()
+            raise RuntimeError(f"reward worker for {self.spec or 'built-in rewards'} failed to start: {detail}")
         return [proc, parent]
 
     def _replace(self, worker) -> None:
@@ -259,6 +258,23 @@ class RewardPool:
             for r in results
         ]
         return Scored(scores, extras, errors, timeouts, first_error, time.time() - t0)
+
+    def dry_run(self, rows: list[dict]) -> None:
+        """Score a few rows before the first step, each row's ground truth standing in for a
+        response, under the same timeout as training. Failing on every row (a bad signature or
+        return type, an import error, a data_source without a built-in) is an error now rather
+        than a run of zeros; failing on some rows only is a warning."""
+        scored = self.score(
+            [(r["data_source"], str(r["ground_truth"]), r["ground_truth"], r.get("extra_info")) for r in rows]
+        )
+        failed = scored.errors + scored.timeouts
+        name = self.spec or "built-in rewards"
+        reason = (scored.first_error or "").strip().splitlines()[-1:] or [f"timed out after {self.timeout}s"]
+        where = f"{rows[0].get('file', '?')} row {rows[0].get('row', '?')} (data_source={rows[0]['data_source']!r})"
+        if failed == len(rows):
+            raise ValueError(f"reward dry run failed ({name}) on all {len(rows)} rows, e.g. {where}: {reason[0]}")
+        if failed:
+            log.warning("reward dry run (%s): %d of %d rows failed: %s", name, failed, len(rows), reason[0])
 
     def close(self) -> None:
         for proc, conn in self.workers:

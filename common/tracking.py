@@ -107,9 +107,9 @@ class Tracker:
                 if isinstance(v, int | float):
                     self.tb.add_scalar(k, v, step)
         if self.bar is not None:
-            shown = {
-                k.split("/", 1)[-1]: f"{record[k]:.4g}" for k in self.bar_keys if isinstance(record.get(k), float | int)
-            }
+            # "reward/mean" shows as reward, "train/loss" as loss, "val/accuracy" as val_accuracy
+            label = lambda k: k.removeprefix("train/").removesuffix("/mean").replace("/", "_")  # noqa: E731
+            shown = {label(k): f"{record[k]:.4g}" for k in self.bar_keys if isinstance(record.get(k), float | int)}
             if shown:
                 self.bar.set_postfix(shown, refresh=False)
 

@@ -49,7 +49,7 @@ from common.parallel import (
     unwrap,
     wrap_model,
 )  # fmt: skip
-from common.rewards import RewardPool, check_reward_fn, load_reward_fn
+from common.rewards import RewardPool, load_reward_fn
 from common.rollout import HFEngine, Sampling, evaluate
 from common.tracking import Tracker, rollout_metrics, setup_logging
 
@@ -240,9 +240,10 @@ def main(args: Args) -> dict:
     val, _ = (
         load_prompts(args.val_files, tokenizer, **prompt_kwargs, what="val_files") if args.val_files else ([], None)
     )
-    if args.reward_model is None:
-        check_reward_fn(load_reward_fn(args.reward_fn), (train[:2] + val[:2]), args.reward_fn)
+    load_reward_fn(args.reward_fn)  # a missing file or function fails here, with its name
     pool = RewardPool(args.reward_fn, workers=args.reward_workers, timeout=args.reward_timeout)
+    if args.reward_model is None:
+        pool.dry_run(train[:2] + val[:2])
     steps_per_epoch = len(train) // args.train_batch_size
     total_steps = args.total_training_steps or args.total_epochs * steps_per_epoch
 

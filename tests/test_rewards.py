@@ -7,7 +7,6 @@ from conftest import TINY
 from common.rewards import (
     RewardModel,
     RewardPool,
-    check_reward_fn,
     default_compute_score,
     gsm8k_score,
     load_reward_fn,
@@ -72,11 +71,25 @@ def test_load_reward_fn_errors(tmp_path, bad_fn):
         load_reward_fn(f"{bad_fn}:nope")
 
 
-def test_dry_run_names_the_row_and_error(bad_fn):
-    rows = [{"data_source": "d", "ground_truth": "boom", "extra_info": None, "file": "f.parquet", "row": 3}]
-    with pytest.raises(ValueError, match=r"reward dry run failed .* f.parquet row 3 .*RuntimeError: boom in reward"):
-        check_reward_fn(load_reward_fn(bad_fn), rows, bad_fn)
-    check_reward_fn(load_reward_fn(bad_fn), [dict(rows[0], ground_truth="7")], bad_fn)
+def test_dry_run_fails_when_every_row_fails_and_warns_otherwise(bad_fn, caplog):
+    rows = [
+        {"data_source": "d", "ground_truth": g, "extra_info": None, "file": "f.parquet", "row": 3}
+        for g in ("boom", "hang")
+    ]
+    pool = RewardPool(bad_fn, workers=2, timeout=0.5)
+    try:
+        with pytest.raises(
+            ValueError,
+            match=r"reward dry run failed .* all 2 rows, e.g. f.parquet row 3 .*RuntimeError: boom in reward",
+        ):
+            pool.dry_run(rows)
+        with caplog.at_level(logging.WARNING, logger="common.rewards"):
+            pool.dry_run(rows[:1] + [dict(rows[0], ground_truth="7")])
+        assert "1 of 2 rows failed" in caplog.text
+        with pytest.raises(ValueError, match="must be a finite number"):
+            pool.dry_run([dict(rows[0], ground_truth="text")])
+    finally:
+        pool.close()
 
 
 def test_pool_survives_hangs_exceptions_exits_and_bad_returns(bad_fn, caplog):

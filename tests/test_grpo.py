@@ -1,0 +1,199 @@
+"""grpo.py end to end: run as users run it (subprocess), plus in-process checks before models load."""
+
+import json
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import ROOT, TASK_TEST, load_recipe, read_metrics, run_recipe
+from safetensors.torch import load_file
+
+SFT = ROOT / "bundled" / "tiny-qwen2-sft"
+FAST = "--train-batch-size 8 --ppo-mini-batch-size 8 --rollout-n 4 --micro-batch-size-per-gpu 16 --save-freq 0 --no-val-before-train"
+
+
+@pytest.fixture(scope="module")
+def small_val(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "val64.parquet"
+    pq.write_table(pq.read_table(TASK_TEST).slice(0, 64), path)
+    return path
+
+
+def grpo(out, val, flags="", **kw):
+    return run_recipe("grpo", "--output-dir", out, "--val-files", val, "--resume", "disable", *flags.split(), **kw)
+
+
+def test_help_renders():
+    out = run_recipe("grpo", "--help").stdout
+    for flag in (
+        "--rollout-n",
+        "--ppo-mini-batch-size",
+        "--clip-ratio-high",
+        "--loss-agg-mode",
+        "--kl-loss-type",
+        "--reward-fn",
+    ):
+        assert flag in out
+
+
+def test_learning_from_the_shipped_checkpoint(tmp_path):
+    """Seeded, short: greedy accuracy on the full test split rises by a clear margin."""
+    out = tmp_path / "learn"
+    run_recipe(
+        "grpo",
+        "--output-dir",
+        out,
+        "--resume",
+        "disable",
+        "--total-training-steps",
+        "20",
+        "--test-freq",
+        "20",
+        "--lr-scheduler",
+        "constant",
+        "--save-freq",
+        "0",
+    )
+    records = read_metrics(out)
+    before, after = records[0]["val/accuracy"], records[-1]["val/accuracy"]
+    assert before == pytest.approx(0.488)
+    assert after >= before + 0.06, (before, after)
+    assert (out / "curves.png").is_file()
+
+
+def test_every_trainable_parameter_changes(tmp_path, small_val):
+    out = tmp_path / "params"
+    grpo(out, small_val, f"{FAST} --total-training-steps 2 --test-freq 0 --save-freq 2 --weight-decay 0 --lr 1e-3")
+    before = load_file(SFT / "model.safetensors")
+    after = load_file(out / "checkpoints" / "step_2" / "hf" / "model.safetensors")
+    assert set(before) == set(after)
+    unchanged = [k for k in before if torch.equal(before[k], after[k])]
+    assert not unchanged, unchanged
+
+
+def test_micro_batch_invariance(tmp_path, small_val):
+    one, four = tmp_path / "one", tmp_path / "four"
+    flags = "--train-batch-size 8 --ppo-mini-batch-size 8 --rollout-n 8 --total-training-steps 1 --test-freq 0 --save-freq 0 --no-val-before-train --loss-agg-mode seq-mean-token-mean"
+    grpo(one, small_val, f"{flags} --micro-batch-size-per-gpu 64")
+    grpo(four, small_val, f"{flags} --micro-batch-size-per-gpu 16")
+    a, b = read_metrics(one)[0], read_metrics(four)[0]
+    assert a["reward/mean"] == b["reward/mean"]  # the same samples
+    assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-7)
+    assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)
+
+
+def test_resume_repeats_the_uninterrupted_steps(tmp_path, small_val):
+    out = tmp_path / "resume"
+    flags = f"{FAST} --total-training-steps 4 --save-freq 2 --max-ckpt-to-keep 0 --test-freq 0"
+    grpo(out, small_val, flags)
+    want = read_metrics(out)
+    shutil.rmtree(out / "checkpoints" / "step_4")  # as if killed after step 4's log, before its save
+    run_recipe("grpo", "--output-dir", out, "--val-files", small_val, *flags.split())
+    got = read_metrics(out)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for a, b in zip(got[2:], want[2:]):
+        for key in ("reward/mean", "train/loss", "train/grad_norm", "response/length_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6), key
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes(tmp_path, small_val, strategy):
+    out = tmp_path / strategy
+    grpo(
+        out,
+        small_val,
+        f"{FAST} --total-training-steps 2 --test-freq 2 --strategy {strategy} --save-freq 2 --use-kl-loss",
+        nproc=2,
+    )
+    run = json.loads((out / "config.json").read_text())["run"]
+    assert run["world_size"] == 2 and run["strategy"] == strategy
+    if strategy == "fsdp2":
+        assert all(n < 0.6 * run["params_full"] for n in run["params_local_per_rank"])
+    last = read_metrics(out)[-1]
+    assert "val/accuracy" in last and last["policy/kl_ref"] >= 0
+    assert (out / "checkpoints" / "step_2" / "hf" / "model.safetensors").is_file()
+
+
+def test_verl_style_reward_file_and_failures_are_counted(tmp_path, small_val):
+    reward = tmp_path / "verl_reward.py"
+    reward.write_text(
+        "import re\n"
+        "def my_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if extra_info['index'] % 4 == 0:\n"
+        "        raise ValueError('flaky reward')\n"
+        "    m = re.search(r'<answer>(.*?)</answer>', solution_str)\n"
+        "    ok = bool(m) and m.group(1).strip() == ground_truth\n"
+        "    return {'score': float(ok), 'acc': float(ok), 'formatted': float(bool(m))}\n"
+    )
+    out = tmp_path / "custom"
+    proc = grpo(out, small_val, f"{FAST} --total-training-steps 2 --test-freq 2 --reward-fn {reward}:my_score")
+    last = read_metrics(out)[-1]
+    assert last["reward/errors"] > 0, "rows with index % 4 == 0 raised and must be counted"
+    assert "ValueError: flaky reward" in proc.stderr
+    assert proc.stderr.count("Traceback (most recent call last)") == 1, "the traceback is printed once"
+    assert 0 <= last["val/accuracy"] <= 1
+
+
+def test_reward_timeouts_do_not_hang_the_run(tmp_path, small_val):
+    reward = tmp_path / "slow.py"
+    reward.write_text(
+        "import time\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if extra_info['index'] % 8 == 1:\n"
+        "        time.sleep(600)\n"
+        "    return 0.0\n"
+    )
+    out = tmp_path / "slow"
+    grpo(
+        out,
+        small_val,
+        f"{FAST} --total-training-steps 1 --test-freq 0 --reward-fn {reward} --reward-timeout 0.5",
+        timeout=120,
+    )
+    assert read_metrics(out)[-1]["reward/timeouts"] > 0
+
+
+# --- errors before any model loads -----------------------------------------------------------
+
+
+@pytest.fixture
+def grpo_no_model(monkeypatch):
+    module = load_recipe("grpo")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(module, "load_policy", refuse)
+    return module
+
+
+def test_indivisible_batch_fails_before_model_loads(tmp_path, grpo_no_model):
+    args = grpo_no_model.Args(train_batch_size=6, ppo_mini_batch_size=4, output_dir=str(tmp_path))
+    with pytest.raises(
+        ValueError,
+        match=r"train_batch_size=6 prompts is not divisible by ppo_mini_batch_size=4; try ppo_mini_batch_size=",
+    ):
+        grpo_no_model.main(args)
+
+
+def test_broken_reward_fn_fails_before_model_loads(tmp_path, grpo_no_model):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def compute_score(data_source, solution_str):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=r"reward dry run failed .*TypeError"):
+        grpo_no_model.main(grpo_no_model.Args(reward_fn=str(bad), output_dir=str(tmp_path)))
+
+
+def test_unknown_data_source_fails_before_model_loads(tmp_path, grpo_no_model):
+    f = tmp_path / "d.parquet"
+    rows = [
+        {
+            "data_source": "my/task",
+            "prompt": [{"role": "user", "content": "hi"}],
+            "reward_model": {"style": "rule", "ground_truth": "1"},
+        }
+    ] * 16
+    pq.write_table(pa.Table.from_pylist(rows), f)
+    with pytest.raises(ValueError, match="no built-in reward for data_source='my/task'"):
+        grpo_no_model.main(grpo_no_model.Args(train_files=(str(f),), val_files=(), output_dir=str(tmp_path)))
