@@ -166,3 +166,23 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, dist: Dist) -> d
             dist.world_size,
         )
     return state
+
+
+def resume(
+    resume_flag: str, output_dir, total_steps: int, *, model, optimizer, scheduler, dist: Dist
+) -> tuple[int, Path | None]:
+    """Load the checkpoint `--resume` names, if any; returns (start step, checkpoint path).
+
+    A run that already completed total_steps is reported in words, so a re-run never trains zero
+    steps without saying so.
+    """
+    path = find_resume(resume_flag, output_dir)
+    if path is None:
+        return 0, None
+    step = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)["step"]
+    if step >= total_steps and dist.is_main:
+        print(
+            f"{path} already completed all {total_steps} steps: nothing to train. Use --resume disable "
+            f"(or another --output-dir) to start over, or raise --total-training-steps to train further."
+        )
+    return step, path

@@ -170,3 +170,9 @@ def plan_batches(
         local_mini_batch=local_mini,
         grad_accum=local_mini // micro_batch_size_per_gpu,
     )
+
+
+def is_due(step: int, freq: int, last_step: int) -> bool:
+    """Whether a periodic action (save, validate) runs after `step`: every `freq` steps and at the
+    last step; freq -1 means only at the last step, 0 never."""
+    return freq != 0 and (step == last_step or (freq > 0 and step % freq == 0))

@@ -11,14 +11,16 @@ timeout: a function that raises or never returns costs that sample a 0 and is co
 import importlib.util
 import logging
 import math
-import multiprocessing as mp
+import os
 import re
+import socket
+import subprocess
 import sys
 import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -150,6 +152,10 @@ class Scored:
     metrics: dict = field(default_factory=dict)
 
 
+def _worker_main(fd: int, spec: str) -> None:
+    _worker(Connection(fd), spec or None)
+
+
 def _worker(conn, spec):
     try:
         fn = load_reward_fn(spec)
@@ -190,26 +196,35 @@ class RewardPool:
 
     def __init__(self, spec: str | None = None, workers: int = 2, timeout: float = 10.0):
         self.spec, self.timeout = spec, timeout
-        self.ctx = mp.get_context("forkserver")
         self.workers = [self._start() for _ in range(max(1, workers))]
         self.printed_error = False
 
     def _start(self):
         """A new worker, returned once it has loaded the reward function, so that start-up time
-        never counts against a sample's timeout."""
-        parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_worker, args=(child, self.spec), daemon=True)
-        proc.start()
-        child.close()
-        status, detail = parent.recv() if parent.poll(STARTUP_TIMEOUT) else ("failed", "no answer")
+        never counts against a sample's timeout. Workers are fresh interpreters running only this
+        module: no fork of a multi-threaded trainer, no re-import of the recipe."""
+        mine, theirs = socket.socketpair()
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]
+            ),
+        }
+        code = "import sys; from common.rewards import _worker_main; _worker_main(int(sys.argv[1]), sys.argv[2])"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, str(theirs.fileno()), self.spec or ""], pass_fds=[theirs.fileno()], env=env
+        )
+        theirs.close()
+        conn = Connection(mine.detach())
+        status, detail = conn.recv() if conn.poll(STARTUP_TIMEOUT) else ("failed", "no answer")
         if status != "ready":
             proc.kill()
             raise RuntimeError(f"reward worker for {self.spec or 'built-in rewards'} failed to start: {detail}")
-        return [proc, parent]
+        return [proc, conn]
 
     def _replace(self, worker) -> None:
         worker[0].kill()
-        worker[0].join()
+        worker[0].wait()
         worker[1].close()
         worker[:] = self._start()
 
@@ -233,7 +248,7 @@ class RewardPool:
                     try:
                         _, status, payload = worker[1].recv()
                     except (EOFError, OSError):  # the worker died (os._exit, segfault)
-                        status, payload = "error", f"reward worker exited with code {worker[0].exitcode}"
+                        status, payload = "error", f"reward worker exited with code {worker[0].poll()}"
                         self._replace(worker)
                     del busy[slot]
                     if status == "ok":
@@ -282,9 +297,11 @@ class RewardPool:
                 conn.send(None)
             except OSError:
                 pass
-            proc.join(timeout=1)
-            if proc.is_alive():
+            try:
+                proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
             conn.close()
         self.workers = []
 

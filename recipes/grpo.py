@@ -22,6 +22,7 @@ Run (the tests run the same commands, shortened):
         --train-files ~/data/gsm8k/train.parquet --val-files ~/data/gsm8k/test.parquet --lr 1e-6
 """
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -31,8 +32,8 @@ from typing import Literal
 import torch
 import tyro
 
-from common.checkpoint import find_resume, load_checkpoint, save_checkpoint
-from common.config import BUNDLED, DataArgs, ModelArgs, OptimArgs, TrainerArgs, plan_batches
+from common.checkpoint import resume, save_checkpoint
+from common.config import BUNDLED, DataArgs, ModelArgs, OptimArgs, TrainerArgs, is_due, plan_batches
 from common.data import batch_indices, load_prompts, pack_sequences
 from common.model import count_parameters, load_policy, load_tokenizer
 from common.ops import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, masked_mean
@@ -49,7 +50,7 @@ from common.parallel import (
     unwrap,
     wrap_model,
 )  # fmt: skip
-from common.rewards import RewardPool, load_reward_fn
+from common.rewards import RewardModel, RewardPool, load_reward_fn
 from common.rollout import HFEngine, Sampling, evaluate
 from common.tracking import Tracker, rollout_metrics, setup_logging
 
@@ -199,14 +200,8 @@ def forward_logprobs(model, batch, rows, temperature, with_entropy=False):
     """Logprobs (and entropy) of the response tokens of batch[rows] under the model, (b, T).
     The logits are divided by the sampling temperature, as the sampler did."""
     T = batch["responses"].shape[1]
-    logits = (
-        model(
-            input_ids=batch["input_ids"][rows],
-            attention_mask=batch["attention_mask"][rows],
-            position_ids=batch["position_ids"][rows],
-        ).logits[:, -T - 1 : -1]
-        / temperature
-    )  # position t predicts token t+1
+    inputs = {k: batch[k][rows] for k in ("input_ids", "attention_mask", "position_ids")}
+    logits = model(**inputs).logits[:, -T - 1 : -1] / temperature  # position t predicts token t+1
     logprobs = logprobs_from_logits(logits, batch["responses"][rows])
     return logprobs, (entropy_from_logits(logits) if with_entropy else None)
 
@@ -230,16 +225,10 @@ def main(args: Args) -> dict:
 
     # Data and rewards, checked before the model loads.
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
-    prompt_kwargs = dict(
-        prompt_key=args.prompt_key,
-        max_prompt_length=args.max_prompt_length,
-        truncation=args.truncation,
-        filter_overlong_prompts=args.filter_overlong_prompts,
-    )
-    train, train_stats = load_prompts(args.train_files, tokenizer, **prompt_kwargs, what="train_files")
-    val, _ = (
-        load_prompts(args.val_files, tokenizer, **prompt_kwargs, what="val_files") if args.val_files else ([], None)
-    )
+    data_kwargs = dict(prompt_key=args.prompt_key, max_prompt_length=args.max_prompt_length, truncation=args.truncation)
+    data_kwargs["filter_overlong_prompts"] = args.filter_overlong_prompts
+    train, train_stats = load_prompts(args.train_files, tokenizer, **data_kwargs, what="train_files")
+    val = load_prompts(args.val_files, tokenizer, **data_kwargs, what="val_files")[0] if args.val_files else []
     load_reward_fn(args.reward_fn)  # a missing file or function fails here, with its name
     pool = RewardPool(args.reward_fn, workers=args.reward_workers, timeout=args.reward_timeout)
     if args.reward_model is None:
@@ -260,59 +249,21 @@ def main(args: Args) -> dict:
     if args.use_kl_loss and args.lora_rank == 0:
         ref = load_policy(args.model, **model_kwargs).eval().requires_grad_(False)
         ref = wrap_model(ref, "fsdp2", dist) if strategy == "fsdp2" else ref.to(dist.device)
-    engine = HFEngine(
-        model,
-        pad_id=tokenizer.pad_token_id,
-        eos_ids=[tokenizer.eos_token_id],
-        device=dist.device,
-        world_size=dist.world_size,
-        batch_size=args.val_batch_size,
-    )
-    sampling = Sampling(
-        n=args.rollout_n,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_response_length,
-    )
-    val_sampling = Sampling(
-        n=args.val_n,
-        temperature=args.val_temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_response_length,
-    )
-    reward_model = None
-    if args.reward_model:
-        from common.rewards import RewardModel
-
-        reward_model = RewardModel(
-            args.reward_model,
-            tokenizer,
-            device=dist.device,
-            trust_remote_code=args.trust_remote_code,
-        )
+    reward_model = RewardModel(args.reward_model, tokenizer, dist.device) if args.reward_model else None
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device=dist.device,
+                      world_size=dist.world_size, batch_size=args.val_batch_size)  # fmt: skip
+    common_sampling = dict(top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_response_length)
+    sampling = Sampling(n=args.rollout_n, temperature=args.temperature, **common_sampling)
+    val_sampling = Sampling(n=args.val_n, temperature=args.val_temperature, **common_sampling)
 
     optimizer = build_optimizer(model, args.lr, args.weight_decay, args.betas)
-    scheduler = build_scheduler(
-        optimizer,
-        kind=args.lr_scheduler,
-        total_steps=total_steps,
-        warmup_ratio=args.lr_warmup_steps_ratio,
-        min_lr_ratio=args.min_lr_ratio,
+    scheduler = build_scheduler(optimizer, kind=args.lr_scheduler, total_steps=total_steps,
+                                warmup_ratio=args.lr_warmup_steps_ratio, min_lr_ratio=args.min_lr_ratio)  # fmt: skip
+    start_step, resume_from = resume(
+        args.resume, run_dir, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist
     )
-    start_step, resume_from = 0, find_resume(args.resume, run_dir)
-    if resume_from is not None:
-        start_step = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)[
-            "step"
-        ]
     if start_step >= total_steps:
-        if dist.is_main:
-            print(
-                f"{resume_from} already completed all {total_steps} steps: nothing to train. Use --resume disable (or another --output-dir) to start over, or a larger --total-training-steps to train further."
-            )
-        pool.close()
-        return {"steps": 0}
+        return pool.close() or {"steps": 0}
     run_info = sharding_report(model, strategy, dist)
     tracker = Tracker(
         run_dir, loggers=args.logger, project=args.project_name, experiment=name, is_main=dist.is_main,
@@ -342,39 +293,29 @@ def main(args: Args) -> dict:
         # 2. generate rollout_n responses per prompt with the live policy
         t = time.time()
         groups = engine.generate([p["prompt_ids"] for p in prompts], sampling)
-        rows = [(g, p, c) for g, (p, group) in enumerate(zip(prompts, groups)) for c in group]
-        batch = pack_sequences(
-            [p["prompt_ids"] for _, p, _ in rows],
-            [c.token_ids for *_, c in rows],
-            tokenizer.pad_token_id,
-            dist.device,
-        )
-        group_ids = torch.tensor([g for g, _, _ in rows], device=dist.device)
+        rows = [(p, c) for p, group in zip(prompts, groups) for c in group]  # group g = rows g*n .. g*n+n-1
+        responses = [c.token_ids for _, c in rows]
+        batch = pack_sequences([p["prompt_ids"] for p, _ in rows], responses, tokenizer.pad_token_id, dist.device)
+        group_ids = torch.arange(len(prompts), device=dist.device).repeat_interleave(args.rollout_n)
         mask = batch["response_mask"].float()  # (B, T)
         lengths = mask.sum(-1)
         timing["perf/generate_s"] = time.time() - t
 
         # 3. score
         t = time.time()
-        texts = tokenizer.batch_decode([c.token_ids for *_, c in rows], skip_special_tokens=True)
+        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
         scored = pool.score(
-            [(p["data_source"], text, p["ground_truth"], p["extra_info"]) for (_, p, _), text in zip(rows, texts)]
+            [(p["data_source"], x, p["ground_truth"], p["extra_info"]) for (p, _), x in zip(rows, texts)]
         )
         rewards = torch.tensor(scored.scores, device=dist.device)  # (B,)
         if reward_model is not None:
-            rewards = reward_model.score(
-                [p["messages"] for _, p, _ in rows],
-                texts,
-                [p["prompt_ids"] for _, p, _ in rows],
-                [c.token_ids for *_, c in rows],
-            ).to(dist.device)
-        if args.overlong_buffer_len:
-            rewards = rewards + overlong_penalty(
-                lengths,
-                args.max_response_length,
-                args.overlong_buffer_len,
-                args.overlong_penalty_factor,
+            prompt_ids, messages = [p["prompt_ids"] for p, _ in rows], [p["messages"] for p, _ in rows]
+            rewards = reward_model.score(messages, texts, prompt_ids, responses).to(dist.device)
+        if args.overlong_buffer_len:  # DAPO: soft penalty for responses running into the length limit
+            penalty = overlong_penalty(
+                lengths, args.max_response_length, args.overlong_buffer_len, args.overlong_penalty_factor
             )
+            rewards = rewards + penalty
         timing["perf/score_s"] = time.time() - t
 
         # 4. old / ref logprobs (no grad), in micro-batches
@@ -385,8 +326,8 @@ def main(args: Args) -> dict:
         with torch.no_grad():
             if separate_old_pass:
                 old_logprobs = torch.cat([forward_logprobs(model, batch, s, args.temperature)[0] for s in chunks])
-            if args.use_kl_loss:
-                with unwrap(model).disable_adapter() if ref is None else torch.enable_grad():
+            if args.use_kl_loss:  # with LoRA the reference is the base model: the adapter switched off
+                with unwrap(model).disable_adapter() if ref is None else contextlib.nullcontext():
                     ref_logprobs = torch.cat(
                         [forward_logprobs(ref or model, batch, s, args.temperature)[0] for s in chunks]
                     )
@@ -396,9 +337,8 @@ def main(args: Args) -> dict:
         advantages = compute_advantages(rewards, group_ids, mask, norm_by_std=args.norm_adv_by_std_in_grpo)
         loss_mask = mask.clone()
         if args.filter_groups:  # DAPO: all-equal groups carry no signal; keep them out of the means
-            for g in torch.unique(group_ids):
-                if torch.all(rewards[group_ids == g] == rewards[group_ids == g][0]):
-                    loss_mask[group_ids == g] = 0
+            flat = rewards.view(-1, args.rollout_n)
+            loss_mask[(flat == flat[:, :1]).all(-1).repeat_interleave(args.rollout_n)] = 0
 
         # 6. update: ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch
         t = time.time()
@@ -437,15 +377,8 @@ def main(args: Args) -> dict:
         # 7. log
         weight = sum(w for w, _ in stats) or 1.0
         metrics = {k: sum(w * m[k] for w, m in stats) / weight for k in stats[0][1]}
-        metrics.update(
-            rollout_metrics(
-                rewards.tolist(),
-                lengths.tolist(),
-                [c.finish_reason == "length" for *_, c in rows],
-                [p["data_source"] for _, p, _ in rows],
-                scored,
-            )
-        )
+        truncated, sources = [c.finish_reason == "length" for _, c in rows], [p["data_source"] for p, _ in rows]
+        metrics.update(rollout_metrics(rewards.tolist(), lengths.tolist(), truncated, sources, scored))
         metrics.update({
             "train/loss": all_reduce_sum(torch.tensor(loss_sum)).item() / len(grad_norms),
             "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/lr": lr, "train/epoch": epoch,
@@ -455,28 +388,20 @@ def main(args: Args) -> dict:
 
         # 8. validate / save
         done = step + 1
-        if val and args.test_freq != 0 and (done == total_steps or (args.test_freq > 0 and done % args.test_freq == 0)):
+        if val and is_due(done, args.test_freq, total_steps):
             val_metrics = evaluate(engine, pool, tokenizer, val, val_sampling, dist)
             metrics.update(val_metrics)
         tracker.log(metrics, step=done)
         tracker.advance()
-        if args.save_freq != 0 and (done == total_steps or (args.save_freq > 0 and done % args.save_freq == 0)):
+        if is_due(done, args.save_freq, total_steps):
             save_checkpoint(
                 run_dir, done, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer, dist=dist,
-                keep=args.max_ckpt_to_keep, merged_lora=args.export_merged_lora, trainer_state={"epoch": done // steps_per_epoch, "batch_in_epoch": done % steps_per_epoch},
+                keep=args.max_ckpt_to_keep, merged_lora=args.export_merged_lora, trainer_state={"epoch": epoch},
             )  # fmt: skip
 
     barrier()
     pool.close()
-    tracker.close(
-        plot_keys=(
-            "reward/mean",
-            "val/accuracy",
-            "response/length_mean",
-            "policy/*",
-            "train/grad_norm",
-        )
-    )
+    tracker.close(plot_keys=("reward/mean", "val/accuracy", "response/length_mean", "policy/*", "train/grad_norm"))
     summary = {"steps": total_steps - start_step, "seconds": time.time() - t_start, **val_metrics}
     if "val/accuracy" in val_metrics:
         before = f"{first_val['val/accuracy']:.1%} -> " if "val/accuracy" in first_val else ""

@@ -26,8 +26,8 @@ from typing import Literal
 import torch
 import tyro
 
-from common.checkpoint import find_resume, load_checkpoint, save_checkpoint
-from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, plan_batches
+from common.checkpoint import resume, save_checkpoint
+from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, is_due, plan_batches
 from common.data import batch_indices, load_sft, pad
 from common.model import count_parameters, load_policy, load_tokenizer
 from common.ops import logprobs_from_logits
@@ -195,32 +195,16 @@ def main(args: Args) -> dict:
         warmup_ratio=args.lr_warmup_steps_ratio,
         min_lr_ratio=args.min_lr_ratio,
     )
-    start_step = 0
-    resume_from = find_resume(args.resume, run_dir)
-    if resume_from is not None:
-        start_step = load_checkpoint(resume_from, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)[
-            "step"
-        ]
+    start_step, resume_from = resume(
+        args.resume, run_dir, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist
+    )
     if start_step >= total_steps:
-        # Say so rather than "train" zero steps without a word.
-        if dist.is_main:
-            print(
-                f"{resume_from} already completed all {total_steps} steps: nothing to train. "
-                f"Use --resume disable (or another --output-dir) to start over, or a larger "
-                f"--total-training-steps / --total-epochs to train further."
-            )
         return {"steps": 0}
     tracker = Tracker(
-        run_dir,
-        loggers=args.logger,
-        project=args.project_name,
-        experiment=name,
-        config={**dataclasses.asdict(args), "run": run_info},
-        is_main=dist.is_main,
-        total_steps=total_steps,
-        start_step=start_step,
-        bar_keys=("train/loss", "val/accuracy"),
-    )
+        run_dir, loggers=args.logger, project=args.project_name, experiment=name, is_main=dist.is_main,
+        config={**dataclasses.asdict(args), "run": run_info}, total_steps=total_steps,
+        start_step=start_step, bar_keys=("train/loss", "val/accuracy"),
+    )  # fmt: skip
     tracker.write(
         f"{train_stats.summary('train')}; {steps_per_epoch} steps/epoch; {total_steps} steps"
         + (f"; resumed from {resume_from}" if resume_from else "")
@@ -295,12 +279,12 @@ def main(args: Args) -> dict:
         }
         done = step + 1
         # 5. validate / save
-        if val and args.test_freq != 0 and (done == total_steps or (args.test_freq > 0 and done % args.test_freq == 0)):
+        if val and is_due(done, args.test_freq, total_steps):
             val_metrics = validate(model, tokenizer, val, args, dist)
             metrics.update(val_metrics)
         tracker.log(metrics, step=done)
         tracker.advance()
-        if args.save_freq != 0 and (done == total_steps or (args.save_freq > 0 and done % args.save_freq == 0)):
+        if is_due(done, args.save_freq, total_steps):
             save(done)
 
     barrier()
