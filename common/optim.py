@@ -19,8 +19,7 @@ def build_optimizer(model, lr: float, weight_decay: float, betas=(0.9, 0.999)) -
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # foreach=False: the multi-tensor path needs every parameter on one mesh/dtype; the loop is safe.
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas), foreach=False)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas))
 
 
 def lr_factor(step: int, *, kind: str, total_steps: int, warmup_steps: int, min_lr_ratio: float = 0.0) -> float:

@@ -145,9 +145,14 @@ def read_metrics(path) -> list[dict]:
 
 
 def plot_curves(metrics_path, out_path, patterns: tuple[str, ...]) -> Path | None:
-    """One panel per metric whose name matches a pattern (fnmatch), value against step."""
+    """One panel per metric whose name matches a pattern (fnmatch) and that changes, against step."""
     records = read_metrics(metrics_path)
-    names = sorted({k for r in records for k in r if k != "step" and any(fnmatch.fnmatch(k, p) for p in patterns)})
+    def rank(name):  # panels in the order of the patterns, then by name
+        return next(i for i, p in enumerate(patterns) if fnmatch.fnmatch(name, p)), name
+
+    matching = {k for r in records for k in r if k != "step" and any(fnmatch.fnmatch(k, p) for p in patterns)}
+    # A metric that never moved (e.g. clipfrac with one update per batch) gets no panel.
+    names = sorted((k for k in matching if len({r[k] for r in records if k in r}) > 1), key=rank)
     if not names:
         return None
     import matplotlib

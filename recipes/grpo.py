@@ -201,7 +201,8 @@ def forward_logprobs(model, batch, rows, temperature, with_entropy=False):
     The logits are divided by the sampling temperature, as the sampler did."""
     T = batch["responses"].shape[1]
     inputs = {k: batch[k][rows] for k in ("input_ids", "attention_mask", "position_ids")}
-    logits = model(**inputs).logits[:, -T - 1 : -1] / temperature  # position t predicts token t+1
+    # Only the last T+1 positions need logits (position t predicts token t+1).
+    logits = model(**inputs, logits_to_keep=T + 1).logits[:, :-1] / temperature
     logprobs = logprobs_from_logits(logits, batch["responses"][rows])
     return logprobs, (entropy_from_logits(logits) if with_entropy else None)
 
@@ -401,7 +402,7 @@ def main(args: Args) -> dict:
 
     barrier()
     pool.close()
-    tracker.close(plot_keys=("reward/mean", "val/accuracy", "response/length_mean", "policy/*", "train/grad_norm"))
+    tracker.close(plot_keys=("val/accuracy", "reward/mean", "response/length_mean", "policy/*", "train/grad_norm"))
     summary = {"steps": total_steps - start_step, "seconds": time.time() - t_start, **val_metrics}
     if "val/accuracy" in val_metrics:
         before = f"{first_val['val/accuracy']:.1%} -> " if "val/accuracy" in first_val else ""

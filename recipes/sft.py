@@ -288,7 +288,7 @@ def main(args: Args) -> dict:
             save(done)
 
     barrier()
-    tracker.close(plot_keys=("train/loss", "train/lr", "val/*"))
+    tracker.close(plot_keys=("val/accuracy", "val/loss", "train/loss", "train/lr"))
     summary = {"steps": total_steps - start_step, "seconds": time.time() - t_start, **val_metrics}
     before = f"{first_val['val/accuracy']:.1%} -> " if "val/accuracy" in first_val else ""
     if "val/accuracy" in val_metrics:

@@ -1,0 +1,169 @@
+"""recipes/grpo.py against TRL's GRPOTrainer, side by side in one run, on the same setup.
+
+Same model (bundled SFT checkpoint), data (bundled addition task), prompts per step, group size,
+response length, learning rate (constant), clip, loss (token-mean; TRL's loss_type="dapo"), no KL,
+no gradient checkpointing, no weight decay, grad clip 1.0, CPU. Each side runs in its own
+process, one after the other, and both final models are scored by the same greedy evaluation on
+the 500-row test split. Prints the median step time of each, the ratio, our phase breakdown and
+the accuracy before and after.
+
+    pip install -e ".[bench]"
+    python bench/grpo_vs_trl.py --steps 20 --prompts 8 --group 8
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SFT = ROOT / "bundled" / "tiny-qwen2-sft"
+TRAIN = ROOT / "bundled" / "addition" / "train.parquet"
+TEST = ROOT / "bundled" / "addition" / "test.parquet"
+
+
+def greedy_accuracy(model_dir) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common.data import load_prompts
+    from common.model import load_tokenizer
+    from common.rewards import default_compute_score
+    from common.rollout import hf_generate_greedy
+
+    tokenizer = load_tokenizer(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    rows, _ = load_prompts([TEST], tokenizer, max_prompt_length=128)
+    completions = hf_generate_greedy(
+        model, [r["prompt_ids"] for r in rows], pad_id=tokenizer.pad_token_id,
+        eos_id=tokenizer.eos_token_id, max_new_tokens=16, batch_size=500, device="cpu",
+    )  # fmt: skip
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    return sum(default_compute_score(r["data_source"], t, r["ground_truth"]) for r, t in zip(rows, texts)) / len(rows)
+
+
+def run_logged(cmd, log: Path) -> None:
+    with log.open("w") as f:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"}, stdout=f, stderr=subprocess.STDOUT
+        )
+    if proc.returncode:
+        sys.exit(f"{' '.join(map(str, cmd))} failed:\n{log.read_text()[-4000:]}")
+
+
+def run_ours(args, out: Path) -> dict:
+    cmd = [
+        sys.executable, str(ROOT / "recipes" / "grpo.py"), "--output-dir", str(out), "--resume", "disable",
+        "--total-training-steps", str(args.steps), "--train-batch-size", str(args.prompts),
+        "--ppo-mini-batch-size", str(args.prompts), "--rollout-n", str(args.group),
+        "--micro-batch-size-per-gpu", str(args.prompts * args.group), "--max-response-length", str(args.max_tokens),
+        "--lr", str(args.lr), "--lr-scheduler", "constant", "--weight-decay", "0", "--test-freq", "0",
+        "--no-val-before-train", "--save-freq", str(args.steps), "--seed", str(args.seed), "--logger",
+    ]  # fmt: skip
+    run_logged(cmd, out.parent / "ours.log")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    phases = ("generate", "score", "logprobs", "update")
+    return {
+        "step_s": [r["perf/step_s"] for r in records],
+        "phases": {p: statistics.median(r[f"perf/{p}_s"] for r in records) for p in phases},
+        "model": out / "checkpoints" / f"step_{args.steps}" / "hf",
+    }
+
+
+def trl_worker(args, out: Path) -> None:
+    """Runs in its own process: TRL's GRPOTrainer with the matching configuration."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from common.data import read_parquet
+    from common.model import load_tokenizer
+    from common.rewards import addition_score
+
+    rows = read_parquet([TRAIN])[0][1]
+    data = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]} for r in rows])
+
+    def reward(prompts, completions, ground_truth, **kwargs):
+        return [addition_score(c[0]["content"], g) for c, g in zip(completions, ground_truth)]
+
+    times = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t0 = time.time()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.time() - self.t0)
+
+    config = GRPOConfig(
+        output_dir=str(out), use_cpu=True, bf16=False, max_steps=args.steps, learning_rate=args.lr,
+        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, seed=args.seed,
+        per_device_train_batch_size=args.prompts * args.group, gradient_accumulation_steps=1,
+        num_generations=args.group, steps_per_generation=1, max_completion_length=args.max_tokens,
+        temperature=1.0, top_k=0, top_p=1.0, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
+        num_iterations=1, gradient_checkpointing=False, logging_steps=args.steps, save_strategy="no", report_to=[],
+        dataloader_num_workers=0,
+    )  # fmt: skip
+    tokenizer = load_tokenizer(str(SFT))
+    model = AutoModelForCausalLM.from_pretrained(SFT, dtype=torch.float32)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=data,
+        processing_class=tokenizer,
+        callbacks=[StepTimer()],
+    )
+    trainer.train()
+    trainer.model.save_pretrained(out / "final")
+    tokenizer.save_pretrained(out / "final")
+    (out / "times.json").write_text(json.dumps(times))
+
+
+def run_trl(args, out: Path) -> dict:
+    run_logged([sys.executable, __file__, "--trl-worker", str(out), *sys.argv[1:]], out.parent / "trl.log")
+    return {"step_s": json.loads((out / "times.json").read_text()), "model": out / "final"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    parser.add_argument("--group", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_worker:
+        return trl_worker(args, Path(args.trl_worker))
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        sys.exit('TRL is not installed: pip install -e ".[bench]"')
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ours = run_ours(args, Path(tmp) / "ours")
+        theirs = run_trl(args, Path(tmp) / "trl")
+        before = greedy_accuracy(SFT)
+        acc_ours, acc_trl = greedy_accuracy(ours["model"]), greedy_accuracy(theirs["model"])
+    # The first step of each side includes one-off warm-up; the median is over steps 2..N.
+    med_ours, med_trl = statistics.median(ours["step_s"][1:]), statistics.median(theirs["step_s"][1:])
+    print(
+        f"\nGRPO, {args.steps} steps of {args.prompts} prompts x {args.group} samples, {args.max_tokens} new tokens, lr {args.lr}, CPU"
+    )
+    print(f"{'':24}{'recipes/grpo.py':>18}{'TRL GRPOTrainer':>18}")
+    print(f"{'median step time (s)':24}{med_ours:>18.3f}{med_trl:>18.3f}")
+    print(f"{'greedy accuracy':24}{f'{before:.1%} -> {acc_ours:.1%}':>18}{f'{before:.1%} -> {acc_trl:.1%}':>18}")
+    print(f"step time ratio ours / TRL: {med_ours / med_trl:.2f}")
+    print("our phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in ours["phases"].items()))
+
+
+if __name__ == "__main__":
+    main()
