@@ -84,11 +84,15 @@ class HFEngine:
         inner = unwrap(self.model)
         was_training = inner.training
         inner.eval()
+        # Sampling knobs only when sampling: greedy ignores them (and transformers warns).
+        knobs = (
+            {}
+            if sampling.greedy
+            else dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0))
+        )
         config = GenerationConfig(
             do_sample=not sampling.greedy,
-            temperature=sampling.temperature if not sampling.greedy else 1.0,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else 0,
+            **knobs,
             max_new_tokens=sampling.max_tokens,
             num_return_sequences=sampling.n,
             eos_token_id=self.eos_ids,

@@ -147,6 +147,7 @@ def read_metrics(path) -> list[dict]:
 def plot_curves(metrics_path, out_path, patterns: tuple[str, ...]) -> Path | None:
     """One panel per metric whose name matches a pattern (fnmatch) and that changes, against step."""
     records = read_metrics(metrics_path)
+
     def rank(name):  # panels in the order of the patterns, then by name
         return next(i for i, p in enumerate(patterns) if fnmatch.fnmatch(name, p)), name
 

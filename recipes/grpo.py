@@ -49,7 +49,7 @@ from common.parallel import (
     sharding_report,
     unwrap,
     wrap_model,
-)  # fmt: skip
+)
 from common.rewards import RewardModel, RewardPool, load_reward_fn
 from common.rollout import HFEngine, Sampling, evaluate
 from common.tracking import Tracker, rollout_metrics, setup_logging

@@ -165,9 +165,7 @@ def main(args: Args) -> dict:
         truncation=args.truncation,
     )
     train, train_stats = load_sft(args.train_files, tokenizer, **data_kwargs, what="train_files")
-    val, val_stats = (
-        load_sft(args.val_files, tokenizer, **data_kwargs, what="val_files") if args.val_files else ([], None)
-    )
+    val = load_sft(args.val_files, tokenizer, **data_kwargs, what="val_files")[0] if args.val_files else []
     steps_per_epoch = len(train) // args.train_batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"train_files hold {len(train)} examples, fewer than train_batch_size={args.train_batch_size}")
@@ -176,25 +174,16 @@ def main(args: Args) -> dict:
     # Model, optimizer, schedule; then resume.
     strategy = resolve_strategy(args.strategy)
     model = load_policy(
-        args.model,
-        dtype=args.dtype,
-        trust_remote_code=args.trust_remote_code,
-        gradient_checkpointing=args.gradient_checkpointing,
-        lora_rank=args.lora_rank,
-        lora_alpha=args.lora_alpha,
-        target_modules=args.target_modules,
-    )
+        args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+        gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha, target_modules=args.target_modules,
+    )  # fmt: skip
     n_params, n_trainable = count_parameters(model)
     model = wrap_model(model, strategy, dist)
     run_info = sharding_report(model, strategy, dist)
     optimizer = build_optimizer(model, args.lr, args.weight_decay, args.betas)
-    scheduler = build_scheduler(
-        optimizer,
-        kind=args.lr_scheduler,
-        total_steps=total_steps,
-        warmup_ratio=args.lr_warmup_steps_ratio,
-        min_lr_ratio=args.min_lr_ratio,
-    )
+    scheduler = build_scheduler(optimizer, kind=args.lr_scheduler, total_steps=total_steps,
+                                warmup_ratio=args.lr_warmup_steps_ratio, min_lr_ratio=args.min_lr_ratio)  # fmt: skip
     start_step, resume_from = resume(
         args.resume, run_dir, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist
     )
@@ -212,23 +201,6 @@ def main(args: Args) -> dict:
         f"{run_info['strategy']} on {dist.world_size} x {dist.device.type}; "
         f"{plan.local_sequences_per_step} examples/process/step in {plan.grad_accum} micro-batches"
     )
-
-    def save(step):
-        save_checkpoint(
-            run_dir,
-            step,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            tokenizer=tokenizer,
-            dist=dist,
-            keep=args.max_ckpt_to_keep,
-            merged_lora=args.export_merged_lora,
-            trainer_state={
-                "epoch": step // steps_per_epoch,
-                "batch_in_epoch": step % steps_per_epoch,
-            },
-        )
 
     val_metrics = {}
     if val and args.val_before_train and start_step == 0:
@@ -285,7 +257,11 @@ def main(args: Args) -> dict:
         tracker.log(metrics, step=done)
         tracker.advance()
         if is_due(done, args.save_freq, total_steps):
-            save(done)
+            save_checkpoint(
+                run_dir, done, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer, dist=dist,
+                keep=args.max_ckpt_to_keep, merged_lora=args.export_merged_lora,
+                trainer_state={"epoch": done // steps_per_epoch, "batch_in_epoch": done % steps_per_epoch},
+            )  # fmt: skip
 
     barrier()
     tracker.close(plot_keys=("val/accuracy", "val/loss", "train/loss", "train/lr"))

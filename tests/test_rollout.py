@@ -1,0 +1,77 @@
+import pytest
+import torch
+from conftest import ROOT, TASK_TEST
+
+from common.data import load_prompts, pack_sequences
+from common.model import load_policy
+from common.ops import logprobs_from_logits
+from common.rollout import HFEngine, Sampling
+
+SFT = str(ROOT / "bundled" / "tiny-qwen2-sft")
+
+
+@pytest.fixture(scope="module")
+def setup(tokenizer):
+    model = load_policy(SFT)
+    rows, _ = load_prompts([TASK_TEST], tokenizer, max_prompt_length=64)
+    prompts = [r["prompt_ids"] for r in rows[:4]]
+    prompts[1] = prompts[1][7:]  # a shorter prompt, so the batch is really left-padded
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu")
+    return model, prompts, engine
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_sampler_logprobs_match_the_trainer_forward(setup, tokenizer, temperature):
+    """The engine's per-token logprobs equal a trainer forward over the packed batch (left-padded
+    prompts, position ids from the mask, logits / temperature): the basis of on-policy ratios."""
+    model, prompts, engine = setup
+    torch.manual_seed(0)
+    groups = engine.generate(prompts, Sampling(n=3, temperature=temperature, max_tokens=8))
+    assert [len(g) for g in groups] == [3, 3, 3, 3]
+    flat = [c for g in groups for c in g]
+    batch = pack_sequences([p for p in prompts for _ in range(3)], [c.token_ids for c in flat], tokenizer.pad_token_id)
+    T = batch["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        ).logits
+    trainer = logprobs_from_logits(logits[:, -T - 1 : -1] / temperature, batch["responses"])
+    for i, c in enumerate(flat):
+        assert len(c.logprobs) == len(c.token_ids)
+        assert torch.allclose(trainer[i, : len(c.logprobs)], torch.tensor(c.logprobs), atol=1e-4)
+        assert c.finish_reason == ("stop" if c.token_ids[-1] == tokenizer.eos_token_id else "length")
+
+
+def test_length_finish_and_greedy(setup, tokenizer):
+    model, prompts, engine = setup
+    short = engine.generate(prompts[:2], Sampling(n=2, temperature=1.0, max_tokens=2))
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 2 for g in short for c in g)
+    a = engine.generate(prompts, Sampling(n=1, temperature=0, max_tokens=8))
+    b = engine.generate(prompts, Sampling(n=1, temperature=0, max_tokens=8))
+    assert [g[0].token_ids for g in a] == [g[0].token_ids for g in b]
+
+
+def test_model_generation_config_does_not_leak(setup):
+    """A repetition_penalty or top_k in the model's generation_config.json must not change our
+    sampling, and the model's config is left as it was."""
+    model, prompts, engine = setup
+    want = engine.generate(prompts, Sampling(n=1, temperature=0, max_tokens=8))
+    model.generation_config.repetition_penalty, model.generation_config.top_k = 5.0, 2
+    try:
+        got = engine.generate(prompts, Sampling(n=1, temperature=0, max_tokens=8))
+        assert [g[0].token_ids for g in got] == [g[0].token_ids for g in want]
+        for g, w in zip(got, want):
+            assert g[0].logprobs == pytest.approx(w[0].logprobs)
+        assert model.generation_config.repetition_penalty == 5.0
+    finally:
+        model.generation_config.repetition_penalty, model.generation_config.top_k = 1.0, 50
+
+
+def test_top_k_restricts_the_sampler(setup):
+    _, prompts, engine = setup
+    torch.manual_seed(0)
+    groups = engine.generate(prompts, Sampling(n=4, temperature=5.0, top_k=1, max_tokens=4))
+    greedy = engine.generate(prompts, Sampling(n=1, temperature=0, max_tokens=4))
+    for g, ref in zip(groups, greedy):
+        assert all(c.token_ids == ref[0].token_ids for c in g), "top_k=1 is greedy"
+        assert all(lp == pytest.approx(0.0, abs=1e-6) for c in g for lp in c.logprobs), "sampler's own distribution"
