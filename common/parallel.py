@@ -164,6 +164,7 @@ def sharding_report(model: nn.Module, strategy: str, dist: Dist) -> dict:
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     return {
         "world_size": dist.world_size,
+        "device": dist.device.type,
         "strategy": strategy if dist.world_size > 1 else "single",
         "params_full": full,
         "params_local_per_rank": gather_objects(local),

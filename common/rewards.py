@@ -19,7 +19,7 @@ import sys
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
@@ -149,7 +149,6 @@ class Scored:
     timeouts: int = 0
     first_error: str | None = None
     seconds: float = 0.0
-    metrics: dict = field(default_factory=dict)
 
 
 def _worker_main(fd: int, spec: str) -> None:

@@ -122,6 +122,21 @@ class Tracker:
         if self.is_main:
             (self.bar.write if self.bar is not None else print)(message)
 
+    def finish(self, summary: dict, first_val: dict, plot_keys: tuple[str, ...] = ()) -> None:
+        """Close the loggers, draw the curves and print the closing summary (val accuracy before
+        -> after, steps, time, run folder)."""
+        png = self.close(plot_keys)
+        if "val/accuracy" in summary:
+            before = f"{first_val['val/accuracy']:.1%} -> " if "val/accuracy" in first_val else ""
+            self.write(
+                f"val accuracy {before}{summary['val/accuracy']:.1%}"
+                + (f", val loss {summary['val/loss']:.4f}" if "val/loss" in summary else "")
+            )
+        self.write(
+            f"{summary['steps']} steps in {summary['seconds']:.0f}s; run folder {self.run_dir}"
+            + (f"; curves {png}" if png else "")
+        )
+
     def close(self, plot_keys: tuple[str, ...] = ()) -> Path | None:
         if not self.is_main:
             return None
@@ -199,3 +214,17 @@ def rollout_metrics(rewards, lengths, truncated, sources, scored) -> dict:
             1 for *_, d in rows if d == source
         )
     return metrics
+
+
+def describe_run(
+    data_summary: str, total_steps: int, resume_from, model_name: str, counts, run_info: dict, plan
+) -> str:
+    """The two lines a run prints before its first step: data, steps, resume; model and layout."""
+    n_params, n_trainable = counts
+    return (
+        f"{data_summary}; {total_steps} steps" + (f"; resumed from {resume_from}" if resume_from else "")
+        + f"\nmodel {model_name}: {n_params / 1e6:.2f}M params ({n_trainable / 1e6:.2f}M trainable), "
+        f"{run_info['strategy']} on {run_info['world_size']} x {run_info['device']}; per process and step "
+        f"{plan.local_sequences_per_step} sequences, {plan.mini_batches_per_step} optimizer step(s) of "
+        f"{plan.grad_accum} micro-batch(es)"
+    )  # fmt: skip

@@ -52,7 +52,7 @@ from common.parallel import (
 )
 from common.rewards import RewardModel, RewardPool, load_reward_fn
 from common.rollout import HFEngine, Sampling, evaluate
-from common.tracking import Tracker, rollout_metrics, setup_logging
+from common.tracking import Tracker, describe_run, rollout_metrics, setup_logging
 
 
 # --- config ---------------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def overlong_penalty(lengths, max_len, buffer_len, factor):
     return -factor * over / buffer_len
 
 
-# --- plumbing the loop uses ------------------------------------------------------------------------
+# --- the steps of the loop ------------------------------------------------------------------------
 def forward_logprobs(model, batch, rows, temperature, with_entropy=False):
     """Logprobs (and entropy) of the response tokens of batch[rows] under the model, (b, T).
     The logits are divided by the sampling temperature, as the sampler did."""
@@ -207,6 +207,131 @@ def forward_logprobs(model, batch, rows, temperature, with_entropy=False):
     return logprobs, (entropy_from_logits(logits) if with_entropy else None)
 
 
+def rollout(step, args, train, engine, sampling, pool, reward_model, tokenizer, dist, timing):
+    """Steps 1-3 for this rank: sample prompts, generate rollout_n responses each, score them."""
+    # 1. sample prompts: this rank's share of the global batch
+    epoch, indices = batch_indices(step, len(train), args.train_batch_size, args.seed, args.shuffle)
+    prompts = [train[i] for i in indices[dist.rank :: dist.world_size]]
+
+    # 2. generate with the live policy
+    t = time.time()
+    groups = engine.generate([p["prompt_ids"] for p in prompts], sampling)
+    rows = [(p, c) for p, group in zip(prompts, groups) for c in group]  # group g = rows g*n .. g*n+n-1
+    responses = [c.token_ids for _, c in rows]
+    batch = pack_sequences([p["prompt_ids"] for p, _ in rows], responses, tokenizer.pad_token_id, dist.device)
+    batch.update(
+        epoch=epoch,
+        rows=rows,
+        group_ids=torch.arange(len(prompts), device=dist.device).repeat_interleave(args.rollout_n),
+    )
+    timing["perf/generate_s"] = time.time() - t
+
+    # 3. score: rule-based (verl's compute_score) in the worker pool, or the reward model
+    t = time.time()
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    batch["scored"] = pool.score(
+        [(p["data_source"], x, p["ground_truth"], p["extra_info"]) for (p, _), x in zip(rows, texts)]
+    )
+    rewards = torch.tensor(batch["scored"].scores, device=dist.device)  # (B,)
+    if reward_model is not None:
+        prompt_ids, messages = [p["prompt_ids"] for p, _ in rows], [p["messages"] for p, _ in rows]
+        rewards = reward_model.score(messages, texts, prompt_ids, responses).to(dist.device)
+    if args.overlong_buffer_len:  # DAPO: soft penalty for responses running into the length limit
+        lengths = batch["response_mask"].sum(-1)
+        rewards = rewards + overlong_penalty(
+            lengths, args.max_response_length, args.overlong_buffer_len, args.overlong_penalty_factor
+        )
+    batch["rewards"] = rewards
+    timing["perf/score_s"] = time.time() - t
+    return batch
+
+
+@torch.no_grad()
+def old_and_ref_logprobs(args, model, ref, batch, separate_old_pass):
+    """Step 4, in micro-batches. Old logprobs only when the policy moves before a sample is used
+    (several mini-batches or epochs); otherwise the update pass's detached logprobs are exact."""
+    chunks = [
+        slice(k, k + args.micro_batch_size_per_gpu) for k in range(0, len(batch["rows"]), args.micro_batch_size_per_gpu)
+    ]
+    old_logprobs = ref_logprobs = None
+    if separate_old_pass:
+        old_logprobs = torch.cat([forward_logprobs(model, batch, s, args.temperature)[0] for s in chunks])
+    if args.use_kl_loss:  # with LoRA the reference is the base model: the adapter switched off
+        with unwrap(model).disable_adapter() if ref is None else contextlib.nullcontext():
+            ref_logprobs = torch.cat([forward_logprobs(ref or model, batch, s, args.temperature)[0] for s in chunks])
+    return old_logprobs, ref_logprobs
+
+
+def update(args, plan, model, optimizer, batch, advantages, loss_mask, old_logprobs, ref_logprobs, dist):
+    """Step 6: ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch."""
+    clip_low = args.clip_ratio if args.clip_ratio_low is None else args.clip_ratio_low
+    clip_high = args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
+    micro = args.micro_batch_size_per_gpu
+    stats, grad_norms, loss_sum = [], [], 0.0
+    for _ in range(args.ppo_epochs):
+        for m in range(plan.mini_batches_per_step):
+            mb = slice(m * plan.local_mini_batch, (m + 1) * plan.local_mini_batch)
+            # Normalise by the whole mini-batch (every micro-batch, every rank), not per micro-batch.
+            num_tokens = all_reduce_sum(loss_mask[mb].sum())
+            num_seqs = all_reduce_sum((loss_mask[mb].sum(-1) > 0).sum().float())
+            micro_slices = [slice(k, min(k + micro, mb.stop)) for k in range(mb.start, mb.stop, micro)]
+            for k, s in enumerate(micro_slices):
+                with grad_sync(model, enabled=k == len(micro_slices) - 1):
+                    new_logprobs, entropy = forward_logprobs(model, batch, s, args.temperature, with_entropy=True)
+                    old = old_logprobs[s] if old_logprobs is not None else new_logprobs.detach()
+                    loss, metrics = compute_loss(
+                        new_logprobs, old, advantages[s], loss_mask[s], clip_ratio_low=clip_low,
+                        clip_ratio_high=clip_high, clip_ratio_c=args.clip_ratio_c,
+                        loss_agg_mode=args.loss_agg_mode, entropy=entropy, entropy_coeff=args.entropy_coeff,
+                        ref_logprobs=None if ref_logprobs is None else ref_logprobs[s],
+                        kl_loss_coef=args.kl_loss_coef, kl_loss_type=args.kl_loss_type,
+                        num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=args.max_response_length,
+                    )  # fmt: skip
+                    # DDP and FSDP2 average gradients over ranks; the loss is already a global mean.
+                    (loss * dist.world_size).backward()
+                stats.append((batch["response_mask"][s].sum().item(), {k: float(v) for k, v in metrics.items()}))
+                loss_sum += loss.item()
+            grad_norms.append(clip_grad_norm(model, args.grad_clip))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    weight = sum(w for w, _ in stats) or 1.0
+    metrics = {k: sum(w * m[k] for w, m in stats) / weight for k in stats[0][1]}
+    metrics["train/loss"] = all_reduce_sum(torch.tensor(loss_sum)).item() / len(grad_norms)
+    metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    return metrics
+
+
+def load_data_and_rewards(args, tokenizer):
+    """Training / validation prompts and the reward pool, with a reward dry run on a few rows."""
+    data_kwargs = dict(prompt_key=args.prompt_key, max_prompt_length=args.max_prompt_length, truncation=args.truncation)
+    data_kwargs["filter_overlong_prompts"] = args.filter_overlong_prompts
+    train, train_stats = load_prompts(args.train_files, tokenizer, **data_kwargs, what="train_files")
+    val = load_prompts(args.val_files, tokenizer, **data_kwargs, what="val_files")[0] if args.val_files else []
+    load_reward_fn(args.reward_fn)  # a missing file or function fails here, with its name
+    pool = RewardPool(args.reward_fn, workers=args.reward_workers, timeout=args.reward_timeout)
+    if args.reward_model is None:
+        pool.dry_run(train[:2] + val[:2])
+    return train, train_stats, val, pool
+
+
+def load_models(args, tokenizer, strategy, dist):
+    """The policy (wrapped for DDP / FSDP2), the frozen reference only for the KL loss (with LoRA
+    none: the adapter-disabled policy is the reference), and the optional reward model."""
+    model_kwargs = dict(dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    model = load_policy(
+        args.model, **model_kwargs, gradient_checkpointing=args.gradient_checkpointing,
+        lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=args.target_modules,
+    )  # fmt: skip
+    counts = count_parameters(model)
+    model = wrap_model(model, strategy, dist)
+    ref = None
+    if args.use_kl_loss and args.lora_rank == 0:
+        ref = load_policy(args.model, **model_kwargs).eval().requires_grad_(False)
+        ref = wrap_model(ref, "fsdp2", dist) if strategy == "fsdp2" else ref.to(dist.device)
+    reward_model = RewardModel(args.reward_model, tokenizer, dist.device) if args.reward_model else None
+    return model, ref, reward_model, counts
+
+
 # --- main ---------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     # Setup: process group, batch arithmetic (before any model loads), seeds.
@@ -216,41 +341,18 @@ def main(args: Args) -> dict:
         world_size=dist.world_size, train_batch_size=args.train_batch_size, rollout_n=args.rollout_n,
         mini_batch_size=args.ppo_mini_batch_size, micro_batch_size_per_gpu=args.micro_batch_size_per_gpu,
     )  # fmt: skip
-    clip_low = args.clip_ratio if args.clip_ratio_low is None else args.clip_ratio_low
-    clip_high = args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
     if args.clip_ratio_c <= 1:
         raise ValueError(f"clip_ratio_c={args.clip_ratio_c} must be > 1 (dual-clip bound)")
     name = args.experiment_name or "grpo"
     run_dir = Path(args.output_dir or f"runs/{name}")
     seed_everything(args.seed + dist.rank)  # ranks sample different responses
 
-    # Data and rewards, checked before the model loads.
+    # Data and rewards, checked before the model loads; then the models.
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
-    data_kwargs = dict(prompt_key=args.prompt_key, max_prompt_length=args.max_prompt_length, truncation=args.truncation)
-    data_kwargs["filter_overlong_prompts"] = args.filter_overlong_prompts
-    train, train_stats = load_prompts(args.train_files, tokenizer, **data_kwargs, what="train_files")
-    val = load_prompts(args.val_files, tokenizer, **data_kwargs, what="val_files")[0] if args.val_files else []
-    load_reward_fn(args.reward_fn)  # a missing file or function fails here, with its name
-    pool = RewardPool(args.reward_fn, workers=args.reward_workers, timeout=args.reward_timeout)
-    if args.reward_model is None:
-        pool.dry_run(train[:2] + val[:2])
-    steps_per_epoch = len(train) // args.train_batch_size
-    total_steps = args.total_training_steps or args.total_epochs * steps_per_epoch
-
-    # Models: the policy; the reference only for the KL loss (with LoRA: the adapter switched off).
+    train, stats, val, pool = load_data_and_rewards(args, tokenizer)
+    total_steps = args.total_training_steps or args.total_epochs * (len(train) // args.train_batch_size)
     strategy = resolve_strategy(args.strategy)
-    model_kwargs = dict(dtype=args.dtype, trust_remote_code=args.trust_remote_code)
-    model = load_policy(
-        args.model, **model_kwargs, gradient_checkpointing=args.gradient_checkpointing,
-        lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=args.target_modules,
-    )  # fmt: skip
-    n_params, n_trainable = count_parameters(model)
-    model = wrap_model(model, strategy, dist)
-    ref = None
-    if args.use_kl_loss and args.lora_rank == 0:
-        ref = load_policy(args.model, **model_kwargs).eval().requires_grad_(False)
-        ref = wrap_model(ref, "fsdp2", dist) if strategy == "fsdp2" else ref.to(dist.device)
-    reward_model = RewardModel(args.reward_model, tokenizer, dist.device) if args.reward_model else None
+    model, ref, reward_model, counts = load_models(args, tokenizer, strategy, dist)
     engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device=dist.device,
                       world_size=dist.world_size, batch_size=args.val_batch_size)  # fmt: skip
     common_sampling = dict(top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_response_length)
@@ -271,67 +373,23 @@ def main(args: Args) -> dict:
         config={**dataclasses.asdict(args), "run": run_info}, total_steps=total_steps,
         start_step=start_step, bar_keys=("reward/mean", "val/accuracy"),
     )  # fmt: skip
-    tracker.write(
-        f"{train_stats.summary('train')}; {total_steps} steps of {args.train_batch_size} prompts x {args.rollout_n}"
-        + (f"; resumed from {resume_from}" if resume_from else "")
-        + f"\nmodel {args.model}: {n_params / 1e6:.2f}M params ({n_trainable / 1e6:.2f}M trainable), {run_info['strategy']} on "
-        f"{dist.world_size} x {dist.device.type}; {plan.mini_batches_per_step} update(s)/step of {plan.grad_accum} micro-batch(es)"
-    )
+    tracker.write(describe_run(stats.summary("train"), total_steps, resume_from, args.model, counts, run_info, plan))
 
     first_val, val_metrics, t_start = {}, {}, time.time()
     if val and args.val_before_train and start_step == 0:
         first_val = val_metrics = evaluate(engine, pool, tokenizer, val, val_sampling, dist)
         tracker.log(val_metrics, step=0)
-    # The old logprobs may come free from the update pass only if every sample is used once, at
-    # the weights that sampled it.
     separate_old_pass = plan.mini_batches_per_step > 1 or args.ppo_epochs > 1
     for step in range(start_step, total_steps):
         timing, t0 = {}, time.time()
-        # 1. sample prompts: this rank's share of the global batch
-        epoch, indices = batch_indices(step, len(train), args.train_batch_size, args.seed, args.shuffle)
-        prompts = [train[i] for i in indices[dist.rank :: dist.world_size]]
-
-        # 2. generate rollout_n responses per prompt with the live policy
-        t = time.time()
-        groups = engine.generate([p["prompt_ids"] for p in prompts], sampling)
-        rows = [(p, c) for p, group in zip(prompts, groups) for c in group]  # group g = rows g*n .. g*n+n-1
-        responses = [c.token_ids for _, c in rows]
-        batch = pack_sequences([p["prompt_ids"] for p, _ in rows], responses, tokenizer.pad_token_id, dist.device)
-        group_ids = torch.arange(len(prompts), device=dist.device).repeat_interleave(args.rollout_n)
+        # 1-3. sample prompts, generate, score
+        batch = rollout(step, args, train, engine, sampling, pool, reward_model, tokenizer, dist, timing)
+        rewards, group_ids = batch["rewards"], batch["group_ids"]  # (B,), (B,)
         mask = batch["response_mask"].float()  # (B, T)
-        lengths = mask.sum(-1)
-        timing["perf/generate_s"] = time.time() - t
 
-        # 3. score
+        # 4. old / ref logprobs
         t = time.time()
-        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        scored = pool.score(
-            [(p["data_source"], x, p["ground_truth"], p["extra_info"]) for (p, _), x in zip(rows, texts)]
-        )
-        rewards = torch.tensor(scored.scores, device=dist.device)  # (B,)
-        if reward_model is not None:
-            prompt_ids, messages = [p["prompt_ids"] for p, _ in rows], [p["messages"] for p, _ in rows]
-            rewards = reward_model.score(messages, texts, prompt_ids, responses).to(dist.device)
-        if args.overlong_buffer_len:  # DAPO: soft penalty for responses running into the length limit
-            penalty = overlong_penalty(
-                lengths, args.max_response_length, args.overlong_buffer_len, args.overlong_penalty_factor
-            )
-            rewards = rewards + penalty
-        timing["perf/score_s"] = time.time() - t
-
-        # 4. old / ref logprobs (no grad), in micro-batches
-        t = time.time()
-        micro = args.micro_batch_size_per_gpu
-        chunks = [slice(k, k + micro) for k in range(0, len(rows), micro)]
-        old_logprobs = ref_logprobs = None
-        with torch.no_grad():
-            if separate_old_pass:
-                old_logprobs = torch.cat([forward_logprobs(model, batch, s, args.temperature)[0] for s in chunks])
-            if args.use_kl_loss:  # with LoRA the reference is the base model: the adapter switched off
-                with unwrap(model).disable_adapter() if ref is None else contextlib.nullcontext():
-                    ref_logprobs = torch.cat(
-                        [forward_logprobs(ref or model, batch, s, args.temperature)[0] for s in chunks]
-                    )
+        old_logprobs, ref_logprobs = old_and_ref_logprobs(args, model, ref, batch, separate_old_pass)
         timing["perf/logprobs_s"] = time.time() - t
 
         # 5. advantages: standardised within each prompt's group
@@ -341,51 +399,27 @@ def main(args: Args) -> dict:
             flat = rewards.view(-1, args.rollout_n)
             loss_mask[(flat == flat[:, :1]).all(-1).repeat_interleave(args.rollout_n)] = 0
 
-        # 6. update: ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch
+        # 6. update
         t = time.time()
-        stats, grad_norms, loss_sum = [], [], 0.0
-        for _ in range(args.ppo_epochs):
-            for m in range(plan.mini_batches_per_step):
-                mb = slice(m * plan.local_mini_batch, (m + 1) * plan.local_mini_batch)
-                # Normalise by the whole mini-batch (every micro-batch, every rank), not per micro-batch.
-                num_tokens = all_reduce_sum(loss_mask[mb].sum())
-                num_seqs = all_reduce_sum((loss_mask[mb].sum(-1) > 0).sum().float())
-                micro_slices = [slice(k, min(k + micro, mb.stop)) for k in range(mb.start, mb.stop, micro)]
-                for k, s in enumerate(micro_slices):
-                    with grad_sync(model, enabled=k == len(micro_slices) - 1):
-                        new_logprobs, entropy = forward_logprobs(model, batch, s, args.temperature, with_entropy=True)
-                        old = old_logprobs[s] if old_logprobs is not None else new_logprobs.detach()
-                        loss, metrics = compute_loss(
-                            new_logprobs, old, advantages[s], loss_mask[s], clip_ratio_low=clip_low,
-                            clip_ratio_high=clip_high, clip_ratio_c=args.clip_ratio_c,
-                            loss_agg_mode=args.loss_agg_mode, entropy=entropy, entropy_coeff=args.entropy_coeff,
-                            ref_logprobs=None if ref_logprobs is None else ref_logprobs[s],
-                            kl_loss_coef=args.kl_loss_coef, kl_loss_type=args.kl_loss_type,
-                            num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=args.max_response_length,
-                        )  # fmt: skip
-                        # DDP and FSDP2 average gradients over ranks; the loss is already a global mean.
-                        (loss * dist.world_size).backward()
-                    stats.append((mask[s].sum().item(), {k: float(v) for k, v in metrics.items()}))
-                    loss_sum += loss.item()
-                grad_norms.append(clip_grad_norm(model, args.grad_clip))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        lr = scheduler.get_last_lr()[0]
+        metrics = update(args, plan, model, optimizer, batch, advantages, loss_mask, old_logprobs, ref_logprobs, dist)
+        metrics["train/lr"] = scheduler.get_last_lr()[0]
         scheduler.step()
         engine.update_weights(step + 1)
         timing["perf/update_s"] = time.time() - t
 
         # 7. log
-        weight = sum(w for w, _ in stats) or 1.0
-        metrics = {k: sum(w * m[k] for w, m in stats) / weight for k in stats[0][1]}
-        truncated, sources = [c.finish_reason == "length" for _, c in rows], [p["data_source"] for p, _ in rows]
-        metrics.update(rollout_metrics(rewards.tolist(), lengths.tolist(), truncated, sources, scored))
-        metrics.update({
-            "train/loss": all_reduce_sum(torch.tensor(loss_sum)).item() / len(grad_norms),
-            "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/lr": lr, "train/epoch": epoch,
-            **timing, "perf/step_s": time.time() - t0,
-            "perf/tokens_per_s": all_reduce_sum(batch["attention_mask"].sum().float()).item() / (time.time() - t0),
-        })  # fmt: skip
+        truncated = [c.finish_reason == "length" for _, c in batch["rows"]]
+        sources = [p["data_source"] for p, _ in batch["rows"]]
+        metrics.update(rollout_metrics(rewards.tolist(), mask.sum(-1).tolist(), truncated, sources, batch["scored"]))
+        tokens = all_reduce_sum(batch["attention_mask"].sum().float()).item()
+        metrics.update(
+            timing,
+            **{
+                "train/epoch": batch["epoch"],
+                "perf/step_s": time.time() - t0,
+                "perf/tokens_per_s": tokens / (time.time() - t0),
+            },
+        )
 
         # 8. validate / save
         done = step + 1
@@ -397,17 +431,17 @@ def main(args: Args) -> dict:
         if is_due(done, args.save_freq, total_steps):
             save_checkpoint(
                 run_dir, done, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer, dist=dist,
-                keep=args.max_ckpt_to_keep, merged_lora=args.export_merged_lora, trainer_state={"epoch": epoch},
+                keep=args.max_ckpt_to_keep, merged_lora=args.export_merged_lora, trainer_state={"epoch": batch["epoch"]},
             )  # fmt: skip
 
     barrier()
     pool.close()
-    tracker.close(plot_keys=("val/accuracy", "reward/mean", "response/length_mean", "policy/*", "train/grad_norm"))
     summary = {"steps": total_steps - start_step, "seconds": time.time() - t_start, **val_metrics}
-    if "val/accuracy" in val_metrics:
-        before = f"{first_val['val/accuracy']:.1%} -> " if "val/accuracy" in first_val else ""
-        tracker.write(f"val accuracy {before}{val_metrics['val/accuracy']:.1%}")
-    tracker.write(f"{summary['steps']} steps in {summary['seconds']:.0f}s; run folder {run_dir}")
+    tracker.finish(
+        summary,
+        first_val,
+        plot_keys=("val/accuracy", "reward/mean", "response/length_mean", "policy/*", "train/grad_norm"),
+    )
     return summary
 
 

@@ -47,7 +47,7 @@ from common.parallel import (
 )
 from common.rewards import builtin_scorer, exact_match
 from common.rollout import hf_generate_greedy
-from common.tracking import Tracker, setup_logging
+from common.tracking import Tracker, describe_run, setup_logging
 
 
 # --- config ---------------------------------------------------------------------------------------
@@ -141,30 +141,58 @@ def validate(model, tokenizer, val, args, dist):
     return metrics
 
 
+# --- one step ---------------------------------------------------------------------------------------
+def train_step(step, args, train, model, optimizer, scheduler, tokenizer, dist) -> dict:
+    t0 = time.time()
+    # 1. this rank's slice of the global batch
+    epoch, indices = batch_indices(step, len(train), args.train_batch_size, args.seed, args.shuffle)
+    mine = [train[i] for i in indices[dist.rank :: dist.world_size]]
+    # The loss divides by the token count of the whole global batch, not of one micro-batch.
+    num_tokens = all_reduce_sum(torch.tensor(float(sum(sum(e["loss_mask"][1:]) for e in mine)), device=dist.device))
+
+    # 2. forward / backward over micro-batches; gradients sync on the last one only
+    nll_total = torch.zeros((), device=dist.device)
+    micro = args.micro_batch_size_per_gpu
+    micro_batches = [mine[k : k + micro] for k in range(0, len(mine), micro)]
+    for k, examples in enumerate(micro_batches):
+        ids, attention, loss_mask = collate(examples, tokenizer.pad_token_id, dist.device)
+        with grad_sync(model, enabled=k == len(micro_batches) - 1):
+            logits = model(input_ids=ids, attention_mask=attention).logits
+            loss, nll_sum = compute_loss(logits, ids, loss_mask, num_tokens)
+            # DDP and FSDP2 average gradients over ranks; the loss is already a global mean.
+            (loss * dist.world_size).backward()
+        nll_total += nll_sum
+
+    # 3. optimizer step
+    grad_norm = clip_grad_norm(model, args.grad_clip)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    step_s = time.time() - t0
+    return {
+        "train/loss": (all_reduce_sum(nll_total) / num_tokens).item(), "train/grad_norm": grad_norm,
+        "train/lr": lr, "train/epoch": epoch, "train/tokens": num_tokens.item(),
+        "perf/step_s": step_s, "perf/tokens_per_s": num_tokens.item() / step_s,
+    }  # fmt: skip
+
+
 # --- main ---------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     # Setup: process group, batch arithmetic (before any model loads), run folder, seeds.
     dist = init_distributed()
     setup_logging(dist.rank)
-    plan = plan_batches(
-        world_size=dist.world_size,
-        train_batch_size=args.train_batch_size,
-        micro_batch_size_per_gpu=args.micro_batch_size_per_gpu,
-    )
+    plan = plan_batches(world_size=dist.world_size, train_batch_size=args.train_batch_size,
+                        micro_batch_size_per_gpu=args.micro_batch_size_per_gpu)  # fmt: skip
     name = args.experiment_name or "sft"
     run_dir = Path(args.output_dir or f"runs/{name}")
     seed_everything(args.seed + dist.rank)
 
     # Data, read and checked before the model so bad rows fail in seconds.
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
-    data_kwargs = dict(
-        max_length=args.max_length,
-        messages_key=args.messages_key,
-        prompt_key=args.prompt_key,
-        response_key=args.response_key,
-        truncation=args.truncation,
-    )
-    train, train_stats = load_sft(args.train_files, tokenizer, **data_kwargs, what="train_files")
+    data_kwargs = dict(max_length=args.max_length, messages_key=args.messages_key, prompt_key=args.prompt_key,
+                       response_key=args.response_key, truncation=args.truncation)  # fmt: skip
+    train, stats = load_sft(args.train_files, tokenizer, **data_kwargs, what="train_files")
     val = load_sft(args.val_files, tokenizer, **data_kwargs, what="val_files")[0] if args.val_files else []
     steps_per_epoch = len(train) // args.train_batch_size
     if steps_per_epoch == 0:
@@ -178,7 +206,7 @@ def main(args: Args) -> dict:
         gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank,
         lora_alpha=args.lora_alpha, target_modules=args.target_modules,
     )  # fmt: skip
-    n_params, n_trainable = count_parameters(model)
+    counts = count_parameters(model)
     model = wrap_model(model, strategy, dist)
     run_info = sharding_report(model, strategy, dist)
     optimizer = build_optimizer(model, args.lr, args.weight_decay, args.betas)
@@ -194,13 +222,7 @@ def main(args: Args) -> dict:
         config={**dataclasses.asdict(args), "run": run_info}, total_steps=total_steps,
         start_step=start_step, bar_keys=("train/loss", "val/accuracy"),
     )  # fmt: skip
-    tracker.write(
-        f"{train_stats.summary('train')}; {steps_per_epoch} steps/epoch; {total_steps} steps"
-        + (f"; resumed from {resume_from}" if resume_from else "")
-        + f"\nmodel {args.model}: {n_params / 1e6:.2f}M params ({n_trainable / 1e6:.2f}M trainable), "
-        f"{run_info['strategy']} on {dist.world_size} x {dist.device.type}; "
-        f"{plan.local_sequences_per_step} examples/process/step in {plan.grad_accum} micro-batches"
-    )
+    tracker.write(describe_run(stats.summary("train"), total_steps, resume_from, args.model, counts, run_info, plan))
 
     val_metrics = {}
     if val and args.val_before_train and start_step == 0:
@@ -210,47 +232,11 @@ def main(args: Args) -> dict:
     t_start = time.time()
     model.train()
     for step in range(start_step, total_steps):
-        t0 = time.time()
-        # 1. this rank's slice of the global batch
-        epoch, indices = batch_indices(step, len(train), args.train_batch_size, args.seed, args.shuffle)
-        mine = [train[i] for i in indices[dist.rank :: dist.world_size]]
-        # The loss divides by the token count of the whole global batch, not of one micro-batch.
-        num_tokens = all_reduce_sum(torch.tensor(float(sum(sum(e["loss_mask"][1:]) for e in mine)), device=dist.device))
+        # 1-3. this rank's slice of the batch, forward / backward, optimizer step
+        metrics = train_step(step, args, train, model, optimizer, scheduler, tokenizer, dist)
 
-        # 2. forward / backward over micro-batches; gradients sync on the last one only
-        nll_total = torch.zeros((), device=dist.device)
-        micro_batches = [
-            mine[k : k + args.micro_batch_size_per_gpu] for k in range(0, len(mine), args.micro_batch_size_per_gpu)
-        ]
-        for k, micro in enumerate(micro_batches):
-            ids, attention, loss_mask = collate(micro, tokenizer.pad_token_id, dist.device)
-            with grad_sync(model, enabled=k == len(micro_batches) - 1):
-                logits = model(input_ids=ids, attention_mask=attention).logits
-                loss, nll_sum = compute_loss(logits, ids, loss_mask, num_tokens)
-                # DDP and FSDP2 average gradients over ranks; the loss is already a global mean.
-                (loss * dist.world_size).backward()
-            nll_total += nll_sum
-
-        # 3. optimizer step
-        grad_norm = clip_grad_norm(model, args.grad_clip)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        # 4. log
-        step_s = time.time() - t0
-        metrics = {
-            "train/loss": (all_reduce_sum(nll_total) / num_tokens).item(),
-            "train/grad_norm": grad_norm,
-            "train/lr": lr,
-            "train/epoch": epoch,
-            "train/tokens": num_tokens.item(),
-            "perf/step_s": step_s,
-            "perf/tokens_per_s": num_tokens.item() / step_s,
-        }
+        # 4. validate / save
         done = step + 1
-        # 5. validate / save
         if val and is_due(done, args.test_freq, total_steps):
             val_metrics = validate(model, tokenizer, val, args, dist)
             metrics.update(val_metrics)
@@ -264,16 +250,10 @@ def main(args: Args) -> dict:
             )  # fmt: skip
 
     barrier()
-    tracker.close(plot_keys=("val/accuracy", "val/loss", "train/loss", "train/lr"))
     summary = {"steps": total_steps - start_step, "seconds": time.time() - t_start, **val_metrics}
-    before = f"{first_val['val/accuracy']:.1%} -> " if "val/accuracy" in first_val else ""
-    if "val/accuracy" in val_metrics:
-        tracker.write(f"val accuracy {before}{val_metrics['val/accuracy']:.1%}, val loss {val_metrics['val/loss']:.4f}")
-    final = run_dir / "checkpoints" / f"step_{total_steps}" / "hf"
-    tracker.write(
-        f"{summary['steps']} steps in {summary['seconds']:.0f}s; run folder {run_dir}"
-        + (f"; final model {final}" if args.save_freq != 0 else "")
-    )
+    tracker.finish(summary, first_val, plot_keys=("val/accuracy", "val/loss", "train/loss", "train/lr"))
+    if args.save_freq != 0:
+        tracker.write(f"final model: {run_dir / 'checkpoints' / f'step_{total_steps}' / 'hf'}")
     return summary
 
 

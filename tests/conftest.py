@@ -32,6 +32,18 @@ def load_recipe(name: str):
     return module
 
 
+def load_recipe_refusing_models(name: str, monkeypatch):
+    """The recipe module with load_policy replaced by a failure: a test of an error that must come
+    before any model loads fails if the recipe gets that far."""
+    module = load_recipe(name)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(module, "load_policy", refuse)
+    return module
+
+
 def run_recipe(
     name: str,
     *flags,

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ROOT, TASK_TEST, load_recipe, read_metrics, run_recipe
+from conftest import ROOT, TASK_TEST, load_recipe_refusing_models, read_metrics, run_recipe
 from safetensors.torch import load_file
 
 SFT = ROOT / "bundled" / "tiny-qwen2-sft"
@@ -160,13 +160,7 @@ def test_reward_timeouts_do_not_hang_the_run(tmp_path, small_val):
 
 @pytest.fixture
 def grpo_no_model(monkeypatch):
-    module = load_recipe("grpo")
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the bad input was reported")
-
-    monkeypatch.setattr(module, "load_policy", refuse)
-    return module
+    return load_recipe_refusing_models("grpo", monkeypatch)
 
 
 def test_indivisible_batch_fails_before_model_loads(tmp_path, grpo_no_model):

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ROOT, TASK_TEST, TINY, load_recipe, read_metrics, run_recipe
+from conftest import ROOT, TASK_TEST, TINY, load_recipe, load_recipe_refusing_models, read_metrics, run_recipe
 
 from common.data import DataError, load_sft
 
@@ -256,13 +256,7 @@ def test_shipped_checkpoint_sits_at_moderate_accuracy(tokenizer):
 
 @pytest.fixture
 def sft_no_model(monkeypatch):
-    sft = load_recipe("sft")
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the bad input was reported")
-
-    monkeypatch.setattr(sft, "load_policy", refuse)
-    return sft
+    return load_recipe_refusing_models("sft", monkeypatch)
 
 
 def write(path, rows):
