@@ -84,3 +84,41 @@ def count_parameters(model) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return total, trainable
+
+
+def _checkpointing(model) -> bool:
+    inner = model.module if hasattr(model, "module") else model
+    return bool(getattr(inner, "is_activation_checkpointing", False) or getattr(inner, "gradient_checkpointing", False))
+
+
+def response_logits(model, batch: dict, rows: slice, share_prompts: bool = True) -> torch.Tensor:
+    """Logits predicting each response token of batch[rows] (from common.data.pack_sequences plus
+    `group_ids`), shape (b, T, V): the logit at response position t predicts token t.
+
+    Responses to the same prompt sit next to each other and share it, so with share_prompts each
+    distinct prompt in the slice goes through the model once; its KV cache is repeated for the
+    group and the responses run on top of it. Same logits and gradients as one pass over the
+    concatenated sequences (a rollout_n-fold saving on the prompt tokens). Falls back to the one
+    pass with activation checkpointing (transformers drops the cache there) or without groups.
+    """
+    T = batch["responses"].shape[1]
+    P = batch["input_ids"].shape[1] - T
+    keys = ("input_ids", "attention_mask", "position_ids")
+    group_ids = batch["group_ids"][rows]
+    starts = torch.ones_like(group_ids, dtype=torch.bool)
+    starts[1:] = group_ids[1:] != group_ids[:-1]
+    if not share_prompts or bool(starts.all()) or _checkpointing(model):
+        return model(**{k: batch[k][rows] for k in keys}, logits_to_keep=T + 1).logits[:, :-1]
+    first = starts.nonzero().squeeze(-1) + (rows.start or 0)  # each prompt's first row in the batch
+    owner = starts.cumsum(0) - 1  # which distinct prompt each row answers
+    prompt = model(**{k: batch[k][first, :P] for k in keys}, use_cache=True, logits_to_keep=1)
+    cache = prompt.past_key_values
+    cache.batch_select_indices(owner)
+    out = model(
+        input_ids=batch["responses"][rows],
+        attention_mask=batch["attention_mask"][rows],
+        position_ids=batch["position_ids"][rows, P:],
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return torch.cat([prompt.logits[owner], out.logits[:, :-1]], 1)

@@ -35,7 +35,7 @@ import tyro
 from common.checkpoint import resume, save_checkpoint
 from common.config import BUNDLED, DataArgs, ModelArgs, OptimArgs, TrainerArgs, is_due, plan_batches
 from common.data import batch_indices, load_prompts, pack_sequences
-from common.model import count_parameters, load_policy, load_tokenizer
+from common.model import count_parameters, load_policy, load_tokenizer, response_logits
 from common.ops import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, masked_mean
 from common.optim import build_optimizer, build_scheduler
 from common.parallel import (
@@ -130,6 +130,8 @@ class Args(TrainerArgs, OptimArgs, DataArgs, ModelArgs):  # flags listed model, 
     """validate once before the first step"""
     val_batch_size: int = 256
     """prompts per generate call in validation"""
+    shared_prompt_forward: bool = True
+    """trainer passes run each group's shared prompt once (same numbers; off: one pass per sequence)"""
 
 
 # --- the algorithm ------------------------------------------------------------------------------------
@@ -196,13 +198,10 @@ def overlong_penalty(lengths, max_len, buffer_len, factor):
 
 
 # --- the steps of the loop ------------------------------------------------------------------------
-def forward_logprobs(model, batch, rows, temperature, with_entropy=False):
+def forward_logprobs(model, batch, rows, args, with_entropy=False):
     """Logprobs (and entropy) of the response tokens of batch[rows] under the model, (b, T).
     The logits are divided by the sampling temperature, as the sampler did."""
-    T = batch["responses"].shape[1]
-    inputs = {k: batch[k][rows] for k in ("input_ids", "attention_mask", "position_ids")}
-    # Only the last T+1 positions need logits (position t predicts token t+1).
-    logits = model(**inputs, logits_to_keep=T + 1).logits[:, :-1] / temperature
+    logits = response_logits(model, batch, rows, share_prompts=args.shared_prompt_forward) / args.temperature
     logprobs = logprobs_from_logits(logits, batch["responses"][rows])
     return logprobs, (entropy_from_logits(logits) if with_entropy else None)
 
@@ -255,10 +254,10 @@ def old_and_ref_logprobs(args, model, ref, batch, separate_old_pass):
     ]
     old_logprobs = ref_logprobs = None
     if separate_old_pass:
-        old_logprobs = torch.cat([forward_logprobs(model, batch, s, args.temperature)[0] for s in chunks])
+        old_logprobs = torch.cat([forward_logprobs(model, batch, s, args)[0] for s in chunks])
     if args.use_kl_loss:  # with LoRA the reference is the base model: the adapter switched off
         with unwrap(model).disable_adapter() if ref is None else contextlib.nullcontext():
-            ref_logprobs = torch.cat([forward_logprobs(ref or model, batch, s, args.temperature)[0] for s in chunks])
+            ref_logprobs = torch.cat([forward_logprobs(ref or model, batch, s, args)[0] for s in chunks])
     return old_logprobs, ref_logprobs
 
 
@@ -277,7 +276,7 @@ def update(args, plan, model, optimizer, batch, advantages, loss_mask, old_logpr
             micro_slices = [slice(k, min(k + micro, mb.stop)) for k in range(mb.start, mb.stop, micro)]
             for k, s in enumerate(micro_slices):
                 with grad_sync(model, enabled=k == len(micro_slices) - 1):
-                    new_logprobs, entropy = forward_logprobs(model, batch, s, args.temperature, with_entropy=True)
+                    new_logprobs, entropy = forward_logprobs(model, batch, s, args, with_entropy=True)
                     old = old_logprobs[s] if old_logprobs is not None else new_logprobs.detach()
                     loss, metrics = compute_loss(
                         new_logprobs, old, advantages[s], loss_mask[s], clip_ratio_low=clip_low,

@@ -75,3 +75,29 @@ def test_top_k_restricts_the_sampler(setup):
     for g, ref in zip(groups, greedy):
         assert all(c.token_ids == ref[0].token_ids for c in g), "top_k=1 is greedy"
         assert all(lp == pytest.approx(0.0, abs=1e-6) for c in g for lp in c.logprobs), "sampler's own distribution"
+
+
+@pytest.mark.parametrize("rows", [slice(0, 12), slice(2, 11), slice(5, 6)])
+def test_shared_prompt_forward_equals_one_pass(setup, tokenizer, rows):
+    """Each distinct prompt once, its KV cache repeated for the group: the same logits and the same
+    gradients as one pass over every full sequence, also for slices that cut through groups."""
+    from common.model import response_logits
+
+    model, prompts, engine = setup
+    torch.manual_seed(0)
+    groups = engine.generate(prompts, Sampling(n=3, temperature=1.0, max_tokens=8))
+    flat = [c for g in groups for c in g]
+    batch = pack_sequences([p for p in prompts for _ in range(3)], [c.token_ids for c in flat], tokenizer.pad_token_id)
+    batch["group_ids"] = torch.arange(len(prompts)).repeat_interleave(3)
+    mask = batch["response_mask"][rows].bool()
+    model.train()
+    results = []
+    for share in (False, True):
+        logits = response_logits(model, batch, rows, share_prompts=share)
+        lp = logprobs_from_logits(logits, batch["responses"][rows])
+        grads = torch.autograd.grad(lp[mask].sum(), [p for p in model.parameters()])
+        results.append((logits[mask], grads))
+    (ref_logits, ref_grads), (logits, grads) = results
+    assert torch.allclose(logits, ref_logits, atol=1e-5)
+    for a, b in zip(grads, ref_grads):  # equal up to float summation order
+        assert (a - b).norm() <= 1e-4 * b.norm() + 1e-8
