@@ -100,13 +100,9 @@ def test_resume_repeats_the_uninterrupted_steps(tmp_path, small_val):
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_processes(tmp_path, small_val, strategy):
-    out = tmp_path / strategy
-    grpo(
-        out,
-        small_val,
-        f"{FAST} --total-training-steps 2 --test-freq 2 --strategy {strategy} --save-freq 2 --use-kl-loss",
-        nproc=2,
-    )
+    out, plain = tmp_path / strategy, tmp_path / f"{strategy}-plain"
+    flags = f"{FAST} --total-training-steps 2 --test-freq 2 --strategy {strategy} --save-freq 2 --use-kl-loss"
+    grpo(out, small_val, flags, nproc=2)
     run = json.loads((out / "config.json").read_text())["run"]
     assert run["world_size"] == 2 and run["strategy"] == strategy
     if strategy == "fsdp2":
@@ -114,6 +110,13 @@ def test_two_processes(tmp_path, small_val, strategy):
     last = read_metrics(out)[-1]
     assert "val/accuracy" in last and last["policy/kl_ref"] >= 0
     assert (out / "checkpoints" / "step_2" / "hf" / "model.safetensors").is_file()
+    # The shared-prompt forward calls the wrapped model twice per micro-batch; gradient sync must
+    # still give what one pass per sequence gives (same seed, so the same samples at step 1).
+    grpo(plain, small_val, flags + " --no-shared-prompt-forward", nproc=2)
+    a, b = read_metrics(out)[0], read_metrics(plain)[0]
+    assert a["reward/mean"] == b["reward/mean"]
+    assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
+    assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-7)
 
 
 def test_verl_style_reward_file_and_failures_are_counted(tmp_path, small_val):
