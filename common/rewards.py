@@ -130,6 +130,11 @@ def load_reward_fn(spec: str | None):
     return fn
 
 
+def hit(score: float, extras: dict) -> float:
+    """Whether a sample counts as correct: the result's own "acc" key when it has one, else score > 0."""
+    return float(extras.get("acc", score > 0))
+
+
 def score_value(result) -> float:
     """The float score of a reward result (a number, or a dict with a 'score' key)."""
     value = result["score"] if isinstance(result, dict) else result

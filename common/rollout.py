@@ -18,6 +18,7 @@ from transformers import GenerationConfig
 
 from common.data import pad
 from common.parallel import gather_objects, is_fsdp, shard_evenly, unwrap
+from common.rewards import hit
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist
     pairs = [(row, c) for row, group in zip(local[:n_real], completions) for c in group]
     texts = tokenizer.batch_decode([c.token_ids for _, c in pairs], skip_special_tokens=True)
     scored = pool.score([(r["data_source"], t, r["ground_truth"], r["extra_info"]) for (r, _), t in zip(pairs, texts)])
-    hits = [e.get("acc", float(s > 0)) for s, e in zip(scored.scores, scored.extras)]
+    hits = [hit(s, e) for s, e in zip(scored.scores, scored.extras)]
     mine = list(zip([r["data_source"] for r, _ in pairs], scored.scores, hits))
     results = [x for part in gather_objects(mine) for x in part]
     metrics = {

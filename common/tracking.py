@@ -194,25 +194,41 @@ def plot_curves(metrics_path, out_path, patterns: tuple[str, ...]) -> Path | Non
 
 
 def rollout_metrics(rewards, lengths, truncated, sources, scored) -> dict:
-    """reward/* and response/* over the samples of every rank (gathered; rank order)."""
+    """reward/* and response/* over the samples of every rank (gathered; rank order). `rewards`
+    are the final per-sample rewards; accuracy and the extra keys of dict results come from
+    `scored`, the reward pool's output."""
     from common.parallel import all_reduce_sum, gather_objects
+    from common.rewards import hit
 
-    rows = [r for part in gather_objects(list(zip(rewards, lengths, truncated, sources))) for r in part]
-    values = torch.tensor([r for r, *_ in rows], dtype=torch.float64)
-    lens = torch.tensor([n for _, n, *_ in rows], dtype=torch.float64)
+    mine = list(
+        zip(
+            rewards,
+            lengths,
+            truncated,
+            sources,
+            [hit(s, e) for s, e in zip(scored.scores, scored.extras)],
+            scored.extras,
+        )
+    )
+    rows = [r for part in gather_objects(mine) for r in part]
+    values = torch.tensor([r[0] for r in rows], dtype=torch.float64)
+    lens = torch.tensor([r[1] for r in rows], dtype=torch.float64)
     metrics = {
         "reward/mean": values.mean().item(),
         "reward/std": values.std().item() if len(rows) > 1 else 0.0,
+        "reward/accuracy": sum(r[4] for r in rows) / len(rows),
         "reward/errors": all_reduce_sum(torch.tensor(float(scored.errors))).item(),
         "reward/timeouts": all_reduce_sum(torch.tensor(float(scored.timeouts))).item(),
         "response/length_mean": lens.mean().item(),
         "response/length_max": lens.max().item(),
-        "response/clip_ratio": sum(t for *_, t, _ in rows) / len(rows),
+        "response/clip_ratio": sum(r[2] for r in rows) / len(rows),
     }
-    for source in sorted({d for *_, d in rows}):
-        metrics[f"reward/{source}"] = sum(r for r, *_, d in rows if d == source) / sum(
-            1 for *_, d in rows if d == source
-        )
+    for source in sorted({r[3] for r in rows}):
+        mine = [r[0] for r in rows if r[3] == source]
+        metrics[f"reward/{source}"] = sum(mine) / len(mine)
+    for key in sorted({k for r in rows for k in r[5]}):  # other keys of dict results, e.g. "formatted"
+        values_k = [r[5][key] for r in rows if key in r[5]]
+        metrics[f"reward/extra/{key}"] = sum(values_k) / len(values_k)
     return metrics
 
 

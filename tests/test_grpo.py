@@ -134,6 +134,8 @@ def test_verl_style_reward_file_and_failures_are_counted(tmp_path, small_val):
     proc = grpo(out, small_val, f"{FAST} --total-training-steps 2 --test-freq 2 --reward-fn {reward}:my_score")
     last = read_metrics(out)[-1]
     assert last["reward/errors"] > 0, "rows with index % 4 == 0 raised and must be counted"
+    assert 0 <= last["reward/extra/formatted"] <= 1, "other keys of a dict result become metrics"
+    assert "reward/extra/acc" in last and 0 <= last["reward/accuracy"] <= 1
     assert "ValueError: flaky reward" in proc.stderr
     assert proc.stderr.count("Traceback (most recent call last)") == 1, "the traceback is printed once"
     assert 0 <= last["val/accuracy"] <= 1
