@@ -305,6 +305,8 @@ def load_data_and_rewards(args, tokenizer):
     data_kwargs = dict(prompt_key=args.prompt_key, max_prompt_length=args.max_prompt_length, truncation=args.truncation)
     data_kwargs["filter_overlong_prompts"] = args.filter_overlong_prompts
     train, train_stats = load_prompts(args.train_files, tokenizer, **data_kwargs, what="train_files")
+    if len(train) < args.train_batch_size:
+        raise ValueError(f"train_files hold {len(train)} prompts, fewer than train_batch_size={args.train_batch_size}")
     val = load_prompts(args.val_files, tokenizer, **data_kwargs, what="val_files")[0] if args.val_files else []
     load_reward_fn(args.reward_fn)  # a missing file or function fails here, with its name
     pool = RewardPool(args.reward_fn, workers=args.reward_workers, timeout=args.reward_timeout)

@@ -214,3 +214,30 @@ def test_dapo_options_and_lora_reference_run(tmp_path, small_val):
     assert last["policy/kl_ref"] > 0, "the adapter moved the policy away from the adapter-disabled base"
     assert last["policy/approx_kl"] != 0, "second epoch / mini-batch ran on moved weights"
     assert (out / "checkpoints" / "step_2" / "hf" / "adapter_model.safetensors").is_file()
+
+
+def test_reward_model_and_sampled_validation(tmp_path, small_val, tokenizer):
+    """A sequence-classification reward model replaces the rule score; validation samples 2 per prompt."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    rm_dir = tmp_path / "rm"
+    config = AutoConfig.from_pretrained(SFT, num_labels=1)
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(rm_dir)
+    tokenizer.save_pretrained(rm_dir)
+    out = tmp_path / "rm_run"
+    grpo(
+        out,
+        small_val,
+        f"{FAST} --total-training-steps 1 --test-freq 1 --reward-model {rm_dir} --val-n 2 --val-temperature 1.0",
+    )
+    last = read_metrics(out)[-1]
+    assert last["reward/std"] > 0 and last["reward/mean"] not in (0.0, 1.0), "continuous reward-model scores"
+    assert "val/accuracy" in last
+
+
+def test_too_few_prompts_fails_before_model_loads(tmp_path, grpo_no_model):
+    f = tmp_path / "few.parquet"
+    pq.write_table(pq.read_table(TASK_TEST).slice(0, 10), f)
+    with pytest.raises(ValueError, match="hold 10 prompts, fewer than train_batch_size=16"):
+        grpo_no_model.main(grpo_no_model.Args(train_files=(str(f),), val_files=(), output_dir=str(tmp_path)))
