@@ -21,6 +21,9 @@ class ModelArgs:
     """dtype the weights are loaded and trained in"""
     trust_remote_code: bool = False
     """allow model code from the model folder / hub (off: only transformers' own architectures)"""
+    mixed_precision: Literal["no", "bf16"] = "no"
+    """bf16: compute in bfloat16 over the --dtype master weights (FSDP2: bf16 params, float32
+    gradient reduction; DDP / one process: autocast)"""
     gradient_checkpointing: bool = False
     """recompute activations in backward to save memory"""
     lora_rank: int = 0

@@ -77,13 +77,18 @@ def _block_classes(model: nn.Module) -> set[str]:
     return names
 
 
-def wrap_model(model: nn.Module, strategy: str, dist: Dist, mixed_precision=None) -> nn.Module:
-    """Data-parallel wrap for training: DDP, or FSDP2 with one shard unit per transformer block.
-
-    Single process: the model unchanged. `mixed_precision` is an FSDP2 MixedPrecisionPolicy.
-    """
+def wrap_model(model: nn.Module, strategy: str, dist: Dist, mixed_precision: str = "no") -> nn.Module:
+    """Data-parallel wrap: DDP, or FSDP2 with one shard unit per transformer block; a single
+    process keeps the model as it is. mixed_precision "bf16" computes in bfloat16 over the
+    model's own (master) weights: FSDP2 casts the gathered parameters and reduces gradients in
+    float32; otherwise forward runs under autocast (generate too, since it calls forward)."""
     model.to(dist.device)
-    if dist.world_size == 1:
+    fsdp = dist.world_size > 1 and strategy == "fsdp2"
+    if mixed_precision == "bf16" and not fsdp:
+        model.forward = torch.autocast(device_type=dist.device.type, dtype=torch.bfloat16)(model.forward)
+    elif mixed_precision not in ("no", "bf16"):
+        raise ValueError(f"mixed_precision={mixed_precision!r}; use no or bf16")
+    if dist.world_size == 1 or strategy == "none":  # "none": a frozen model each rank keeps whole
         return model
     if strategy == "ddp":
         ids = [dist.device.index] if dist.device.type == "cuda" else None
@@ -94,12 +99,16 @@ def wrap_model(model: nn.Module, strategy: str, dist: Dist, mixed_precision=None
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(dist.device.type, (dist.world_size,))
-    kwargs = {"mesh": mesh, "mp_policy": mixed_precision or MixedPrecisionPolicy()}
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
     blocks = _block_classes(model)
     for module in model.modules():
         if type(module).__name__ in blocks:
-            fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 

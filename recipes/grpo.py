@@ -324,11 +324,11 @@ def load_models(args, tokenizer, strategy, dist):
         lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=args.target_modules,
     )  # fmt: skip
     counts = count_parameters(model)
-    model = wrap_model(model, strategy, dist)
+    model = wrap_model(model, strategy, dist, args.mixed_precision)
     ref = None
     if args.use_kl_loss and args.lora_rank == 0:
         ref = load_policy(args.model, **model_kwargs).eval().requires_grad_(False)
-        ref = wrap_model(ref, "fsdp2", dist) if strategy == "fsdp2" else ref.to(dist.device)
+        ref = wrap_model(ref, "fsdp2" if strategy == "fsdp2" else "none", dist, args.mixed_precision)
     reward_model = RewardModel(args.reward_model, tokenizer, dist.device) if args.reward_model else None
     return model, ref, reward_model, counts
 

@@ -207,7 +207,7 @@ def main(args: Args) -> dict:
         lora_alpha=args.lora_alpha, target_modules=args.target_modules,
     )  # fmt: skip
     counts = count_parameters(model)
-    model = wrap_model(model, strategy, dist)
+    model = wrap_model(model, strategy, dist, args.mixed_precision)
     run_info = sharding_report(model, strategy, dist)
     optimizer = build_optimizer(model, args.lr, args.weight_decay, args.betas)
     scheduler = build_scheduler(optimizer, kind=args.lr_scheduler, total_steps=total_steps,

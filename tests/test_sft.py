@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import ROOT, TASK_TEST, TINY, load_recipe, load_recipe_refusing_models, read_metrics, run_recipe
+from safetensors.torch import load_file
 
 from common.data import DataError, load_sft
 
@@ -340,3 +341,18 @@ def test_rerun_of_a_finished_run_says_so(tmp_path, small_val):
     )
     assert "already completed all 2 steps: nothing to train" in again.stdout
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+@pytest.mark.parametrize("nproc, strategy", [(1, "ddp"), (2, "fsdp2")])
+def test_bf16_mixed_precision_keeps_float32_master_weights(tmp_path, odd_val, single_process_run, nproc, strategy):
+    """bf16 compute (autocast, or FSDP2's param_dtype) tracks the float32 run closely, and the
+    weights that are trained and exported stay float32."""
+    out = tmp_path / f"bf16-{strategy}"
+    micro = 64 // nproc  # the float32 reference's layout on one process
+    flags = f"{STEPS3} --micro-batch-size-per-gpu {micro} --save-freq 3 --mixed-precision bf16 --strategy {strategy}"
+    run_recipe("sft", *base_flags(out, odd_val, flags), nproc=nproc)
+    assert losses(out) == pytest.approx(losses(single_process_run), rel=1e-2)
+    if nproc == 1:  # same layout as the float32 run: any difference comes from bf16 compute
+        assert losses(out) != losses(single_process_run)
+    exported = load_file(out / "checkpoints" / "step_3" / "hf" / "model.safetensors")
+    assert {t.dtype for t in exported.values()} == {torch.float32}
