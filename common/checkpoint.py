@@ -45,19 +45,30 @@ def list_checkpoints(output_dir) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def find_resume(resume: str, output_dir) -> Path | None:
-    """`auto`: the newest complete checkpoint in output_dir (or None); `disable`: None; else a path."""
+def find_resume(resume: str, output_dir, recipe: str) -> Path | None:
+    """The checkpoint `--resume` names: `auto` the newest complete one in output_dir (or None),
+    `disable` None, else that path. Call it before any model loads: a checkpoint written by
+    another recipe (a fork run in its parent's folder, say) is refused, never silently continued."""
     if resume == "disable":
         return None
     if resume == "auto":
         found = list_checkpoints(output_dir)
-        return found[-1] if found else None
-    path = Path(resume).expanduser()
-    if not (path / "trainer_state.json").is_file():
-        raise FileNotFoundError(
-            f"--resume {resume}: not a checkpoint folder (no trainer_state.json); pass a "
-            f"<output_dir>/checkpoints/step_<N> folder, auto or disable"
-        )
+        path = found[-1] if found else None
+    else:
+        path = Path(resume).expanduser()
+        if not (path / "trainer_state.json").is_file():
+            raise FileNotFoundError(
+                f"--resume {resume}: not a checkpoint folder (no trainer_state.json); pass a "
+                f"<output_dir>/checkpoints/step_<N> folder, auto or disable"
+            )
+    if path is not None:
+        owner = json.loads((path / "trainer_state.json").read_text()).get("recipe", recipe)
+        if owner != recipe:
+            raise ValueError(
+                f"--resume {resume}: {path} was written by recipes/{owner}.py, not {recipe}.py, so it "
+                f"is not this run's to continue. Pass a fresh --output-dir to start this recipe's own "
+                f"run, or --model {path / 'hf'} --resume disable to start it from those weights"
+            )
     return path
 
 
@@ -115,10 +126,12 @@ def save_checkpoint(
     scheduler,
     tokenizer,
     dist: Dist,
+    recipe: str,
     trainer_state: dict,
     keep: int = 2,
     merged_lora: bool = False,
 ) -> Path:
+    """Collective. `recipe` (the recipe file's stem) is recorded as the checkpoint's owner."""
     root = Path(output_dir) / "checkpoints"
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     if dist.is_main:
@@ -132,6 +145,7 @@ def save_checkpoint(
     if dist.is_main:
         state = {
             **trainer_state,
+            "recipe": recipe,
             "step": step,
             "world_size": dist.world_size,
             "scheduler": scheduler.state_dict(),
@@ -168,21 +182,18 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, dist: Dist) -> d
     return state
 
 
-def resume(
-    resume_flag: str, output_dir, total_steps: int, *, model, optimizer, scheduler, dist: Dist
-) -> tuple[int, Path | None]:
-    """Load the checkpoint `--resume` names, if any; returns (start step, checkpoint path).
+def resume(path: Path | None, total_steps: int, *, model, optimizer, scheduler, dist: Dist) -> int:
+    """Load the checkpoint find_resume chose, if any; returns the step to start from.
 
     A run that already completed total_steps is reported in words, so a re-run never trains zero
     steps without saying so.
     """
-    path = find_resume(resume_flag, output_dir)
     if path is None:
-        return 0, None
+        return 0
     step = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)["step"]
     if step >= total_steps and dist.is_main:
         print(
             f"{path} already completed all {total_steps} steps: nothing to train. Use --resume disable "
             f"(or another --output-dir) to start over, or raise --total-training-steps to train further."
         )
-    return step, path
+    return step

@@ -33,6 +33,11 @@ class ModelArgs:
     target_modules: tuple[str, ...] = ("all-linear",)
     """modules that get LoRA adapters: 'all-linear' or names such as q_proj v_proj"""
 
+    def policy_kwargs(self) -> dict:
+        """The keyword arguments of common.model.load_rl_models that these flags set."""
+        names = ("dtype", "trust_remote_code", "mixed_precision", "gradient_checkpointing", "lora_rank", "lora_alpha")
+        return {**{k: getattr(self, k) for k in names}, "target_modules": self.target_modules}
+
 
 @dataclass
 class DataArgs:
@@ -65,6 +70,16 @@ class OptimArgs:
     grad_clip: float = 1.0
     """clip the global grad norm to this (0 disables)"""
 
+    def optimizer_and_scheduler(self, model, total_steps: int):
+        """AdamW (common.optim.build_optimizer) and its lr schedule over total_steps."""
+        from common.optim import build_optimizer, build_scheduler
+
+        optimizer = build_optimizer(model, self.lr, self.weight_decay, self.betas)
+        return optimizer, build_scheduler(
+            optimizer, kind=self.lr_scheduler, total_steps=total_steps,
+            warmup_ratio=self.lr_warmup_steps_ratio, min_lr_ratio=self.min_lr_ratio,
+        )  # fmt: skip
+
 
 @dataclass
 class TrainerArgs:
@@ -73,7 +88,7 @@ class TrainerArgs:
     project_name: str = "recipes"
     """wandb / tensorboard project"""
     experiment_name: str = ""
-    """run name (default: the recipe name)"""
+    """run name (default: the recipe file's name, so a copied recipe is its own experiment)"""
     seed: int = 1
     """seed for init, data order and sampling"""
     total_epochs: int = 1
@@ -94,8 +109,122 @@ class TrainerArgs:
     """with LoRA: also save a merged full model under hf/ next to the adapter"""
     logger: tuple[Literal["console", "wandb", "tensorboard"], ...] = ("console",)
     """where metrics go besides metrics.jsonl"""
+    log_interval: int = 10
+    """print one line of key metrics every N steps (0: only the progress bar)"""
     strategy: Literal["auto", "ddp", "fsdp2"] = "auto"
     """data parallelism: auto is fsdp2 under an accelerate FSDP config, else ddp"""
+
+
+@dataclass
+class RolloutArgs:
+    max_prompt_length: int = 64
+    """prompt tokens after the chat template (longer ones follow --truncation)"""
+    max_response_length: int = 16
+    """generated tokens per response"""
+    filter_overlong_prompts: bool = False
+    """drop (and count) prompts longer than max_prompt_length instead of truncating / failing"""
+    train_batch_size: int = 16
+    """prompts per step, over all processes"""
+    rollout_n: int = 16
+    """responses sampled per prompt (the group)"""
+    ppo_mini_batch_size: int = 16
+    """prompts per optimizer step; train_batch_size / ppo_mini_batch_size updates per step"""
+    micro_batch_size_per_gpu: int = 64
+    """most sequences per forward/backward pass on one process (the last micro-batch may be smaller)"""
+    use_dynamic_bsz: bool = False
+    """pack micro-batches by a token budget (--ppo-max-token-len-per-gpu) instead of a sequence count"""
+    ppo_max_token_len_per_gpu: int = 16384
+    """with --use-dynamic-bsz: most padded tokens (prompt + response) per micro-batch on one process"""
+    ppo_epochs: int = 1
+    """passes over each step's samples"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer scales logits by it too)"""
+    top_p: float = 1.0
+    """nucleus sampling: keep the smallest token set with this much probability (1.0: off)"""
+    top_k: int = -1
+    """sample among the k most likely tokens (-1: off)"""
+    shared_prompt_forward: bool = True
+    """trainer passes run each group's shared prompt once (same numbers; off: one pass per sequence)"""
+
+
+@dataclass
+class RewardArgs:
+    reward_fn: str | None = None
+    """path/to/file.py[:name] with verl's compute_score signature (default: built-ins by data_source)"""
+    reward_timeout: float = 10.0
+    """seconds one sample may take to score before it gets 0"""
+    reward_workers: int = 2
+    """reward worker processes per rank"""
+    reward_model: str | None = None
+    """AutoModelForSequenceClassification folder / hub name; replaces the rule-based score"""
+
+
+@dataclass
+class ValidationArgs:
+    val_temperature: float = 0.0
+    """validation sampling temperature; 0 is greedy"""
+    val_n: int = 1
+    """validation responses per prompt"""
+    val_batch_size: int = 256
+    """prompts per generate call in validation"""
+
+
+@dataclass
+class RLArgs(RewardArgs, ValidationArgs, RolloutArgs, TrainerArgs, OptimArgs, DataArgs, ModelArgs):
+    """The plumbing flags every RL recipe shares, with the RL defaults for the bundled task.
+    Flags are listed model, data, optim, trainer, rollout, validation, reward; a recipe's own
+    algorithm knobs follow."""
+
+    model: str = str(BUNDLED / "tiny-qwen2-sft")
+    """policy: a local Hugging Face folder or a hub name"""
+    lr: float = 2e-4
+    """peak learning rate (AdamW)"""
+    lr_scheduler: Literal["constant", "cosine", "wsd"] = "cosine"
+    """lr after warmup: constant, cosine decay, or warmup-stable-decay"""
+    total_training_steps: int | None = 80
+    """stop after this many optimizer steps (overrides total_epochs)"""
+    test_freq: int = 20
+    """validate every N steps (-1: only at the end); 0 never validates"""
+    val_before_train: bool = True
+    """validate once before the first step"""
+
+    # Derived values, computed from the flags above (no side effects).
+    def prompt_kwargs(self) -> dict:
+        """The keyword arguments of common.data.load_rl_data that these flags set."""
+        names = ("prompt_key", "max_prompt_length", "truncation", "filter_overlong_prompts", "train_batch_size")
+        return {k: getattr(self, k) for k in names}
+
+    def tracker_kwargs(self, recipe: str) -> dict:
+        """The keyword arguments of common.tracking.Tracker that these flags set."""
+        return dict(
+            loggers=self.logger, project=self.project_name, experiment=self.experiment_name or recipe,
+            log_interval=self.log_interval,
+        )  # fmt: skip
+
+    def batch_plan(self, world_size: int) -> "BatchPlan":
+        """The checked batch arithmetic (plan_batches) for this many processes."""
+        return plan_batches(
+            world_size=world_size, train_batch_size=self.train_batch_size, rollout_n=self.rollout_n,
+            mini_batch_size=self.ppo_mini_batch_size, micro_batch_size_per_gpu=self.micro_batch_size_per_gpu,
+            use_dynamic_bsz=self.use_dynamic_bsz, max_token_len_per_gpu=self.ppo_max_token_len_per_gpu,
+            max_sequence_length=self.max_prompt_length + self.max_response_length,
+        )  # fmt: skip
+
+    def samplings(self):
+        """(training sampling: rollout_n per prompt, validation sampling: val_n per prompt)."""
+        from common.rollout import Sampling
+
+        shared = dict(top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_response_length)
+        return Sampling(self.rollout_n, self.temperature, **shared), Sampling(
+            self.val_n, self.val_temperature, **shared
+        )
+
+    def micro_batch_limits(self) -> dict:
+        """Keyword arguments of common.data.split_rows: a sequence cap, or verl's token budget."""
+        return dict(
+            max_seqs=self.micro_batch_size_per_gpu,
+            max_tokens=self.ppo_max_token_len_per_gpu if self.use_dynamic_bsz else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -108,6 +237,7 @@ class BatchPlan:
     mini_batches_per_step: int
     local_mini_batch: int
     grad_accum: int
+    """micro-batches per optimizer step on one process (with dynamic batching: at least one)"""
 
 
 def _nearby_divisors(n: int, around: int, count: int = 3) -> list[int]:
@@ -122,12 +252,18 @@ def plan_batches(
     micro_batch_size_per_gpu: int,
     mini_batch_size: int | None = None,
     rollout_n: int = 1,
+    use_dynamic_bsz: bool = False,
+    max_token_len_per_gpu: int | None = None,
+    max_sequence_length: int | None = None,
 ) -> BatchPlan:
-    """Check that the global batch splits evenly into mini-batches, ranks and micro-batches.
+    """Check that the global batch splits evenly into mini-batches and ranks.
 
     train_batch_size and mini_batch_size count prompts (SFT: examples); each prompt yields
-    rollout_n sequences; micro_batch_size_per_gpu counts sequences. Raises ValueError naming the
-    numbers to change. Call it before any model loads.
+    rollout_n sequences; micro_batch_size_per_gpu counts sequences and is a cap (a memory knob),
+    never a divisor: the last micro-batch of a mini-batch may be smaller, and the loss is
+    normalised over the whole mini-batch so that split is exact. With dynamic batching the token
+    budget must hold the longest possible sequence. Raises ValueError naming the numbers to
+    change. Call it before any model loads.
     """
     mini = train_batch_size if mini_batch_size is None else mini_batch_size
     for name, value in [
@@ -156,14 +292,13 @@ def plan_batches(
             f"evenly over {world_size} processes; make ppo_mini_batch_size*rollout_n a multiple "
             f"of {world_size}"
         )
-    local_mini = mini_sequences // world_size
-    if local_mini % micro_batch_size_per_gpu:
+    if use_dynamic_bsz and max_sequence_length and (max_token_len_per_gpu or 0) < max_sequence_length:
         raise ValueError(
-            f"each process gets {local_mini} sequences per optimizer step "
-            f"({mini}x{rollout_n} over {world_size} processes), which is not divisible by "
-            f"micro_batch_size_per_gpu={micro_batch_size_per_gpu}; try "
-            f"micro_batch_size_per_gpu=" + " or ".join(map(str, _nearby_divisors(local_mini, micro_batch_size_per_gpu)))
+            f"ppo_max_token_len_per_gpu={max_token_len_per_gpu} cannot hold one sequence of up to "
+            f"{max_sequence_length} tokens (max_prompt_length + max_response_length); raise it to at "
+            f"least {max_sequence_length}"
         )
+    local_mini = mini_sequences // world_size
     sequences = train_batch_size * rollout_n
     return BatchPlan(
         world_size=world_size,
@@ -171,7 +306,7 @@ def plan_batches(
         local_sequences_per_step=sequences // world_size,
         mini_batches_per_step=train_batch_size // mini,
         local_mini_batch=local_mini,
-        grad_accum=local_mini // micro_batch_size_per_gpu,
+        grad_accum=1 if use_dynamic_bsz else -(-local_mini // micro_batch_size_per_gpu),
     )
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
+from common.parallel import all_reduce_max
+
 log = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
@@ -342,3 +344,92 @@ def pack_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id:
         "response_mask": response_mask,
     }
     return {k: v.to(device) for k, v in batch.items()} if device is not None else batch
+
+
+def take_rows(batch: dict, rows) -> dict:
+    """The trainer tensors of batch[rows] (a slice or index tensor), with the columns that are
+    padding in every chosen row cut off: left of the prompts, right of the responses. Positions
+    are kept, so the model sees each token where the sampler saw it."""
+    T = batch["responses"].shape[1]
+    P = batch["input_ids"].shape[1] - T
+    attention = batch["attention_mask"][rows]
+    prompt_width = int(attention[:, :P].sum(-1).max())
+    response_width = max(1, int(attention[:, P:].sum(-1).max()))
+    columns = slice(P - prompt_width, P + response_width)
+    out = {k: batch[k][rows][:, columns] for k in ("input_ids", "attention_mask", "position_ids")}
+    out["responses"] = batch["responses"][rows][:, :response_width]
+    out["response_mask"] = batch["response_mask"][rows][:, :response_width]
+    if "group_ids" in batch:
+        out["group_ids"] = batch["group_ids"][rows]
+    return out
+
+
+def micro_batches(
+    prompt_lengths, response_lengths, *, max_seqs: int, max_tokens: int | None = None, min_count: int = 1
+) -> list[torch.Tensor]:
+    """Split the rows 0..n-1 of a mini-batch into micro-batches: ascending index tensors, so the
+    responses to one prompt stay next to each other (the shared-prompt forward relies on it).
+
+    max_tokens None: consecutive runs of at most max_seqs rows; the last may be smaller.
+    max_tokens set (verl's use_dynamic_bsz): rows sorted by length are packed so that a
+    micro-batch's padded size, rows x (longest prompt + longest response), stays within
+    max_tokens. The largest micro-batches are then halved until there are at least min_count
+    (pass the largest count of any rank: FSDP2 forwards are collective, call for call). Any split
+    gives the same gradient, since the loss is normalised over the whole mini-batch.
+    """
+    n = len(prompt_lengths)
+    if max_tokens is None:
+        chunks = [list(range(k, min(k + max_seqs, n))) for k in range(0, n, max_seqs)]
+    else:
+        order = sorted(range(n), key=lambda i: -(prompt_lengths[i] + response_lengths[i]))
+        chunks, current, widest = [], [], (0, 0)
+        for i in order:
+            wide = (max(widest[0], prompt_lengths[i]), max(widest[1], response_lengths[i]))
+            if current and (len(current) + 1) * sum(wide) > max_tokens:
+                chunks.append(current)
+                current, wide = [], (prompt_lengths[i], response_lengths[i])
+            current.append(i)
+            widest = wide
+        chunks.append(current)
+    while len(chunks) < min(min_count, n):
+        chunks.sort(key=len)
+        largest = chunks.pop()
+        chunks += [largest[: len(largest) // 2], largest[len(largest) // 2 :]]
+    return sorted((torch.tensor(sorted(c), dtype=torch.long) for c in chunks if c), key=lambda t: int(t[0]))
+
+
+def split_rows(
+    batch: dict, start: int, stop: int, *, max_seqs: int, max_tokens: int | None = None
+) -> list[torch.Tensor]:
+    """micro_batches over the rows start..stop-1 of a packed batch (absolute row indices), with as
+    many micro-batches on this rank as on the rank that needs the most."""
+    T = batch["responses"].shape[1]
+    lengths = batch["attention_mask"][start:stop].sum(-1)
+    response_lengths = batch["response_mask"][start:stop].sum(-1).tolist()
+    prompt_lengths = (lengths - batch["attention_mask"][start:stop, -T:].sum(-1)).tolist()
+    local = micro_batches(prompt_lengths, response_lengths, max_seqs=max_seqs, max_tokens=max_tokens)
+    count = all_reduce_max(len(local))
+    split = micro_batches(prompt_lengths, response_lengths, max_seqs=max_seqs, max_tokens=max_tokens, min_count=count)
+    return [rows + start for rows in split]
+
+
+def load_rl_data(
+    train_files,
+    val_files,
+    tokenizer,
+    *,
+    prompt_key: str,
+    max_prompt_length: int,
+    truncation: str,
+    filter_overlong_prompts: bool,
+    train_batch_size: int,
+) -> tuple[list[dict], LoadStats, list[dict]]:
+    """Training and validation prompts of an RL recipe (validation empty without val_files);
+    too few training prompts for one batch fail here, before any model loads."""
+    kwargs = dict(prompt_key=prompt_key, max_prompt_length=max_prompt_length, truncation=truncation)
+    kwargs["filter_overlong_prompts"] = filter_overlong_prompts
+    train, stats = load_prompts(train_files, tokenizer, **kwargs, what="train_files")
+    if len(train) < train_batch_size:
+        raise DataError(f"train_files hold {len(train)} prompts, fewer than train_batch_size={train_batch_size}")
+    val = load_prompts(val_files, tokenizer, **kwargs, what="val_files")[0] if val_files else []
+    return train, stats, val

@@ -76,6 +76,42 @@ def load_policy(
     return model
 
 
+def load_rl_models(
+    path: str,
+    *,
+    dist,
+    strategy: str,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    gradient_checkpointing: bool = False,
+    lora_rank: int = 0,
+    lora_alpha: int = 16,
+    target_modules=("all-linear",),
+    mixed_precision: str = "no",
+    with_reference: bool = False,
+    reward_model: str | None = None,
+    tokenizer=None,
+):
+    """The policy wrapped for DDP / FSDP2; with_reference a frozen copy for KL terms (with LoRA
+    none: the adapter-disabled policy is the reference); the optional reward model. Returns
+    (policy, reference or None, reward model or None, (parameters, trainable parameters))."""
+    from common.parallel import wrap_model
+    from common.rewards import RewardModel
+
+    model = load_policy(
+        path, dtype=dtype, trust_remote_code=trust_remote_code, gradient_checkpointing=gradient_checkpointing,
+        lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules,
+    )  # fmt: skip
+    counts = count_parameters(model)
+    model = wrap_model(model, strategy, dist, mixed_precision)
+    ref = None
+    if with_reference and lora_rank == 0:
+        ref = load_policy(path, dtype=dtype, trust_remote_code=trust_remote_code).eval().requires_grad_(False)
+        ref = wrap_model(ref, "fsdp2" if strategy == "fsdp2" else "none", dist, mixed_precision)
+    rm = RewardModel(reward_model, tokenizer, dist.device, trust_remote_code) if reward_model else None
+    return model, ref, rm, counts
+
+
 def is_lora(model) -> bool:
     return hasattr(model, "peft_config")
 
@@ -91,12 +127,12 @@ def _checkpointing(model) -> bool:
     return bool(getattr(inner, "is_activation_checkpointing", False) or getattr(inner, "gradient_checkpointing", False))
 
 
-def response_logits(model, batch: dict, rows: slice, share_prompts: bool = True) -> torch.Tensor:
-    """Logits predicting each response token of batch[rows] (from common.data.pack_sequences plus
-    `group_ids`), shape (b, T, V): the logit at response position t predicts token t.
+def response_logits(model, batch: dict, share_prompts: bool = True) -> torch.Tensor:
+    """Logits predicting each response token of a (micro-)batch from common.data.pack_sequences /
+    take_rows plus `group_ids`, shape (b, T, V): the logit at response position t predicts token t.
 
     Responses to the same prompt sit next to each other and share it, so with share_prompts each
-    distinct prompt in the slice goes through the model once; its KV cache is repeated for the
+    distinct prompt in the batch goes through the model once; its KV cache is repeated for the
     group and the responses run on top of it. Same logits and gradients as one pass over the
     concatenated sequences (a rollout_n-fold saving on the prompt tokens). Falls back to the one
     pass with activation checkpointing (transformers drops the cache there) or without groups.
@@ -104,20 +140,20 @@ def response_logits(model, batch: dict, rows: slice, share_prompts: bool = True)
     T = batch["responses"].shape[1]
     P = batch["input_ids"].shape[1] - T
     keys = ("input_ids", "attention_mask", "position_ids")
-    group_ids = batch["group_ids"][rows]
+    group_ids = batch["group_ids"]
     starts = torch.ones_like(group_ids, dtype=torch.bool)
     starts[1:] = group_ids[1:] != group_ids[:-1]
     if not share_prompts or bool(starts.all()) or _checkpointing(model):
-        return model(**{k: batch[k][rows] for k in keys}, logits_to_keep=T + 1).logits[:, :-1]
-    first = starts.nonzero().squeeze(-1) + (rows.start or 0)  # each prompt's first row in the batch
+        return model(**{k: batch[k] for k in keys}, logits_to_keep=T + 1).logits[:, :-1]
+    first = starts.nonzero().squeeze(-1)  # each prompt's first row
     owner = starts.cumsum(0) - 1  # which distinct prompt each row answers
     prompt = model(**{k: batch[k][first, :P] for k in keys}, use_cache=True, logits_to_keep=1)
     cache = prompt.past_key_values
     cache.batch_select_indices(owner)
     out = model(
-        input_ids=batch["responses"][rows],
-        attention_mask=batch["attention_mask"][rows],
-        position_ids=batch["position_ids"][rows, P:],
+        input_ids=batch["responses"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"][:, P:],
         past_key_values=cache,
         use_cache=True,
     )

@@ -18,12 +18,13 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 def masked_mean(
     x: torch.Tensor, mask: torch.Tensor, dim=None, denom: float | torch.Tensor | None = None
 ) -> torch.Tensor:
-    """sum(x * mask) / denom; denom defaults to mask.sum() (clamped to 1 so an empty mask gives 0)."""
+    """sum(x * mask) / denom; denom defaults to mask.sum(). An empty selection (a zero count,
+    e.g. a mini-batch whose groups were all filtered out) gives 0, never NaN."""
     total = masked_sum(x, mask, dim)
     if denom is None:
         denom = mask.sum() if dim is None else mask.sum(dim)
-        denom = torch.clamp(denom, min=1)
-    return total / denom
+    denom = torch.as_tensor(denom, dtype=total.dtype, device=total.device)
+    return torch.where(denom != 0, total / torch.where(denom != 0, denom, 1), 0)
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:

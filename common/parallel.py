@@ -153,6 +153,15 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def all_reduce_max(value: int) -> int:
+    """The largest of every rank's int (e.g. a micro-batch count every rank must then use)."""
+    if tdist.is_available() and tdist.is_initialized():
+        t = torch.tensor([value], dtype=torch.long)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        value = int(t.item())
+    return value
+
+
 def gather_objects(obj) -> list:
     """Every rank's obj, in rank order, on every rank."""
     if not (tdist.is_available() and tdist.is_initialized()):

@@ -357,3 +357,14 @@ class RewardModel:
                 attention = pad([[1] * len(x) for x in chunk], 0).to(self.device)
                 out.append(self.model(input_ids=input_ids, attention_mask=attention).logits[:, 0].float())
         return self.torch.cat(out)
+
+
+def start_reward_pool(reward_fn: str | None, *, workers: int, timeout: float, dry_run_rows: list[dict]) -> RewardPool:
+    """The worker pool for --reward-fn (or the built-ins), checked before any model loads: a
+    missing file or function fails with its name, and a dry run scores dry_run_rows (prompt rows
+    from common.data) with their ground truths. Pass no rows when a reward model scores instead."""
+    load_reward_fn(reward_fn)
+    pool = RewardPool(reward_fn, workers=workers, timeout=timeout)
+    if dry_run_rows:
+        pool.dry_run(dry_run_rows)
+    return pool

@@ -11,12 +11,14 @@ they only keep the bookkeeping.
 """
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from common.data import pad
+from common.data import pack_sequences, pad
 from common.parallel import gather_objects, is_fsdp, shard_evenly, unwrap
 from common.rewards import hit
 
@@ -57,6 +59,30 @@ def _clean_generation_config(model, config: GenerationConfig):
         model.generation_config = saved
 
 
+class _SampledLogprobs(LogitsProcessor):
+    """Last in the processor list, so it sees the sampler's final distribution. It keeps one
+    step's log-softmax until the next call shows which token was sampled from it, then only that
+    token's logprob: O(sequences x tokens) memory, where transformers' output_scores keeps the
+    full vocabulary for every step."""
+
+    def __init__(self):
+        self.picked: list[torch.Tensor] = []  # (B,) per step
+        self.last: torch.Tensor | None = None  # (B, V) of the latest step only
+
+    def __call__(self, input_ids, scores):
+        if self.last is not None:
+            self.picked.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.last = torch.log_softmax(scores.float(), -1)
+        return scores
+
+    def finish(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) logprobs of the generated `tokens`."""
+        if self.last is not None and len(self.picked) < tokens.shape[1]:
+            self.picked.append(self.last.gather(-1, tokens[:, len(self.picked) : len(self.picked) + 1]).squeeze(-1))
+        self.last = None
+        return torch.stack(self.picked, 1) if self.picked else tokens.new_zeros(tokens.shape, dtype=torch.float32)
+
+
 class HFEngine:
     """transformers' generate on the live policy (single process, DDP or FSDP2)."""
 
@@ -85,12 +111,17 @@ class HFEngine:
         inner = unwrap(self.model)
         was_training = inner.training
         inner.eval()
-        # Sampling knobs only when sampling: greedy ignores them (and transformers warns).
-        knobs = (
-            {}
-            if sampling.greedy
-            else dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0))
-        )
+        # The sampling warpers run in our own processor list, before the logprob recorder, so it
+        # sees what the sampler samples from; greedy needs none (and transformers warns).
+        warpers = []
+        if not sampling.greedy:
+            if sampling.temperature != 1.0:
+                warpers.append(TemperatureLogitsWarper(sampling.temperature))
+            if sampling.top_k > 0:
+                warpers.append(TopKLogitsWarper(sampling.top_k))
+            if sampling.top_p < 1.0:
+                warpers.append(TopPLogitsWarper(sampling.top_p))
+        knobs = {} if sampling.greedy else dict(temperature=1.0, top_p=1.0, top_k=0)
         config = GenerationConfig(
             do_sample=not sampling.greedy,
             **knobs,
@@ -98,30 +129,30 @@ class HFEngine:
             num_return_sequences=sampling.n,
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
-            output_scores=True,
             return_dict_in_generate=True,
             use_cache=True,
         )
         out: list[list[Completion]] = []
         with _clean_generation_config(inner, config):
             for start in range(0, len(prompts), self.batch_size):
-                out.extend(self._generate_batch(inner, prompts[start : start + self.batch_size], config, sampling.n))
+                batch = prompts[start : start + self.batch_size]
+                out.extend(self._generate_batch(inner, batch, config, warpers, sampling.n))
         inner.train(was_training)
         return out
 
-    def _generate_batch(self, inner, prompts, config, n) -> list[list[Completion]]:
+    def _generate_batch(self, inner, prompts, config, warpers, n) -> list[list[Completion]]:
         ids = pad(prompts, self.pad_id, side="left").to(self.device)
         attention = pad([[1] * len(p) for p in prompts], 0, side="left").to(self.device)
+        recorder = _SampledLogprobs()
         result = inner.generate(
             input_ids=ids,
             attention_mask=attention,
             generation_config=config,
+            logits_processor=LogitsProcessorList([*warpers, recorder]),
             synced_gpus=is_fsdp(self.model) and self.world_size > 1,
         )
         tokens = result.sequences[:, ids.shape[1] :]  # (B*n, T), grouped by prompt
-        # scores are the logits after temperature / top-k / top-p: the sampler's distribution.
-        logprobs = torch.stack([torch.log_softmax(s.float(), -1) for s in result.scores], 1)
-        picked = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        picked = recorder.finish(tokens)
         completions = []
         for row, lps in zip(tokens.tolist(), picked.tolist()):
             stop = next((t for t, tok in enumerate(row) if tok in self.eos_ids), None)
@@ -139,6 +170,38 @@ def hf_generate_greedy(
     )
     completions = engine.generate(prompts, Sampling(n=1, temperature=0, max_tokens=max_new_tokens))
     return [c[0].token_ids for c in completions]
+
+
+def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, reward_model=None) -> dict:
+    """Steps 2-3 of every RL recipe for this rank's prompts (rows from common.data.load_prompts):
+    sampling.n responses each, packed for the trainer (common.data.pack_sequences), then scored
+    by the reward pool (verl's compute_score) or, when given, the reward model.
+
+    Adds rows [(prompt row, Completion)] with group g at rows g*n .. g*n+n-1, group_ids (B,),
+    scored (the pool's Scored: errors, timeouts, extra keys), rewards (B,) float32, and timing
+    {perf/generate_s, perf/score_s}.
+    """
+    t = time.time()
+    groups = engine.generate([p["prompt_ids"] for p in prompts], sampling)
+    rows = [(p, c) for p, group in zip(prompts, groups) for c in group]
+    responses = [c.token_ids for _, c in rows]
+    batch = pack_sequences([p["prompt_ids"] for p, _ in rows], responses, tokenizer.pad_token_id, device)
+    batch["rows"] = rows
+    batch["group_ids"] = torch.arange(len(prompts), device=device).repeat_interleave(sampling.n)
+    batch["timing"] = {"perf/generate_s": time.time() - t}
+
+    t = time.time()
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    batch["scored"] = pool.score(
+        [(p["data_source"], x, p["ground_truth"], p["extra_info"]) for (p, _), x in zip(rows, texts)]
+    )
+    rewards = torch.tensor(batch["scored"].scores, dtype=torch.float32, device=device)
+    if reward_model is not None:
+        prompt_ids, messages = [p["prompt_ids"] for p, _ in rows], [p["messages"] for p, _ in rows]
+        rewards = reward_model.score(messages, texts, prompt_ids, responses).to(device)
+    batch["rewards"] = rewards
+    batch["timing"]["perf/score_s"] = time.time() - t
+    return batch
 
 
 def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist) -> dict:

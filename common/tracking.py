@@ -6,10 +6,13 @@ import logging
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+from common.parallel import barrier
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +51,12 @@ class Tracker:
         is_main: bool = True,
         total_steps: int = 0,
         start_step: int = 0,
-        bar_keys: tuple[str, ...] = (),
+        bar_keys: tuple[str, ...] = ("train/loss", "reward/mean", "val/accuracy"),
+        log_interval: int = 0,
     ):
         self.is_main = is_main
+        self.total_steps, self.start_step, self.log_interval = total_steps, start_step, log_interval
+        self.t_start = time.time()
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.bar_keys = bar_keys
@@ -95,7 +101,8 @@ class Tracker:
             )
 
     def log(self, metrics: dict, step: int) -> None:
-        if not self.is_main:
+        """Append a record for `step` (nothing when metrics is empty) and move the bar to it."""
+        if not self.is_main or not metrics:
             return
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
@@ -106,25 +113,27 @@ class Tracker:
             for k, v in metrics.items():
                 if isinstance(v, int | float):
                     self.tb.add_scalar(k, v, step)
+        if self.log_interval > 0 and step > 0 and (step % self.log_interval == 0 or step == self.total_steps):
+            self.write(console_line(record, self.total_steps))
         if self.bar is not None:
             # "reward/mean" shows as reward, "train/loss" as loss, "val/accuracy" as val_accuracy
             label = lambda k: k.removeprefix("train/").removesuffix("/mean").replace("/", "_")  # noqa: E731
             shown = {label(k): f"{record[k]:.4g}" for k in self.bar_keys if isinstance(record.get(k), float | int)}
             if shown:
                 self.bar.set_postfix(shown, refresh=False)
-
-    def advance(self, n: int = 1) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
+            self.bar.update(max(0, step - self.bar.n))
 
     def write(self, message: str) -> None:
         """Print above the progress bar (rank 0)."""
         if self.is_main:
             (self.bar.write if self.bar is not None else print)(message)
 
-    def finish(self, summary: dict, first_val: dict, plot_keys: tuple[str, ...] = ()) -> None:
-        """Close the loggers, draw the curves and print the closing summary (val accuracy before
-        -> after, steps, time, run folder)."""
+    def finish(self, val_metrics: dict, first_val: dict, plot_keys: tuple[str, ...] = (), saved: bool = False) -> dict:
+        """Collective (every rank calls it). Close the loggers, draw the curves and print the
+        closing summary: val accuracy before -> after, steps, time, run folder and, when the run
+        saved, the exported model folder. Returns the summary."""
+        barrier()
+        summary = {"steps": self.total_steps - self.start_step, "seconds": time.time() - self.t_start, **val_metrics}
         png = self.close(plot_keys)
         if "val/accuracy" in summary:
             before = f"{first_val['val/accuracy']:.1%} -> " if "val/accuracy" in first_val else ""
@@ -136,6 +145,10 @@ class Tracker:
             f"{summary['steps']} steps in {summary['seconds']:.0f}s; run folder {self.run_dir}"
             + (f"; curves {png}" if png else "")
         )
+        if saved:
+            final = self.run_dir / "checkpoints" / f"step_{self.total_steps}" / "hf"
+            self.write(f"final model: {final} (a Hugging Face folder: from_pretrained loads it)")
+        return summary
 
     def close(self, plot_keys: tuple[str, ...] = ()) -> Path | None:
         if not self.is_main:
@@ -147,6 +160,46 @@ class Tracker:
         if self.tb is not None:
             self.tb.close()
         return plot_curves(self.path, self.run_dir / "curves.png", plot_keys) if plot_keys else None
+
+
+# The console line every --log-interval steps: (metric, label, format), shown when present.
+CONSOLE_KEYS = (
+    ("train/loss", "loss", ".4g"),
+    ("reward/mean", "reward", ".3f"),
+    ("reward/accuracy", "acc", ".3f"),
+    ("policy/kl_ref", "kl_ref", ".3g"),
+    ("policy/approx_kl", "approx_kl", ".3g"),
+    ("policy/entropy", "entropy", ".3f"),
+    ("policy/clipfrac", "clipfrac", ".3f"),
+    ("critic/vf_loss", "vf_loss", ".4g"),
+    ("train/grad_norm", "grad_norm", ".3g"),
+    ("response/length_mean", "len", ".1f"),
+    ("val/accuracy", "val_acc", ".3f"),
+    ("val/loss", "val_loss", ".4f"),
+    ("perf/step_s", "s/step", ".2f"),
+)
+
+
+def console_line(record: dict, total_steps: int) -> str:
+    shown = [f"{label} {record[k]:{fmt}}" for k, label, fmt in CONSOLE_KEYS if isinstance(record.get(k), int | float)]
+    return f"step {record['step']}/{total_steps}  " + "  ".join(shown)
+
+
+def step_metrics(batch: dict, rewards, seconds: float) -> dict:
+    """Step 7's shared part for a batch from common.rollout.generate_and_score: reward/* and
+    response/* over every rank, the phase timings, train/epoch, perf/step_s and perf/tokens_per_s.
+    `rewards` (B,) are the final rewards, after any shaping the recipe did."""
+    from common.parallel import all_reduce_sum
+
+    rows = batch["rows"]
+    truncated = [c.finish_reason == "length" for _, c in rows]
+    sources = [p["data_source"] for p, _ in rows]
+    lengths = batch["response_mask"].sum(-1).tolist()
+    metrics = rollout_metrics(rewards.tolist(), lengths, truncated, sources, batch["scored"])
+    tokens = all_reduce_sum(batch["attention_mask"].sum().float()).item()
+    metrics.update(batch["timing"])
+    metrics.update({"train/epoch": batch["epoch"], "perf/step_s": seconds, "perf/tokens_per_s": tokens / seconds})
+    return metrics
 
 
 def _plain(v):

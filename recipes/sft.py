@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 import tyro
 
-from common.checkpoint import resume, save_checkpoint
+from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, is_due, plan_batches
 from common.data import batch_indices, load_sft, pad
 from common.model import count_parameters, load_policy, load_tokenizer
@@ -34,7 +34,6 @@ from common.ops import logprobs_from_logits
 from common.optim import build_optimizer, build_scheduler
 from common.parallel import (
     all_reduce_sum,
-    barrier,
     clip_grad_norm,
     gather_objects,
     grad_sync,
@@ -48,6 +47,8 @@ from common.parallel import (
 from common.rewards import builtin_scorer, exact_match
 from common.rollout import hf_generate_greedy
 from common.tracking import Tracker, describe_run, setup_logging
+
+RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
 
 
 # --- config ---------------------------------------------------------------------------------------
@@ -184,8 +185,9 @@ def main(args: Args) -> dict:
     setup_logging(dist.rank)
     plan = plan_batches(world_size=dist.world_size, train_batch_size=args.train_batch_size,
                         micro_batch_size_per_gpu=args.micro_batch_size_per_gpu)  # fmt: skip
-    name = args.experiment_name or "sft"
+    name = args.experiment_name or RECIPE
     run_dir = Path(args.output_dir or f"runs/{name}")
+    checkpoint = find_resume(args.resume, run_dir, RECIPE)
     seed_everything(args.seed + dist.rank)
 
     # Data, read and checked before the model so bad rows fail in seconds.
@@ -212,24 +214,21 @@ def main(args: Args) -> dict:
     optimizer = build_optimizer(model, args.lr, args.weight_decay, args.betas)
     scheduler = build_scheduler(optimizer, kind=args.lr_scheduler, total_steps=total_steps,
                                 warmup_ratio=args.lr_warmup_steps_ratio, min_lr_ratio=args.min_lr_ratio)  # fmt: skip
-    start_step, resume_from = resume(
-        args.resume, run_dir, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist
-    )
+    start_step = resume(checkpoint, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)
     if start_step >= total_steps:
         return {"steps": 0}
     tracker = Tracker(
         run_dir, loggers=args.logger, project=args.project_name, experiment=name, is_main=dist.is_main,
         config={**dataclasses.asdict(args), "run": run_info}, total_steps=total_steps,
-        start_step=start_step, bar_keys=("train/loss", "val/accuracy"),
+        start_step=start_step, bar_keys=("train/loss", "val/accuracy"), log_interval=args.log_interval,
     )  # fmt: skip
-    tracker.write(describe_run(stats.summary("train"), total_steps, resume_from, args.model, counts, run_info, plan))
+    tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, counts, run_info, plan))
 
     val_metrics = {}
     if val and args.val_before_train and start_step == 0:
         val_metrics = validate(model, tokenizer, val, args, dist)
         tracker.log(val_metrics, step=0)
     first_val = dict(val_metrics)
-    t_start = time.time()
     model.train()
     for step in range(start_step, total_steps):
         # 1-3. this rank's slice of the batch, forward / backward, optimizer step
@@ -241,20 +240,15 @@ def main(args: Args) -> dict:
             val_metrics = validate(model, tokenizer, val, args, dist)
             metrics.update(val_metrics)
         tracker.log(metrics, step=done)
-        tracker.advance()
         if is_due(done, args.save_freq, total_steps):
             save_checkpoint(
                 run_dir, done, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer, dist=dist,
-                keep=args.max_ckpt_to_keep, merged_lora=args.export_merged_lora,
+                recipe=RECIPE, keep=args.max_ckpt_to_keep, merged_lora=args.export_merged_lora,
                 trainer_state={"epoch": done // steps_per_epoch, "batch_in_epoch": done % steps_per_epoch},
             )  # fmt: skip
 
-    barrier()
-    summary = {"steps": total_steps - start_step, "seconds": time.time() - t_start, **val_metrics}
-    tracker.finish(summary, first_val, plot_keys=("val/accuracy", "val/loss", "train/loss", "train/lr"))
-    if args.save_freq != 0:
-        tracker.write(f"final model: {run_dir / 'checkpoints' / f'step_{total_steps}' / 'hf'}")
-    return summary
+    plots = ("val/accuracy", "val/loss", "train/loss", "train/lr")
+    return tracker.finish(val_metrics, first_val, plots, saved=args.save_freq != 0)
 
 
 if __name__ == "__main__":

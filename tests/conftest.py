@@ -40,7 +40,11 @@ def load_recipe_refusing_models(name: str, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the bad input was reported")
 
-    monkeypatch.setattr(module, "load_policy", refuse)
+    import common.model
+
+    monkeypatch.setattr(common.model, "load_policy", refuse)
+    if hasattr(module, "load_policy"):
+        monkeypatch.setattr(module, "load_policy", refuse)
     return module
 
 

@@ -41,6 +41,7 @@ def test_roundtrip_continues_exactly(tmp_path, tokenizer):
         scheduler=sched,
         tokenizer=tokenizer,
         dist=DIST,
+        recipe="grpo",
         trainer_state={"epoch": 0},
     )
     expected_rng = (random.random(), np.random.rand(), torch.rand(1).item())
@@ -71,12 +72,20 @@ def test_keep_last_k_and_tmp_folders_are_not_checkpoints(tmp_path, tokenizer):
             scheduler=sched,
             tokenizer=tokenizer,
             dist=DIST,
+            recipe="grpo",
             trainer_state={},
             keep=2,
         )
     (tmp_path / "checkpoints" / "step_9.tmp").mkdir()  # a save that was killed half-way
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_2", "step_3"]
-    assert find_resume("auto", tmp_path).name == "step_3"
+    assert find_resume("auto", tmp_path, "grpo").name == "step_3"
     assert (tmp_path / "checkpoints" / "step_3" / "hf" / "model.safetensors").is_file()
     with pytest.raises(FileNotFoundError):
-        find_resume(str(tmp_path / "checkpoints" / "step_9.tmp"), tmp_path)
+        find_resume(str(tmp_path / "checkpoints" / "step_9.tmp"), tmp_path, "grpo")
+    # another recipe's checkpoint (a fork run in its parent's folder) is refused, saying what to do
+    for flag in ("auto", str(tmp_path / "checkpoints" / "step_2")):
+        with pytest.raises(
+            ValueError, match=r"written by recipes/grpo.py, not my_algo.py.*fresh --output-dir.*--model"
+        ):
+            find_resume(flag, tmp_path, "my_algo")
+    assert find_resume("disable", tmp_path, "my_algo") is None

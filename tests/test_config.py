@@ -17,6 +17,15 @@ def test_sft_plan_is_one_mini_batch():
     assert (plan.mini_batches_per_step, plan.grad_accum) == (1, 4)
 
 
+def test_micro_batch_size_is_a_cap_not_a_divisor():
+    """The user's first change of shape (12 prompts x 6 samples = 72 sequences, micro-batches of
+    up to 64) plans a full micro-batch and a smaller last one."""
+    plan = plan_batches(world_size=1, train_batch_size=12, micro_batch_size_per_gpu=64, mini_batch_size=12, rollout_n=6)
+    assert (plan.local_mini_batch, plan.grad_accum) == (72, 2)
+    plan = plan_batches(world_size=2, train_batch_size=8, micro_batch_size_per_gpu=3)
+    assert (plan.local_mini_batch, plan.grad_accum) == (4, 2)
+
+
 @pytest.mark.parametrize(
     "kwargs, expected",
     [
@@ -29,8 +38,15 @@ def test_sft_plan_is_one_mini_batch():
             "cannot be split evenly over 4 processes",
         ),
         (
-            dict(world_size=2, train_batch_size=8, micro_batch_size_per_gpu=3),
-            "each process gets 4 sequences per optimizer step (8x1 over 2 processes), which is not divisible by micro_batch_size_per_gpu=3; try micro_batch_size_per_gpu=",
+            dict(
+                world_size=1,
+                train_batch_size=8,
+                micro_batch_size_per_gpu=4,
+                use_dynamic_bsz=True,
+                max_token_len_per_gpu=50,
+                max_sequence_length=80,
+            ),  # fmt: skip
+            "ppo_max_token_len_per_gpu=50 cannot hold one sequence of up to 80 tokens",
         ),
         (
             dict(world_size=1, train_batch_size=0, micro_batch_size_per_gpu=1),

@@ -1,9 +1,10 @@
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from conftest import TASK_TEST, TASK_TRAIN
 
-from common.data import DataError, batch_indices, load_prompts, load_sft, pad, truncate
+from common.data import DataError, batch_indices, load_prompts, load_sft, pack_sequences, pad, truncate
 
 
 def write(path, rows):
@@ -157,3 +158,34 @@ def test_train_split_disjoint_from_test(tokenizer):
     train, _ = load_prompts([TASK_TRAIN], tokenizer, max_prompt_length=64)
     test, _ = load_prompts([TASK_TEST], tokenizer, max_prompt_length=64)
     assert not {r["messages"][0]["content"] for r in train} & {r["messages"][0]["content"] for r in test}
+
+
+def test_micro_batches_cap_and_token_budget():
+    from common.data import micro_batches
+
+    prompts, responses = [4, 4, 4, 6, 6, 6, 2], [3, 9, 1, 2, 8, 5, 1]
+    fixed = micro_batches(prompts, responses, max_seqs=3)
+    assert [t.tolist() for t in fixed] == [[0, 1, 2], [3, 4, 5], [6]]  # the last one smaller
+    packed = micro_batches(prompts, responses, max_seqs=3, max_tokens=30)
+    assert sorted(i for t in packed for i in t.tolist()) == list(range(7))  # every row exactly once
+    for t in packed:
+        rows = t.tolist()
+        assert rows == sorted(rows)  # ascending: a prompt's responses stay adjacent
+        width = max(prompts[i] for i in rows) + max(responses[i] for i in rows)
+        assert len(rows) * width <= 30
+    # every rank makes as many micro-batches as the rank that needs the most (FSDP2 forwards are collective)
+    assert len(micro_batches(prompts, responses, max_seqs=3, max_tokens=1000)) == 1
+    more = micro_batches(prompts, responses, max_seqs=3, max_tokens=1000, min_count=4)
+    assert len(more) == 4 and sorted(i for t in more for i in t.tolist()) == list(range(7))
+
+
+def test_take_rows_trims_shared_padding_and_keeps_positions():
+    from common.data import take_rows
+
+    batch = pack_sequences([[1, 2, 3, 4], [5], [6, 7]], [[8], [9, 10, 11], [12, 13]], pad_id=0)
+    batch["group_ids"] = torch.tensor([0, 1, 2])
+    mb = take_rows(batch, torch.tensor([1, 2]))
+    # longest prompt there is 2, longest response 3: columns that are padding in both rows are gone
+    assert mb["input_ids"].tolist() == [[0, 5, 9, 10, 11], [6, 7, 12, 13, 0]]
+    assert mb["position_ids"].tolist() == [[0, 0, 1, 2, 3], [0, 1, 2, 3, 3]]
+    assert mb["responses"].tolist() == [[9, 10, 11], [12, 13, 0]] and mb["group_ids"].tolist() == [1, 2]

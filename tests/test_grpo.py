@@ -198,15 +198,15 @@ def test_unknown_data_source_fails_before_model_loads(tmp_path, grpo_no_model):
         grpo_no_model.main(grpo_no_model.Args(train_files=(str(f),), val_files=(), output_dir=str(tmp_path)))
 
 
-def test_dapo_options_and_lora_reference_run(tmp_path, small_val):
-    """Every optional branch once: clip-higher, Dr.GRPO, seq-mean-token-sum-norm, overlong penalty,
-    zero-variance group filtering, several mini-batches and epochs (separate old-logprob pass),
-    and the KL loss against the LoRA adapter-disabled base."""
+def test_options_and_lora_reference_run(tmp_path, small_val):
+    """Every optional branch once: clip-higher, Dr.GRPO, seq-mean-token-sum-norm, several
+    mini-batches and epochs (separate old-logprob pass), dynamic batching, and the KL loss against
+    the LoRA adapter-disabled base."""
     out = tmp_path / "options"
     flags = (
         "--train-batch-size 8 --ppo-mini-batch-size 4 --rollout-n 4 --micro-batch-size-per-gpu 8 --ppo-epochs 2 "
         "--clip-ratio-high 0.28 --no-norm-adv-by-std-in-grpo --loss-agg-mode seq-mean-token-sum-norm "
-        "--overlong-buffer-len 4 --filter-groups --use-kl-loss --kl-loss-type k3 --entropy-coeff 0.01 "
+        "--use-kl-loss --kl-loss-type k3 --entropy-coeff 0.01 --use-dynamic-bsz --ppo-max-token-len-per-gpu 300 "
         "--lora-rank 4 --lora-alpha 8 --lr 5e-3 --total-training-steps 2 --test-freq 2 --save-freq 2 --no-val-before-train"
     )
     grpo(out, small_val, flags)

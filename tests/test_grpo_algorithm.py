@@ -151,8 +151,3 @@ def test_agg_loss_split_with_global_counts_equals_one_pass(mode):
     assert agg_loss(loss[:2], mask[:2], "seq-mean-token-sum-norm", norm_constant=10).item() == pytest.approx(
         agg_loss(loss[:2], mask[:2], "seq-mean-token-sum").item() / 10
     )
-
-
-def test_overlong_penalty_ramps_to_factor():
-    pen = grpo.overlong_penalty(torch.tensor([10, 12, 14, 16]), max_len=16, buffer_len=4, factor=1.0)
-    assert pen.tolist() == [0.0, 0.0, -0.5, -1.0]

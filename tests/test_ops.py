@@ -12,6 +12,10 @@ def test_masked_mean_sum_with_explicit_denominator():
     assert ops.masked_mean(x, mask, denom=10).item() == pytest.approx(0.7)
     assert torch.allclose(ops.masked_mean(x, mask, dim=1), torch.tensor([1.5, 4.0]))
     assert ops.masked_mean(x, torch.zeros_like(mask)).item() == 0.0
+    # an emptied mini-batch passes its own (zero) count: 0, not NaN
+    assert ops.masked_mean(x, torch.zeros_like(mask), denom=0).item() == 0.0
+    assert ops.masked_mean(x, torch.zeros_like(mask), denom=torch.tensor(0.0)).item() == 0.0
+    assert ops.masked_mean(x, torch.zeros_like(mask), dim=1).tolist() == [0.0, 0.0]
 
 
 def test_masked_whiten_matches_naive():

@@ -81,6 +81,7 @@ def test_top_k_restricts_the_sampler(setup):
 def test_shared_prompt_forward_equals_one_pass(setup, tokenizer, rows):
     """Each distinct prompt once, its KV cache repeated for the group: the same logits and the same
     gradients as one pass over every full sequence, also for slices that cut through groups."""
+    from common.data import take_rows
     from common.model import response_logits
 
     model, prompts, engine = setup
@@ -89,15 +90,47 @@ def test_shared_prompt_forward_equals_one_pass(setup, tokenizer, rows):
     flat = [c for g in groups for c in g]
     batch = pack_sequences([p for p in prompts for _ in range(3)], [c.token_ids for c in flat], tokenizer.pad_token_id)
     batch["group_ids"] = torch.arange(len(prompts)).repeat_interleave(3)
-    mask = batch["response_mask"][rows].bool()
+    mb = take_rows(batch, rows)
+    mask = mb["response_mask"].bool()
     model.train()
     results = []
     for share in (False, True):
-        logits = response_logits(model, batch, rows, share_prompts=share)
-        lp = logprobs_from_logits(logits, batch["responses"][rows])
+        logits = response_logits(model, mb, share_prompts=share)
+        lp = logprobs_from_logits(logits, mb["responses"])
         grads = torch.autograd.grad(lp[mask].sum(), [p for p in model.parameters()])
         results.append((logits[mask], grads))
     (ref_logits, ref_grads), (logits, grads) = results
     assert torch.allclose(logits, ref_logits, atol=1e-5)
     for a, b in zip(grads, ref_grads):  # equal up to float summation order
         assert (a - b).norm() <= 1e-4 * b.norm() + 1e-8
+
+
+MEMORY_PROBE = """
+import resource, sys, torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from common.rollout import HFEngine, Sampling
+torch.manual_seed(0)
+config = Qwen2Config(vocab_size=32000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+engine = HFEngine(Qwen2ForCausalLM(config), pad_id=0, eos_ids=[1], device="cpu")
+prompts = [[5, 6, 7, 8]] * 16
+peaks = []
+for max_tokens in (4, 96):
+    out = engine.generate(prompts, Sampling(n=1, temperature=1.0, top_k=1000, max_tokens=max_tokens))
+    assert max(len(c.logprobs) for g in out for c in g) > max_tokens // 2
+    peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(peaks[1] - peaks[0])
+"""
+
+
+def test_engine_logprob_memory_does_not_grow_with_vocabulary_x_length():
+    """16 responses of 96 tokens over a 32k vocabulary: keeping every step's full-vocabulary
+    scores (and their log-softmax) added 540 MB over the 4-token run; keeping the
+    sampled tokens' logprobs adds 0-100 MB (allocator noise)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", MEMORY_PROBE], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grown_kb = int(proc.stdout.split()[-1])
+    assert grown_kb < 150_000, f"peak memory grew {grown_kb / 1024:.0f} MB from 4 to 96 generated tokens"

@@ -277,11 +277,11 @@ def write(path, rows):
         ([{"prompt": "a" * 300, "extra_info": {"answer": "b"}}], {}, "row 0: 3"),
         (
             [{"prompt": "a", "extra_info": {"answer": "b"}}] * 10,
-            {"train_batch_size": 10, "micro_batch_size_per_gpu": 3},
-            "micro_batch_size_per_gpu=3; try micro_batch_size_per_gpu=",
+            {"train_batch_size": 10, "micro_batch_size_per_gpu": 0},
+            "micro_batch_size_per_gpu=0 must be at least 1",
         ),
     ],
-    ids=["missing-column", "wrong-type", "too-long", "indivisible-batch"],
+    ids=["missing-column", "wrong-type", "too-long", "zero-micro-batch"],
 )
 def test_bad_input_fails_before_model_loads(tmp_path, sft_no_model, rows, flags, expected):
     f = write(tmp_path / "bad.parquet", rows)
@@ -310,8 +310,8 @@ def test_resume_path_must_be_a_checkpoint(tmp_path):
     from common.checkpoint import find_resume
 
     with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
-        find_resume(str(tmp_path), tmp_path)
-    assert find_resume("auto", tmp_path) is None and find_resume("disable", tmp_path) is None
+        find_resume(str(tmp_path), tmp_path, "sft")
+    assert find_resume("auto", tmp_path, "sft") is None and find_resume("disable", tmp_path, "sft") is None
     assert Path(tmp_path).is_dir()
 
 
