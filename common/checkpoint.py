@@ -182,18 +182,20 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, dist: Dist) -> d
     return state
 
 
-def resume(path: Path | None, total_steps: int, *, model, optimizer, scheduler, dist: Dist) -> int:
-    """Load the checkpoint find_resume chose, if any; returns the step to start from.
+def resume(path: Path | None, total_steps: int, *, model, optimizer, scheduler, dist: Dist) -> dict:
+    """Load the checkpoint find_resume chose, if any; returns its trainer state ({"step": 0} when
+    starting fresh): "step" is where to start, and a recipe reads back what it saved (an adaptive
+    KL coefficient, a data position).
 
     A run that already completed total_steps is reported in words, so a re-run never trains zero
     steps without saying so.
     """
     if path is None:
-        return 0
-    step = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)["step"]
-    if step >= total_steps and dist.is_main:
+        return {"step": 0}
+    state = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)
+    if state["step"] >= total_steps and dist.is_main:
         print(
             f"{path} already completed all {total_steps} steps: nothing to train. Use --resume disable "
             f"(or another --output-dir) to start over, or raise --total-training-steps to train further."
         )
-    return step
+    return state

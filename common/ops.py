@@ -139,3 +139,15 @@ def agg_loss(
     if mode == "seq-mean-token-sum-norm":
         out = out / (mask.shape[-1] if norm_constant is None else norm_constant)
     return out
+
+
+def update_kl_coef(coef: float, kl: float, *, kind: str, target_kl: float, horizon: int, n_steps: int) -> float:
+    """verl's kl_ctrl for a KL penalty in the reward, applied after each step. fixed: unchanged.
+    adaptive (Ziegler et al. 2019, arXiv:1909.08593): coef * (1 + clip(kl / target_kl - 1, -0.2,
+    0.2) * n_steps / horizon), where kl is the step's mean KL and n_steps the sequences in it."""
+    if kind == "fixed":
+        return coef
+    if kind != "adaptive":
+        raise ValueError(f"kl_ctrl {kind!r}; use fixed or adaptive")
+    error = min(max(kl / target_kl - 1, -0.2), 0.2)
+    return coef * (1 + error * n_steps / horizon)

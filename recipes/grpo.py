@@ -245,7 +245,9 @@ def main(args: Args) -> dict:
                       world_size=dist.world_size, batch_size=args.val_batch_size)  # fmt: skip
     sampling, val_sampling = args.samplings()
     optimizer, scheduler = args.optimizer_and_scheduler(model, total_steps)
-    start_step = resume(checkpoint, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)
+    start_step = resume(checkpoint, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)[
+        "step"
+    ]
     if start_step >= total_steps:
         return pool.close() or {"steps": 0}
     run_info = sharding_report(model, strategy, dist)

@@ -214,7 +214,9 @@ def main(args: Args) -> dict:
     optimizer = build_optimizer(model, args.lr, args.weight_decay, args.betas)
     scheduler = build_scheduler(optimizer, kind=args.lr_scheduler, total_steps=total_steps,
                                 warmup_ratio=args.lr_warmup_steps_ratio, min_lr_ratio=args.min_lr_ratio)  # fmt: skip
-    start_step = resume(checkpoint, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)
+    start_step = resume(checkpoint, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)[
+        "step"
+    ]
     if start_step >= total_steps:
         return {"steps": 0}
     tracker = Tracker(

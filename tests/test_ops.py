@@ -53,3 +53,20 @@ def test_entropy_matches_naive(monkeypatch):
     p = torch.softmax(logits, -1)
     naive = -(p * torch.log_softmax(logits, -1)).sum(-1)
     assert torch.allclose(ops.entropy_from_logits(logits), naive, atol=1e-5)
+
+
+def test_adaptive_kl_controller_follows_its_update_rule():
+    # kl above target by more than 20%: the proportional error is clipped at +0.2
+    assert ops.update_kl_coef(0.1, 0.5, kind="adaptive", target_kl=0.1, horizon=1000, n_steps=100) == pytest.approx(
+        0.1 * (1 + 0.2 * 100 / 1000)
+    )
+    # within the clip: error = 0.11 / 0.1 - 1 = 0.1; below target: clipped at -0.2
+    assert ops.update_kl_coef(0.1, 0.11, kind="adaptive", target_kl=0.1, horizon=50, n_steps=10) == pytest.approx(
+        0.1 * (1 + 0.1 * 10 / 50)
+    )
+    assert ops.update_kl_coef(0.1, 0.0, kind="adaptive", target_kl=0.1, horizon=50, n_steps=10) == pytest.approx(
+        0.1 * (1 - 0.2 * 10 / 50)
+    )
+    assert ops.update_kl_coef(0.1, 5.0, kind="fixed", target_kl=0.1, horizon=50, n_steps=10) == 0.1
+    with pytest.raises(ValueError, match="kl_ctrl"):
+        ops.update_kl_coef(0.1, 0.0, kind="pid", target_kl=0.1, horizon=50, n_steps=10)
