@@ -5,6 +5,8 @@ Layout of <output_dir>/checkpoints/step_<N>/:
     trainer_state.json  step, epoch, data position, lr scheduler, world size, anything the recipe adds
     rng_<rank>.pt       python / numpy / torch RNG of each rank (loaded with weights_only=True)
     hf/                 safetensors + config + tokenizer (LoRA: the adapter; merged model on request)
+    hf_<name>/          the same for each extra model (PPO's critic: hf_critic/); its weights and
+                        optimizer sit in state/ under <name>, its lr scheduler in trainer_state.json
 A checkpoint is written to step_<N>.tmp and renamed when complete, so a folder named step_<N> is
 always whole. Only the newest `keep` are kept.
 """
@@ -19,13 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
 
 from common.model import is_lora
 from common.parallel import Dist, barrier, unwrap
@@ -94,11 +89,23 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _check_extras(extra_models: dict | None) -> dict:
+    extra_models = dict(extra_models or {})
+    for name, triple in extra_models.items():
+        if name in ("model", "optim") or not name.isidentifier() or len(triple) != 3:
+            raise ValueError(
+                f"extra_models[{name!r}]: use a name other than model / optim for a (model, optimizer, scheduler)"
+            )
+    return extra_models
+
+
 def export_hf(model, tokenizer, out_dir: Path, dist: Dist, merged_lora: bool = False) -> None:
     """Write a folder that `AutoModelForCausalLM.from_pretrained` (or peft, for an adapter) loads.
 
     Collective: every rank must call it (FSDP2 gathers the full weights onto rank 0).
     """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.is_main:
         inner = unwrap(model)
@@ -130,18 +137,30 @@ def save_checkpoint(
     trainer_state: dict,
     keep: int = 2,
     merged_lora: bool = False,
+    extra_models: dict | None = None,
 ) -> Path:
-    """Collective. `recipe` (the recipe file's stem) is recorded as the checkpoint's owner."""
+    """Collective. `recipe` (the recipe file's stem) is recorded as the checkpoint's owner.
+    extra_models {name: (model, optimizer, scheduler)}: more trained models saved in the same state
+    (PPO's critic), each also exported to hf_<name>/."""
+    extra_models = _check_extras(extra_models)
     root = Path(output_dir) / "checkpoints"
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     if dist.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+    to_save = {"model": model_sd, "optim": optim_sd}
+    for name, (extra, extra_optimizer, _) in extra_models.items():
+        to_save[name] = dict(zip(("model", "optim"), get_state_dict(extra, extra_optimizer)))
+    dcp.save(to_save, checkpoint_id=str(tmp / "state"))
     torch.save(_rng_state(), tmp / f"rng_{dist.rank}.pt")
     export_hf(model, tokenizer, tmp / "hf", dist, merged_lora=merged_lora)
+    for name, (extra, _, _) in extra_models.items():
+        export_hf(extra, tokenizer, tmp / f"hf_{name}", dist)
     if dist.is_main:
         state = {
             **trainer_state,
@@ -150,6 +169,8 @@ def save_checkpoint(
             "world_size": dist.world_size,
             "scheduler": scheduler.state_dict(),
         }
+        if extra_models:
+            state["extra_schedulers"] = {name: s.state_dict() for name, (_, _, s) in extra_models.items()}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -160,15 +181,30 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: Path, *, model, optimizer, scheduler, dist: Dist) -> dict:
-    """Restore model, optimizer, scheduler and this rank's RNG; return the trainer state."""
+def load_checkpoint(path: Path, *, model, optimizer, scheduler, dist: Dist, extra_models: dict | None = None) -> dict:
+    """Restore model, optimizer, scheduler (and those of extra_models, as save_checkpoint took them)
+    and this rank's RNG; return the trainer state."""
+    extra_models = _check_extras(extra_models)
     path = Path(path)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     state = json.loads((path / "trainer_state.json").read_text())
     model_sd, optim_sd = get_state_dict(model, optimizer)
     to_load = {"model": model_sd, "optim": optim_sd}
+    missing = sorted(set(extra_models) - set(state.get("extra_schedulers", {})))
+    if missing:
+        raise ValueError(f"checkpoint {path} was saved without {', '.join(missing)}, so this run cannot resume it")
+    for name, (extra, extra_optimizer, _) in extra_models.items():
+        to_load[name] = dict(zip(("model", "optim"), get_state_dict(extra, extra_optimizer)))
     dcp.load(to_load, checkpoint_id=str(path / "state"))
     set_state_dict(model, optimizer, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"])
     scheduler.load_state_dict(state["scheduler"])
+    for name, (extra, extra_optimizer, extra_scheduler) in extra_models.items():
+        set_state_dict(
+            extra, extra_optimizer, model_state_dict=to_load[name]["model"], optim_state_dict=to_load[name]["optim"]
+        )
+        extra_scheduler.load_state_dict(state["extra_schedulers"][name])
     rng_file = path / f"rng_{dist.rank}.pt"
     if state.get("world_size") == dist.world_size and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=True))
@@ -182,7 +218,9 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, dist: Dist) -> d
     return state
 
 
-def resume(path: Path | None, total_steps: int, *, model, optimizer, scheduler, dist: Dist) -> dict:
+def resume(
+    path: Path | None, total_steps: int, *, model, optimizer, scheduler, dist: Dist, extra_models: dict | None = None
+) -> dict:
     """Load the checkpoint find_resume chose, if any; returns its trainer state ({"step": 0} when
     starting fresh): "step" is where to start, and a recipe reads back what it saved (an adaptive
     KL coefficient, a data position).
@@ -192,7 +230,9 @@ def resume(path: Path | None, total_steps: int, *, model, optimizer, scheduler, 
     """
     if path is None:
         return {"step": 0}
-    state = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)
+    state = load_checkpoint(
+        path, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist, extra_models=extra_models
+    )
     if state["step"] >= total_steps and dist.is_main:
         print(
             f"{path} already completed all {total_steps} steps: nothing to train. Use --resume disable "

@@ -127,8 +127,8 @@ class RolloutArgs:
     """prompts per step, over all processes"""
     rollout_n: int = 16
     """responses sampled per prompt (the group)"""
-    ppo_mini_batch_size: int = 16
-    """prompts per optimizer step; train_batch_size / ppo_mini_batch_size updates per step"""
+    ppo_mini_batch_size: int | None = None
+    """prompts per optimizer step; train_batch_size / ppo_mini_batch_size updates per step (default: train_batch_size)"""
     micro_batch_size_per_gpu: int = 64
     """most sequences per forward/backward pass on one process (the last micro-batch may be smaller)"""
     use_dynamic_bsz: bool = False
@@ -237,7 +237,7 @@ class BatchPlan:
     mini_batches_per_step: int
     local_mini_batch: int
     grad_accum: int
-    """micro-batches per optimizer step on one process (with dynamic batching: at least one)"""
+    """micro-batches per optimizer step on one process (0: packed by a token budget, as many as needed)"""
 
 
 def _nearby_divisors(n: int, around: int, count: int = 3) -> list[int]:
@@ -306,7 +306,7 @@ def plan_batches(
         local_sequences_per_step=sequences // world_size,
         mini_batches_per_step=train_batch_size // mini,
         local_mini_batch=local_mini,
-        grad_accum=1 if use_dynamic_bsz else -(-local_mini // micro_batch_size_per_gpu),
+        grad_accum=0 if use_dynamic_bsz else -(-local_mini // micro_batch_size_per_gpu),
     )
 
 

@@ -7,7 +7,6 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 
 from common.parallel import all_reduce_max
@@ -30,6 +29,8 @@ def read_parquet(files, what: str = "train_files") -> list[tuple[str, list[dict]
         files = [files]
     if not files:
         raise DataError(f"{what} is empty; pass at least one parquet file")
+    import pyarrow.parquet as pq
+
     out = []
     for file in files:
         path = Path(file).expanduser()

@@ -4,7 +4,6 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +20,8 @@ def _check_source(path: str, what: str) -> None:
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
     _check_source(path, "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(
         str(Path(path).expanduser()) if Path(path).expanduser().exists() else path,
@@ -50,6 +51,8 @@ def load_policy(
     target_modules: tuple[str, ...] | list[str] = ("all-linear",),
 ):
     """AutoModelForCausalLM in `dtype`, optionally with LoRA adapters (the base is then frozen)."""
+    from transformers import AutoModelForCausalLM
+
     _check_source(path, "model")
     model = AutoModelForCausalLM.from_pretrained(
         str(Path(path).expanduser()) if Path(path).expanduser().exists() else path,
@@ -112,6 +115,47 @@ def load_rl_models(
     return model, ref, rm, counts
 
 
+def load_critic(
+    path: str,
+    *,
+    dist,
+    strategy: str,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    gradient_checkpointing: bool = False,
+    mixed_precision: str = "no",
+):
+    """verl's critic: AutoModelForTokenClassification with num_labels=1, a scalar value at every
+    position on top of the base model, wrapped for DDP / FSDP2 (always the full model, no LoRA).
+    From a causal-LM folder (PPO's default: the policy's) the backbone is loaded and the value head
+    (`score`) is freshly initialised; a critic exported by a PPO checkpoint (hf_critic/) loads
+    whole. Dropout before the head is off, as verl sets it, so values are not noisy."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
+
+    from common.parallel import wrap_model
+
+    _check_source(path, "critic model")
+    source = str(Path(path).expanduser()) if Path(path).expanduser().exists() else path
+    config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    config.num_labels, config.classifier_dropout = 1, 0.0
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report of the missing head is replaced by the line below
+    try:
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            source, config=config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, output_loading_info=True
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    fresh = sorted(k for k in info["missing_keys"] if not k.startswith("model."))
+    if fresh:
+        log.info("critic %s: value head %s freshly initialised (not in the checkpoint)", path, ", ".join(fresh))
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return wrap_model(model, strategy, dist, mixed_precision)
+
+
 def is_lora(model) -> bool:
     return hasattr(model, "peft_config")
 
@@ -135,15 +179,19 @@ def response_logits(model, batch: dict, share_prompts: bool = True) -> torch.Ten
     distinct prompt in the batch goes through the model once; its KV cache is repeated for the
     group and the responses run on top of it. Same logits and gradients as one pass over the
     concatenated sequences (a rollout_n-fold saving on the prompt tokens). Falls back to the one
-    pass with activation checkpointing (transformers drops the cache there) or without groups.
+    pass with activation checkpointing (transformers drops the cache there) or without groups, but
+    never under FSDP: its forwards are collective, so every rank must make the same two calls
+    whether or not its own micro-batch shares a prompt.
     """
+    from common.parallel import is_fsdp
+
     T = batch["responses"].shape[1]
     P = batch["input_ids"].shape[1] - T
     keys = ("input_ids", "attention_mask", "position_ids")
     group_ids = batch["group_ids"]
     starts = torch.ones_like(group_ids, dtype=torch.bool)
     starts[1:] = group_ids[1:] != group_ids[:-1]
-    if not share_prompts or bool(starts.all()) or _checkpointing(model):
+    if not share_prompts or _checkpointing(model) or (bool(starts.all()) and not is_fsdp(model)):
         return model(**{k: batch[k] for k in keys}, logits_to_keep=T + 1).logits[:, :-1]
     first = starts.nonzero().squeeze(-1)  # each prompt's first row
     owner = starts.cumsum(0) - 1  # which distinct prompt each row answers
@@ -158,3 +206,34 @@ def response_logits(model, batch: dict, share_prompts: bool = True) -> torch.Ten
         use_cache=True,
     )
     return torch.cat([prompt.logits[owner], out.logits[:, :-1]], 1)
+
+
+def response_values(critic, batch: dict, share_prompts: bool = True) -> torch.Tensor:
+    """The values of a load_critic model for each response token of a (micro-)batch, shape (b, T):
+    the output at the position that predicts token t, the positions response_logits uses. With
+    share_prompts the same shared-prompt forward (each distinct prompt once, its KV cache repeated
+    for the group): the token-classification output carries no cache, so one is passed in and
+    filled in place. Same values and gradients as one pass over the concatenated sequences."""
+    T = batch["responses"].shape[1]
+    P = batch["input_ids"].shape[1] - T
+    keys = ("input_ids", "attention_mask", "position_ids")
+    group_ids = batch["group_ids"]
+    starts = torch.ones_like(group_ids, dtype=torch.bool)
+    starts[1:] = group_ids[1:] != group_ids[:-1]
+    if not share_prompts or bool(starts.all()) or _checkpointing(critic):
+        return critic(**{k: batch[k] for k in keys}).logits[:, -T - 1 : -1, 0]
+    from transformers import DynamicCache
+
+    first = starts.nonzero().squeeze(-1)  # each prompt's first row
+    owner = starts.cumsum(0) - 1  # which distinct prompt each row answers
+    cache = DynamicCache()
+    prompt = critic(**{k: batch[k][first, :P] for k in keys}, past_key_values=cache, use_cache=True)
+    cache.batch_select_indices(owner)
+    out = critic(
+        input_ids=batch["responses"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"][:, P:],
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return torch.cat([prompt.logits[owner, -1:, 0], out.logits[:, :-1, 0]], 1)

@@ -15,8 +15,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from common.data import pack_sequences, pad
 from common.parallel import gather_objects, is_fsdp, shard_evenly, unwrap
@@ -47,7 +45,7 @@ class Completion:
 
 
 @contextlib.contextmanager
-def _clean_generation_config(model, config: GenerationConfig):
+def _clean_generation_config(model, config):
     """Generate with exactly `config`: transformers fills every unset field from the model's own
     generation_config.json (a repetition_penalty or top_k there would silently change sampling),
     so the model's config is swapped out for the call and restored afterwards."""
@@ -59,8 +57,8 @@ def _clean_generation_config(model, config: GenerationConfig):
         model.generation_config = saved
 
 
-class _SampledLogprobs(LogitsProcessor):
-    """Last in the processor list, so it sees the sampler's final distribution. It keeps one
+class _SampledLogprobs:
+    """A logits processor last in the list, so it sees the sampler's final distribution. It keeps one
     step's log-softmax until the next call shows which token was sampled from it, then only that
     token's logprob: O(sequences x tokens) memory, where transformers' output_scores keeps the
     full vocabulary for every step."""
@@ -108,6 +106,9 @@ class HFEngine:
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         """Under FSDP2 every rank must call this with the same number of prompts: the forward
         passes are collective (`synced_gpus` keeps them in step when one rank finishes early)."""
+        from transformers import GenerationConfig
+        from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
         inner = unwrap(self.model)
         was_training = inner.training
         inner.eval()
@@ -143,6 +144,8 @@ class HFEngine:
     def _generate_batch(self, inner, prompts, config, warpers, n) -> list[list[Completion]]:
         ids = pad(prompts, self.pad_id, side="left").to(self.device)
         attention = pad([[1] * len(p) for p in prompts], 0, side="left").to(self.device)
+        from transformers import LogitsProcessorList
+
         recorder = _SampledLogprobs()
         result = inner.generate(
             input_ids=ids,

@@ -295,5 +295,5 @@ def describe_run(
         + f"\nmodel {model_name}: {n_params / 1e6:.2f}M params ({n_trainable / 1e6:.2f}M trainable), "
         f"{run_info['strategy']} on {run_info['world_size']} x {run_info['device']}; per process and step "
         f"{plan.local_sequences_per_step} sequences, {plan.mini_batches_per_step} optimizer step(s) of "
-        f"{plan.grad_accum} micro-batch(es)"
+        + (f"{plan.grad_accum} micro-batch(es)" if plan.grad_accum else "micro-batches packed by a token budget")
     )  # fmt: skip

@@ -28,6 +28,7 @@ def load_recipe(name: str):
     """Import recipes/<name>.py as a module (recipes are scripts, not a package)."""
     spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # so inspect can find its source
     spec.loader.exec_module(module)
     return module
 

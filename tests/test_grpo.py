@@ -1,7 +1,7 @@
-"""grpo.py end to end: run as users run it (subprocess), plus in-process checks before models load."""
+"""grpo.py beyond what tests/test_rl_recipes.py checks for every RL recipe: parameters all move,
+the shared-prompt forward under DDP / FSDP2, verl-style reward files, timeouts, options, reward model."""
 
 import json
-import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -25,44 +25,6 @@ def grpo(out, val, flags="", **kw):
     return run_recipe("grpo", "--output-dir", out, "--val-files", val, "--resume", "disable", *flags.split(), **kw)
 
 
-def test_help_renders():
-    out = run_recipe("grpo", "--help").stdout
-    for flag in (
-        "--rollout-n",
-        "--ppo-mini-batch-size",
-        "--clip-ratio-high",
-        "--loss-agg-mode",
-        "--kl-loss-type",
-        "--reward-fn",
-    ):
-        assert flag in out
-
-
-def test_learning_from_the_shipped_checkpoint(tmp_path):
-    """Seeded, short: greedy accuracy on the full test split rises by a clear margin."""
-    out = tmp_path / "learn"
-    run_recipe(
-        "grpo",
-        "--output-dir",
-        out,
-        "--resume",
-        "disable",
-        "--total-training-steps",
-        "20",
-        "--test-freq",
-        "20",
-        "--lr-scheduler",
-        "constant",
-        "--save-freq",
-        "0",
-    )
-    records = read_metrics(out)
-    before, after = records[0]["val/accuracy"], records[-1]["val/accuracy"]
-    assert before == pytest.approx(0.488)
-    assert after >= before + 0.06, (before, after)
-    assert (out / "curves.png").is_file()
-
-
 def test_every_trainable_parameter_changes(tmp_path, small_val):
     out = tmp_path / "params"
     grpo(out, small_val, f"{FAST} --total-training-steps 2 --test-freq 0 --save-freq 2 --weight-decay 0 --lr 1e-3")
@@ -71,31 +33,6 @@ def test_every_trainable_parameter_changes(tmp_path, small_val):
     assert set(before) == set(after)
     unchanged = [k for k in before if torch.equal(before[k], after[k])]
     assert not unchanged, unchanged
-
-
-def test_micro_batch_invariance(tmp_path, small_val):
-    one, four = tmp_path / "one", tmp_path / "four"
-    flags = "--train-batch-size 8 --ppo-mini-batch-size 8 --rollout-n 8 --total-training-steps 1 --test-freq 0 --save-freq 0 --no-val-before-train --loss-agg-mode seq-mean-token-mean"
-    grpo(one, small_val, f"{flags} --micro-batch-size-per-gpu 64")
-    grpo(four, small_val, f"{flags} --micro-batch-size-per-gpu 16")
-    a, b = read_metrics(one)[0], read_metrics(four)[0]
-    assert a["reward/mean"] == b["reward/mean"]  # the same samples
-    assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-7)
-    assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-5)
-
-
-def test_resume_repeats_the_uninterrupted_steps(tmp_path, small_val):
-    out = tmp_path / "resume"
-    flags = f"{FAST} --total-training-steps 4 --save-freq 2 --max-ckpt-to-keep 0 --test-freq 0"
-    grpo(out, small_val, flags)
-    want = read_metrics(out)
-    shutil.rmtree(out / "checkpoints" / "step_4")  # as if killed after step 4's log, before its save
-    run_recipe("grpo", "--output-dir", out, "--val-files", small_val, *flags.split())
-    got = read_metrics(out)
-    assert [r["step"] for r in got] == [1, 2, 3, 4]
-    for a, b in zip(got[2:], want[2:]):
-        for key in ("reward/mean", "train/loss", "train/grad_norm", "response/length_mean"):
-            assert a[key] == pytest.approx(b[key], rel=1e-6), key
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
@@ -168,22 +105,6 @@ def grpo_no_model(monkeypatch):
     return load_recipe_refusing_models("grpo", monkeypatch)
 
 
-def test_indivisible_batch_fails_before_model_loads(tmp_path, grpo_no_model):
-    args = grpo_no_model.Args(train_batch_size=6, ppo_mini_batch_size=4, output_dir=str(tmp_path))
-    with pytest.raises(
-        ValueError,
-        match=r"train_batch_size=6 prompts is not divisible by ppo_mini_batch_size=4; try ppo_mini_batch_size=",
-    ):
-        grpo_no_model.main(args)
-
-
-def test_broken_reward_fn_fails_before_model_loads(tmp_path, grpo_no_model):
-    bad = tmp_path / "bad.py"
-    bad.write_text("def compute_score(data_source, solution_str):\n    return 1.0\n")
-    with pytest.raises(ValueError, match=r"reward dry run failed .*TypeError"):
-        grpo_no_model.main(grpo_no_model.Args(reward_fn=str(bad), output_dir=str(tmp_path)))
-
-
 def test_unknown_data_source_fails_before_model_loads(tmp_path, grpo_no_model):
     f = tmp_path / "d.parquet"
     rows = [
@@ -234,10 +155,3 @@ def test_reward_model_and_sampled_validation(tmp_path, small_val, tokenizer):
     last = read_metrics(out)[-1]
     assert last["reward/std"] > 0 and last["reward/mean"] not in (0.0, 1.0), "continuous reward-model scores"
     assert "val/accuracy" in last
-
-
-def test_too_few_prompts_fails_before_model_loads(tmp_path, grpo_no_model):
-    f = tmp_path / "few.parquet"
-    pq.write_table(pq.read_table(TASK_TEST).slice(0, 10), f)
-    with pytest.raises(ValueError, match="hold 10 prompts, fewer than train_batch_size=16"):
-        grpo_no_model.main(grpo_no_model.Args(train_files=(str(f),), val_files=(), output_dir=str(tmp_path)))
