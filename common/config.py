@@ -227,6 +227,23 @@ class RLArgs(RewardArgs, ValidationArgs, RolloutArgs, TrainerArgs, OptimArgs, Da
         )
 
 
+@dataclass
+class KLRewardArgs:
+    """verl's algorithm.kl_ctrl knobs, for the recipes that can put a KL penalty in the reward
+    (rloo, reinforce_pp, ppo); where the KL goes (--use-kl-in-reward) stays each recipe's own."""
+
+    kl_coef: float = 0.001
+    """weight of the KL penalty in the reward (the adaptive controller's starting value)"""
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
+    """KL estimator for the reward penalty (see common.ops.kl_penalty)"""
+    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
+    """KL-in-reward coefficient: fixed, or adaptive toward target_kl (Ziegler et al. 2019, as verl)"""
+    target_kl: float = 0.1
+    """adaptive kl_ctrl: the mean per-token KL the coefficient steers toward"""
+    horizon: int = 10000
+    """adaptive kl_ctrl: sequences over which the coefficient moves by at most a factor 1.2"""
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """Derived batch sizes; `local_` means per rank."""

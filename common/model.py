@@ -95,24 +95,25 @@ def load_rl_models(
     reward_model: str | None = None,
     tokenizer=None,
 ):
-    """The policy wrapped for DDP / FSDP2; with_reference a frozen copy for KL terms (with LoRA
-    none: the adapter-disabled policy is the reference); the optional reward model. Returns
-    (policy, reference or None, reward model or None, (parameters, trainable parameters))."""
-    from common.parallel import wrap_model
+    """The policy wrapped for DDP / FSDP2 (strategy auto|ddp|fsdp2); with_reference a frozen copy
+    for KL terms (with LoRA none: the adapter-disabled policy is the reference); the optional
+    reward model. Returns (policy, reference or None, reward model or None, run_info: the layout
+    really in effect, common.parallel.sharding_report)."""
+    from common.parallel import resolve_strategy, sharding_report, wrap_model
     from common.rewards import RewardModel
 
+    strategy = resolve_strategy(strategy)
     model = load_policy(
         path, dtype=dtype, trust_remote_code=trust_remote_code, gradient_checkpointing=gradient_checkpointing,
         lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules,
     )  # fmt: skip
-    counts = count_parameters(model)
     model = wrap_model(model, strategy, dist, mixed_precision)
     ref = None
     if with_reference and lora_rank == 0:
         ref = load_policy(path, dtype=dtype, trust_remote_code=trust_remote_code).eval().requires_grad_(False)
         ref = wrap_model(ref, "fsdp2" if strategy == "fsdp2" else "none", dist, mixed_precision)
     rm = RewardModel(reward_model, tokenizer, dist.device, trust_remote_code) if reward_model else None
-    return model, ref, rm, counts
+    return model, ref, rm, sharding_report(model, strategy, dist)
 
 
 def load_critic(
@@ -213,14 +214,17 @@ def response_values(critic, batch: dict, share_prompts: bool = True) -> torch.Te
     the output at the position that predicts token t, the positions response_logits uses. With
     share_prompts the same shared-prompt forward (each distinct prompt once, its KV cache repeated
     for the group): the token-classification output carries no cache, so one is passed in and
-    filled in place. Same values and gradients as one pass over the concatenated sequences."""
+    filled in place. Same values and gradients as one pass over the concatenated sequences; the
+    same fallbacks as response_logits (never a per-rank choice under FSDP)."""
+    from common.parallel import is_fsdp
+
     T = batch["responses"].shape[1]
     P = batch["input_ids"].shape[1] - T
     keys = ("input_ids", "attention_mask", "position_ids")
     group_ids = batch["group_ids"]
     starts = torch.ones_like(group_ids, dtype=torch.bool)
     starts[1:] = group_ids[1:] != group_ids[:-1]
-    if not share_prompts or bool(starts.all()) or _checkpointing(critic):
+    if not share_prompts or _checkpointing(critic) or (bool(starts.all()) and not is_fsdp(critic)):
         return critic(**{k: batch[k] for k in keys}).logits[:, -T - 1 : -1, 0]
     from transformers import DynamicCache
 

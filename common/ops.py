@@ -45,6 +45,19 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     return out if shift_mean else out + mean
 
 
+def masked_whiten_all_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """masked_whiten over the masked elements of every rank together, as verl whitens the whole
+    batch on its driver: (x - mean) / sqrt(var + eps), unbiased var (0 under two elements), zero
+    where mask is 0. Collective: every rank calls it."""
+    from common.parallel import all_reduce_sum
+
+    mask = mask.to(x.dtype)
+    total, n = all_reduce_sum(torch.stack([(x * mask).sum(), mask.sum()])).tolist()
+    centred = (x - total / max(n, 1)) * mask
+    var = all_reduce_sum(centred.square().sum()).item() / max(n - 1, 1)
+    return centred / (var + eps) ** 0.5
+
+
 def _row_chunks(n: int):
     for start in range(0, n, CHUNK_ROWS):
         yield slice(start, min(start + CHUNK_ROWS, n))

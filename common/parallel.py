@@ -28,7 +28,8 @@ class Dist:
 
 
 def init_distributed() -> Dist:
-    """Start (or join) the process group via accelerate and check it matches the launcher's.
+    """Start (or join) the process group via accelerate, check it matches the launcher's, and set
+    up logging (rank 0 logs info, the others warnings).
 
     Works under `accelerate launch` and `torchrun`. Without CUDA it asks accelerate for CPU/gloo
     itself: left to decide, accelerate gives torchrun's CPU processes no process group, each
@@ -49,6 +50,9 @@ def init_distributed() -> Dist:
         # Two busy processes with two threads each on two cores ran several times slower.
         local = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    from common.tracking import setup_logging
+
+    setup_logging(state.process_index)
     return Dist(
         rank=state.process_index,
         world_size=state.num_processes,
@@ -185,6 +189,7 @@ def sharding_report(model: nn.Module, strategy: str, dist: Dist) -> dict:
         "device": dist.device.type,
         "strategy": strategy if dist.world_size > 1 else "single",
         "params_full": full,
+        "params_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "params_local_per_rank": gather_objects(local),
     }
 

@@ -89,6 +89,13 @@ class HFEngine:
         self.device, self.world_size, self.batch_size = device, world_size, batch_size
         self.weight_version = 0
 
+    @classmethod
+    def for_policy(cls, model, tokenizer, dist, batch_size: int = 256) -> "HFEngine":
+        """The engine for a recipe's policy: pad and eos from its tokenizer, device and world
+        size from common.parallel's Dist; batch_size prompts per generate call."""
+        return cls(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device=dist.device,
+                   world_size=dist.world_size, batch_size=batch_size)  # fmt: skip
+
     # Lifecycle: the HF engine is the policy itself, so there is nothing to offload or resync.
     def sleep(self) -> None:
         pass

@@ -285,11 +285,10 @@ def rollout_metrics(rewards, lengths, truncated, sources, scored) -> dict:
     return metrics
 
 
-def describe_run(
-    data_summary: str, total_steps: int, resume_from, model_name: str, counts, run_info: dict, plan
-) -> str:
-    """The two lines a run prints before its first step: data, steps, resume; model and layout."""
-    n_params, n_trainable = counts
+def describe_run(data_summary: str, total_steps: int, resume_from, model_name: str, run_info: dict, plan) -> str:
+    """The two lines a run prints before its first step: data, steps, resume; model and layout
+    (run_info from common.parallel.sharding_report)."""
+    n_params, n_trainable = run_info["params_full"], run_info["params_trainable"]
     return (
         f"{data_summary}; {total_steps} steps" + (f"; resumed from {resume_from}" if resume_from else "")
         + f"\nmodel {model_name}: {n_params / 1e6:.2f}M params ({n_trainable / 1e6:.2f}M trainable), "

@@ -36,22 +36,27 @@ from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import RLArgs, is_due
 from common.data import batch_indices, load_rl_data, split_rows, take_rows
 from common.model import load_rl_models, load_tokenizer, response_logits
-from common.ops import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, masked_mean
+from common.ops import (
+    agg_loss,
+    entropy_from_logits,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_mean,
+)
 from common.parallel import (
     all_reduce_sum,
     clip_grad_norm,
     grad_sync,
     init_distributed,
-    resolve_strategy,
     seed_everything,
-    sharding_report,
     unwrap,
 )
 from common.rewards import start_reward_pool
 from common.rollout import HFEngine, evaluate, generate_and_score
-from common.tracking import Tracker, describe_run, setup_logging, step_metrics
+from common.tracking import Tracker, describe_run, step_metrics
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
+PLOTS = ("val/accuracy", "reward/mean", "response/length_mean", "policy/*", "train/grad_norm")  # panels of curves.png
 
 
 # --- config ---------------------------------------------------------------------------------------
@@ -180,8 +185,9 @@ def old_and_ref_logprobs(args, model, ref, batch, separate_old_pass):
     return old_logprobs, ref_logprobs
 
 
-def update(args, plan, model, optimizer, batch, advantages, loss_mask, old_logprobs, ref_logprobs, dist):
-    """Step 6: ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch."""
+def update(args, plan, model, optimizer, scheduler, batch, advantages, loss_mask, old_logprobs, ref_logprobs, dist):
+    """Step 6: ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch; then
+    one lr-schedule step."""
     clip_low = args.clip_ratio if args.clip_ratio_low is None else args.clip_ratio_low
     clip_high = args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
     t, stats, grad_norms, loss_sum = time.time(), [], [], 0.0
@@ -216,6 +222,8 @@ def update(args, plan, model, optimizer, batch, advantages, loss_mask, old_logpr
     metrics = {k: sum(w * m[k] for w, m in stats) / weight for k in stats[0][1]}
     metrics["train/loss"] = all_reduce_sum(torch.tensor(loss_sum)).item() / len(grad_norms)
     metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics["train/lr"] = scheduler.get_last_lr()[0]
+    scheduler.step()
     batch["timing"]["perf/update_s"] = time.time() - t
     return metrics
 
@@ -224,7 +232,6 @@ def update(args, plan, model, optimizer, batch, advantages, loss_mask, old_logpr
 def main(args: Args) -> dict:
     # Setup: process group; batch arithmetic, flags and the run folder checked before any model loads.
     dist = init_distributed()
-    setup_logging(dist.rank)
     plan = args.batch_plan(dist.world_size)
     run_dir = Path(args.output_dir or f"runs/{args.experiment_name or RECIPE}")
     checkpoint = find_resume(args.resume, run_dir, RECIPE)
@@ -236,24 +243,19 @@ def main(args: Args) -> dict:
     pool = start_reward_pool(args.reward_fn, workers=args.reward_workers, timeout=args.reward_timeout,
                              dry_run_rows=[] if args.reward_model else train[:2] + val[:2])  # fmt: skip
     total_steps = args.total_training_steps or args.total_epochs * (len(train) // args.train_batch_size)
-    strategy = resolve_strategy(args.strategy)
-    model, ref, reward_model, counts = load_rl_models(
-        args.model, dist=dist, strategy=strategy, **args.policy_kwargs(), with_reference=args.use_kl_loss,
+    model, ref, reward_model, run_info = load_rl_models(
+        args.model, dist=dist, strategy=args.strategy, **args.policy_kwargs(), with_reference=args.use_kl_loss,
         reward_model=args.reward_model, tokenizer=tokenizer,
     )  # fmt: skip
-    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device=dist.device,
-                      world_size=dist.world_size, batch_size=args.val_batch_size)  # fmt: skip
+    engine = HFEngine.for_policy(model, tokenizer, dist, batch_size=args.val_batch_size)
     sampling, val_sampling = args.samplings()
     optimizer, scheduler = args.optimizer_and_scheduler(model, total_steps)
-    start_step = resume(checkpoint, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)[
-        "step"
-    ]
+    start_step = resume(checkpoint, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)["step"]  # fmt: skip
     if start_step >= total_steps:
         return pool.close() or {"steps": 0}
-    run_info = sharding_report(model, strategy, dist)
     tracker = Tracker(run_dir, **args.tracker_kwargs(RECIPE), is_main=dist.is_main, total_steps=total_steps,
                       start_step=start_step, config={**dataclasses.asdict(args), "recipe": RECIPE, "run": run_info})  # fmt: skip
-    tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, counts, run_info, plan))
+    tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
 
     validate = start_step == 0 and val and args.val_before_train
     val_metrics = first_val = evaluate(engine, pool, tokenizer, val, val_sampling, dist) if validate else {}
@@ -273,9 +275,9 @@ def main(args: Args) -> dict:
         advantages = compute_advantages(rewards, group_ids, mask, norm_by_std=args.norm_adv_by_std_in_grpo)
 
         # 6. update, then hand the new weights to the engine
-        metrics = update(args, plan, model, optimizer, batch, advantages, mask, old_logprobs, ref_logprobs, dist)
-        metrics["train/lr"] = scheduler.get_last_lr()[0]
-        scheduler.step()
+        metrics = update(
+            args, plan, model, optimizer, scheduler, batch, advantages, mask, old_logprobs, ref_logprobs, dist
+        )
         engine.update_weights(step + 1)
 
         # 7. log
@@ -291,8 +293,7 @@ def main(args: Args) -> dict:
                             dist=dist, recipe=RECIPE, trainer_state={"epoch": batch["epoch"]}, keep=args.max_ckpt_to_keep,
                             merged_lora=args.export_merged_lora)  # fmt: skip
     pool.close()
-    plots = ("val/accuracy", "reward/mean", "response/length_mean", "policy/*", "train/grad_norm")
-    return tracker.finish(val_metrics, first_val, plots, saved=args.save_freq != 0)
+    return tracker.finish(val_metrics, first_val, PLOTS, saved=args.save_freq != 0)
 
 
 if __name__ == "__main__":

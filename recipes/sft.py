@@ -29,7 +29,7 @@ import tyro
 from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, is_due, plan_batches
 from common.data import batch_indices, load_sft, pad
-from common.model import count_parameters, load_policy, load_tokenizer
+from common.model import load_policy, load_tokenizer
 from common.ops import logprobs_from_logits
 from common.optim import build_optimizer, build_scheduler
 from common.parallel import (
@@ -46,7 +46,7 @@ from common.parallel import (
 )
 from common.rewards import builtin_scorer, exact_match
 from common.rollout import hf_generate_greedy
-from common.tracking import Tracker, describe_run, setup_logging
+from common.tracking import Tracker, describe_run
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
 
@@ -182,7 +182,6 @@ def train_step(step, args, train, model, optimizer, scheduler, tokenizer, dist) 
 def main(args: Args) -> dict:
     # Setup: process group, batch arithmetic (before any model loads), run folder, seeds.
     dist = init_distributed()
-    setup_logging(dist.rank)
     plan = plan_batches(world_size=dist.world_size, train_batch_size=args.train_batch_size,
                         micro_batch_size_per_gpu=args.micro_batch_size_per_gpu)  # fmt: skip
     name = args.experiment_name or RECIPE
@@ -208,15 +207,12 @@ def main(args: Args) -> dict:
         gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank,
         lora_alpha=args.lora_alpha, target_modules=args.target_modules,
     )  # fmt: skip
-    counts = count_parameters(model)
     model = wrap_model(model, strategy, dist, args.mixed_precision)
     run_info = sharding_report(model, strategy, dist)
     optimizer = build_optimizer(model, args.lr, args.weight_decay, args.betas)
     scheduler = build_scheduler(optimizer, kind=args.lr_scheduler, total_steps=total_steps,
                                 warmup_ratio=args.lr_warmup_steps_ratio, min_lr_ratio=args.min_lr_ratio)  # fmt: skip
-    start_step = resume(checkpoint, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)[
-        "step"
-    ]
+    start_step = resume(checkpoint, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)["step"]  # fmt: skip
     if start_step >= total_steps:
         return {"steps": 0}
     tracker = Tracker(
@@ -224,7 +220,7 @@ def main(args: Args) -> dict:
         config={**dataclasses.asdict(args), "run": run_info}, total_steps=total_steps,
         start_step=start_step, bar_keys=("train/loss", "val/accuracy"), log_interval=args.log_interval,
     )  # fmt: skip
-    tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, counts, run_info, plan))
+    tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
 
     val_metrics = {}
     if val and args.val_before_train and start_step == 0:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import TINY
 
-from common.checkpoint import find_resume, list_checkpoints, load_checkpoint, save_checkpoint
+from common.checkpoint import find_resume, list_checkpoints, load_checkpoint, resume, save_checkpoint
 from common.model import load_policy
 from common.optim import build_optimizer, build_scheduler
 from common.parallel import Dist
@@ -89,3 +89,65 @@ def test_keep_last_k_and_tmp_folders_are_not_checkpoints(tmp_path, tokenizer):
         ):
             find_resume(flag, tmp_path, "my_algo")
     assert find_resume("disable", tmp_path, "my_algo") is None
+
+
+def make_critic():
+    from common.model import load_critic
+
+    critic = load_critic(str(TINY), dist=DIST, strategy="ddp")
+    opt = build_optimizer(critic, 1e-2, 0.0)
+    return critic, opt, build_scheduler(opt, kind="cosine", total_steps=10, warmup_ratio=0.2)
+
+
+def critic_step(critic, opt, sched):
+    ids = torch.randint(0, 200, (2, 8))
+    critic(input_ids=ids).logits.square().mean().backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+
+
+def test_extra_models_roundtrip_with_the_policy(tmp_path, tokenizer):
+    """A second (model, optimizer, scheduler), PPO's critic, is saved in the same state and
+    restored with the policy: both continue exactly as the uninterrupted run."""
+    from transformers import AutoModelForTokenClassification
+
+    torch.manual_seed(0)
+    policy, critic = make(), make_critic()
+    train_step(*policy), critic_step(*critic), critic_step(*critic)
+    save_checkpoint(
+        tmp_path, 1, model=policy[0], optimizer=policy[1], scheduler=policy[2], tokenizer=tokenizer, dist=DIST,
+        recipe="ppo", trainer_state={"kl_coef": 0.25}, extra_models={"critic": critic},
+    )  # fmt: skip
+    torch.manual_seed(7)
+    train_step(*policy), critic_step(*critic)
+    want_policy, want_critic = policy[0].state_dict(), critic[0].state_dict()
+
+    ckpt = tmp_path / "checkpoints" / "step_1"
+    exported = AutoModelForTokenClassification.from_pretrained(ckpt / "hf_critic")
+    assert exported.config.num_labels == 1 and (ckpt / "hf" / "model.safetensors").is_file()
+    torch.manual_seed(1)
+    fresh, fresh_critic = make(), make_critic()
+    assert not torch.equal(fresh_critic[0].score.weight, critic[0].score.weight)
+    state = resume(
+        ckpt, 5, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], dist=DIST,
+        extra_models={"critic": fresh_critic},
+    )  # fmt: skip
+    assert state["step"] == 1 and state["kl_coef"] == 0.25
+    assert fresh[2].last_epoch == 1 and fresh_critic[2].last_epoch == 2
+    torch.manual_seed(7)
+    train_step(*fresh), critic_step(*fresh_critic)  # same weights, moments, lrs and batches
+    for got, want in ((fresh[0].state_dict(), want_policy), (fresh_critic[0].state_dict(), want_critic)):
+        for k, v in got.items():
+            assert torch.equal(v, want[k]), k
+
+    # a checkpoint saved without the critic cannot silently resume a run that has one
+    save_checkpoint(
+        tmp_path, 2, model=policy[0], optimizer=policy[1], scheduler=policy[2], tokenizer=tokenizer, dist=DIST,
+        recipe="ppo", trainer_state={},
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="saved without critic"):
+        resume(
+            tmp_path / "checkpoints" / "step_2", 5, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2],
+            dist=DIST, extra_models={"critic": fresh_critic},
+        )  # fmt: skip

@@ -39,6 +39,8 @@ def test_every_trainable_parameter_changes(tmp_path, small_val):
 def test_two_processes(tmp_path, small_val, strategy):
     out, plain = tmp_path / strategy, tmp_path / f"{strategy}-plain"
     flags = f"{FAST} --total-training-steps 2 --test-freq 2 --strategy {strategy} --save-freq 2 --use-kl-loss"
+    if strategy == "fsdp2":  # ranks must agree on the micro-batch count and on the forward calls in each
+        flags += " --use-dynamic-bsz --ppo-max-token-len-per-gpu 150"
     grpo(out, small_val, flags, nproc=2)
     run = json.loads((out / "config.json").read_text())["run"]
     assert run["world_size"] == 2 and run["strategy"] == strategy

@@ -70,3 +70,12 @@ def test_adaptive_kl_controller_follows_its_update_rule():
     assert ops.update_kl_coef(0.1, 5.0, kind="fixed", target_kl=0.1, horizon=50, n_steps=10) == 0.1
     with pytest.raises(ValueError, match="kl_ctrl"):
         ops.update_kl_coef(0.1, 0.0, kind="pid", target_kl=0.1, horizon=50, n_steps=10)
+
+
+def test_masked_whiten_all_ranks_matches_masked_whiten_in_one_process():
+    torch.manual_seed(0)
+    x, mask = torch.randn(4, 7), torch.rand(4, 7) > 0.3
+    got = ops.masked_whiten_all_ranks(x, mask)
+    assert torch.allclose(got[mask], ops.masked_whiten(x, mask)[mask], atol=1e-6)
+    assert got[~mask].abs().sum() == 0
+    assert ops.masked_whiten_all_ranks(x, torch.zeros_like(mask)).abs().sum() == 0  # nothing valid: zeros, no NaN

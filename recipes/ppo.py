@@ -1,0 +1,459 @@
+"""PPO: proximal policy optimisation with a learned critic (Schulman et al. 2017, arXiv:1707.06347;
+for language models Ziegler et al. 2019), as verl's main_ppo.
+
+A critic (the base model with a scalar value head) predicts each response token's return; GAE turns
+rewards and values into advantages; the policy climbs the clipped surrogate while the critic
+regresses onto the returns. How this file departs from the paper (and matches verl's defaults):
+1. Outcome score on the last response token, and by default a per-token KL penalty in the reward:
+   r_t = score * [t last] - kl_coef * KL_t(old || ref), --kl-ctrl fixed or adaptive; --no-use-kl-in-reward
+   --use-kl-loss puts it in the loss instead (grpo.py's compute_loss, word for word), never both.
+2. GAE (gamma, lam) over response tokens, whitened over the valid tokens of the global batch (all
+   ranks, as verl's driver); returns = raw advantages + values. On the bundled task verl's gamma = lam
+   = 1 and lam 0.95 learn alike (20 steps: 48.8% -> 64.8% and 64.4%), with grpo.py's shapes (16
+   prompts x 16 samples; verl's PPO habit is rollout_n 1) and a critic lr 5x the policy's.
+3. Critic: AutoModelForTokenClassification, num_labels=1, from --critic-model (default: the policy's
+   folder, so the value head starts freshly initialised), its own AdamW at --critic-lr, the same
+   micro-batches and shared-prompt forward; value loss clipped at --cliprange-value around the
+   rollout's values. It trains every step; the policy after --critic-warmup steps (its lr schedule
+   spans its own updates).
+4. Losses are aggregated by --loss-agg-mode with the token / sequence count of the whole mini-batch
+   (all micro-batches, all ranks), so splitting a batch never changes the gradient.
+5. Old logprobs (for the KL in the reward) and values come from no-grad passes before the update.
+
+Run (the tests run the same commands, shortened):
+    python recipes/ppo.py                     # bundled SFT checkpoint + addition task, CPU
+    torchrun --nproc_per_node 2 recipes/ppo.py --strategy fsdp2
+    accelerate launch --config_file configs/fsdp2.yaml recipes/ppo.py --model Qwen/Qwen2.5-0.5B-Instruct \
+        --train-files ~/data/gsm8k/train.parquet --val-files ~/data/gsm8k/test.parquet --lr 1e-6 --critic-lr 1e-5
+"""
+
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+import tyro
+
+from common.checkpoint import find_resume, resume, save_checkpoint
+from common.config import KLRewardArgs, RLArgs, is_due
+from common.data import batch_indices, load_rl_data, split_rows, take_rows
+from common.model import load_critic, load_rl_models, load_tokenizer, response_logits, response_values
+from common.ops import (
+    agg_loss,
+    entropy_from_logits,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    update_kl_coef,
+)
+from common.parallel import (
+    all_reduce_sum,
+    clip_grad_norm,
+    gather_objects,
+    grad_sync,
+    init_distributed,
+    resolve_strategy,
+    seed_everything,
+    unwrap,
+)
+from common.rewards import start_reward_pool
+from common.rollout import HFEngine, evaluate, generate_and_score
+from common.tracking import Tracker, describe_run, step_metrics
+
+RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
+PLOTS = (
+    "val/accuracy",
+    "reward/mean",
+    "response/length_mean",
+    "policy/*",
+    "critic/*",
+    "train/grad_norm",
+)  # panels of curves.png
+
+
+# --- config ---------------------------------------------------------------------------------------
+@dataclass
+class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL controller's from KLRewardArgs
+    gamma: float = 1.0
+    """GAE discount over response tokens"""
+    lam: float = 1.0
+    """GAE lambda: 1 uses the whole observed return (verl's default), lower leans on the critic's values"""
+    clip_ratio: float = 0.2
+    """PPO clip range; clip_ratio_low / clip_ratio_high override each side"""
+    clip_ratio_low: float | None = None
+    """lower clip range: the ratio is kept above 1 - clip_ratio_low (default clip_ratio)"""
+    clip_ratio_high: float | None = None
+    """upper clip range: the ratio is kept below 1 + clip_ratio_high (DAPO clip-higher uses e.g. 0.28)"""
+    clip_ratio_c: float = 3.0
+    """dual-clip bound for negative advantages (> 1; 3 as in Ye et al. 2020, arXiv:1912.09729, and verl)"""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """how per-token losses become one number"""
+    use_kl_loss: bool = False
+    """add a KL(policy || reference) term to the loss"""
+    kl_loss_coef: float = 0.001
+    """weight of the KL term in the loss"""
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    """KL estimator for the loss term (see common.ops.kl_penalty)"""
+    use_kl_in_reward: bool = True  # PPO: verl's KL penalty in the reward, per token
+    """subtract kl_coef * KL(old policy || reference) from each token's reward"""
+    entropy_coeff: float = 0.0
+    """entropy bonus weight"""
+    critic_model: str | None = None
+    """critic: a local Hugging Face folder or a hub name (default: the policy's; its value head starts fresh)"""
+    critic_lr: float = 1e-3
+    """peak learning rate of the critic (AdamW; the schedule and other optimizer flags are the policy's)"""
+    cliprange_value: float = 0.5
+    """value clip: a new value may move at most this far from the rollout's value (verl: 0.5)"""
+    critic_warmup: int = 0
+    """train only the critic for the first N steps (the policy stays unchanged)"""
+
+    def __post_init__(self):  # checked as the flags are parsed, before anything loads
+        if self.clip_ratio_c <= 1:
+            raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound)")
+        if self.use_kl_in_reward and self.use_kl_loss:  # PPO: the KL goes in one place
+            raise ValueError(
+                "--use-kl-loss with the KL already in the reward (the default here): put the KL in one place, "
+                "--no-use-kl-in-reward --use-kl-loss for the loss, or drop --use-kl-loss"
+            )
+
+
+# --- the algorithm ------------------------------------------------------------------------------------
+def compute_gae(token_rewards, values, response_mask, gamma, lam):
+    """Generalised advantage estimation (Schulman et al. 2016, arXiv:1506.02438), backward over tokens:
+        delta_t = r_t + gamma * V_next - V_t,   A_t = delta_t + gamma * lam * A_next
+    where V_next / A_next belong to the next valid token (0 after the last): a padding position passes
+    the running values through unchanged (as verl). returns = A + V, the critic's targets; advantages
+    are A whitened over the valid tokens of the batch (common.ops.masked_whiten: mean 0, unbiased
+    variance 1). All (B, T); both outputs zero on padding.
+    """
+    mask = response_mask.to(values.dtype)
+    next_value, next_adv = torch.zeros_like(values[:, 0]), torch.zeros_like(values[:, 0])
+    reversed_adv = []
+    for t in reversed(range(values.shape[1])):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam * next_adv
+        next_value = values[:, t] * mask[:, t] + next_value * (1 - mask[:, t])
+        next_adv = adv * mask[:, t] + next_adv * (1 - mask[:, t])
+        reversed_adv.append(next_adv)
+    raw = torch.stack(reversed_adv[::-1], dim=1)
+    returns = (raw + values) * mask
+    return masked_whiten(raw, mask) * mask, returns
+
+
+def apply_kl_penalty(args, scores, old_logprobs, ref_logprobs, response_mask, kl_coef):
+    """Token rewards (verl's PPO): the outcome score on each response's last valid token, and with the
+    KL in the reward - kl_coef * KL_t(old || ref) on every token. scores (B,), the rest (B, T). Returns
+    (token_rewards (B, T), next kl_coef by verl's kl_ctrl from the all-rank mean of sequence KLs, metrics)."""
+    last = (response_mask.sum(-1).long() - 1).clamp(min=0)  # (B,)
+    token_rewards = torch.zeros_like(response_mask, dtype=torch.float32)
+    token_rewards.scatter_(1, last.unsqueeze(-1), scores.float().unsqueeze(-1))
+    if not args.use_kl_in_reward:
+        return token_rewards, kl_coef, {}
+    kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_penalty) * response_mask  # (B, T)
+    seq_kl = masked_mean(kl, response_mask, dim=-1)  # (B,)
+    total, n_seqs = all_reduce_sum(torch.stack([seq_kl.sum(), seq_kl.new_tensor(len(seq_kl))])).tolist()
+    next_coef = update_kl_coef(kl_coef, total / n_seqs, kind=args.kl_ctrl, target_kl=args.target_kl,
+                               horizon=args.horizon, n_steps=int(n_seqs))  # fmt: skip
+    metrics = {"policy/kl_coef": kl_coef, "reward/kl_penalty": total / n_seqs}
+    return token_rewards - kl_coef * kl, next_coef, metrics
+
+
+def compute_value_loss(
+    new_values, old_values, returns, response_mask, cliprange_value, loss_agg_mode, *, num_tokens=None,
+    num_seqs=None, norm_constant=None,
+):  # fmt: skip
+    """Clipped value loss (PPO2 baselines, verl): the new value counts as at most cliprange_value away
+    from the rollout's value, and the larger squared error of the two is kept:
+        loss = 0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2))
+    All tensors (B, T); agg by loss_agg_mode over num_tokens / num_seqs (see common.ops.agg_loss).
+    Returns (loss, clipfrac: the fraction of valid tokens where the clipped error is the larger)."""
+    clipped = torch.clamp(new_values, old_values - cliprange_value, old_values + cliprange_value)
+    loss_unclipped = (new_values - returns).square()
+    loss_clipped = (clipped - returns).square()
+    agg = dict(mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant)
+    loss = 0.5 * agg_loss(torch.maximum(loss_unclipped, loss_clipped), response_mask, **agg)
+    return loss, masked_mean((loss_clipped > loss_unclipped).float(), response_mask)
+
+
+def compute_loss(
+    new_logprobs, old_logprobs, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
+    clip_ratio_c, loss_agg_mode, ref_logprobs=None, kl_loss_coef=0.0, kl_loss_type="low_var_kl",
+    entropy=None, entropy_coeff=0.0, num_tokens=None, num_seqs=None, norm_constant=None,
+):  # fmt: skip
+    """Clipped surrogate with dual-clip, plus optional KL-to-reference and entropy terms.
+
+    All tensors (B, T). ratio = exp(clamp(new - old, +-20)); per token
+        pg = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))
+        pg = min(pg, -A * clip_ratio_c)  where A < 0  (dual-clip bounds the loss of bad samples)
+    loss = agg(pg) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl(new, ref)), each agg
+    by loss_agg_mode over num_tokens / num_seqs (see common.ops.agg_loss). Returns (loss, metrics).
+    """
+    mask = response_mask
+    agg = dict(mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant)
+    log_ratio = torch.clamp(new_logprobs - old_logprobs, min=-20.0, max=20.0)  # exp overflow guard
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    pg = torch.maximum(loss_unclipped, loss_clipped)
+    dual = -advantages * clip_ratio_c
+    pg_dual = torch.where(advantages < 0, torch.minimum(pg, dual), pg)
+    loss = agg_loss(pg_dual, mask, **agg)
+    metrics = {
+        "policy/pg_loss": loss.detach(),
+        "policy/clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
+        "policy/clipfrac_dual": masked_mean(((pg > dual) & (advantages < 0)).float(), mask),
+        "policy/approx_kl": masked_mean(-log_ratio.detach(), mask),
+    }
+    if entropy is not None:
+        if entropy_coeff:
+            loss = loss - entropy_coeff * agg_loss(entropy, mask, **agg)
+        metrics["policy/entropy"] = masked_mean(entropy.detach(), mask)
+    if ref_logprobs is not None:
+        kl = kl_penalty(new_logprobs, ref_logprobs, kl_loss_type)
+        loss = loss + kl_loss_coef * agg_loss(kl, mask, **agg)
+        metrics["policy/kl_ref"] = masked_mean(kl.detach(), mask)
+    return loss, metrics
+
+
+# --- the steps of the loop ------------------------------------------------------------------------
+def forward_logprobs(model, batch, rows, args, with_entropy=False):
+    """Logprobs (and entropy) of the response tokens of batch[rows] under the model, (b, T).
+    The logits are divided by the sampling temperature, as the sampler did."""
+    mb = take_rows(batch, rows)  # padding columns trimmed; widened back to T below
+    logits = response_logits(model, mb, share_prompts=args.shared_prompt_forward) / args.temperature
+    widen = (0, batch["responses"].shape[1] - logits.shape[1])
+    logprobs = F.pad(logprobs_from_logits(logits, mb["responses"]), widen)
+    return logprobs, (F.pad(entropy_from_logits(logits), widen) if with_entropy else None)
+
+
+def rollout(step, args, train, engine, sampling, pool, reward_model, tokenizer, dist):
+    """Steps 1-3 for this rank: sample prompts, generate rollout_n responses each, score them."""
+    # 1. sample prompts: this rank's share of the global batch
+    epoch, indices = batch_indices(step, len(train), args.train_batch_size, args.seed, args.shuffle)
+    prompts = [train[i] for i in indices[dist.rank :: dist.world_size]]
+    # 2-3. generate with the live policy; score with verl's compute_score (or the reward model)
+    batch = generate_and_score(prompts, engine, sampling, pool, tokenizer, dist.device, reward_model)
+    batch["epoch"] = epoch
+    return batch
+
+
+def forward_values(critic, batch, rows, args):
+    """The critic's values of the response tokens of batch[rows], (b, T), zero on padding: its output
+    at the position that predicts token t, where the policy's logits for token t come from."""
+    mb = take_rows(batch, rows)  # padding columns trimmed; widened back to T below
+    values = response_values(critic, mb, share_prompts=args.shared_prompt_forward).float() * mb["response_mask"]
+    return F.pad(values, (0, batch["responses"].shape[1] - values.shape[1]))
+
+
+@torch.no_grad()
+def old_and_ref_logprobs(args, model, ref, batch, separate_old_pass):
+    """Step 4, in micro-batches. Old logprobs only when the policy moves before a sample is used
+    (several mini-batches or epochs) or the KL in the reward needs them before the update;
+    otherwise the update pass's detached logprobs are exact."""
+    t, old_logprobs, ref_logprobs = time.time(), None, None
+    micro = split_rows(batch, 0, len(batch["rows"]), **args.micro_batch_limits())
+    order = torch.cat(micro).argsort()  # micro-batches may be length-sorted: back to row order
+    if separate_old_pass:
+        old_logprobs = torch.cat([forward_logprobs(model, batch, rows, args)[0] for rows in micro])[order]
+    if args.use_kl_loss or args.use_kl_in_reward:  # with LoRA the reference is the base model: the adapter switched off
+        with unwrap(model).disable_adapter() if ref is None else contextlib.nullcontext():
+            ref_logprobs = torch.cat([forward_logprobs(ref or model, batch, rows, args)[0] for rows in micro])[order]
+    batch["timing"]["perf/logprobs_s"] = time.time() - t
+    return old_logprobs, ref_logprobs
+
+
+@torch.no_grad()
+def old_values(args, critic, batch):
+    """Step 4 for the critic: its values at rollout, in micro-batches, (B, T)."""
+    t = time.time()
+    micro = split_rows(batch, 0, len(batch["rows"]), **args.micro_batch_limits())
+    values = torch.cat([forward_values(critic, batch, rows, args) for rows in micro])[torch.cat(micro).argsort()]
+    batch["timing"]["perf/values_s"] = time.time() - t
+    return values
+
+
+def gae_over_batch(args, token_rewards, values, mask, dist):
+    """Step 5: compute_gae over every rank's rows at once (the whitening spans the global batch, as
+    verl's driver does; one process or many give the same numbers), then this rank's rows. Also the
+    critic's explained variance, 1 - var(R - V) / var(R) over valid tokens (+1e-5 as verl)."""
+    parts = gather_objects([x.cpu() for x in (token_rewards, values, mask)])
+    width = max(p[0].shape[1] for p in parts)
+    r, v, m = (torch.cat([F.pad(p[i], (0, width - p[i].shape[1])) for p in parts]).to(values.device) for i in range(3))
+    advantages, returns = compute_gae(r, v, m, args.gamma, args.lam)
+    metrics = {
+        "critic/vf_explained_var": (1 - masked_var(returns - v, m) / (masked_var(returns, m) + 1e-5)).item(),
+        "critic/values_mean": masked_mean(v, m).item(),
+        "critic/returns_mean": masked_mean(returns, m).item(),
+    }
+    mine = slice(dist.rank * len(values), (dist.rank + 1) * len(values))
+    return advantages[mine, : values.shape[1]], returns[mine, : values.shape[1]], metrics
+
+
+def update_critic(args, plan, critic, optimizer, batch, values, returns, loss_mask, dist):
+    """Step 6 for the critic: the clipped value loss over the policy's epochs x mini-batches x
+    micro-batches, one optimizer step per mini-batch."""
+    t, stats, grad_norms, loss_sum = time.time(), [], [], 0.0
+    for _ in range(args.ppo_epochs):
+        for m in range(plan.mini_batches_per_step):
+            start, stop = m * plan.local_mini_batch, (m + 1) * plan.local_mini_batch
+            # Normalise by the whole mini-batch (every micro-batch, every rank), as the policy loss.
+            num_tokens = all_reduce_sum(loss_mask[start:stop].sum())
+            num_seqs = all_reduce_sum((loss_mask[start:stop].sum(-1) > 0).sum().float())
+            micro = split_rows(batch, start, stop, **args.micro_batch_limits())
+            for k, rows in enumerate(micro):
+                with grad_sync(critic, enabled=k == len(micro) - 1):
+                    loss, clipfrac = compute_value_loss(
+                        forward_values(critic, batch, rows, args), values[rows], returns[rows], loss_mask[rows],
+                        args.cliprange_value, args.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                        norm_constant=args.max_response_length,
+                    )  # fmt: skip
+                    (loss * dist.world_size).backward()
+                stats.append((batch["response_mask"][rows].sum().item(), float(clipfrac)))
+                loss_sum += loss.item()
+            grad_norms.append(clip_grad_norm(critic, args.grad_clip))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    batch["timing"]["perf/update_critic_s"] = time.time() - t
+    return {
+        "critic/vf_loss": all_reduce_sum(torch.tensor(loss_sum)).item() / len(grad_norms),
+        "critic/vf_clipfrac": sum(w * c for w, c in stats) / (sum(w for w, _ in stats) or 1.0),
+        "critic/grad_norm": sum(grad_norms) / len(grad_norms),
+    }
+
+
+def update(args, plan, model, optimizer, scheduler, batch, advantages, loss_mask, old_logprobs, ref_logprobs, dist):
+    """Step 6: ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch; then
+    one lr-schedule step."""
+    clip_low = args.clip_ratio if args.clip_ratio_low is None else args.clip_ratio_low
+    clip_high = args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
+    t, stats, grad_norms, loss_sum = time.time(), [], [], 0.0
+    for _ in range(args.ppo_epochs):
+        for m in range(plan.mini_batches_per_step):
+            start, stop = m * plan.local_mini_batch, (m + 1) * plan.local_mini_batch
+            # Normalise by the whole mini-batch (every micro-batch, every rank), not per micro-batch.
+            num_tokens = all_reduce_sum(loss_mask[start:stop].sum())
+            num_seqs = all_reduce_sum((loss_mask[start:stop].sum(-1) > 0).sum().float())
+            micro = split_rows(batch, start, stop, **args.micro_batch_limits())
+            for k, rows in enumerate(micro):
+                with grad_sync(model, enabled=k == len(micro) - 1):
+                    new_logprobs, entropy = forward_logprobs(model, batch, rows, args, with_entropy=True)
+                    # On-policy (one mini-batch, one epoch): old = new at unchanged weights, ratio 1.
+                    old = old_logprobs[rows] if old_logprobs is not None else new_logprobs.detach()
+                    loss, metrics = compute_loss(
+                        new_logprobs, old, advantages[rows], loss_mask[rows], clip_ratio_low=clip_low,
+                        clip_ratio_high=clip_high, clip_ratio_c=args.clip_ratio_c,
+                        loss_agg_mode=args.loss_agg_mode, entropy=entropy, entropy_coeff=args.entropy_coeff,
+                        ref_logprobs=ref_logprobs[rows] if args.use_kl_loss else None,  # PPO: not if in the reward
+                        kl_loss_coef=args.kl_loss_coef, kl_loss_type=args.kl_loss_type,
+                        num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=args.max_response_length,
+                    )  # fmt: skip
+                    # DDP and FSDP2 average gradients over ranks; the loss is already a global mean.
+                    (loss * dist.world_size).backward()
+                stats.append((batch["response_mask"][rows].sum().item(), {k: float(v) for k, v in metrics.items()}))
+                loss_sum += loss.item()
+            grad_norms.append(clip_grad_norm(model, args.grad_clip))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    weight = sum(w for w, _ in stats) or 1.0
+    metrics = {k: sum(w * m[k] for w, m in stats) / weight for k in stats[0][1]}
+    metrics["train/loss"] = all_reduce_sum(torch.tensor(loss_sum)).item() / len(grad_norms)
+    metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics["train/lr"] = scheduler.get_last_lr()[0]
+    scheduler.step()
+    batch["timing"]["perf/update_s"] = time.time() - t
+    return metrics
+
+
+def critic_and_optimizer(args, dist, total_steps):
+    """The critic, trained fully (no LoRA), with AdamW and the policy's lr schedule at critic_lr."""
+    critic = load_critic(args.critic_model or args.model, dist=dist, strategy=resolve_strategy(args.strategy), dtype=args.dtype,
+                         trust_remote_code=args.trust_remote_code, mixed_precision=args.mixed_precision,
+                         gradient_checkpointing=args.gradient_checkpointing)  # fmt: skip
+    return critic, *dataclasses.replace(args, lr=args.critic_lr).optimizer_and_scheduler(critic, total_steps)
+
+
+# --- main ---------------------------------------------------------------------------------------
+def main(args: Args) -> dict:
+    # Setup: process group; batch arithmetic, flags and the run folder checked before any model loads.
+    dist = init_distributed()
+    plan = args.batch_plan(dist.world_size)
+    run_dir = Path(args.output_dir or f"runs/{args.experiment_name or RECIPE}")
+    checkpoint = find_resume(args.resume, run_dir, RECIPE)
+    seed_everything(args.seed + dist.rank)  # ranks sample different responses
+
+    # Data and rewards (a reward dry run), then the models, the engine and the optimizers.
+    tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
+    train, stats, val = load_rl_data(args.train_files, args.val_files, tokenizer, **args.prompt_kwargs())
+    pool = start_reward_pool(args.reward_fn, workers=args.reward_workers, timeout=args.reward_timeout,
+                             dry_run_rows=[] if args.reward_model else train[:2] + val[:2])  # fmt: skip
+    total_steps = args.total_training_steps or args.total_epochs * (len(train) // args.train_batch_size)
+    model, ref, reward_model, run_info = load_rl_models(
+        args.model, dist=dist, strategy=args.strategy, **args.policy_kwargs(),
+        with_reference=args.use_kl_loss or args.use_kl_in_reward, reward_model=args.reward_model, tokenizer=tokenizer,
+    )  # fmt: skip
+    critic, critic_optimizer, critic_scheduler = critic_and_optimizer(args, dist, total_steps)  # PPO
+    critics = {"critic": (critic, critic_optimizer, critic_scheduler)}  # saved and resumed with the policy
+    engine = HFEngine.for_policy(model, tokenizer, dist, batch_size=args.val_batch_size)
+    sampling, val_sampling = args.samplings()
+    optimizer, scheduler = args.optimizer_and_scheduler(model, max(1, total_steps - args.critic_warmup))  # fmt: skip
+    state = resume(checkpoint, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist, extra_models=critics)  # fmt: skip
+    start_step, kl_coef = state["step"], state.get("kl_coef", args.kl_coef)  # PPO: an adaptive coef resumes
+    if start_step >= total_steps:
+        return pool.close() or {"steps": 0}
+    tracker = Tracker(run_dir, **args.tracker_kwargs(RECIPE), is_main=dist.is_main, total_steps=total_steps,
+                      start_step=start_step, config={**dataclasses.asdict(args), "recipe": RECIPE, "run": run_info})  # fmt: skip
+    tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
+
+    validate = start_step == 0 and val and args.val_before_train
+    val_metrics = first_val = evaluate(engine, pool, tokenizer, val, val_sampling, dist) if validate else {}
+    tracker.log(first_val, step=0)
+    separate_old_pass = plan.mini_batches_per_step > 1 or args.ppo_epochs > 1 or args.use_kl_in_reward
+    for step in range(start_step, total_steps):
+        t0 = time.time()
+        # 1-3. sample prompts, generate, score
+        batch = rollout(step, args, train, engine, sampling, pool, reward_model, tokenizer, dist)
+        rewards, mask = batch["rewards"], batch["response_mask"].float()  # (B,), (B, T)
+
+        # 4. old / ref logprobs, and the critic's values
+        old_logprobs, ref_logprobs = old_and_ref_logprobs(args, model, ref, batch, separate_old_pass)
+        values = old_values(args, critic, batch)  # (B, T)
+
+        # 5. advantages: token rewards (score minus the KL penalty), then GAE over the global batch
+        token_rewards, kl_coef, kl_metrics = apply_kl_penalty(args, rewards, old_logprobs, ref_logprobs, mask, kl_coef)
+        advantages, returns, metrics = gae_over_batch(args, token_rewards, values, mask, dist)
+
+        # 6. update the critic; the policy after the critic warmup, then hand its weights to the engine
+        metrics |= update_critic(args, plan, critic, critic_optimizer, batch, values, returns, mask, dist)
+        critic_scheduler.step()
+        if step >= args.critic_warmup:  # PPO: the critic trains alone first
+            metrics |= update(
+                args, plan, model, optimizer, scheduler, batch, advantages, mask, old_logprobs, ref_logprobs, dist
+            )
+            engine.update_weights(step + 1)
+
+        # 7. log
+        metrics |= kl_metrics | step_metrics(batch, rewards, time.time() - t0)  # PPO: with the KL in the reward
+
+        # 8. validate / save
+        if val and is_due(step + 1, args.test_freq, total_steps):
+            val_metrics = evaluate(engine, pool, tokenizer, val, val_sampling, dist)
+            metrics.update(val_metrics)
+        tracker.log(metrics, step=step + 1)
+        if is_due(step + 1, args.save_freq, total_steps):
+            save_checkpoint(run_dir, step + 1, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
+                            dist=dist, recipe=RECIPE, trainer_state={"epoch": batch["epoch"], "kl_coef": kl_coef},
+                            keep=args.max_ckpt_to_keep, merged_lora=args.export_merged_lora, extra_models=critics)  # fmt: skip
+    pool.close()
+    return tracker.finish(val_metrics, first_val, PLOTS, saved=args.save_freq != 0)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

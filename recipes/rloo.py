@@ -1,0 +1,321 @@
+"""RLOO: REINFORCE leave-one-out (Ahmadian et al. 2024, arXiv:2402.14740; Kool et al. 2019).
+
+For every prompt, sample rollout_n responses; a response's baseline is the mean reward of the
+others in its group, and the policy climbs a PPO-style clipped surrogate. How this file departs
+from the paper (and matches verl's defaults):
+1. Outcome reward only: one score per response, broadcast to every response token.
+2. Advantage r_i - mean_{j != i} r_j = n / (n-1) * (r_i - mean_group), no std division; a group of
+   one keeps its raw score (as verl).
+3. No KL by default (as verl); --use-kl-in-reward puts it in the reward as the paper does (score -
+   kl_coef * sum_t KL_t(old || ref), --kl-ctrl fixed or adaptive), --use-kl-loss in the loss; not both.
+4. The loss is aggregated by --loss-agg-mode with the token / sequence count of the whole
+   mini-batch (all micro-batches, all ranks), so splitting a batch never changes the gradient.
+5. Old logprobs come from the trainer: the detached logprobs of the update pass when each sample
+   is used once at unchanged weights (one mini-batch, one epoch), else one no-grad pass first.
+   Used once, the clipped surrogate has the paper's plain REINFORCE gradient (ratio 1); the KL in
+   the reward always takes the no-grad pass (it needs the old logprobs before the advantages).
+
+Run (the tests run the same commands, shortened):
+    python recipes/rloo.py                    # bundled SFT checkpoint + addition task, CPU
+    torchrun --nproc_per_node 2 recipes/rloo.py --strategy fsdp2 --use-kl-in-reward --kl-ctrl adaptive
+    accelerate launch --config_file configs/fsdp2.yaml recipes/rloo.py --model Qwen/Qwen2.5-0.5B-Instruct \
+        --train-files ~/data/gsm8k/train.parquet --val-files ~/data/gsm8k/test.parquet --lr 1e-6
+"""
+
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+import tyro
+
+from common.checkpoint import find_resume, resume, save_checkpoint
+from common.config import KLRewardArgs, RLArgs, is_due
+from common.data import batch_indices, load_rl_data, split_rows, take_rows
+from common.model import load_rl_models, load_tokenizer, response_logits
+from common.ops import (
+    agg_loss,
+    entropy_from_logits,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_mean,
+    update_kl_coef,
+)
+from common.parallel import (
+    all_reduce_sum,
+    clip_grad_norm,
+    grad_sync,
+    init_distributed,
+    seed_everything,
+    unwrap,
+)
+from common.rewards import start_reward_pool
+from common.rollout import HFEngine, evaluate, generate_and_score
+from common.tracking import Tracker, describe_run, step_metrics
+
+RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
+PLOTS = ("val/accuracy", "reward/mean", "response/length_mean", "policy/*", "train/grad_norm")  # panels of curves.png
+
+
+# --- config ---------------------------------------------------------------------------------------
+@dataclass
+class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL controller's from KLRewardArgs
+    clip_ratio: float = 0.2
+    """PPO clip range; clip_ratio_low / clip_ratio_high override each side"""
+    clip_ratio_low: float | None = None
+    """lower clip range: the ratio is kept above 1 - clip_ratio_low (default clip_ratio)"""
+    clip_ratio_high: float | None = None
+    """upper clip range: the ratio is kept below 1 + clip_ratio_high (DAPO clip-higher uses e.g. 0.28)"""
+    clip_ratio_c: float = 3.0
+    """dual-clip bound for negative advantages (> 1; 3 as in Ye et al. 2020, arXiv:1912.09729, and verl)"""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """how per-token losses become one number"""
+    use_kl_loss: bool = False
+    """add a KL(policy || reference) term to the loss"""
+    kl_loss_coef: float = 0.001
+    """weight of the KL term in the loss"""
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    """KL estimator for the loss term (see common.ops.kl_penalty)"""
+    use_kl_in_reward: bool = False  # RLOO: the paper's KL penalty in the reward
+    """subtract kl_coef * KL(old policy || reference), summed over the response, from each score"""
+    entropy_coeff: float = 0.0
+    """entropy bonus weight"""
+
+    def __post_init__(self):  # checked as the flags are parsed, before anything loads
+        if self.clip_ratio_c <= 1:
+            raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound)")
+        if self.use_kl_in_reward and self.use_kl_loss:  # RLOO: the KL goes in one place
+            raise ValueError("--use-kl-in-reward and --use-kl-loss: put the KL in the reward or the loss, not both")
+
+
+# --- the algorithm ------------------------------------------------------------------------------------
+def compute_advantages(rewards, group_ids, response_mask):
+    """RLOO outcome advantage: r_i - (sum_g - r_i) / (n_g - 1), broadcast over response tokens.
+
+    rewards (B,), group_ids (B,) ints (equal for responses to the same prompt), response_mask
+    (B, T). The baseline is the mean of the other n_g - 1 responses of the group, so it never sees
+    r_i (unbiased); a group of one has no others and keeps its raw score. Returns (B, T), zero on padding.
+    """
+    scores = torch.zeros_like(rewards, dtype=torch.float32)
+    for g in torch.unique(group_ids):
+        idx = group_ids == g
+        r = rewards[idx].float()
+        scores[idx] = r - (r.sum() - r) / (r.numel() - 1) if r.numel() > 1 else r  # RLOO: leave-one-out
+    return scores.unsqueeze(-1) * response_mask
+
+
+def apply_kl_penalty(args, scores, old_logprobs, ref_logprobs, response_mask, kl_coef):
+    """KL in the reward (RLOO paper): score - kl_coef * sum_t KL_t(old || ref); scores (B,), the rest (B, T).
+    Returns (rewards (B,), next kl_coef by verl's kl_ctrl from the all-rank mean of sequence KLs, metrics)."""
+    if not args.use_kl_in_reward:
+        return scores, kl_coef, {}
+    kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_penalty) * response_mask  # (B, T)
+    seq_kl = masked_mean(kl, response_mask, dim=-1)  # (B,)
+    total, n_seqs = all_reduce_sum(torch.stack([seq_kl.sum(), seq_kl.new_tensor(len(seq_kl))])).tolist()
+    next_coef = update_kl_coef(kl_coef, total / n_seqs, kind=args.kl_ctrl, target_kl=args.target_kl,
+                               horizon=args.horizon, n_steps=int(n_seqs))  # fmt: skip
+    metrics = {"policy/kl_coef": kl_coef, "reward/kl_penalty": total / n_seqs}
+    return scores - kl_coef * kl.sum(-1), next_coef, metrics
+
+
+def compute_loss(
+    new_logprobs, old_logprobs, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
+    clip_ratio_c, loss_agg_mode, ref_logprobs=None, kl_loss_coef=0.0, kl_loss_type="low_var_kl",
+    entropy=None, entropy_coeff=0.0, num_tokens=None, num_seqs=None, norm_constant=None,
+):  # fmt: skip
+    """Clipped surrogate with dual-clip, plus optional KL-to-reference and entropy terms.
+
+    All tensors (B, T). ratio = exp(clamp(new - old, +-20)); per token
+        pg = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))
+        pg = min(pg, -A * clip_ratio_c)  where A < 0  (dual-clip bounds the loss of bad samples)
+    loss = agg(pg) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl(new, ref)), each agg
+    by loss_agg_mode over num_tokens / num_seqs (see common.ops.agg_loss). Returns (loss, metrics).
+    """
+    mask = response_mask
+    agg = dict(mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant)
+    log_ratio = torch.clamp(new_logprobs - old_logprobs, min=-20.0, max=20.0)  # exp overflow guard
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    pg = torch.maximum(loss_unclipped, loss_clipped)
+    dual = -advantages * clip_ratio_c
+    pg_dual = torch.where(advantages < 0, torch.minimum(pg, dual), pg)
+    loss = agg_loss(pg_dual, mask, **agg)
+    metrics = {
+        "policy/pg_loss": loss.detach(),
+        "policy/clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
+        "policy/clipfrac_dual": masked_mean(((pg > dual) & (advantages < 0)).float(), mask),
+        "policy/approx_kl": masked_mean(-log_ratio.detach(), mask),
+    }
+    if entropy is not None:
+        if entropy_coeff:
+            loss = loss - entropy_coeff * agg_loss(entropy, mask, **agg)
+        metrics["policy/entropy"] = masked_mean(entropy.detach(), mask)
+    if ref_logprobs is not None:
+        kl = kl_penalty(new_logprobs, ref_logprobs, kl_loss_type)
+        loss = loss + kl_loss_coef * agg_loss(kl, mask, **agg)
+        metrics["policy/kl_ref"] = masked_mean(kl.detach(), mask)
+    return loss, metrics
+
+
+# --- the steps of the loop ------------------------------------------------------------------------
+def forward_logprobs(model, batch, rows, args, with_entropy=False):
+    """Logprobs (and entropy) of the response tokens of batch[rows] under the model, (b, T).
+    The logits are divided by the sampling temperature, as the sampler did."""
+    mb = take_rows(batch, rows)  # padding columns trimmed; widened back to T below
+    logits = response_logits(model, mb, share_prompts=args.shared_prompt_forward) / args.temperature
+    widen = (0, batch["responses"].shape[1] - logits.shape[1])
+    logprobs = F.pad(logprobs_from_logits(logits, mb["responses"]), widen)
+    return logprobs, (F.pad(entropy_from_logits(logits), widen) if with_entropy else None)
+
+
+def rollout(step, args, train, engine, sampling, pool, reward_model, tokenizer, dist):
+    """Steps 1-3 for this rank: sample prompts, generate rollout_n responses each, score them."""
+    # 1. sample prompts: this rank's share of the global batch
+    epoch, indices = batch_indices(step, len(train), args.train_batch_size, args.seed, args.shuffle)
+    prompts = [train[i] for i in indices[dist.rank :: dist.world_size]]
+    # 2-3. generate with the live policy; score with verl's compute_score (or the reward model)
+    batch = generate_and_score(prompts, engine, sampling, pool, tokenizer, dist.device, reward_model)
+    batch["epoch"] = epoch
+    return batch
+
+
+@torch.no_grad()
+def old_and_ref_logprobs(args, model, ref, batch, separate_old_pass):
+    """Step 4, in micro-batches. Old logprobs only when the policy moves before a sample is used
+    (several mini-batches or epochs); otherwise the update pass's detached logprobs are exact."""
+    t, old_logprobs, ref_logprobs = time.time(), None, None
+    micro = split_rows(batch, 0, len(batch["rows"]), **args.micro_batch_limits())
+    order = torch.cat(micro).argsort()  # micro-batches may be length-sorted: back to row order
+    if separate_old_pass:
+        old_logprobs = torch.cat([forward_logprobs(model, batch, rows, args)[0] for rows in micro])[order]
+    if args.use_kl_loss or args.use_kl_in_reward:  # with LoRA the reference is the base model: the adapter switched off
+        with unwrap(model).disable_adapter() if ref is None else contextlib.nullcontext():
+            ref_logprobs = torch.cat([forward_logprobs(ref or model, batch, rows, args)[0] for rows in micro])[order]
+    batch["timing"]["perf/logprobs_s"] = time.time() - t
+    return old_logprobs, ref_logprobs
+
+
+def update(args, plan, model, optimizer, scheduler, batch, advantages, loss_mask, old_logprobs, ref_logprobs, dist):
+    """Step 6: ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch; then
+    one lr-schedule step."""
+    clip_low = args.clip_ratio if args.clip_ratio_low is None else args.clip_ratio_low
+    clip_high = args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
+    t, stats, grad_norms, loss_sum = time.time(), [], [], 0.0
+    for _ in range(args.ppo_epochs):
+        for m in range(plan.mini_batches_per_step):
+            start, stop = m * plan.local_mini_batch, (m + 1) * plan.local_mini_batch
+            # Normalise by the whole mini-batch (every micro-batch, every rank), not per micro-batch.
+            num_tokens = all_reduce_sum(loss_mask[start:stop].sum())
+            num_seqs = all_reduce_sum((loss_mask[start:stop].sum(-1) > 0).sum().float())
+            micro = split_rows(batch, start, stop, **args.micro_batch_limits())
+            for k, rows in enumerate(micro):
+                with grad_sync(model, enabled=k == len(micro) - 1):
+                    new_logprobs, entropy = forward_logprobs(model, batch, rows, args, with_entropy=True)
+                    # On-policy (one mini-batch, one epoch): old = new at unchanged weights, ratio 1.
+                    old = old_logprobs[rows] if old_logprobs is not None else new_logprobs.detach()
+                    loss, metrics = compute_loss(
+                        new_logprobs, old, advantages[rows], loss_mask[rows], clip_ratio_low=clip_low,
+                        clip_ratio_high=clip_high, clip_ratio_c=args.clip_ratio_c,
+                        loss_agg_mode=args.loss_agg_mode, entropy=entropy, entropy_coeff=args.entropy_coeff,
+                        ref_logprobs=ref_logprobs[rows] if args.use_kl_loss else None,  # RLOO: not if in the reward
+                        kl_loss_coef=args.kl_loss_coef, kl_loss_type=args.kl_loss_type,
+                        num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=args.max_response_length,
+                    )  # fmt: skip
+                    # DDP and FSDP2 average gradients over ranks; the loss is already a global mean.
+                    (loss * dist.world_size).backward()
+                stats.append((batch["response_mask"][rows].sum().item(), {k: float(v) for k, v in metrics.items()}))
+                loss_sum += loss.item()
+            grad_norms.append(clip_grad_norm(model, args.grad_clip))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    weight = sum(w for w, _ in stats) or 1.0
+    metrics = {k: sum(w * m[k] for w, m in stats) / weight for k in stats[0][1]}
+    metrics["train/loss"] = all_reduce_sum(torch.tensor(loss_sum)).item() / len(grad_norms)
+    metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics["train/lr"] = scheduler.get_last_lr()[0]
+    scheduler.step()
+    batch["timing"]["perf/update_s"] = time.time() - t
+    return metrics
+
+
+# --- main ---------------------------------------------------------------------------------------
+def main(args: Args) -> dict:
+    # Setup: process group; batch arithmetic, flags and the run folder checked before any model loads.
+    dist = init_distributed()
+    plan = args.batch_plan(dist.world_size)
+    run_dir = Path(args.output_dir or f"runs/{args.experiment_name or RECIPE}")
+    checkpoint = find_resume(args.resume, run_dir, RECIPE)
+    seed_everything(args.seed + dist.rank)  # ranks sample different responses
+
+    # Data and rewards (a reward dry run), then the models, the engine and the optimizer.
+    tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
+    train, stats, val = load_rl_data(args.train_files, args.val_files, tokenizer, **args.prompt_kwargs())
+    pool = start_reward_pool(args.reward_fn, workers=args.reward_workers, timeout=args.reward_timeout,
+                             dry_run_rows=[] if args.reward_model else train[:2] + val[:2])  # fmt: skip
+    total_steps = args.total_training_steps or args.total_epochs * (len(train) // args.train_batch_size)
+    model, ref, reward_model, run_info = load_rl_models(
+        args.model, dist=dist, strategy=args.strategy, **args.policy_kwargs(),
+        with_reference=args.use_kl_loss or args.use_kl_in_reward,
+        reward_model=args.reward_model, tokenizer=tokenizer,
+    )  # fmt: skip
+    engine = HFEngine.for_policy(model, tokenizer, dist, batch_size=args.val_batch_size)
+    sampling, val_sampling = args.samplings()
+    optimizer, scheduler = args.optimizer_and_scheduler(model, total_steps)
+    state = resume(checkpoint, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)
+    start_step, kl_coef = state["step"], state.get("kl_coef", args.kl_coef)  # RLOO: an adaptive coef resumes
+    if start_step >= total_steps:
+        return pool.close() or {"steps": 0}
+    tracker = Tracker(run_dir, **args.tracker_kwargs(RECIPE), is_main=dist.is_main, total_steps=total_steps,
+                      start_step=start_step, config={**dataclasses.asdict(args), "recipe": RECIPE, "run": run_info})  # fmt: skip
+    tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
+
+    validate = start_step == 0 and val and args.val_before_train
+    val_metrics = first_val = evaluate(engine, pool, tokenizer, val, val_sampling, dist) if validate else {}
+    tracker.log(first_val, step=0)
+    separate_old_pass = plan.mini_batches_per_step > 1 or args.ppo_epochs > 1 or args.use_kl_in_reward
+    for step in range(start_step, total_steps):
+        t0 = time.time()
+        # 1-3. sample prompts, generate, score
+        batch = rollout(step, args, train, engine, sampling, pool, reward_model, tokenizer, dist)
+        rewards, group_ids = batch["rewards"], batch["group_ids"]  # (B,), (B,)
+        mask = batch["response_mask"].float()  # (B, T)
+
+        # 4. old / ref logprobs
+        old_logprobs, ref_logprobs = old_and_ref_logprobs(args, model, ref, batch, separate_old_pass)
+
+        # 5. advantages: KL penalty in the reward (if asked), then the leave-one-out baseline
+        seq_rewards, kl_coef, kl_metrics = apply_kl_penalty(args, rewards, old_logprobs, ref_logprobs, mask, kl_coef)
+        advantages = compute_advantages(seq_rewards, group_ids, mask)  # RLOO
+
+        # 6. update, then hand the new weights to the engine
+        metrics = update(
+            args, plan, model, optimizer, scheduler, batch, advantages, mask, old_logprobs, ref_logprobs, dist
+        )
+        engine.update_weights(step + 1)
+
+        # 7. log
+        metrics.update(step_metrics(batch, rewards, time.time() - t0))
+        metrics.update(kl_metrics)  # RLOO: the coefficient used and the mean KL in the reward
+
+        # 8. validate / save
+        if val and is_due(step + 1, args.test_freq, total_steps):
+            val_metrics = evaluate(engine, pool, tokenizer, val, val_sampling, dist)
+            metrics.update(val_metrics)
+        tracker.log(metrics, step=step + 1)
+        if is_due(step + 1, args.save_freq, total_steps):
+            save_checkpoint(run_dir, step + 1, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
+                            dist=dist, recipe=RECIPE, trainer_state={"epoch": batch["epoch"], "kl_coef": kl_coef},
+                            keep=args.max_ckpt_to_keep, merged_lora=args.export_merged_lora)  # fmt: skip
+    pool.close()
+    return tracker.finish(val_metrics, first_val, PLOTS, saved=args.save_freq != 0)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,88 @@
+"""dapo.py: known answers for the overlong penalty and dynamic sampling's choice of groups, and
+short runs (subprocess, as users run it) that show re-sampling, the fill-up when the generation
+batches run out, and a resume that repeats the uninterrupted steps and their data."""
+
+import json
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import TASK_TEST, load_recipe, read_metrics, run_recipe
+
+dapo = load_recipe("dapo")
+FAST = "--train-batch-size 8 --ppo-mini-batch-size 8 --rollout-n 4 --save-freq 0 --no-val-before-train --test-freq 0"
+
+
+@pytest.fixture(scope="module")
+def small_val(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "val64.parquet"
+    pq.write_table(pq.read_table(TASK_TEST).slice(0, 64), path)
+    return path
+
+
+def run(out, val, flags, **kw):
+    return run_recipe("dapo", "--output-dir", out, "--val-files", val, *flags.split(), **kw)
+
+
+def test_defaults_are_dapos():
+    args = dapo.Args()
+    assert (args.clip_ratio_low or args.clip_ratio, args.clip_ratio_high) == (0.2, 0.28)  # clip-higher
+    assert args.loss_agg_mode == "token-mean"
+    assert (args.max_num_gen_batches, args.overlong_buffer_len, args.overlong_penalty_factor) == (10, 4, 1.0)
+    assert not args.use_kl_loss
+
+
+def test_overlong_penalty_ramps_to_the_factor():
+    lengths = torch.tensor([5, 12, 13, 14, 16])  # max 16, buffer 4: the ramp starts after 12 tokens
+    pen = dapo.overlong_penalty(lengths, max_len=16, buffer_len=4, factor=1.0)
+    assert pen.tolist() == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert dapo.overlong_penalty(lengths, 16, 4, 0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
+    assert dapo.overlong_penalty(lengths, 16, 0, 1.0).tolist() == [0.0] * 5  # buffer 0: off
+
+
+def test_select_groups_takes_the_first_groups_with_a_reward_spread():
+    rewards = [[1, 1, 1], [0, 1, 0], [0, 0, 0], [1.0, 0.75, 1.0], [1, 0, 1], [0.5]]
+    # group 3 differs only by an overlong penalty: that is a spread too; a group of one counts (verl)
+    assert dapo.select_groups(rewards, 2) == ([1, 3], [True, True])
+    assert dapo.select_groups(rewards, 4) == ([1, 3, 4, 5], [True] * 4)
+
+
+def test_select_groups_fills_up_with_zero_variance_groups_in_order():
+    rewards = [[1, 1], [0, 1], [0, 0], [1, 1], [1, 0]]
+    # two groups with a spread (1, 4); the first zero-variance groups (0, 2) fill the batch of 4
+    assert dapo.select_groups(rewards, 4) == ([0, 1, 2, 4], [False, True, False, True])
+    assert dapo.select_groups([[0, 0], [1, 1]], 2) == ([0, 1], [False, False])
+
+
+def test_resampling_and_exact_resume(tmp_path, small_val):
+    """With 4 samples per prompt some groups are all right or all wrong, so steps need a second
+    generation batch; the checkpoint keeps the generation-batch count, so a run killed after step 4's
+    log (before its save) and resumed from step 2 reads the same prompts and repeats steps 3-4."""
+    out = tmp_path / "run"
+    flags = f"{FAST} --total-training-steps 4 --save-freq 2 --max-ckpt-to-keep 0"
+    run(out, small_val, flags + " --resume disable")
+    want = read_metrics(out)
+    assert max(r["dapo/gen_batches"] for r in want) > 1, "dynamic sampling re-sampled"
+    assert all(r["dapo/kept_groups"] == 8 and r["dapo/filler_groups"] == 0 for r in want)
+    state = json.loads((out / "checkpoints" / "step_2" / "trainer_state.json").read_text())
+    assert state["gen_batches"] == want[0]["dapo/gen_batches"] + want[1]["dapo/gen_batches"]
+
+    shutil.rmtree(out / "checkpoints" / "step_4")
+    run(out, small_val, flags + " --resume auto")
+    got = read_metrics(out)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for a, b in zip(got[2:], want[2:]):
+        for key in ("reward/mean", "train/loss", "train/grad_norm", "response/length_mean", "dapo/gen_batches"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6), (key, a["step"])
+
+
+def test_out_of_generation_batches_trains_on_the_groups_found(tmp_path, small_val):
+    """--max-num-gen-batches 1 with pairs: fewer than 8 groups have a spread, so the batch is filled
+    with zero-variance groups (kept out of the loss) and the step still trains."""
+    out = tmp_path / "short"
+    run(out, small_val, f"{FAST} --rollout-n 2 --max-num-gen-batches 1 --total-training-steps 1 --resume disable")
+    (record,) = read_metrics(out)
+    assert record["dapo/gen_batches"] == 1
+    assert record["dapo/filler_groups"] > 0 and record["dapo/kept_groups"] + record["dapo/filler_groups"] == 8
+    assert record["train/grad_norm"] > 0 and record["train/loss"] == record["train/loss"]  # not NaN
