@@ -155,6 +155,16 @@ class Scored:
     first_error: str | None = None
     seconds: float = 0.0
 
+    @classmethod
+    def merge(cls, parts: list["Scored"], scores: list[float], extras: list[dict]) -> "Scored":
+        """The scores and extras kept from several scoring calls (DAPO's re-sampling), with every
+        call's errors, timeouts and seconds counted."""
+        return cls(
+            scores=list(scores), extras=list(extras), errors=sum(p.errors for p in parts),
+            timeouts=sum(p.timeouts for p in parts), first_error=next((p.first_error for p in parts if p.first_error), None),
+            seconds=sum(p.seconds for p in parts),
+        )  # fmt: skip
+
 
 def _worker_main(fd: int, spec: str) -> None:
     _worker(Connection(fd), spec or None)

@@ -182,6 +182,15 @@ def hf_generate_greedy(
     return [c[0].token_ids for c in completions]
 
 
+def pack_groups(rows: list[tuple], n: int, tokenizer, device) -> dict:
+    """The trainer tensors (common.data.pack_sequences) for rows [(prompt row, Completion)] whose
+    group g sits at rows g*n .. g*n+n-1, plus those rows and group_ids (B,)."""
+    batch = pack_sequences([p["prompt_ids"] for p, _ in rows], [c.token_ids for _, c in rows], tokenizer.pad_token_id, device)  # fmt: skip
+    batch["rows"] = list(rows)
+    batch["group_ids"] = torch.arange(len(rows) // n, device=device).repeat_interleave(n)
+    return batch
+
+
 def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, reward_model=None) -> dict:
     """Steps 2-3 of every RL recipe for this rank's prompts (rows from common.data.load_prompts):
     sampling.n responses each, packed for the trainer (common.data.pack_sequences), then scored
@@ -195,9 +204,7 @@ def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, rewar
     groups = engine.generate([p["prompt_ids"] for p in prompts], sampling)
     rows = [(p, c) for p, group in zip(prompts, groups) for c in group]
     responses = [c.token_ids for _, c in rows]
-    batch = pack_sequences([p["prompt_ids"] for p, _ in rows], responses, tokenizer.pad_token_id, device)
-    batch["rows"] = rows
-    batch["group_ids"] = torch.arange(len(prompts), device=device).repeat_interleave(sampling.n)
+    batch = pack_groups(rows, sampling.n, tokenizer, device)
     batch["timing"] = {"perf/generate_s": time.time() - t}
 
     t = time.time()

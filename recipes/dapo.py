@@ -36,7 +36,7 @@ import tyro
 
 from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import RLArgs, is_due
-from common.data import batch_indices, load_rl_data, pack_sequences, split_rows, take_rows
+from common.data import batch_indices, load_rl_data, split_rows, take_rows
 from common.model import load_rl_models, load_tokenizer, response_logits
 from common.ops import (
     agg_loss,
@@ -54,8 +54,8 @@ from common.parallel import (
     seed_everything,
     unwrap,
 )
-from common.rewards import start_reward_pool
-from common.rollout import HFEngine, evaluate, generate_and_score
+from common.rewards import Scored, start_reward_pool
+from common.rollout import HFEngine, evaluate, generate_and_score, pack_groups
 from common.tracking import Tracker, describe_run, step_metrics
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
@@ -206,10 +206,10 @@ def dynamic_sampling(gen_batches, args, train, engine, sampling, pool, reward_mo
         groups += [g for rank in gather_objects([mine[k : k + n] for k in range(0, len(mine), n)]) for g in rank]
         chosen, spread = select_groups([[r for _, r, _, _ in g] for g in groups], args.train_batch_size)
     rows, rewards, scores, extras = zip(*(x for i in chosen[dist.rank :: dist.world_size] for x in groups[i]))
-    batch = pack_sequences([p["prompt_ids"] for p, _ in rows], [c.token_ids for _, c in rows], tokenizer.pad_token_id, dist.device)  # fmt: skip
-    batch.update(rows=list(rows), rewards=torch.tensor(rewards, device=dist.device), epoch=part["epoch"], timing={k: sum(p["timing"][k] for p in parts) for k in part["timing"]})  # fmt: skip
-    batch["scored"] = dataclasses.replace(part["scored"], scores=list(scores), extras=list(extras), errors=sum(p["scored"].errors for p in parts), timeouts=sum(p["scored"].timeouts for p in parts))  # fmt: skip
-    batch["group_ids"] = torch.arange(len(rows) // n, device=dist.device).repeat_interleave(n)
+    batch = pack_groups(rows, n, tokenizer, dist.device)
+    batch["rewards"], batch["epoch"] = torch.tensor(rewards, device=dist.device), part["epoch"]
+    batch["scored"] = Scored.merge([p["scored"] for p in parts], scores, extras)  # every call's errors, timeouts
+    batch["timing"] = {k: sum(p["timing"][k] for p in parts) for k in part["timing"]}
     batch["spread"] = torch.tensor(spread[dist.rank :: dist.world_size], device=dist.device).repeat_interleave(n)
     batch["dapo"] = {"dapo/gen_batches": len(parts), "dapo/kept_groups": sum(spread), "dapo/filler_groups": len(spread) - sum(spread)}  # fmt: skip
     return batch
