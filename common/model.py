@@ -172,18 +172,20 @@ def _checkpointing(model) -> bool:
     return bool(getattr(inner, "is_activation_checkpointing", False) or getattr(inner, "gradient_checkpointing", False))
 
 
-def response_logits(model, batch: dict, share_prompts: bool = True) -> torch.Tensor:
-    """Logits predicting each response token of a (micro-)batch from common.data.pack_sequences /
-    take_rows plus `group_ids`, shape (b, T, V): the logit at response position t predicts token t.
+def _response_outputs(model, batch: dict, share_prompts: bool, keep_logits: bool) -> torch.Tensor:
+    """The model's `.logits` at the positions that predict each response token, (b, T, ...).
 
     Responses to the same prompt sit next to each other and share it, so with share_prompts each
     distinct prompt in the batch goes through the model once; its KV cache is repeated for the
-    group and the responses run on top of it. Same logits and gradients as one pass over the
+    group and the responses run on top of it. Same outputs and gradients as one pass over the
     concatenated sequences (a rollout_n-fold saving on the prompt tokens). Falls back to the one
     pass with activation checkpointing (transformers drops the cache there) or without groups, but
     never under FSDP: its forwards are collective, so every rank must make the same two calls
-    whether or not its own micro-batch shares a prompt.
+    whether or not its own micro-batch shares a prompt. keep_logits: the model takes
+    logits_to_keep (causal LMs), so only the needed positions reach the vocabulary head.
     """
+    from transformers import DynamicCache
+
     from common.parallel import is_fsdp
 
     T = batch["responses"].shape[1]
@@ -192,12 +194,13 @@ def response_logits(model, batch: dict, share_prompts: bool = True) -> torch.Ten
     group_ids = batch["group_ids"]
     starts = torch.ones_like(group_ids, dtype=torch.bool)
     starts[1:] = group_ids[1:] != group_ids[:-1]
+    keep = (lambda n: {"logits_to_keep": n}) if keep_logits else (lambda n: {})  # noqa: E731
     if not share_prompts or _checkpointing(model) or (bool(starts.all()) and not is_fsdp(model)):
-        return model(**{k: batch[k] for k in keys}, logits_to_keep=T + 1).logits[:, :-1]
+        return model(**{k: batch[k] for k in keys}, **keep(T + 1)).logits[:, -T - 1 : -1]
     first = starts.nonzero().squeeze(-1)  # each prompt's first row
     owner = starts.cumsum(0) - 1  # which distinct prompt each row answers
-    prompt = model(**{k: batch[k][first, :P] for k in keys}, use_cache=True, logits_to_keep=1)
-    cache = prompt.past_key_values
+    cache = DynamicCache()  # passed in: a token-classification output carries no cache of its own
+    prompt = model(**{k: batch[k][first, :P] for k in keys}, past_key_values=cache, use_cache=True, **keep(1))
     cache.batch_select_indices(owner)
     out = model(
         input_ids=batch["responses"],
@@ -206,38 +209,18 @@ def response_logits(model, batch: dict, share_prompts: bool = True) -> torch.Ten
         past_key_values=cache,
         use_cache=True,
     )
-    return torch.cat([prompt.logits[owner], out.logits[:, :-1]], 1)
+    return torch.cat([prompt.logits[owner, -1:], out.logits[:, :-1]], 1)
+
+
+def response_logits(model, batch: dict, share_prompts: bool = True) -> torch.Tensor:
+    """Logits predicting each response token of a (micro-)batch from common.data.pack_sequences /
+    take_rows plus `group_ids`, shape (b, T, V): the logit at response position t predicts token t.
+    With share_prompts each group's prompt runs once (see _response_outputs)."""
+    return _response_outputs(model, batch, share_prompts, keep_logits=True)
 
 
 def response_values(critic, batch: dict, share_prompts: bool = True) -> torch.Tensor:
     """The values of a load_critic model for each response token of a (micro-)batch, shape (b, T):
-    the output at the position that predicts token t, the positions response_logits uses. With
-    share_prompts the same shared-prompt forward (each distinct prompt once, its KV cache repeated
-    for the group): the token-classification output carries no cache, so one is passed in and
-    filled in place. Same values and gradients as one pass over the concatenated sequences; the
-    same fallbacks as response_logits (never a per-rank choice under FSDP)."""
-    from common.parallel import is_fsdp
-
-    T = batch["responses"].shape[1]
-    P = batch["input_ids"].shape[1] - T
-    keys = ("input_ids", "attention_mask", "position_ids")
-    group_ids = batch["group_ids"]
-    starts = torch.ones_like(group_ids, dtype=torch.bool)
-    starts[1:] = group_ids[1:] != group_ids[:-1]
-    if not share_prompts or _checkpointing(critic) or (bool(starts.all()) and not is_fsdp(critic)):
-        return critic(**{k: batch[k] for k in keys}).logits[:, -T - 1 : -1, 0]
-    from transformers import DynamicCache
-
-    first = starts.nonzero().squeeze(-1)  # each prompt's first row
-    owner = starts.cumsum(0) - 1  # which distinct prompt each row answers
-    cache = DynamicCache()
-    prompt = critic(**{k: batch[k][first, :P] for k in keys}, past_key_values=cache, use_cache=True)
-    cache.batch_select_indices(owner)
-    out = critic(
-        input_ids=batch["responses"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"][:, P:],
-        past_key_values=cache,
-        use_cache=True,
-    )
-    return torch.cat([prompt.logits[owner, -1:, 0], out.logits[:, :-1, 0]], 1)
+    the output at the position that predicts token t, the positions response_logits uses, with the
+    same shared-prompt forward."""
+    return _response_outputs(critic, batch, share_prompts, keep_logits=False)[..., 0]
