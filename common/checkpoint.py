@@ -40,10 +40,11 @@ def list_checkpoints(output_dir) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def find_resume(resume: str, output_dir, recipe: str) -> Path | None:
+def find_resume(resume: str, output_dir, recipe: str, total_steps: int | None = None) -> Path | None:
     """The checkpoint `--resume` names: `auto` the newest complete one in output_dir (or None),
     `disable` None, else that path. Call it before any model loads: a checkpoint written by
-    another recipe (a fork run in its parent's folder, say) is refused, never silently continued."""
+    another recipe (a fork run in its parent's folder, say) is refused, never silently continued,
+    and a run that already completed total_steps exits 0 here, saying so, without loading a model."""
     if resume == "disable":
         return None
     if resume == "auto":
@@ -57,13 +58,21 @@ def find_resume(resume: str, output_dir, recipe: str) -> Path | None:
                 f"<output_dir>/checkpoints/step_<N> folder, auto or disable"
             )
     if path is not None:
-        owner = json.loads((path / "trainer_state.json").read_text()).get("recipe", recipe)
+        state = json.loads((path / "trainer_state.json").read_text())
+        owner = state.get("recipe", recipe)
         if owner != recipe:
             raise ValueError(
                 f"--resume {resume}: {path} was written by recipes/{owner}.py, not {recipe}.py, so it "
                 f"is not this run's to continue. Pass a fresh --output-dir to start this recipe's own "
                 f"run, or --model {path / 'hf'} --resume disable to start it from those weights"
             )
+        if total_steps is not None and state["step"] >= total_steps:
+            log.info(
+                "%s already completed all %d steps: nothing to train. Use --resume disable (or another "
+                "--output-dir) to start over, or raise --total-training-steps to train further.",
+                path, total_steps,
+            )  # fmt: skip
+            raise SystemExit(0)
     return path
 
 
@@ -218,24 +227,12 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, dist: Dist, extr
     return state
 
 
-def resume(
-    path: Path | None, total_steps: int, *, model, optimizer, scheduler, dist: Dist, extra_models: dict | None = None
-) -> dict:
+def resume(path: Path | None, *, model, optimizer, scheduler, dist: Dist, extra_models: dict | None = None) -> dict:
     """Load the checkpoint find_resume chose, if any; returns its trainer state ({"step": 0} when
     starting fresh): "step" is where to start, and a recipe reads back what it saved (an adaptive
-    KL coefficient, a data position).
-
-    A run that already completed total_steps is reported in words, so a re-run never trains zero
-    steps without saying so.
-    """
+    KL coefficient, a data position)."""
     if path is None:
         return {"step": 0}
-    state = load_checkpoint(
+    return load_checkpoint(
         path, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist, extra_models=extra_models
     )
-    if state["step"] >= total_steps and dist.is_main:
-        print(
-            f"{path} already completed all {total_steps} steps: nothing to train. Use --resume disable "
-            f"(or another --output-dir) to start over, or raise --total-training-steps to train further."
-        )
-    return state

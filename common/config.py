@@ -4,7 +4,7 @@ Recipes inherit from these so the flags stay flat (`--lr`, `--model`, `--train-f
 own `Args` adds its algorithm's knobs and may override defaults.
 """
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -114,6 +114,23 @@ class TrainerArgs:
     strategy: Literal["auto", "ddp", "fsdp2"] = "auto"
     """data parallelism: auto is fsdp2 under an accelerate FSDP config, else ddp"""
 
+    def run_dir(self, recipe: str) -> Path:
+        """The run folder: --output-dir, else runs/<experiment name, default the recipe's>."""
+        return Path(self.output_dir or f"runs/{self.experiment_name or recipe}")
+
+    def tracker_kwargs(self, recipe: str, run_info: dict) -> dict:
+        """The keyword arguments of common.tracking.Tracker that these flags set; the config it
+        records holds every flag, the recipe and the layout in effect (run_info)."""
+        return dict(
+            loggers=self.logger, project=self.project_name, experiment=self.experiment_name or recipe,
+            log_interval=self.log_interval, config={**asdict(self), "recipe": recipe, "run": run_info},
+        )  # fmt: skip
+
+    def save_kwargs(self, recipe: str) -> dict:
+        """The keyword arguments of common.checkpoint.save_checkpoint that these flags set, and
+        the recipe recorded as the checkpoint's owner."""
+        return dict(recipe=recipe, keep=self.max_ckpt_to_keep, merged_lora=self.export_merged_lora)
+
 
 @dataclass
 class RolloutArgs:
@@ -128,7 +145,7 @@ class RolloutArgs:
     rollout_n: int = 16
     """responses sampled per prompt (the group)"""
     ppo_mini_batch_size: int | None = None
-    """prompts per optimizer step; train_batch_size / ppo_mini_batch_size updates per step (default: train_batch_size)"""
+    """prompts per optimizer step, so train_batch_size / ppo_mini_batch_size updates per step (default: all)"""
     micro_batch_size_per_gpu: int = 64
     """most sequences per forward/backward pass on one process (the last micro-batch may be smaller)"""
     use_dynamic_bsz: bool = False
@@ -194,12 +211,13 @@ class RLArgs(RewardArgs, ValidationArgs, RolloutArgs, TrainerArgs, OptimArgs, Da
         names = ("prompt_key", "max_prompt_length", "truncation", "filter_overlong_prompts", "train_batch_size")
         return {k: getattr(self, k) for k in names}
 
-    def tracker_kwargs(self, recipe: str) -> dict:
-        """The keyword arguments of common.tracking.Tracker that these flags set."""
-        return dict(
-            loggers=self.logger, project=self.project_name, experiment=self.experiment_name or recipe,
-            log_interval=self.log_interval,
-        )  # fmt: skip
+    def reward_kwargs(self) -> dict:
+        """The keyword arguments of common.rewards.start_reward_pool that these flags set."""
+        return dict(reward_fn=self.reward_fn, workers=self.reward_workers, timeout=self.reward_timeout)
+
+    def model_kwargs(self) -> dict:
+        """The keyword arguments of common.model.load_rl_models that these flags set."""
+        return {**self.policy_kwargs(), "strategy": self.strategy, "reward_model": self.reward_model}
 
     def batch_plan(self, world_size: int) -> "BatchPlan":
         """The checked batch arithmetic (plan_batches) for this many processes."""
@@ -242,6 +260,10 @@ class KLRewardArgs:
     """adaptive kl_ctrl: the mean per-token KL the coefficient steers toward"""
     horizon: int = 10000
     """adaptive kl_ctrl: sequences over which the coefficient moves by at most a factor 1.2"""
+
+    def kl_ctrl_kwargs(self) -> dict:
+        """The keyword arguments of common.ops.kl_controller_step that these flags set."""
+        return dict(kind=self.kl_ctrl, target_kl=self.target_kl, horizon=self.horizon)
 
 
 @dataclass(frozen=True)

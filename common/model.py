@@ -79,10 +79,37 @@ def load_policy(
     return model
 
 
+def load_trained_model(
+    path: str,
+    dist,
+    *,
+    strategy: str,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    gradient_checkpointing: bool = False,
+    lora_rank: int = 0,
+    lora_alpha: int = 16,
+    target_modules=("all-linear",),
+    mixed_precision: str = "no",
+):
+    """The policy (load_policy) wrapped for DDP / FSDP2 (strategy auto|ddp|fsdp2). Returns (model,
+    run_info: the layout really in effect, common.parallel.sharding_report)."""
+    from common.parallel import resolve_strategy, sharding_report, wrap_model
+
+    strategy = resolve_strategy(strategy)
+    model = load_policy(
+        path, dtype=dtype, trust_remote_code=trust_remote_code, gradient_checkpointing=gradient_checkpointing,
+        lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules,
+    )  # fmt: skip
+    model = wrap_model(model, strategy, dist, mixed_precision)
+    return model, sharding_report(model, strategy, dist)
+
+
 def load_rl_models(
     path: str,
-    *,
     dist,
+    tokenizer=None,
+    *,
     strategy: str,
     dtype: str = "float32",
     trust_remote_code: bool = False,
@@ -93,27 +120,25 @@ def load_rl_models(
     mixed_precision: str = "no",
     with_reference: bool = False,
     reward_model: str | None = None,
-    tokenizer=None,
 ):
-    """The policy wrapped for DDP / FSDP2 (strategy auto|ddp|fsdp2); with_reference a frozen copy
-    for KL terms (with LoRA none: the adapter-disabled policy is the reference); the optional
-    reward model. Returns (policy, reference or None, reward model or None, run_info: the layout
-    really in effect, common.parallel.sharding_report)."""
-    from common.parallel import resolve_strategy, sharding_report, wrap_model
+    """The trained policy (load_trained_model); with_reference a frozen copy for KL terms (with
+    LoRA none: the adapter-disabled policy is the reference); the optional reward model, which
+    reads text with tokenizer. Returns (policy, reference or None, reward model or None, run_info)."""
+    from common.parallel import resolve_strategy, wrap_model
     from common.rewards import RewardModel
 
-    strategy = resolve_strategy(strategy)
-    model = load_policy(
-        path, dtype=dtype, trust_remote_code=trust_remote_code, gradient_checkpointing=gradient_checkpointing,
-        lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules,
+    model, run_info = load_trained_model(
+        path, dist, strategy=strategy, dtype=dtype, trust_remote_code=trust_remote_code,
+        mixed_precision=mixed_precision, gradient_checkpointing=gradient_checkpointing, lora_rank=lora_rank,
+        lora_alpha=lora_alpha, target_modules=target_modules,
     )  # fmt: skip
-    model = wrap_model(model, strategy, dist, mixed_precision)
     ref = None
     if with_reference and lora_rank == 0:
         ref = load_policy(path, dtype=dtype, trust_remote_code=trust_remote_code).eval().requires_grad_(False)
-        ref = wrap_model(ref, "fsdp2" if strategy == "fsdp2" else "none", dist, mixed_precision)
+        shard_ref = resolve_strategy(strategy) == "fsdp2"
+        ref = wrap_model(ref, "fsdp2" if shard_ref else "none", dist, mixed_precision)
     rm = RewardModel(reward_model, tokenizer, dist.device, trust_remote_code) if reward_model else None
-    return model, ref, rm, sharding_report(model, strategy, dist)
+    return model, ref, rm, run_info
 
 
 def load_critic(

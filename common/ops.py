@@ -164,3 +164,19 @@ def update_kl_coef(coef: float, kl: float, *, kind: str, target_kl: float, horiz
         raise ValueError(f"kl_ctrl {kind!r}; use fixed or adaptive")
     error = min(max(kl / target_kl - 1, -0.2), 0.2)
     return coef * (1 + error * n_steps / horizon)
+
+
+def kl_controller_step(
+    coef: float, kl: torch.Tensor, response_mask: torch.Tensor, *, kind: str, target_kl: float, horizon: int
+) -> tuple[float, dict]:
+    """After a step with the KL in the reward: the step's KL is the mean over the sequences of every
+    rank of each sequence's mean token KL (kl, response_mask (B, T)), and update_kl_coef moves the
+    coefficient with n_steps = those sequences. Collective. Returns (next coef, metrics with the
+    coefficient this step used and its KL)."""
+    from common.parallel import all_reduce_sum
+
+    seq_kl = masked_mean(kl, response_mask, dim=-1)  # (B,)
+    total, n_seqs = all_reduce_sum(torch.stack([seq_kl.sum(), seq_kl.new_tensor(len(seq_kl))])).tolist()
+    mean_kl = total / max(n_seqs, 1)
+    next_coef = update_kl_coef(coef, mean_kl, kind=kind, target_kl=target_kl, horizon=horizon, n_steps=int(n_seqs))
+    return next_coef, {"policy/kl_coef": coef, "reward/kl_penalty": mean_kl}

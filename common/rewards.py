@@ -161,8 +161,8 @@ class Scored:
         call's errors, timeouts and seconds counted."""
         return cls(
             scores=list(scores), extras=list(extras), errors=sum(p.errors for p in parts),
-            timeouts=sum(p.timeouts for p in parts), first_error=next((p.first_error for p in parts if p.first_error), None),
-            seconds=sum(p.seconds for p in parts),
+            timeouts=sum(p.timeouts for p in parts), seconds=sum(p.seconds for p in parts),
+            first_error=next((p.first_error for p in parts if p.first_error), None),
         )  # fmt: skip
 
 

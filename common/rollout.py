@@ -18,7 +18,7 @@ import torch
 
 from common.data import pack_sequences, pad
 from common.parallel import gather_objects, is_fsdp, shard_evenly, unwrap
-from common.rewards import hit
+from common.rewards import Scored, hit
 
 
 @dataclass(frozen=True)
@@ -185,9 +185,23 @@ def hf_generate_greedy(
 def pack_groups(rows: list[tuple], n: int, tokenizer, device) -> dict:
     """The trainer tensors (common.data.pack_sequences) for rows [(prompt row, Completion)] whose
     group g sits at rows g*n .. g*n+n-1, plus those rows and group_ids (B,)."""
-    batch = pack_sequences([p["prompt_ids"] for p, _ in rows], [c.token_ids for _, c in rows], tokenizer.pad_token_id, device)  # fmt: skip
+    prompts, responses = [p["prompt_ids"] for p, _ in rows], [c.token_ids for _, c in rows]
+    batch = pack_sequences(prompts, responses, tokenizer.pad_token_id, device)
     batch["rows"] = list(rows)
     batch["group_ids"] = torch.arange(len(rows) // n, device=device).repeat_interleave(n)
+    return batch
+
+
+def regroup(groups: list[list[tuple]], parts: list[dict], tokenizer, device) -> dict:
+    """One batch of groups picked from several generate_and_score batches (parts, of any rank), as
+    DAPO's dynamic sampling keeps them: each group [(row, reward, score, extra)] per response, in
+    the order of its part's rows / rewards / scored. The counts of every part's scoring (errors,
+    timeouts) stay counted, and timing sums over the parts."""
+    rows, rewards, scores, extras = zip(*(member for group in groups for member in group))
+    batch = pack_groups(rows, len(groups[0]), tokenizer, device)
+    batch["rewards"] = torch.tensor(rewards, dtype=torch.float32, device=device)
+    batch["scored"] = Scored.merge([p["scored"] for p in parts], list(scores), list(extras))
+    batch["timing"] = {k: sum(p["timing"][k] for p in parts) for k in parts[0]["timing"]}
     return batch
 
 

@@ -43,14 +43,14 @@ class Tracker:
     def __init__(
         self,
         run_dir,
+        start_step: int = 0,
+        total_steps: int = 0,
         *,
         loggers=("console",),
         project: str = "recipes",
         experiment: str = "run",
         config: dict | None = None,
         is_main: bool = True,
-        total_steps: int = 0,
-        start_step: int = 0,
         bar_keys: tuple[str, ...] = ("train/loss", "reward/mean", "val/accuracy"),
         log_interval: int = 0,
     ):
@@ -62,6 +62,7 @@ class Tracker:
         self.bar_keys = bar_keys
         self.wandb = self.tb = None
         self.bar = None
+        self.val_first, self.val_last = {}, {}  # before training (step 0), and the latest
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -101,7 +102,12 @@ class Tracker:
             )
 
     def log(self, metrics: dict, step: int) -> None:
-        """Append a record for `step` (nothing when metrics is empty) and move the bar to it."""
+        """Append a record for `step` (nothing when metrics is empty) and move the bar to it. The
+        val/ metrics are also kept (on every rank) for the closing summary."""
+        val = {k: v for k, v in metrics.items() if k.startswith("val/")}
+        if val:
+            self.val_last = val
+            self.val_first = val if step == 0 else self.val_first
         if not self.is_main or not metrics:
             return
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
@@ -128,12 +134,14 @@ class Tracker:
         if self.is_main:
             (self.bar.write if self.bar is not None else print)(message)
 
-    def finish(self, val_metrics: dict, first_val: dict, plot_keys: tuple[str, ...] = (), saved: bool = False) -> dict:
+    def finish(self, plot_keys: tuple[str, ...] = (), saved: bool = False) -> dict:
         """Collective (every rank calls it). Close the loggers, draw the curves and print the
-        closing summary: val accuracy before -> after, steps, time, run folder and, when the run
-        saved, the exported model folder. Returns the summary."""
+        closing summary: val accuracy before (step 0) -> after (the latest val/ metrics logged),
+        steps, time, run folder and, when the run saved, the exported model folder. Returns the
+        summary."""
         barrier()
-        summary = {"steps": self.total_steps - self.start_step, "seconds": time.time() - self.t_start, **val_metrics}
+        first_val = self.val_first
+        summary = {"steps": self.total_steps - self.start_step, "seconds": time.time() - self.t_start, **self.val_last}
         png = self.close(plot_keys)
         if "val/accuracy" in summary:
             before = f"{first_val['val/accuracy']:.1%} -> " if "val/accuracy" in first_val else ""

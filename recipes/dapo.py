@@ -24,7 +24,6 @@ Run (the tests run the same commands, shortened):
 """
 
 import contextlib
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,8 +53,8 @@ from common.parallel import (
     seed_everything,
     unwrap,
 )
-from common.rewards import Scored, start_reward_pool
-from common.rollout import HFEngine, evaluate, generate_and_score, pack_groups
+from common.rewards import start_reward_pool
+from common.rollout import HFEngine, evaluate, generate_and_score, regroup
 from common.tracking import Tracker, describe_run, step_metrics
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
@@ -98,7 +97,7 @@ class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and rewa
         if self.clip_ratio_c <= 1:
             raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound)")
         if not 0 <= self.overlong_buffer_len <= self.max_response_length:  # DAPO
-            raise ValueError(f"overlong_buffer_len={self.overlong_buffer_len} must be in 0..max_response_length={self.max_response_length}")  # fmt: skip
+            raise ValueError(f"overlong_buffer_len must be in 0..max_response_length ({self.max_response_length})")
 
 
 # --- the algorithm ------------------------------------------------------------------------------------
@@ -191,6 +190,8 @@ def rollout(step, args, train, engine, sampling, pool, reward_model, tokenizer, 
     prompts = [train[i] for i in indices[dist.rank :: dist.world_size]]
     # 2-3. generate with the live policy; score with verl's compute_score (or the reward model)
     batch = generate_and_score(prompts, engine, sampling, pool, tokenizer, dist.device, reward_model)
+    lengths, limits = batch["response_mask"].sum(-1), (args.max_response_length, args.overlong_buffer_len)
+    batch["rewards"] = batch["rewards"] + overlong_penalty(lengths, *limits, args.overlong_penalty_factor)  # DAPO
     batch["epoch"] = epoch
     return batch
 
@@ -200,29 +201,27 @@ def dynamic_sampling(gen_batches, args, train, engine, sampling, pool, reward_mo
     ranks, train_batch_size groups with unequal rewards (or fillers after max_num_gen_batches, where verl raises)."""
     n, groups, parts, spread = args.rollout_n, [], [], [False]
     while not all(spread) and (len(parts) < args.max_num_gen_batches or args.max_num_gen_batches <= 0):
-        parts.append(part := rollout(gen_batches + len(parts), args, train, engine, sampling, pool, reward_model, tokenizer, dist))  # fmt: skip
-        rewards = part["rewards"] + overlong_penalty(part["response_mask"].sum(-1), args.max_response_length, args.overlong_buffer_len, args.overlong_penalty_factor)  # fmt: skip
-        mine = list(zip(part["rows"], rewards.tolist(), part["scored"].scores, part["scored"].extras))
+        part = rollout(gen_batches + len(parts), args, train, engine, sampling, pool, reward_model, tokenizer, dist)
+        parts.append(part)
+        mine = list(zip(part["rows"], part["rewards"].tolist(), part["scored"].scores, part["scored"].extras))
         groups += [g for rank in gather_objects([mine[k : k + n] for k in range(0, len(mine), n)]) for g in rank]
         chosen, spread = select_groups([[r for _, r, _, _ in g] for g in groups], args.train_batch_size)
-    rows, rewards, scores, extras = zip(*(x for i in chosen[dist.rank :: dist.world_size] for x in groups[i]))
-    batch = pack_groups(rows, n, tokenizer, dist.device)
-    batch["rewards"], batch["epoch"] = torch.tensor(rewards, device=dist.device), part["epoch"]
-    batch["scored"] = Scored.merge([p["scored"] for p in parts], scores, extras)  # every call's errors, timeouts
-    batch["timing"] = {k: sum(p["timing"][k] for p in parts) for k in part["timing"]}
+    batch = regroup([groups[i] for i in chosen[dist.rank :: dist.world_size]], parts, tokenizer, dist.device)
+    batch["epoch"] = part["epoch"]
     batch["spread"] = torch.tensor(spread[dist.rank :: dist.world_size], device=dist.device).repeat_interleave(n)
-    batch["dapo"] = {"dapo/gen_batches": len(parts), "dapo/kept_groups": sum(spread), "dapo/filler_groups": len(spread) - sum(spread)}  # fmt: skip
+    kept = sum(spread)
+    batch["dapo"] = {"dapo/gen_batches": len(parts), "dapo/kept_groups": kept, "dapo/filler_groups": len(spread) - kept}
     return batch
 
 
 @torch.no_grad()
-def old_and_ref_logprobs(args, model, ref, batch, separate_old_pass):
+def old_and_ref_logprobs(args, plan, model, ref, batch):
     """Step 4, in micro-batches. Old logprobs only when the policy moves before a sample is used
     (several mini-batches or epochs); otherwise the update pass's detached logprobs are exact."""
     t, old_logprobs, ref_logprobs = time.time(), None, None
     micro = split_rows(batch, 0, len(batch["rows"]), **args.micro_batch_limits())
     order = torch.cat(micro).argsort()  # micro-batches may be length-sorted: back to row order
-    if separate_old_pass:
+    if plan.mini_batches_per_step > 1 or args.ppo_epochs > 1:
         old_logprobs = torch.cat([forward_logprobs(model, batch, rows, args)[0] for rows in micro])[order]
     if args.use_kl_loss:  # with LoRA the reference is the base model: the adapter switched off
         with unwrap(model).disable_adapter() if ref is None else contextlib.nullcontext():
@@ -253,7 +252,7 @@ def update(args, plan, model, optimizer, scheduler, batch, advantages, loss_mask
                         new_logprobs, old, advantages[rows], loss_mask[rows], clip_ratio_low=clip_low,
                         clip_ratio_high=clip_high, clip_ratio_c=args.clip_ratio_c,
                         loss_agg_mode=args.loss_agg_mode, entropy=entropy, entropy_coeff=args.entropy_coeff,
-                        ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
+                        ref_logprobs=ref_logprobs[rows] if args.use_kl_loss else None,
                         kl_loss_coef=args.kl_loss_coef, kl_loss_type=args.kl_loss_type,
                         num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=args.max_response_length,
                     )  # fmt: skip
@@ -276,48 +275,41 @@ def update(args, plan, model, optimizer, scheduler, batch, advantages, loss_mask
 
 # --- main ---------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
-    # Setup: process group; batch arithmetic, flags and the run folder checked before any model loads.
+    # Setup: process group; batch arithmetic and flags checked before anything loads.
     dist = init_distributed()
     plan = args.batch_plan(dist.world_size)
-    run_dir = Path(args.output_dir or f"runs/{args.experiment_name or RECIPE}")
-    checkpoint = find_resume(args.resume, run_dir, RECIPE)
+    run_dir = args.run_dir(RECIPE)
     seed_everything(args.seed + dist.rank)  # ranks sample different responses
 
-    # Data and rewards (a reward dry run), then the models, the engine and the optimizer.
+    # Data, the run to resume and rewards (a reward dry run), then the models, engine and optimizer.
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     train, stats, val = load_rl_data(args.train_files, args.val_files, tokenizer, **args.prompt_kwargs())
-    pool = start_reward_pool(args.reward_fn, workers=args.reward_workers, timeout=args.reward_timeout,
-                             dry_run_rows=[] if args.reward_model else train[:2] + val[:2])  # fmt: skip
     total_steps = args.total_training_steps or args.total_epochs * (len(train) // args.train_batch_size)
+    checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps)  # a completed run exits 0 here
+    pool = start_reward_pool(**args.reward_kwargs(), dry_run_rows=[] if args.reward_model else train[:2] + val[:2])
     model, ref, reward_model, run_info = load_rl_models(
-        args.model, dist=dist, strategy=args.strategy, **args.policy_kwargs(), with_reference=args.use_kl_loss,
-        reward_model=args.reward_model, tokenizer=tokenizer,
-    )  # fmt: skip
+        args.model, dist, tokenizer, with_reference=args.use_kl_loss, **args.model_kwargs()
+    )
     engine = HFEngine.for_policy(model, tokenizer, dist, batch_size=args.val_batch_size)
     sampling, val_sampling = args.samplings()
     optimizer, scheduler = args.optimizer_and_scheduler(model, total_steps)
-    state = resume(checkpoint, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)
+    state = resume(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)
     start_step, gen_batches = state["step"], state.get("gen_batches", 0)  # DAPO: the data position
-    if start_step >= total_steps:
-        return pool.close() or {"steps": 0}
-    tracker = Tracker(run_dir, **args.tracker_kwargs(RECIPE), is_main=dist.is_main, total_steps=total_steps,
-                      start_step=start_step, config={**dataclasses.asdict(args), "recipe": RECIPE, "run": run_info})  # fmt: skip
+    tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
 
-    validate = start_step == 0 and val and args.val_before_train
-    val_metrics = first_val = evaluate(engine, pool, tokenizer, val, val_sampling, dist) if validate else {}
-    tracker.log(first_val, step=0)
-    separate_old_pass = plan.mini_batches_per_step > 1 or args.ppo_epochs > 1
+    if start_step == 0 and val and args.val_before_train:
+        tracker.log(evaluate(engine, pool, tokenizer, val, val_sampling, dist), step=0)
     for step in range(start_step, total_steps):
         t0 = time.time()
         # 1-3. sample prompts, generate, score
         batch = dynamic_sampling(gen_batches, args, train, engine, sampling, pool, reward_model, tokenizer, dist)
         gen_batches += batch["dapo"]["dapo/gen_batches"]  # DAPO: the data position counts generation batches
-        rewards, group_ids = batch["rewards"], batch["group_ids"]  # (B,), (B,)
-        mask = batch["response_mask"].float() * batch["spread"][:, None]  # (B, T); DAPO: fillers out of the loss
+        rewards, group_ids, mask = batch["rewards"], batch["group_ids"], batch["response_mask"].float()  # B, B, B x T
+        mask = mask * batch["spread"][:, None]  # DAPO: the filler groups stay out of the loss
 
         # 4. old / ref logprobs
-        old_logprobs, ref_logprobs = old_and_ref_logprobs(args, model, ref, batch, separate_old_pass)
+        old_logprobs, ref_logprobs = old_and_ref_logprobs(args, plan, model, ref, batch)
 
         # 5. advantages: standardised within each prompt's group
         advantages = compute_advantages(rewards, group_ids, mask, norm_by_std=args.norm_adv_by_std_in_grpo)
@@ -333,15 +325,14 @@ def main(args: Args) -> dict:
 
         # 8. validate / save
         if val and is_due(step + 1, args.test_freq, total_steps):
-            val_metrics = evaluate(engine, pool, tokenizer, val, val_sampling, dist)
-            metrics.update(val_metrics)
+            metrics.update(evaluate(engine, pool, tokenizer, val, val_sampling, dist))
         tracker.log(metrics, step=step + 1)
         if is_due(step + 1, args.save_freq, total_steps):
-            save_checkpoint(run_dir, step + 1, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
-                            dist=dist, recipe=RECIPE, trainer_state={"epoch": batch["epoch"], "gen_batches": gen_batches}, keep=args.max_ckpt_to_keep,
-                            merged_lora=args.export_merged_lora)  # fmt: skip
+            save_checkpoint(run_dir, step + 1, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist,
+                            tokenizer=tokenizer, trainer_state={"epoch": batch["epoch"], "gen_batches": gen_batches},
+                            **args.save_kwargs(RECIPE))  # fmt: skip
     pool.close()
-    return tracker.finish(val_metrics, first_val, PLOTS, saved=args.save_freq != 0)
+    return tracker.finish(PLOTS, saved=args.save_freq != 0)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,12 +45,12 @@ from common.model import load_critic, load_rl_models, load_tokenizer, response_l
 from common.ops import (
     agg_loss,
     entropy_from_logits,
+    kl_controller_step,
     kl_penalty,
     logprobs_from_logits,
     masked_mean,
     masked_var,
     masked_whiten,
-    update_kl_coef,
 )
 from common.parallel import (
     all_reduce_sum,
@@ -158,11 +158,7 @@ def apply_kl_penalty(args, scores, old_logprobs, ref_logprobs, response_mask, kl
     if not args.use_kl_in_reward:
         return token_rewards, kl_coef, {}
     kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_penalty) * response_mask  # (B, T)
-    seq_kl = masked_mean(kl, response_mask, dim=-1)  # (B,)
-    total, n_seqs = all_reduce_sum(torch.stack([seq_kl.sum(), seq_kl.new_tensor(len(seq_kl))])).tolist()
-    next_coef = update_kl_coef(kl_coef, total / n_seqs, kind=args.kl_ctrl, target_kl=args.target_kl,
-                               horizon=args.horizon, n_steps=int(n_seqs))  # fmt: skip
-    metrics = {"policy/kl_coef": kl_coef, "reward/kl_penalty": total / n_seqs}
+    next_coef, metrics = kl_controller_step(kl_coef, kl, response_mask, **args.kl_ctrl_kwargs())
     return token_rewards - kl_coef * kl, next_coef, metrics
 
 
@@ -254,14 +250,14 @@ def forward_values(critic, batch, rows, args):
 
 
 @torch.no_grad()
-def old_and_ref_logprobs(args, model, ref, batch, separate_old_pass):
+def old_and_ref_logprobs(args, plan, model, ref, batch):
     """Step 4, in micro-batches. Old logprobs only when the policy moves before a sample is used
     (several mini-batches or epochs) or the KL in the reward needs them before the update;
     otherwise the update pass's detached logprobs are exact."""
     t, old_logprobs, ref_logprobs = time.time(), None, None
     micro = split_rows(batch, 0, len(batch["rows"]), **args.micro_batch_limits())
     order = torch.cat(micro).argsort()  # micro-batches may be length-sorted: back to row order
-    if separate_old_pass:
+    if plan.mini_batches_per_step > 1 or args.ppo_epochs > 1 or args.use_kl_in_reward:
         old_logprobs = torch.cat([forward_logprobs(model, batch, rows, args)[0] for rows in micro])[order]
     if args.use_kl_loss or args.use_kl_in_reward:  # with LoRA the reference is the base model: the adapter switched off
         with unwrap(model).disable_adapter() if ref is None else contextlib.nullcontext():
@@ -297,9 +293,10 @@ def gae_over_batch(args, token_rewards, values, mask, dist):
     return advantages[mine, : values.shape[1]], returns[mine, : values.shape[1]], metrics
 
 
-def update_critic(args, plan, critic, optimizer, batch, values, returns, loss_mask, dist):
-    """Step 6 for the critic: the clipped value loss over the policy's epochs x mini-batches x
-    micro-batches, one optimizer step per mini-batch."""
+def update_critic(args, plan, critic, batch, values, returns, loss_mask, dist):
+    """Step 6 for the critic (a Critic): the clipped value loss over the policy's epochs x
+    mini-batches x micro-batches, one optimizer step per mini-batch; then one lr-schedule step."""
+    model, optimizer = critic.model, critic.optimizer
     t, stats, grad_norms, loss_sum = time.time(), [], [], 0.0
     for _ in range(args.ppo_epochs):
         for m in range(plan.mini_batches_per_step):
@@ -309,18 +306,19 @@ def update_critic(args, plan, critic, optimizer, batch, values, returns, loss_ma
             num_seqs = all_reduce_sum((loss_mask[start:stop].sum(-1) > 0).sum().float())
             micro = split_rows(batch, start, stop, **args.micro_batch_limits())
             for k, rows in enumerate(micro):
-                with grad_sync(critic, enabled=k == len(micro) - 1):
+                with grad_sync(model, enabled=k == len(micro) - 1):
                     loss, clipfrac = compute_value_loss(
-                        forward_values(critic, batch, rows, args), values[rows], returns[rows], loss_mask[rows],
+                        forward_values(model, batch, rows, args), values[rows], returns[rows], loss_mask[rows],
                         args.cliprange_value, args.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
                         norm_constant=args.max_response_length,
                     )  # fmt: skip
                     (loss * dist.world_size).backward()
                 stats.append((batch["response_mask"][rows].sum().item(), float(clipfrac)))
                 loss_sum += loss.item()
-            grad_norms.append(clip_grad_norm(critic, args.grad_clip))
+            grad_norms.append(clip_grad_norm(model, args.grad_clip))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+    critic.scheduler.step()
     batch["timing"]["perf/update_critic_s"] = time.time() - t
     return {
         "critic/vf_loss": all_reduce_sum(torch.tensor(loss_sum)).item() / len(grad_norms),
@@ -351,7 +349,7 @@ def update(args, plan, model, optimizer, scheduler, batch, advantages, loss_mask
                         new_logprobs, old, advantages[rows], loss_mask[rows], clip_ratio_low=clip_low,
                         clip_ratio_high=clip_high, clip_ratio_c=args.clip_ratio_c,
                         loss_agg_mode=args.loss_agg_mode, entropy=entropy, entropy_coeff=args.entropy_coeff,
-                        ref_logprobs=ref_logprobs[rows] if args.use_kl_loss else None,  # PPO: not if in the reward
+                        ref_logprobs=ref_logprobs[rows] if args.use_kl_loss else None,
                         kl_loss_coef=args.kl_loss_coef, kl_loss_type=args.kl_loss_type,
                         num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=args.max_response_length,
                     )  # fmt: skip
@@ -372,50 +370,51 @@ def update(args, plan, model, optimizer, scheduler, batch, advantages, loss_mask
     return metrics
 
 
-def critic_and_optimizer(args, dist, total_steps):
+class Critic(NamedTuple):  # the (model, optimizer, scheduler) that checkpoints save and resume beside the policy's
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+def critic_and_optimizer(args, dist, total_steps) -> Critic:
     """The critic, trained fully (no LoRA), with AdamW and the policy's lr schedule at critic_lr."""
-    critic = load_critic(args.critic_model or args.model, dist=dist, strategy=resolve_strategy(args.strategy), dtype=args.dtype,
-                         trust_remote_code=args.trust_remote_code, mixed_precision=args.mixed_precision,
-                         gradient_checkpointing=args.gradient_checkpointing)  # fmt: skip
-    return critic, *dataclasses.replace(args, lr=args.critic_lr).optimizer_and_scheduler(critic, total_steps)
+    critic = load_critic(
+        args.critic_model or args.model, dist=dist, strategy=resolve_strategy(args.strategy), dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code, mixed_precision=args.mixed_precision,
+        gradient_checkpointing=args.gradient_checkpointing,
+    )  # fmt: skip
+    return Critic(critic, *dataclasses.replace(args, lr=args.critic_lr).optimizer_and_scheduler(critic, total_steps))
 
 
 # --- main ---------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
-    # Setup: process group; batch arithmetic, flags and the run folder checked before any model loads.
+    # Setup: process group; batch arithmetic and flags checked before anything loads.
     dist = init_distributed()
     plan = args.batch_plan(dist.world_size)
-    run_dir = Path(args.output_dir or f"runs/{args.experiment_name or RECIPE}")
-    checkpoint = find_resume(args.resume, run_dir, RECIPE)
+    run_dir = args.run_dir(RECIPE)
     seed_everything(args.seed + dist.rank)  # ranks sample different responses
 
-    # Data and rewards (a reward dry run), then the models, the engine and the optimizers.
+    # Data, the run to resume and rewards (a reward dry run), then the models, engine and optimizers.
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     train, stats, val = load_rl_data(args.train_files, args.val_files, tokenizer, **args.prompt_kwargs())
-    pool = start_reward_pool(args.reward_fn, workers=args.reward_workers, timeout=args.reward_timeout,
-                             dry_run_rows=[] if args.reward_model else train[:2] + val[:2])  # fmt: skip
     total_steps = args.total_training_steps or args.total_epochs * (len(train) // args.train_batch_size)
+    checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps)  # a completed run exits 0 here
+    pool = start_reward_pool(**args.reward_kwargs(), dry_run_rows=[] if args.reward_model else train[:2] + val[:2])
     model, ref, reward_model, run_info = load_rl_models(
-        args.model, dist=dist, strategy=args.strategy, **args.policy_kwargs(),
-        with_reference=args.use_kl_loss or args.use_kl_in_reward, reward_model=args.reward_model, tokenizer=tokenizer,
-    )  # fmt: skip
-    critic, critic_optimizer, critic_scheduler = critic_and_optimizer(args, dist, total_steps)  # PPO
-    critics = {"critic": (critic, critic_optimizer, critic_scheduler)}  # saved and resumed with the policy
+        args.model, dist, tokenizer, with_reference=args.use_kl_loss or args.use_kl_in_reward, **args.model_kwargs()
+    )
+    critic = critic_and_optimizer(args, dist, total_steps)  # PPO: (model, optimizer, scheduler)
     engine = HFEngine.for_policy(model, tokenizer, dist, batch_size=args.val_batch_size)
     sampling, val_sampling = args.samplings()
-    optimizer, scheduler = args.optimizer_and_scheduler(model, max(1, total_steps - args.critic_warmup))  # fmt: skip
-    state = resume(checkpoint, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist, extra_models=critics)  # fmt: skip
+    optimizer, scheduler = args.optimizer_and_scheduler(model, max(1, total_steps - args.critic_warmup))
+    state = resume(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist,
+                   extra_models={"critic": critic})  # fmt: skip
     start_step, kl_coef = state["step"], state.get("kl_coef", args.kl_coef)  # PPO: an adaptive coef resumes
-    if start_step >= total_steps:
-        return pool.close() or {"steps": 0}
-    tracker = Tracker(run_dir, **args.tracker_kwargs(RECIPE), is_main=dist.is_main, total_steps=total_steps,
-                      start_step=start_step, config={**dataclasses.asdict(args), "recipe": RECIPE, "run": run_info})  # fmt: skip
+    tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
 
-    validate = start_step == 0 and val and args.val_before_train
-    val_metrics = first_val = evaluate(engine, pool, tokenizer, val, val_sampling, dist) if validate else {}
-    tracker.log(first_val, step=0)
-    separate_old_pass = plan.mini_batches_per_step > 1 or args.ppo_epochs > 1 or args.use_kl_in_reward
+    if start_step == 0 and val and args.val_before_train:
+        tracker.log(evaluate(engine, pool, tokenizer, val, val_sampling, dist), step=0)
     for step in range(start_step, total_steps):
         t0 = time.time()
         # 1-3. sample prompts, generate, score
@@ -423,16 +422,15 @@ def main(args: Args) -> dict:
         rewards, mask = batch["rewards"], batch["response_mask"].float()  # (B,), (B, T)
 
         # 4. old / ref logprobs, and the critic's values
-        old_logprobs, ref_logprobs = old_and_ref_logprobs(args, model, ref, batch, separate_old_pass)
-        values = old_values(args, critic, batch)  # (B, T)
+        old_logprobs, ref_logprobs = old_and_ref_logprobs(args, plan, model, ref, batch)
+        values = old_values(args, critic.model, batch)  # (B, T)
 
         # 5. advantages: token rewards (score minus the KL penalty), then GAE over the global batch
         token_rewards, kl_coef, kl_metrics = apply_kl_penalty(args, rewards, old_logprobs, ref_logprobs, mask, kl_coef)
         advantages, returns, metrics = gae_over_batch(args, token_rewards, values, mask, dist)
 
         # 6. update the critic; the policy after the critic warmup, then hand its weights to the engine
-        metrics |= update_critic(args, plan, critic, critic_optimizer, batch, values, returns, mask, dist)
-        critic_scheduler.step()
+        metrics |= update_critic(args, plan, critic, batch, values, returns, mask, dist)
         if step >= args.critic_warmup:  # PPO: the critic trains alone first
             metrics |= update(
                 args, plan, model, optimizer, scheduler, batch, advantages, mask, old_logprobs, ref_logprobs, dist
@@ -444,15 +442,14 @@ def main(args: Args) -> dict:
 
         # 8. validate / save
         if val and is_due(step + 1, args.test_freq, total_steps):
-            val_metrics = evaluate(engine, pool, tokenizer, val, val_sampling, dist)
-            metrics.update(val_metrics)
+            metrics.update(evaluate(engine, pool, tokenizer, val, val_sampling, dist))
         tracker.log(metrics, step=step + 1)
         if is_due(step + 1, args.save_freq, total_steps):
-            save_checkpoint(run_dir, step + 1, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
-                            dist=dist, recipe=RECIPE, trainer_state={"epoch": batch["epoch"], "kl_coef": kl_coef},
-                            keep=args.max_ckpt_to_keep, merged_lora=args.export_merged_lora, extra_models=critics)  # fmt: skip
+            save_checkpoint(run_dir, step + 1, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist,
+                            tokenizer=tokenizer, trainer_state={"epoch": batch["epoch"], "kl_coef": kl_coef},
+                            extra_models={"critic": critic}, **args.save_kwargs(RECIPE))  # fmt: skip
     pool.close()
-    return tracker.finish(val_metrics, first_val, PLOTS, saved=args.save_freq != 0)
+    return tracker.finish(PLOTS, saved=args.save_freq != 0)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ Run (the tests run the same commands, shortened):
 """
 
 import contextlib
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,11 +37,11 @@ from common.model import load_rl_models, load_tokenizer, response_logits
 from common.ops import (
     agg_loss,
     entropy_from_logits,
+    kl_controller_step,
     kl_penalty,
     logprobs_from_logits,
     masked_mean,
     masked_whiten_all_ranks,
-    update_kl_coef,
 )
 from common.parallel import (
     all_reduce_sum,
@@ -124,11 +123,8 @@ def apply_kl_penalty(args, scores, old_logprobs, ref_logprobs, response_mask, kl
     if not args.use_kl_in_reward:
         return token_rewards, kl_coef, {}
     kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_penalty) * response_mask  # (B, T)
-    seq_kl = masked_mean(kl, response_mask, dim=-1)  # (B,)
-    total, n_seqs = all_reduce_sum(torch.stack([seq_kl.sum(), seq_kl.new_tensor(len(seq_kl))])).tolist()
-    next_coef = update_kl_coef(kl_coef, total / n_seqs, kind=args.kl_ctrl, target_kl=args.target_kl,
-                               horizon=args.horizon, n_steps=int(n_seqs))  # fmt: skip
-    return token_rewards - kl_coef * kl, next_coef, {"policy/kl_coef": kl_coef, "reward/kl_penalty": total / n_seqs}
+    next_coef, metrics = kl_controller_step(kl_coef, kl, response_mask, **args.kl_ctrl_kwargs())
+    return token_rewards - kl_coef * kl, next_coef, metrics
 
 
 def compute_loss(
@@ -194,13 +190,13 @@ def rollout(step, args, train, engine, sampling, pool, reward_model, tokenizer, 
 
 
 @torch.no_grad()
-def old_and_ref_logprobs(args, model, ref, batch, separate_old_pass):
+def old_and_ref_logprobs(args, plan, model, ref, batch):
     """Step 4, in micro-batches. Old logprobs only when the policy moves before a sample is used
     (several mini-batches or epochs); otherwise the update pass's detached logprobs are exact."""
     t, old_logprobs, ref_logprobs = time.time(), None, None
     micro = split_rows(batch, 0, len(batch["rows"]), **args.micro_batch_limits())
     order = torch.cat(micro).argsort()  # micro-batches may be length-sorted: back to row order
-    if separate_old_pass:
+    if plan.mini_batches_per_step > 1 or args.ppo_epochs > 1 or args.use_kl_in_reward:
         old_logprobs = torch.cat([forward_logprobs(model, batch, rows, args)[0] for rows in micro])[order]
     if args.use_kl_loss or args.use_kl_in_reward:  # with LoRA the reference is the base model: the adapter switched off
         with unwrap(model).disable_adapter() if ref is None else contextlib.nullcontext():
@@ -231,7 +227,7 @@ def update(args, plan, model, optimizer, scheduler, batch, advantages, loss_mask
                         new_logprobs, old, advantages[rows], loss_mask[rows], clip_ratio_low=clip_low,
                         clip_ratio_high=clip_high, clip_ratio_c=args.clip_ratio_c,
                         loss_agg_mode=args.loss_agg_mode, entropy=entropy, entropy_coeff=args.entropy_coeff,
-                        ref_logprobs=ref_logprobs[rows] if args.use_kl_loss else None,  # REINFORCE++: not if in the reward
+                        ref_logprobs=ref_logprobs[rows] if args.use_kl_loss else None,
                         kl_loss_coef=args.kl_loss_coef, kl_loss_type=args.kl_loss_type,
                         num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=args.max_response_length,
                     )  # fmt: skip
@@ -254,48 +250,39 @@ def update(args, plan, model, optimizer, scheduler, batch, advantages, loss_mask
 
 # --- main ---------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
-    # Setup: process group; batch arithmetic, flags and the run folder checked before any model loads.
+    # Setup: process group; batch arithmetic and flags checked before anything loads.
     dist = init_distributed()
     plan = args.batch_plan(dist.world_size)
-    run_dir = Path(args.output_dir or f"runs/{args.experiment_name or RECIPE}")
-    checkpoint = find_resume(args.resume, run_dir, RECIPE)
+    run_dir = args.run_dir(RECIPE)
     seed_everything(args.seed + dist.rank)  # ranks sample different responses
 
-    # Data and rewards (a reward dry run), then the models, the engine and the optimizer.
+    # Data, the run to resume and rewards (a reward dry run), then the models, engine and optimizer.
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     train, stats, val = load_rl_data(args.train_files, args.val_files, tokenizer, **args.prompt_kwargs())
-    pool = start_reward_pool(args.reward_fn, workers=args.reward_workers, timeout=args.reward_timeout,
-                             dry_run_rows=[] if args.reward_model else train[:2] + val[:2])  # fmt: skip
     total_steps = args.total_training_steps or args.total_epochs * (len(train) // args.train_batch_size)
+    checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps)  # a completed run exits 0 here
+    pool = start_reward_pool(**args.reward_kwargs(), dry_run_rows=[] if args.reward_model else train[:2] + val[:2])
     model, ref, reward_model, run_info = load_rl_models(
-        args.model, dist=dist, strategy=args.strategy, **args.policy_kwargs(),
-        with_reference=args.use_kl_loss or args.use_kl_in_reward,
-        reward_model=args.reward_model, tokenizer=tokenizer,
-    )  # fmt: skip
+        args.model, dist, tokenizer, with_reference=args.use_kl_loss or args.use_kl_in_reward, **args.model_kwargs()
+    )
     engine = HFEngine.for_policy(model, tokenizer, dist, batch_size=args.val_batch_size)
     sampling, val_sampling = args.samplings()
     optimizer, scheduler = args.optimizer_and_scheduler(model, total_steps)
-    state = resume(checkpoint, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)
+    state = resume(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)
     start_step, kl_coef = state["step"], state.get("kl_coef", args.kl_coef)  # REINFORCE++: an adaptive coef resumes
-    if start_step >= total_steps:
-        return pool.close() or {"steps": 0}
-    tracker = Tracker(run_dir, **args.tracker_kwargs(RECIPE), is_main=dist.is_main, total_steps=total_steps,
-                      start_step=start_step, config={**dataclasses.asdict(args), "recipe": RECIPE, "run": run_info})  # fmt: skip
+    tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
 
-    validate = start_step == 0 and val and args.val_before_train
-    val_metrics = first_val = evaluate(engine, pool, tokenizer, val, val_sampling, dist) if validate else {}
-    tracker.log(first_val, step=0)
-    separate_old_pass = plan.mini_batches_per_step > 1 or args.ppo_epochs > 1 or args.use_kl_in_reward  # KL: before 5
+    if start_step == 0 and val and args.val_before_train:
+        tracker.log(evaluate(engine, pool, tokenizer, val, val_sampling, dist), step=0)
     for step in range(start_step, total_steps):
         t0 = time.time()
         # 1-3. sample prompts, generate, score
         batch = rollout(step, args, train, engine, sampling, pool, reward_model, tokenizer, dist)
-        rewards, group_ids = batch["rewards"], batch["group_ids"]  # (B,), (B,)
-        mask = batch["response_mask"].float()  # (B, T)
+        rewards, group_ids, mask = batch["rewards"], batch["group_ids"], batch["response_mask"].float()  # B, B, B x T
 
         # 4. old / ref logprobs
-        old_logprobs, ref_logprobs = old_and_ref_logprobs(args, model, ref, batch, separate_old_pass)
+        old_logprobs, ref_logprobs = old_and_ref_logprobs(args, plan, model, ref, batch)
 
         # 5. advantages: token rewards (score on the last token, KL on each), whitened reward-to-go
         token_rewards, kl_coef, kl_metrics = apply_kl_penalty(args, rewards, old_logprobs, ref_logprobs, mask, kl_coef)
@@ -308,20 +295,18 @@ def main(args: Args) -> dict:
         engine.update_weights(step + 1)
 
         # 7. log
-        metrics.update(step_metrics(batch, rewards, time.time() - t0))
-        metrics.update(kl_metrics)  # REINFORCE++: the coefficient used and the mean KL in the reward
+        metrics.update(step_metrics(batch, rewards, time.time() - t0), **kl_metrics)  # with the KL in the reward
 
         # 8. validate / save
         if val and is_due(step + 1, args.test_freq, total_steps):
-            val_metrics = evaluate(engine, pool, tokenizer, val, val_sampling, dist)
-            metrics.update(val_metrics)
+            metrics.update(evaluate(engine, pool, tokenizer, val, val_sampling, dist))
         tracker.log(metrics, step=step + 1)
         if is_due(step + 1, args.save_freq, total_steps):
-            save_checkpoint(run_dir, step + 1, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
-                            dist=dist, recipe=RECIPE, trainer_state={"epoch": batch["epoch"], "kl_coef": kl_coef},
-                            keep=args.max_ckpt_to_keep, merged_lora=args.export_merged_lora)  # fmt: skip
+            save_checkpoint(run_dir, step + 1, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist,
+                            tokenizer=tokenizer, trainer_state={"epoch": batch["epoch"], "kl_coef": kl_coef},
+                            **args.save_kwargs(RECIPE))  # fmt: skip
     pool.close()
-    return tracker.finish(val_metrics, first_val, PLOTS, saved=args.save_freq != 0)
+    return tracker.finish(PLOTS, saved=args.save_freq != 0)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ Run (the tests run the same commands, shortened):
         --train-files ~/data/gsm8k/train.parquet --response-key extra_info.answer --lr 1e-5
 """
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,26 +28,23 @@ import tyro
 from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, is_due, plan_batches
 from common.data import batch_indices, load_sft, pad
-from common.model import load_policy, load_tokenizer
+from common.model import load_tokenizer, load_trained_model
 from common.ops import logprobs_from_logits
-from common.optim import build_optimizer, build_scheduler
 from common.parallel import (
     all_reduce_sum,
     clip_grad_norm,
     gather_objects,
     grad_sync,
     init_distributed,
-    resolve_strategy,
     seed_everything,
     shard_evenly,
-    sharding_report,
-    wrap_model,
 )
 from common.rewards import builtin_scorer, exact_match
 from common.rollout import hf_generate_greedy
 from common.tracking import Tracker, describe_run
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
+PLOTS = ("val/accuracy", "val/loss", "train/loss", "train/lr")  # panels of curves.png
 
 
 # --- config ---------------------------------------------------------------------------------------
@@ -184,12 +180,10 @@ def main(args: Args) -> dict:
     dist = init_distributed()
     plan = plan_batches(world_size=dist.world_size, train_batch_size=args.train_batch_size,
                         micro_batch_size_per_gpu=args.micro_batch_size_per_gpu)  # fmt: skip
-    name = args.experiment_name or RECIPE
-    run_dir = Path(args.output_dir or f"runs/{name}")
-    checkpoint = find_resume(args.resume, run_dir, RECIPE)
+    run_dir = args.run_dir(RECIPE)
     seed_everything(args.seed + dist.rank)
 
-    # Data, read and checked before the model so bad rows fail in seconds.
+    # Data, read and checked before the model so bad rows fail in seconds; then the run to resume.
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     data_kwargs = dict(max_length=args.max_length, messages_key=args.messages_key, prompt_key=args.prompt_key,
                        response_key=args.response_key, truncation=args.truncation)  # fmt: skip
@@ -199,34 +193,18 @@ def main(args: Args) -> dict:
     if steps_per_epoch == 0:
         raise ValueError(f"train_files hold {len(train)} examples, fewer than train_batch_size={args.train_batch_size}")
     total_steps = args.total_training_steps or args.total_epochs * steps_per_epoch
+    checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps)  # a completed run exits 0 here
 
     # Model, optimizer, schedule; then resume.
-    strategy = resolve_strategy(args.strategy)
-    model = load_policy(
-        args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
-        gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank,
-        lora_alpha=args.lora_alpha, target_modules=args.target_modules,
-    )  # fmt: skip
-    model = wrap_model(model, strategy, dist, args.mixed_precision)
-    run_info = sharding_report(model, strategy, dist)
-    optimizer = build_optimizer(model, args.lr, args.weight_decay, args.betas)
-    scheduler = build_scheduler(optimizer, kind=args.lr_scheduler, total_steps=total_steps,
-                                warmup_ratio=args.lr_warmup_steps_ratio, min_lr_ratio=args.min_lr_ratio)  # fmt: skip
-    start_step = resume(checkpoint, total_steps, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)["step"]  # fmt: skip
-    if start_step >= total_steps:
-        return {"steps": 0}
-    tracker = Tracker(
-        run_dir, loggers=args.logger, project=args.project_name, experiment=name, is_main=dist.is_main,
-        config={**dataclasses.asdict(args), "run": run_info}, total_steps=total_steps,
-        start_step=start_step, bar_keys=("train/loss", "val/accuracy"), log_interval=args.log_interval,
-    )  # fmt: skip
+    model, run_info = load_trained_model(args.model, dist, strategy=args.strategy, **args.policy_kwargs())
+    optimizer, scheduler = args.optimizer_and_scheduler(model, total_steps)
+    start_step = resume(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)["step"]
+    tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, bar_keys=("train/loss", "val/accuracy"),
+                      **args.tracker_kwargs(RECIPE, run_info))  # fmt: skip
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
 
-    val_metrics = {}
     if val and args.val_before_train and start_step == 0:
-        val_metrics = validate(model, tokenizer, val, args, dist)
-        tracker.log(val_metrics, step=0)
-    first_val = dict(val_metrics)
+        tracker.log(validate(model, tokenizer, val, args, dist), step=0)
     model.train()
     for step in range(start_step, total_steps):
         # 1-3. this rank's slice of the batch, forward / backward, optimizer step
@@ -235,18 +213,13 @@ def main(args: Args) -> dict:
         # 4. validate / save
         done = step + 1
         if val and is_due(done, args.test_freq, total_steps):
-            val_metrics = validate(model, tokenizer, val, args, dist)
-            metrics.update(val_metrics)
+            metrics.update(validate(model, tokenizer, val, args, dist))
         tracker.log(metrics, step=done)
         if is_due(done, args.save_freq, total_steps):
-            save_checkpoint(
-                run_dir, done, model=model, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer, dist=dist,
-                recipe=RECIPE, keep=args.max_ckpt_to_keep, merged_lora=args.export_merged_lora,
-                trainer_state={"epoch": done // steps_per_epoch, "batch_in_epoch": done % steps_per_epoch},
-            )  # fmt: skip
-
-    plots = ("val/accuracy", "val/loss", "train/loss", "train/lr")
-    return tracker.finish(val_metrics, first_val, plots, saved=args.save_freq != 0)
+            position = {"epoch": done // steps_per_epoch, "batch_in_epoch": done % steps_per_epoch}
+            save_checkpoint(run_dir, done, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist,
+                            tokenizer=tokenizer, trainer_state=position, **args.save_kwargs(RECIPE))  # fmt: skip
+    return tracker.finish(PLOTS, saved=args.save_freq != 0)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,20 @@ def test_keep_last_k_and_tmp_folders_are_not_checkpoints(tmp_path, tokenizer):
     assert find_resume("disable", tmp_path, "my_algo") is None
 
 
+def test_a_completed_run_exits_before_any_model_loads(tmp_path, caplog):
+    """find_resume knows the run's length: a checkpoint at or past it ends the process with exit
+    status 0 and a sentence saying what to do; a shorter one is resumed."""
+    (tmp_path / "checkpoints" / "step_3").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_3" / "trainer_state.json").write_text('{"step": 3, "recipe": "grpo"}')
+    assert find_resume("auto", tmp_path, "grpo", total_steps=4).name == "step_3"
+    for total in (3, 2):
+        with caplog.at_level("INFO"), pytest.raises(SystemExit) as stop:
+            find_resume("auto", tmp_path, "grpo", total_steps=total)
+        assert stop.value.code == 0
+        assert f"already completed all {total} steps: nothing to train" in caplog.text
+        assert "--total-training-steps" in caplog.text
+
+
 def make_critic():
     from common.model import load_critic
 
@@ -130,7 +144,7 @@ def test_extra_models_roundtrip_with_the_policy(tmp_path, tokenizer):
     fresh, fresh_critic = make(), make_critic()
     assert not torch.equal(fresh_critic[0].score.weight, critic[0].score.weight)
     state = resume(
-        ckpt, 5, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], dist=DIST,
+        ckpt, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], dist=DIST,
         extra_models={"critic": fresh_critic},
     )  # fmt: skip
     assert state["step"] == 1 and state["kl_coef"] == 0.25
@@ -148,6 +162,6 @@ def test_extra_models_roundtrip_with_the_policy(tmp_path, tokenizer):
     )  # fmt: skip
     with pytest.raises(ValueError, match="saved without critic"):
         resume(
-            tmp_path / "checkpoints" / "step_2", 5, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2],
+            tmp_path / "checkpoints" / "step_2", model=fresh[0], optimizer=fresh[1], scheduler=fresh[2],
             dist=DIST, extra_models={"critic": fresh_critic},
         )  # fmt: skip

@@ -79,3 +79,17 @@ def test_masked_whiten_all_ranks_matches_masked_whiten_in_one_process():
     assert torch.allclose(got[mask], ops.masked_whiten(x, mask)[mask], atol=1e-6)
     assert got[~mask].abs().sum() == 0
     assert ops.masked_whiten_all_ranks(x, torch.zeros_like(mask)).abs().sum() == 0  # nothing valid: zeros, no NaN
+
+
+def test_kl_controller_step_uses_the_mean_of_sequence_means():
+    """One process: the step's KL is the mean over sequences of each one's mean token KL (padding
+    out), n_steps the sequences; the metrics report the coefficient the step used."""
+    kl = torch.tensor([[0.2, 0.4, 9.0], [0.1, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    want_kl = (0.3 + 0.1) / 2
+    coef, metrics = ops.kl_controller_step(0.05, kl, mask, kind="adaptive", target_kl=0.1, horizon=20)
+    assert coef == pytest.approx(
+        ops.update_kl_coef(0.05, want_kl, kind="adaptive", target_kl=0.1, horizon=20, n_steps=2)
+    )
+    assert coef != 0.05 and metrics == {"policy/kl_coef": 0.05, "reward/kl_penalty": pytest.approx(want_kl)}
+    assert ops.kl_controller_step(0.05, kl, mask, kind="fixed", target_kl=0.1, horizon=20)[0] == 0.05

@@ -1,12 +1,14 @@
 """Known-answer tests for PPO's algorithm functions: GAE, the clipped value loss, the KL in the reward."""
 
+import dataclasses
 import inspect
 import statistics
-from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import load_recipe
+
+from common.config import KLRewardArgs
 
 ppo = load_recipe("ppo")
 compute_gae, compute_value_loss, apply_kl_penalty = ppo.compute_gae, ppo.compute_value_loss, ppo.apply_kl_penalty
@@ -89,10 +91,13 @@ def test_value_loss_sequence_aggregation():
     assert loss.item() == pytest.approx(0.5 * (6.14 + 4.5) / 2)
 
 
+@dataclasses.dataclass
+class KLArgs(KLRewardArgs):  # the KL flags a recipe's Args has
+    use_kl_in_reward: bool = True
+
+
 def kl_args(**over):
-    return SimpleNamespace(
-        **{"use_kl_in_reward": True, "kl_penalty": "kl", "kl_ctrl": "fixed", "target_kl": 0.1, "horizon": 100, **over}
-    )
+    return KLArgs(**{"kl_penalty": "kl", "kl_ctrl": "fixed", "target_kl": 0.1, "horizon": 100, **over})
 
 
 def test_token_rewards_score_on_the_last_token_minus_the_kl():

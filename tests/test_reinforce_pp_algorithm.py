@@ -1,14 +1,15 @@
 """Known-answer tests for REINFORCE++'s algorithm functions: token rewards with the KL in them, the
 discounted reward-to-go, the group baseline and the whitening over every rank's valid tokens."""
 
+import dataclasses
 import math
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import load_recipe
 
+from common.config import KLRewardArgs
 from common.ops import masked_whiten
 
 rpp = load_recipe("reinforce_pp")
@@ -106,9 +107,13 @@ def test_whitening_is_global_over_ranks(monkeypatch):
     assert not torch.allclose(masked_whiten(returns[:2], mask[:2]) * mask[:2], expected[:2], atol=1e-3)
 
 
+@dataclasses.dataclass
+class KLArgs(KLRewardArgs):  # the KL flags a recipe's Args has
+    use_kl_in_reward: bool = True
+
+
 def kl_args(**over):
-    args = dict(use_kl_in_reward=True, kl_penalty="kl", kl_ctrl="fixed", target_kl=0.1, horizon=10000)
-    return SimpleNamespace(**{**args, **over})
+    return KLArgs(**{"kl_penalty": "kl", "kl_ctrl": "fixed", "target_kl": 0.1, "horizon": 10000, **over})
 
 
 OLD = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.0, 0.0], [-1.0, -1.0, -1.0]])

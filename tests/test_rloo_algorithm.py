@@ -1,10 +1,12 @@
 """Known-answer tests for RLOO's algorithm functions: the leave-one-out advantage and the KL in the reward."""
 
-from types import SimpleNamespace
+import dataclasses
 
 import pytest
 import torch
 from conftest import load_recipe
+
+from common.config import KLRewardArgs
 
 rloo = load_recipe("rloo")
 compute_advantages, apply_kl_penalty = rloo.compute_advantages, rloo.apply_kl_penalty
@@ -35,9 +37,13 @@ def test_interleaved_groups_and_the_n_over_n_minus_1_identity():
     assert compute_advantages(torch.tensor([1.0, 1.0]), torch.tensor([0, 0]), torch.ones(2, 2)).abs().sum() == 0
 
 
+@dataclasses.dataclass
+class KLArgs(KLRewardArgs):  # the KL flags a recipe's Args has
+    use_kl_in_reward: bool = True
+
+
 def kl_args(**over):
-    args = dict(use_kl_in_reward=True, kl_penalty="kl", kl_ctrl="fixed", target_kl=0.1, horizon=10000)
-    return SimpleNamespace(**{**args, **over})
+    return KLArgs(**{"kl_penalty": "kl", "kl_ctrl": "fixed", "target_kl": 0.1, "horizon": 10000, **over})
 
 
 OLD = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.0, 0.0]])

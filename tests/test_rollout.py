@@ -134,3 +134,30 @@ def test_engine_logprob_memory_does_not_grow_with_vocabulary_x_length():
     assert proc.returncode == 0, proc.stderr[-3000:]
     grown_kb = int(proc.stdout.split()[-1])
     assert grown_kb < 150_000, f"peak memory grew {grown_kb / 1024:.0f} MB from 4 to 96 generated tokens"
+
+
+def test_regroup_keeps_the_chosen_groups_in_order_and_every_parts_counts(tokenizer):
+    """DAPO's batch from groups picked across two generation batches: tokens, rewards, scores and
+    group ids follow the chosen groups; errors, timeouts and seconds of both scoring calls stay
+    counted; timing sums."""
+    from common.rewards import Scored
+    from common.rollout import Completion, regroup
+
+    rows, _ = load_prompts([TASK_TEST], tokenizer, max_prompt_length=64)
+
+    def member(i, reward):
+        prompt = rows[i]
+        return ((prompt, Completion([5 + i, 6 + i], [-0.1, -0.2], "length")), reward, reward, {"acc": reward})
+
+    parts = [
+        {"scored": Scored([0.0] * 4, [{}] * 4, errors=1, seconds=1.0), "timing": {"perf/generate_s": 2.0}},
+        {"scored": Scored([1.0] * 4, [{}] * 4, timeouts=2, seconds=0.5), "timing": {"perf/generate_s": 3.0}},
+    ]
+    groups = [[member(3, 1.0), member(3, 0.0)], [member(0, 0.0), member(0, 1.0)]]
+    batch = regroup(groups, parts, tokenizer, "cpu")
+    assert batch["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0] and batch["group_ids"].tolist() == [0, 0, 1, 1]
+    assert [p is rows[i] for (p, _), i in zip(batch["rows"], (3, 3, 0, 0))] == [True] * 4
+    assert batch["responses"][0].tolist()[:2] == [8, 9] and batch["responses"][2].tolist()[:2] == [5, 6]
+    scored = batch["scored"]
+    assert (scored.scores, scored.errors, scored.timeouts, scored.seconds) == ([1.0, 0.0, 0.0, 1.0], 1, 2, 1.5)
+    assert [e["acc"] for e in scored.extras] == [1.0, 0.0, 0.0, 1.0] and batch["timing"] == {"perf/generate_s": 5.0}

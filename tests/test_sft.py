@@ -339,7 +339,7 @@ def test_rerun_of_a_finished_run_says_so(tmp_path, small_val):
         "--test-freq",
         0,
     )
-    assert "already completed all 2 steps: nothing to train" in again.stdout
+    assert "already completed all 2 steps: nothing to train" in again.stderr and "M params" not in again.stdout
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 

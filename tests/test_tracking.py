@@ -43,3 +43,21 @@ def test_wandb_logger_offline(tmp_path, monkeypatch):
     t.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_finish_reports_the_validation_before_training_and_the_latest(tmp_path, capsys):
+    """The closing summary pairs the step-0 validation with the last one logged; a run whose first
+    validation comes later (or a resumed run) has no "before"."""
+    t = Tracker(tmp_path, 0, 4, loggers=())
+    t.log({"val/accuracy": 0.25}, step=0)
+    t.log({"train/loss": 1.0, "val/accuracy": 0.5}, step=2)
+    t.log({"train/loss": 0.5}, step=3)
+    t.log({"train/loss": 0.4, "val/accuracy": 0.75}, step=4)
+    summary = t.finish()
+    assert summary["val/accuracy"] == 0.75 and summary["steps"] == 4
+    assert "val accuracy 25.0% -> 75.0%" in capsys.readouterr().out
+    t = Tracker(tmp_path / "later", 2, 4, loggers=())
+    t.log({"val/accuracy": 0.5}, step=4)
+    assert t.finish()["steps"] == 2
+    out = capsys.readouterr().out
+    assert "val accuracy 50.0%" in out and "->" not in out  # no "before" to compare with
