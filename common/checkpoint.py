@@ -7,12 +7,17 @@ Layout of <output_dir>/checkpoints/step_<N>/:
     hf/                 safetensors + config + tokenizer (LoRA: the adapter; merged model on request)
     hf_<name>/          the same for each extra model (PPO's critic: hf_critic/); its weights and
                         optimizer sit in state/ under <name>, its lr scheduler in trainer_state.json
-A checkpoint is written to step_<N>.tmp and renamed when complete, so a folder named step_<N> is
-always whole. Only the newest `keep` are kept.
+A checkpoint is written to step_<N>.tmp and renamed when complete; trainer_state.json records the
+size and sha256 of every other file, and a resume checks them (`--resume auto` falls back to the
+newest checkpoint that validates, saying which it skipped and why). Only the newest `keep` are kept.
+Loading never unpickles an arbitrary object (see _safe_dcp_io).
 """
 
+import hashlib
+import io
 import json
 import logging
+import pickle
 import random
 import re
 import shutil
@@ -32,6 +37,79 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
+class UnsafeCheckpoint(ValueError):
+    """A checkpoint file holds something other than what a save writes: loading it could run code."""
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint folder that does not validate: a file missing, cut short or changed since it was saved."""
+
+
+# The only classes a distributed-checkpoint .metadata file refers to (torch's own, read with a
+# restricted unpickler: a pickle naming anything else, such as os.system, is refused unread).
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                 "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+    ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
+}  # fmt: skip
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, source: Path):
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module, name):
+        if (module, name) in _METADATA_CLASSES or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise UnsafeCheckpoint(
+            f"{self.source}: refers to {module}.{name}, which no checkpoint save writes; refusing to load it "
+            f"(nothing in it was run). Resume from a checkpoint you trust, or --resume disable"
+        )
+
+
+def _safe_dcp_io(state_dir: Path):
+    """A reader and a planner for torch.distributed.checkpoint.load that never unpickle an
+    arbitrary object: the .metadata file through the allow-list above, and every non-tensor
+    item (optimizer hyperparameters) through torch.load(weights_only=True) first. Tensors are
+    read by torch with weights_only=True already. Resharding to any world size still works."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    source = state_dir / ".metadata"  # parsed here, so a refusal is raised as itself, not inside torch's load
+    metadata = _MetadataUnpickler(io.BytesIO(source.read_bytes()), source).load()
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if kwargs.get("rank") is not None:  # saves write one global .metadata, never per-rank ones
+                raise FileNotFoundError(f"{state_dir}: no per-rank metadata")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            data = value.read()
+            try:
+                torch.load(io.BytesIO(data), weights_only=True)  # refuses any global outside torch's allow-list
+            except pickle.UnpicklingError:
+                raise UnsafeCheckpoint(
+                    f"{state_dir}: the item {read_item.dest_index.fqn} holds objects no checkpoint save writes; "
+                    f"refusing to load it (nothing in it was run). Resume from a checkpoint you trust, or "
+                    f"--resume disable"
+                ) from None
+            super().load_bytes(read_item, io.BytesIO(data))  # the same bytes, now known to be plain data
+
+    return SafeReader(str(state_dir)), SafePlanner()
+
+
 def list_checkpoints(output_dir) -> list[Path]:
     root = Path(output_dir) / "checkpoints"
     if not root.is_dir():
@@ -40,16 +118,85 @@ def list_checkpoints(output_dir) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def _step_of(path: Path) -> int:
+    return int(STEP_DIR.match(path.name).group(1))
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _manifest(folder: Path) -> dict:
+    """{relative path: [bytes, sha256]} of every file in a checkpoint folder but trainer_state.json."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != "trainer_state.json")
+    return {str(p.relative_to(folder)): [p.stat().st_size, _sha256(p)] for p in files}
+
+
+def check_checkpoint(path: Path, recipe: str | None = None) -> dict:
+    """The trainer state of a checkpoint folder that validates: trainer_state.json parses, and every
+    file it lists is there with the size and sha256 it had when saved. Raises DamagedCheckpoint
+    naming the first file that is not. (A checkpoint from before the list was recorded is checked
+    for its trainer state and distributed-checkpoint metadata only.) With `recipe`, a checkpoint
+    another recipe wrote is refused first (a ValueError saying what to do), damaged or not."""
+    state_file = path / "trainer_state.json"
+    if not state_file.is_file():
+        raise DamagedCheckpoint(f"{state_file} is missing")
+    try:
+        state = json.loads(state_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DamagedCheckpoint(f"{state_file} is not valid JSON ({e})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise DamagedCheckpoint(f"{state_file} has no step number")
+    owner = state.get("recipe", recipe)
+    if recipe is not None and owner != recipe:
+        raise ValueError(
+            f"{path} was written by recipes/{owner}.py, not {recipe}.py, so it is not this run's to continue. "
+            f"Pass a fresh --output-dir to start this recipe's own run, or --model {path / 'hf'} --resume "
+            f"disable to start it from those weights"
+        )
+    files = state["files"].items() if isinstance(state.get("files"), dict) else [("state/.metadata", None)]
+    for rel, recorded in files:
+        f = path / rel
+        if not f.is_file():
+            raise DamagedCheckpoint(f"{f} is missing")
+        if recorded is not None and f.stat().st_size != recorded[0]:
+            raise DamagedCheckpoint(f"{f} has {f.stat().st_size} bytes where {recorded[0]} were saved")
+        if recorded is not None and _sha256(f) != recorded[1]:
+            raise DamagedCheckpoint(f"{f} has changed since it was saved (its sha256 differs)")
+    return state
+
+
 def find_resume(resume: str, output_dir, recipe: str, total_steps: int | None = None) -> Path | None:
-    """The checkpoint `--resume` names: `auto` the newest complete one in output_dir (or None),
-    `disable` None, else that path. Call it before any model loads: a checkpoint written by
+    """The checkpoint `--resume` names, validated (check_checkpoint): `auto` the newest one in
+    output_dir that validates (each one skipped is logged with the reason; None when there are none
+    at all), `disable` None, else that path. Call it before any model loads: a checkpoint written by
     another recipe (a fork run in its parent's folder, say) is refused, never silently continued,
-    and a run that already completed total_steps exits 0 here, saying so, without loading a model."""
+    and a run that already completed total_steps exits 0 here, saying so, without loading a model.
+    Folders a killed save left (step_<N>.tmp) are removed."""
+    root = Path(output_dir) / "checkpoints"
+    for stale in sorted(root.glob("step_*.tmp")) if root.is_dir() else []:
+        shutil.rmtree(stale, ignore_errors=True)
+        log.info("removed %s, left by a save that did not finish", stale)
     if resume == "disable":
         return None
     if resume == "auto":
-        found = list_checkpoints(output_dir)
-        path = found[-1] if found else None
+        path, state, skipped = None, None, []
+        for candidate in reversed(list_checkpoints(output_dir)):
+            try:
+                path, state = candidate, check_checkpoint(candidate, recipe)
+                break
+            except DamagedCheckpoint as e:
+                skipped.append(f"{candidate.name}: {e}")
+                log.warning("--resume auto: skipping %s: %s", candidate, e)
+                path = None
+        if path is None and skipped:
+            raise DamagedCheckpoint(
+                f"--resume auto: no checkpoint in {root} validates ({'; '.join(skipped)}). Pass --resume "
+                f"disable to start over, or --resume PATH to name one"
+            )
+        if path is None:
+            return None
     else:
         path = Path(resume).expanduser()
         if not (path / "trainer_state.json").is_file():
@@ -57,22 +204,23 @@ def find_resume(resume: str, output_dir, recipe: str, total_steps: int | None = 
                 f"--resume {resume}: not a checkpoint folder (no trainer_state.json); pass a "
                 f"<output_dir>/checkpoints/step_<N> folder, auto or disable"
             )
-    if path is not None:
-        state = json.loads((path / "trainer_state.json").read_text())
-        owner = state.get("recipe", recipe)
-        if owner != recipe:
-            raise ValueError(
-                f"--resume {resume}: {path} was written by recipes/{owner}.py, not {recipe}.py, so it "
-                f"is not this run's to continue. Pass a fresh --output-dir to start this recipe's own "
-                f"run, or --model {path / 'hf'} --resume disable to start it from those weights"
-            )
-        if total_steps is not None and state["step"] >= total_steps:
-            log.info(
-                "%s already completed all %d steps: nothing to train. Use --resume disable (or another "
-                "--output-dir) to start over, or raise --total-training-steps to train further.",
-                path, total_steps,
-            )  # fmt: skip
-            raise SystemExit(0)
+        try:
+            state = check_checkpoint(path, recipe)
+        except DamagedCheckpoint as e:
+            raise DamagedCheckpoint(f"--resume {resume}: {e}. Name another checkpoint, or --resume disable") from None
+    if total_steps is not None and state["step"] >= total_steps:
+        log.info(
+            "%s already completed all %d steps: nothing to train. Use --resume disable (or another "
+            "--output-dir) to start over, or raise --total-training-steps to train further.",
+            path, total_steps,
+        )  # fmt: skip
+        raise SystemExit(0)
+    newer = [p.name for p in list_checkpoints(output_dir) if _step_of(p) > state["step"]]
+    if newer and path.parent == root:
+        log.warning(
+            "resuming %s while %s in the same folder went further: this run's first save removes them, so "
+            "--resume auto continues this run; copy them elsewhere now to keep them", path.name, ", ".join(newer),
+        )  # fmt: skip
     return path
 
 
@@ -121,6 +269,7 @@ def export_hf(model, tokenizer, out_dir: Path, dist: Dist, merged_lora: bool = F
         out_dir.mkdir(parents=True, exist_ok=True)
         inner.save_pretrained(out_dir, state_dict=full)
         tokenizer.save_pretrained(out_dir)
+        _check_export(out_dir)
         if merged_lora and is_lora(inner):
             from peft import PeftModel
             from transformers import AutoModelForCausalLM
@@ -130,7 +279,28 @@ def export_hf(model, tokenizer, out_dir: Path, dist: Dist, merged_lora: bool = F
             merged = PeftModel.from_pretrained(base, out_dir).merge_and_unload()
             merged.save_pretrained(out_dir / "merged")
             tokenizer.save_pretrained(out_dir / "merged")
+            _check_export(out_dir / "merged")
     barrier()
+
+
+def _check_export(out_dir: Path) -> None:
+    """Read back what save_pretrained wrote: the config parses and every safetensors file opens
+    whole (a full disk or a cut-off write shows here, not when someone loads the model)."""
+    from safetensors import safe_open
+
+    weights = sorted(out_dir.glob("*.safetensors"))
+    configs = [out_dir / n for n in ("config.json", "adapter_config.json") if (out_dir / n).is_file()]
+    if not weights or not configs:
+        raise DamagedCheckpoint(f"{out_dir}: the export has no {'weights' if not weights else 'config'} file")
+    try:
+        for f in configs:
+            json.loads(f.read_text())
+        for f in weights:
+            with safe_open(str(f), framework="pt") as opened:
+                for name in opened.keys():
+                    opened.get_slice(name).get_shape()
+    except Exception as e:
+        raise DamagedCheckpoint(f"{out_dir}: the export did not read back ({type(e).__name__}: {e})") from None
 
 
 def save_checkpoint(
@@ -180,11 +350,16 @@ def save_checkpoint(
         }
         if extra_models:
             state["extra_schedulers"] = {name: s.state_dict() for name, (_, _, s) in extra_models.items()}
+        state["files"] = _manifest(tmp)
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
+        saved = list_checkpoints(output_dir)
+        for later in [p for p in saved if _step_of(p) > step]:  # a run resumed from an earlier checkpoint
+            shutil.rmtree(later, ignore_errors=True)
+            log.warning("removed %s: from before this run resumed at an earlier step", later)
         if keep > 0:
-            for old in list_checkpoints(output_dir)[:-keep]:
+            for old in [p for p in saved if _step_of(p) <= step][:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
@@ -196,6 +371,7 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, dist: Dist, extr
     extra_models = _check_extras(extra_models)
     path = Path(path)
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     state = json.loads((path / "trainer_state.json").read_text())
@@ -206,7 +382,14 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, dist: Dist, extr
         raise ValueError(f"checkpoint {path} was saved without {', '.join(missing)}, so this run cannot resume it")
     for name, (extra, extra_optimizer, _) in extra_models.items():
         to_load[name] = dict(zip(("model", "optim"), get_state_dict(extra, extra_optimizer)))
-    dcp.load(to_load, checkpoint_id=str(path / "state"))
+    reader, planner = _safe_dcp_io(path / "state")
+    try:
+        dcp.load(to_load, storage_reader=reader, planner=planner)
+    except CheckpointException as e:  # torch wraps what a rank raised: a refusal is raised as itself
+        refused = [exc for exc, _ in e.failures.values() if isinstance(exc, UnsafeCheckpoint)]
+        if refused:
+            raise refused[0] from None
+        raise
     set_state_dict(model, optimizer, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"])
     scheduler.load_state_dict(state["scheduler"])
     for name, (extra, extra_optimizer, extra_scheduler) in extra_models.items():
@@ -216,7 +399,13 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, dist: Dist, extr
         extra_scheduler.load_state_dict(state["extra_schedulers"][name])
     rng_file = path / f"rng_{dist.rank}.pt"
     if state.get("world_size") == dist.world_size and rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=True))
+        try:
+            _set_rng_state(torch.load(rng_file, weights_only=True))
+        except pickle.UnpicklingError:
+            raise UnsafeCheckpoint(
+                f"{rng_file}: holds objects no checkpoint save writes; refusing to load it (nothing in it was "
+                f"run). Resume from a checkpoint you trust, or --resume disable"
+            ) from None
     else:
         log.warning(
             "checkpoint was written by %s process(es), this run has %d: RNG streams are not "

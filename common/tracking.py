@@ -68,11 +68,14 @@ class Tracker:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         kept = []
         if start_step > 0 and self.path.is_file():
-            kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line and json.loads(line).get("step", 0) <= start_step
-            ]
+            for number, line in enumerate(self.path.read_text().splitlines(), 1):
+                try:
+                    record = json.loads(line) if line else None
+                except json.JSONDecodeError:  # a run killed while writing leaves a torn line
+                    log.warning("%s line %d is torn (%r...): dropped", self.path, number, line[:40])
+                    continue
+                if record is not None and record.get("step", 0) <= start_step:
+                    kept.append(line)
         self.path.write_text("".join(line + "\n" for line in kept))
         if config is not None:
             (self.run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str))

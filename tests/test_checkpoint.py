@@ -1,3 +1,5 @@
+import dataclasses
+import json
 import random
 
 import numpy as np
@@ -91,11 +93,10 @@ def test_keep_last_k_and_tmp_folders_are_not_checkpoints(tmp_path, tokenizer):
     assert find_resume("disable", tmp_path, "my_algo") is None
 
 
-def test_a_completed_run_exits_before_any_model_loads(tmp_path, caplog):
+def test_a_completed_run_exits_before_any_model_loads(tmp_path, tokenizer, caplog):
     """find_resume knows the run's length: a checkpoint at or past it ends the process with exit
     status 0 and a sentence saying what to do; a shorter one is resumed."""
-    (tmp_path / "checkpoints" / "step_3").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "step_3" / "trainer_state.json").write_text('{"step": 3, "recipe": "grpo"}')
+    _save(tmp_path, tokenizer, (3,))
     assert find_resume("auto", tmp_path, "grpo", total_steps=4).name == "step_3"
     for total in (3, 2):
         with caplog.at_level("INFO"), pytest.raises(SystemExit) as stop:
@@ -165,3 +166,154 @@ def test_extra_models_roundtrip_with_the_policy(tmp_path, tokenizer):
             tmp_path / "checkpoints" / "step_2", model=fresh[0], optimizer=fresh[1], scheduler=fresh[2],
             dist=DIST, extra_models={"critic": fresh_critic},
         )  # fmt: skip
+
+
+class _RunsCode:
+    """A pickle payload that, unpickled without restriction, creates a marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+def _plant(kind: str, ckpt, marker) -> str:
+    """Replace one kind of file (or item) a checkpoint holds with a malicious pickle; returns the
+    name the refusal must mention."""
+    import pickle
+
+    payload = pickle.dumps(_RunsCode(marker), protocol=2)
+    state = ckpt / "state"
+    if kind == "metadata":
+        (state / ".metadata").write_bytes(payload)
+        return ".metadata"
+    if kind == "rng":
+        torch.save({"python": _RunsCode(marker)}, ckpt / "rng_0.pt")
+        return "rng_0.pt"
+    # a non-tensor item (the optimizer's hyperparameters) pointed at a payload appended to the data
+    # file; the metadata stays a well-formed one (only torch's classes), so the reader gets that far
+    with open(state / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # the test's own, trusted file
+    index = next(i for i in metadata.storage_data if "param_groups" in i.fqn)
+    info = metadata.storage_data[index]
+    data_file = state / info.relative_path
+    offset = data_file.stat().st_size
+    with open(data_file, "ab") as f:
+        f.write(payload)
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(payload))
+    with open(state / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    return "param_groups"
+
+
+@pytest.mark.parametrize("kind", ["metadata", "optimizer item", "rng"])
+def test_a_malicious_checkpoint_is_refused_and_runs_nothing(tmp_path, tokenizer, kind):
+    """Every file a resume reads is parsed without unpickling arbitrary objects: a pickle that would
+    run code, planted in the distributed checkpoint's metadata, in one of its non-tensor items, or in
+    an RNG file, is refused with a message naming it, and the code never runs."""
+    from common.checkpoint import UnsafeCheckpoint, _manifest
+
+    model, opt, sched = make()
+    train_step(model, opt, sched)
+    save_checkpoint(
+        tmp_path, 1, model=model, optimizer=opt, scheduler=sched, tokenizer=tokenizer, dist=DIST, recipe="grpo",
+        trainer_state={},
+    )  # fmt: skip
+    ckpt = tmp_path / "checkpoints" / "step_1"
+    marker = tmp_path / "pwned"
+    name = _plant(kind, ckpt, marker)
+    # the attacker also rewrites the recorded sizes and checksums, so only the reader stands in the way
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["files"] = _manifest(ckpt)
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    fresh = make()
+    with pytest.raises(UnsafeCheckpoint, match=name) as refusal:
+        resume(find_resume("auto", tmp_path, "grpo"), model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], dist=DIST)
+    assert "refusing to load it" in str(refusal.value) and "--resume disable" in str(refusal.value)
+    assert not marker.exists(), "the planted code ran"
+
+
+def _save(tmp_path, tokenizer, steps, keep=0, model=None):
+    model, opt, sched = model or make()
+    for step in steps:
+        save_checkpoint(
+            tmp_path, step, model=model, optimizer=opt, scheduler=sched, tokenizer=tokenizer, dist=DIST,
+            recipe="grpo", trainer_state={}, keep=keep,
+        )  # fmt: skip
+    return tmp_path / "checkpoints"
+
+
+def _truncate(f):
+    f.write_bytes(f.read_bytes()[:-7])
+
+
+def _flip_a_byte(f):
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+DAMAGE = {  # how a checkpoint gets damaged -> the file the message must name
+    "a state file cut short": (lambda c: _truncate(next((c / "state").glob("*.distcp"))), ".distcp"),
+    "a weight changed": (lambda c: _flip_a_byte(c / "hf" / "model.safetensors"), "model.safetensors"),
+    "an rng file missing": (lambda c: (c / "rng_0.pt").unlink(), "rng_0.pt"),
+    "a torn trainer state": (lambda c: _truncate(c / "trainer_state.json"), "trainer_state.json"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one(tmp_path, tokenizer, caplog, damage):
+    """`--resume auto` takes the newest checkpoint that validates and says which it skipped and
+    why; naming the damaged one with --resume PATH is an error that names the bad file."""
+    from common.checkpoint import DamagedCheckpoint
+
+    root = _save(tmp_path, tokenizer, (1, 2))
+    harm, bad_file = DAMAGE[damage]
+    harm(root / "step_2")
+    with caplog.at_level("WARNING"):
+        assert find_resume("auto", tmp_path, "grpo") == root / "step_1"
+    assert "skipping" in caplog.text and "step_2" in caplog.text and bad_file in caplog.text
+    with pytest.raises(DamagedCheckpoint, match=bad_file):
+        find_resume(str(root / "step_2"), tmp_path, "grpo")
+    fresh = make()  # the older one loads
+    assert resume(root / "step_1", model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], dist=DIST)["step"] == 1
+    harm(root / "step_1")
+    with pytest.raises(DamagedCheckpoint, match=r"no checkpoint .* validates.*--resume disable"):
+        find_resume("auto", tmp_path, "grpo")
+
+
+def test_stale_tmp_folders_go_and_saves_after_an_earlier_resume_replace_the_later_ones(tmp_path, tokenizer, caplog):
+    root = _save(tmp_path, tokenizer, (2, 4, 6))
+    (root / "step_8.tmp").mkdir()  # a save that was killed half-way
+    with caplog.at_level("INFO"):
+        assert find_resume(str(root / "step_2"), tmp_path, "grpo") == root / "step_2"
+    assert not (root / "step_8.tmp").exists() and "step_8.tmp" in caplog.text
+    assert "step_4, step_6" in caplog.text and "first save removes them" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        _save(tmp_path, tokenizer, (3,), keep=2)  # the resumed run's first save
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_2", "step_3"]
+    assert "removed" in caplog.text and "step_6" in caplog.text
+    assert find_resume("auto", tmp_path, "grpo").name == "step_3"  # auto continues this run
+
+
+def test_a_torn_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):
+    from common.tracking import Tracker, read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a"')
+    with caplog.at_level("WARNING"):
+        Tracker(tmp_path, 2, 5, loggers=())
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "a": 1}, {"step": 2, "a": 2}]
+    assert "line 3 is torn" in caplog.text
+
+
+def test_an_export_that_does_not_read_back_is_an_error(tmp_path, tokenizer):
+    from common.checkpoint import DamagedCheckpoint, _check_export
+
+    model = load_policy(str(TINY))
+    model.save_pretrained(tmp_path)
+    _check_export(tmp_path)
+    _truncate(tmp_path / "model.safetensors")
+    with pytest.raises(DamagedCheckpoint, match="did not read back"):
+        _check_export(tmp_path)
