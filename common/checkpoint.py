@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.config import UsageError
 from common.model import is_lora
 from common.parallel import Dist, barrier, unwrap
 
@@ -37,11 +38,11 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-class UnsafeCheckpoint(ValueError):
+class UnsafeCheckpoint(UsageError):
     """A checkpoint file holds something other than what a save writes: loading it could run code."""
 
 
-class DamagedCheckpoint(ValueError):
+class DamagedCheckpoint(UsageError):
     """A checkpoint folder that does not validate: a file missing, cut short or changed since it was saved."""
 
 
@@ -150,7 +151,7 @@ def check_checkpoint(path: Path, recipe: str | None = None) -> dict:
         raise DamagedCheckpoint(f"{state_file} has no step number")
     owner = state.get("recipe", recipe)
     if recipe is not None and owner != recipe:
-        raise ValueError(
+        raise UsageError(
             f"{path} was written by recipes/{owner}.py, not {recipe}.py, so it is not this run's to continue. "
             f"Pass a fresh --output-dir to start this recipe's own run, or --model {path / 'hf'} --resume "
             f"disable to start it from those weights"
@@ -200,7 +201,7 @@ def find_resume(resume: str, output_dir, recipe: str, total_steps: int | None = 
     else:
         path = Path(resume).expanduser()
         if not (path / "trainer_state.json").is_file():
-            raise FileNotFoundError(
+            raise UsageError(
                 f"--resume {resume}: not a checkpoint folder (no trainer_state.json); pass a "
                 f"<output_dir>/checkpoints/step_<N> folder, auto or disable"
             )

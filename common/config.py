@@ -4,11 +4,32 @@ Recipes inherit from these so the flags stay flat (`--lr`, `--model`, `--train-f
 own `Args` adds its algorithm's knobs and may override defaults.
 """
 
+import contextlib
+import os
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
 BUNDLED = Path(__file__).resolve().parent.parent / "bundled"
+
+
+class UsageError(ValueError):
+    """Input the user can fix (a flag, a path, a file, a row): reported as one short message that
+    names it and says what to change, without a traceback, and exit status 2 (usage_errors)."""
+
+
+@contextlib.contextmanager
+def usage_errors():
+    """Wraps a recipe's `main(tyro.cli(Args))`: a UsageError is printed as `error: <message>` on
+    stderr (once, by rank 0) and the process exits with status 2, as tyro does for a bad flag;
+    any other exception keeps its traceback."""
+    try:
+        yield
+    except UsageError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 @dataclass
@@ -302,7 +323,7 @@ def plan_batches(
     never a divisor: the last micro-batch of a mini-batch may be smaller, and the loss is
     normalised over the whole mini-batch so that split is exact. With dynamic batching the token
     budget must hold the longest possible sequence. Raises ValueError naming the numbers to
-    change. Call it before any model loads.
+    change (a UsageError). Call it before any model loads.
     """
     mini = train_batch_size if mini_batch_size is None else mini_batch_size
     for name, value in [
@@ -312,27 +333,27 @@ def plan_batches(
         ("rollout_n", rollout_n),
     ]:
         if value < 1:
-            raise ValueError(f"{name}={value} must be at least 1")
+            raise UsageError(f"{name}={value} must be at least 1")
     if train_batch_size % mini:
-        raise ValueError(
+        raise UsageError(
             f"train_batch_size={train_batch_size} prompts is not divisible by "
             f"ppo_mini_batch_size={mini}; try ppo_mini_batch_size="
             + " or ".join(map(str, _nearby_divisors(train_batch_size, mini)))
         )
     if train_batch_size % world_size:
-        raise ValueError(
+        raise UsageError(
             f"train_batch_size={train_batch_size} cannot be split evenly over {world_size} "
             f"processes; use a multiple of {world_size}"
         )
     mini_sequences = mini * rollout_n
     if mini_sequences % world_size:
-        raise ValueError(
+        raise UsageError(
             f"a mini-batch of {mini}x{rollout_n}={mini_sequences} sequences cannot be split "
             f"evenly over {world_size} processes; make ppo_mini_batch_size*rollout_n a multiple "
             f"of {world_size}"
         )
     if use_dynamic_bsz and max_sequence_length and (max_token_len_per_gpu or 0) < max_sequence_length:
-        raise ValueError(
+        raise UsageError(
             f"ppo_max_token_len_per_gpu={max_token_len_per_gpu} cannot hold one sequence of up to "
             f"{max_sequence_length} tokens (max_prompt_length + max_response_length); raise it to at "
             f"least {max_sequence_length}"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from common.config import UsageError
 from common.parallel import all_reduce_max
 
 log = logging.getLogger(__name__)
@@ -16,8 +17,8 @@ log = logging.getLogger(__name__)
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 
 
-class DataError(ValueError):
-    pass
+class DataError(UsageError):
+    """A data file or row that cannot be used as given (the message names it)."""
 
 
 # --- reading -----------------------------------------------------------------------------------

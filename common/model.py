@@ -5,6 +5,8 @@ from pathlib import Path
 
 import torch
 
+from common.config import UsageError
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -13,7 +15,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def _check_source(path: str, what: str) -> None:
     looks_local = path.startswith((".", "/", "~")) or Path(path).exists()
     if looks_local and not Path(path).expanduser().is_dir():
-        raise FileNotFoundError(
+        raise UsageError(
             f"{what} folder {path!r} does not exist; pass a Hugging Face folder (config.json, "
             f"weights, tokenizer files) or a hub name such as Qwen/Qwen2.5-0.5B-Instruct"
         )
@@ -29,11 +31,11 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     )
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
-            raise ValueError(f"tokenizer {path!r} has neither a pad nor an eos token; set one")
+            raise UsageError(f"tokenizer {path!r} has neither a pad nor an eos token; set one")
         log.warning("tokenizer %s has no pad token; padding with eos %r", path, tokenizer.eos_token)
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.chat_template is None:
-        raise ValueError(
+        raise UsageError(
             f"tokenizer {path!r} has no chat template; use an instruct/chat model or add one "
             f"(tokenizer.chat_template) to its folder"
         )

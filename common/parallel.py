@@ -14,6 +14,8 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from common.config import UsageError
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -41,7 +43,7 @@ def init_distributed() -> Dist:
     wants_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
     state = PartialState(cpu=wants_cpu or not torch.cuda.is_available())
     if state.num_processes != launched:
-        raise RuntimeError(
+        raise UsageError(
             f"the launcher started {launched} processes but the process group has "
             f"{state.num_processes}; on CPU launch with `torchrun --nproc_per_node N ...` "
             f"(accelerate launch --cpu --num_processes N starts only one)"

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+from common.config import UsageError
+
 log = logging.getLogger(__name__)
 
 # --- built-in scorers --------------------------------------------------------------------------
@@ -118,7 +120,7 @@ def load_reward_fn(spec: str | None):
     name = name or "compute_score"
     file = Path(path).expanduser()
     if not file.is_file():
-        raise FileNotFoundError(f"--reward-fn {spec}: file {path!r} does not exist")
+        raise UsageError(f"--reward-fn {spec}: file {path!r} does not exist")
     module_name = f"_reward_fn_{abs(hash(str(file.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(module_name, file)
     module = importlib.util.module_from_spec(module_spec)
@@ -126,7 +128,7 @@ def load_reward_fn(spec: str | None):
     module_spec.loader.exec_module(module)
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise AttributeError(f"--reward-fn {spec}: {path!r} defines no function {name!r}")
+        raise UsageError(f"--reward-fn {spec}: {path!r} defines no function {name!r}")
     return fn
 
 
@@ -301,7 +303,7 @@ class RewardPool:
         reason = (scored.first_error or "").strip().splitlines()[-1:] or [f"timed out after {self.timeout}s"]
         where = f"{rows[0].get('file', '?')} row {rows[0].get('row', '?')} (data_source={rows[0]['data_source']!r})"
         if failed == len(rows):
-            raise ValueError(f"reward dry run failed ({name}) on all {len(rows)} rows, e.g. {where}: {reason[0]}")
+            raise UsageError(f"reward dry run failed ({name}) on all {len(rows)} rows, e.g. {where}: {reason[0]}")
         if failed:
             log.warning("reward dry run (%s): %d of %d rows failed: %s", name, failed, len(rows), reason[0])
 

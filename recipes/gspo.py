@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import tyro
 
 from common.checkpoint import find_resume, resume, save_checkpoint
-from common.config import RLArgs, is_due
+from common.config import RLArgs, is_due, usage_errors
 from common.data import batch_indices, load_rl_data, split_rows, take_rows
 from common.model import load_rl_models, load_tokenizer, response_logits
 from common.ops import (
@@ -298,4 +298,5 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    with usage_errors():  # a bad flag, path or file: one line naming it, exit status 2
+        main(tyro.cli(Args))

@@ -26,7 +26,7 @@ import torch
 import tyro
 
 from common.checkpoint import find_resume, resume, save_checkpoint
-from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, is_due, plan_batches
+from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, is_due, plan_batches, usage_errors
 from common.data import batch_indices, load_sft, pad
 from common.model import load_tokenizer, load_trained_model
 from common.ops import logprobs_from_logits
@@ -223,4 +223,5 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    with usage_errors():  # a bad flag, path or file: one line naming it, exit status 2
+        main(tyro.cli(Args))

@@ -82,7 +82,7 @@ def test_keep_last_k_and_tmp_folders_are_not_checkpoints(tmp_path, tokenizer):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_2", "step_3"]
     assert find_resume("auto", tmp_path, "grpo").name == "step_3"
     assert (tmp_path / "checkpoints" / "step_3" / "hf" / "model.safetensors").is_file()
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ValueError, match="not a checkpoint folder"):
         find_resume(str(tmp_path / "checkpoints" / "step_9.tmp"), tmp_path, "grpo")
     # another recipe's checkpoint (a fork run in its parent's folder) is refused, saying what to do
     for flag in ("auto", str(tmp_path / "checkpoints" / "step_2")):

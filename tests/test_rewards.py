@@ -65,9 +65,9 @@ def test_score_value_rejects_non_numbers():
 def test_load_reward_fn_errors(tmp_path, bad_fn):
     assert load_reward_fn(None) is default_compute_score
     assert load_reward_fn(bad_fn)("d", "1", "1") == {"score": 1.0, "acc": 1.0, "note": "ignored"}
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(ValueError, match="does not exist"):
         load_reward_fn(str(tmp_path / "missing.py"))
-    with pytest.raises(AttributeError, match="defines no function 'nope'"):
+    with pytest.raises(ValueError, match="defines no function 'nope'"):
         load_reward_fn(f"{bad_fn}:nope")
 
 

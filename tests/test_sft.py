@@ -302,14 +302,14 @@ def test_empty_file_fails_before_model_loads(tmp_path, sft_no_model):
 
 def test_missing_model_folder_is_named(tmp_path):
     sft = load_recipe("sft")
-    with pytest.raises(FileNotFoundError, match="folder './no/such/model' does not exist"):
+    with pytest.raises(ValueError, match="folder './no/such/model' does not exist"):
         sft.main(sft.Args(model="./no/such/model", output_dir=str(tmp_path / "o")))
 
 
 def test_resume_path_must_be_a_checkpoint(tmp_path):
     from common.checkpoint import find_resume
 
-    with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
+    with pytest.raises(ValueError, match="not a checkpoint folder"):
         find_resume(str(tmp_path), tmp_path, "sft")
     assert find_resume("auto", tmp_path, "sft") is None and find_resume("disable", tmp_path, "sft") is None
     assert Path(tmp_path).is_dir()

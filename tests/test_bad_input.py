@@ -1,0 +1,88 @@
+"""Bad input, table-driven: every case runs every recipe's main with the model loader replaced by a
+failure, so a case passes only if the error comes before any model loads, as a UsageError (one
+short message, exit status 2 from the command line) containing the words the table names."""
+
+import json
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import ROOT, TASK_TEST, load_recipe_refusing_models
+
+from common.config import UsageError
+
+RL_RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py") if "RLArgs):" in p.read_text())
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Bad files of every kind, made once: too few rows, a reward file with the wrong signature,
+    one without the function, a checkpoint of another recipe, a damaged checkpoint."""
+    d = tmp_path_factory.mktemp("bad")
+    pq.write_table(pq.read_table(TASK_TEST).slice(0, 5), d / "few.parquet")
+    (d / "no_fn.py").write_text("def other(data_source, solution_str, ground_truth, extra_info=None):\n    return 1\n")
+    (d / "two_args.py").write_text("def compute_score(data_source, solution_str):\n    return 1.0\n")
+    (d / "not_parquet.parquet").write_text("these are not parquet bytes")
+    for name, state in (("foreign", {"recipe": "some_other_recipe", "step": 3}), ("torn", None)):
+        ckpt = d / name / "checkpoints" / "step_3"
+        (ckpt / "state").mkdir(parents=True)
+        (ckpt / "state" / ".metadata").write_bytes(b"")
+        (ckpt / "trainer_state.json").write_text(json.dumps(state) if state else '{"step": 3, "rec')
+    return d
+
+
+# (case, Args keywords with {d} for the bad-files folder, words the message must contain)
+CASES = [
+    (
+        "mini-batch does not divide",
+        dict(train_batch_size=6, ppo_mini_batch_size=4),
+        "not divisible by ppo_mini_batch_size=4",
+    ),  # noqa: E501
+    (
+        "token budget below one sequence",
+        dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=40),
+        "cannot hold one sequence",
+    ),  # noqa: E501
+    ("zero rollout_n", dict(rollout_n=0), "rollout_n=0 must be at least 1"),
+    ("zero micro-batch", dict(micro_batch_size_per_gpu=0), "micro_batch_size_per_gpu=0 must be at least 1"),
+    ("zero train batch", dict(train_batch_size=0), "train_batch_size=0 must be at least 1"),
+    ("missing train file", dict(train_files=("{d}/missing.parquet",)), "does not exist"),
+    ("missing val file", dict(val_files=("{d}/missing.parquet",)), "does not exist"),
+    ("train file not parquet", dict(train_files=("{d}/not_parquet.parquet",)), "not a readable parquet file"),
+    ("no train files", dict(train_files=()), "train_files is empty"),
+    ("fewer rows than a batch", dict(train_files=("{d}/few.parquet",), val_files=()), "fewer than train_batch_size"),
+    ("prompt column missing", dict(prompt_key="nope"), "column 'nope' not found"),
+    ("reward file missing", dict(reward_fn="{d}/missing.py"), "--reward-fn"),
+    ("reward function missing", dict(reward_fn="{d}/no_fn.py"), "defines no function 'compute_score'"),
+    ("reward signature wrong", dict(reward_fn="{d}/two_args.py"), "reward dry run failed"),
+    ("model folder missing", dict(model="./no/such/model"), "does not exist; pass a Hugging Face folder"),
+    ("resume path not a checkpoint", dict(resume="{d}"), "not a checkpoint folder"),
+    ("another recipe's checkpoint", dict(output_dir="{d}/foreign"), "written by recipes/some_other_recipe.py"),
+    ("a damaged checkpoint named", dict(resume="{d}/torn/checkpoints/step_3"), "trainer_state.json is not valid JSON"),
+    ("only damaged checkpoints", dict(output_dir="{d}/torn"), "no checkpoint in"),
+]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+@pytest.mark.parametrize("recipe", RL_RECIPES)
+def test_bad_input_is_a_usage_error_before_any_model_loads(tmp_path, monkeypatch, files, recipe, case):
+    _, kwargs, words = next(c for c in CASES if c[0] == case)
+    module = load_recipe_refusing_models(recipe, monkeypatch)
+    kwargs = {k: tuple(x.format(d=files) for x in v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
+    kwargs = {k: v.format(d=files) if isinstance(v, str) else v for k, v in kwargs.items()}
+    kwargs.setdefault("output_dir", str(tmp_path / "run"))
+    with pytest.raises(UsageError) as error:
+        module.main(module.Args(**kwargs))
+    assert words in str(error.value)
+    assert len(str(error.value)) < 600, "a usage error is a short message"
+
+
+def test_the_command_line_prints_one_line_and_exits_2(tmp_path):
+    """From the shell: `error: <message>` on stderr, no traceback, exit status 2 (tyro's for a bad flag)."""
+    cmd = [sys.executable, str(ROOT / "recipes" / "grpo.py"), "--train-files", str(tmp_path / "missing.parquet"),
+           "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "error: train_files: file" in done.stderr and "does not exist" in done.stderr
+    assert "Traceback" not in done.stderr
