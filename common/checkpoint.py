@@ -168,13 +168,34 @@ def check_checkpoint(path: Path, recipe: str | None = None) -> dict:
     return state
 
 
-def find_resume(resume: str, output_dir, recipe: str, total_steps: int | None = None) -> Path | None:
+# Flags a resumed run may change: how long, how often, where to log and save, the memory layout
+# (micro-batching, sharding, checkpointing) and validation. Any other change is a different run.
+RESUMABLE_CHANGES = {
+    "total_training_steps", "total_epochs", "save_freq", "test_freq", "val_before_train", "resume",
+    "max_ckpt_to_keep", "export_merged_lora", "logger", "log_interval", "project_name", "experiment_name",
+    "output_dir", "strategy", "micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
+    "gradient_checkpointing", "shared_prompt_forward", "val_files", "val_batch_size", "val_n", "val_temperature",
+    "reward_workers", "reward_timeout",
+}  # fmt: skip
+
+
+def _changed_flags(saved: dict, flags: dict) -> list[str]:
+    plain = json.loads(json.dumps(flags, default=str))  # tuples as lists, as the checkpoint holds them
+    names = sorted(k for k in set(saved) | set(plain) if k not in RESUMABLE_CHANGES and saved.get(k) != plain.get(k))
+    return [f"--{k.replace('_', '-')} {saved.get(k)!r} (now {plain.get(k)!r})" for k in names]
+
+
+def find_resume(
+    resume: str, output_dir, recipe: str, total_steps: int | None = None, flags: dict | None = None
+) -> Path | None:
     """The checkpoint `--resume` names, validated (check_checkpoint): `auto` the newest one in
     output_dir that validates (each one skipped is logged with the reason; None when there are none
     at all), `disable` None, else that path. Call it before any model loads: a checkpoint written by
     another recipe (a fork run in its parent's folder, say) is refused, never silently continued,
     and a run that already completed total_steps exits 0 here, saying so, without loading a model.
-    Folders a killed save left (step_<N>.tmp) are removed."""
+    With `flags` (this run's), a checkpoint trained with other settings is refused, naming the
+    flags that differ, unless they are among RESUMABLE_CHANGES. Folders a killed save left
+    (step_<N>.tmp) are removed."""
     root = Path(output_dir) / "checkpoints"
     for stale in sorted(root.glob("step_*.tmp")) if root.is_dir() else []:
         shutil.rmtree(stale, ignore_errors=True)
@@ -209,6 +230,12 @@ def find_resume(resume: str, output_dir, recipe: str, total_steps: int | None = 
             state = check_checkpoint(path, recipe)
         except DamagedCheckpoint as e:
             raise DamagedCheckpoint(f"--resume {resume}: {e}. Name another checkpoint, or --resume disable") from None
+    changed = _changed_flags(state["flags"], flags) if flags is not None and "flags" in state else []
+    if changed:
+        raise UsageError(
+            f"--resume {resume}: {path} was trained with other settings: {', '.join(changed)}. Pass a new "
+            f"--output-dir to start a run with these settings, or --resume disable to start over in this folder"
+        )
     if total_steps is not None and state["step"] >= total_steps:
         log.info(
             "%s already completed all %d steps: nothing to train. Use --resume disable (or another "
@@ -318,6 +345,7 @@ def save_checkpoint(
     keep: int = 2,
     merged_lora: bool = False,
     extra_models: dict | None = None,
+    flags: dict | None = None,
 ) -> Path:
     """Collective. `recipe` (the recipe file's stem) is recorded as the checkpoint's owner.
     extra_models {name: (model, optimizer, scheduler)}: more trained models saved in the same state
@@ -349,6 +377,8 @@ def save_checkpoint(
             "world_size": dist.world_size,
             "scheduler": scheduler.state_dict(),
         }
+        if flags is not None:  # what a resume compares its own flags with (find_resume)
+            state["flags"] = json.loads(json.dumps(flags, default=str))
         if extra_models:
             state["extra_schedulers"] = {name: s.state_dict() for name, (_, _, s) in extra_models.items()}
         state["files"] = _manifest(tmp)

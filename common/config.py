@@ -32,6 +32,76 @@ def usage_errors():
         raise SystemExit(2) from None
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _looks_local(path: str) -> bool:
+    return path.startswith((".", "/", "~")) or Path(path).expanduser().exists()
+
+
+# (field, test, what it must be): checked on every recipe's flags as they are parsed (check_flags).
+FLAG_RULES = [
+    ("lr", lambda v: v > 0, "> 0"),
+    ("weight_decay", lambda v: v >= 0, ">= 0"),
+    ("betas", lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
+    ("lr_warmup_steps_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("grad_clip", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+    ("total_epochs", lambda v: v >= 1, ">= 1"),
+    ("total_training_steps", lambda v: v is None or v >= 1, ">= 1 (or left unset: total_epochs decides)"),
+    ("save_freq", lambda v: v >= -1, "-1 (at the end), 0 (never) or a number of steps"),
+    ("test_freq", lambda v: v >= -1, "-1 (at the end), 0 (never) or a number of steps"),
+    ("max_ckpt_to_keep", lambda v: v >= 0, ">= 0 (0 keeps all)"),
+    ("log_interval", lambda v: v >= 0, ">= 0 (0: only the progress bar)"),
+    ("lora_rank", lambda v: v >= 0, ">= 0 (0 trains the full model)"),
+    ("lora_alpha", lambda v: v >= 1, ">= 1"),
+    ("max_prompt_length", lambda v: v >= 1, ">= 1"),
+    ("max_response_length", lambda v: v >= 1, ">= 1"),
+    ("max_length", lambda v: v >= 1, ">= 1"),
+    ("ppo_epochs", lambda v: v >= 1, ">= 1"),
+    ("ppo_max_token_len_per_gpu", lambda v: v >= 1, ">= 1"),
+    (
+        "temperature",
+        lambda v: v > 0,
+        "> 0 (the trainer divides the logits by it; for greedy validation set --val-temperature 0)",
+    ),  # noqa: E501
+    ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("top_k", lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"),
+    ("val_temperature", lambda v: v >= 0, ">= 0 (0 is greedy)"),
+    ("val_n", lambda v: v >= 1, ">= 1"),
+    ("val_batch_size", lambda v: v >= 1, ">= 1"),
+    ("reward_timeout", lambda v: v > 0, "> 0 seconds"),
+    ("reward_workers", lambda v: v >= 1, ">= 1"),
+    ("kl_coef", lambda v: v >= 0, ">= 0"),
+    ("target_kl", lambda v: v > 0, "> 0"),
+    ("horizon", lambda v: v >= 1, ">= 1"),
+]
+
+
+def check_flags(args) -> None:
+    """Every flag's range (FLAG_RULES, for the flags `args` has) and the paths that can be checked
+    without loading anything: a local model or reward-model folder must exist and hold a
+    config.json, and the output folder must not be a file. Raises UsageError naming the flag."""
+    for name, ok, must in FLAG_RULES:
+        if hasattr(args, name) and not ok(getattr(args, name)):
+            raise UsageError(f"{_flag(name)} {getattr(args, name)!r}: must be {must}")
+    for name in ("model", "reward_model", "critic_model"):
+        path = getattr(args, name, None)
+        if not path or not _looks_local(path):
+            continue
+        folder = Path(path).expanduser()
+        if not folder.is_dir():
+            raise UsageError(
+                f"{_flag(name)} {path}: folder does not exist; pass a Hugging Face folder (config.json, "
+                f"weights, tokenizer files) or a hub name such as Qwen/Qwen2.5-0.5B-Instruct"
+            )
+        if not (folder / "config.json").is_file():
+            raise UsageError(f"{_flag(name)} {path}: no config.json in that folder, so it is not a Hugging Face model")
+    if getattr(args, "output_dir", "") and Path(args.output_dir).expanduser().is_file():
+        raise UsageError(f"--output-dir {args.output_dir}: is a file; pass a folder (it is created if missing)")
+
+
 @dataclass
 class ModelArgs:
     model: str = str(BUNDLED / "tiny-qwen2")
@@ -53,6 +123,9 @@ class ModelArgs:
     """LoRA scaling numerator (scale = lora_alpha / lora_rank)"""
     target_modules: tuple[str, ...] = ("all-linear",)
     """modules that get LoRA adapters: 'all-linear' or names such as q_proj v_proj"""
+
+    def __post_init__(self):  # every recipe's Args: flags checked as they are parsed (a recipe's own
+        check_flags(self)  # __post_init__ calls super().__post_init__() first)
 
     def policy_kwargs(self) -> dict:
         """The keyword arguments of common.model.load_rl_models that these flags set."""
@@ -148,9 +221,9 @@ class TrainerArgs:
         )  # fmt: skip
 
     def save_kwargs(self, recipe: str) -> dict:
-        """The keyword arguments of common.checkpoint.save_checkpoint that these flags set, and
-        the recipe recorded as the checkpoint's owner."""
-        return dict(recipe=recipe, keep=self.max_ckpt_to_keep, merged_lora=self.export_merged_lora)
+        """The keyword arguments of common.checkpoint.save_checkpoint that these flags set: the
+        recipe recorded as the checkpoint's owner and the flags it was trained with."""
+        return dict(recipe=recipe, keep=self.max_ckpt_to_keep, merged_lora=self.export_merged_lora, flags=asdict(self))
 
 
 @dataclass

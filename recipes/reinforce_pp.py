@@ -21,6 +21,7 @@ Run (the tests run the same commands, shortened):
 """
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,7 @@ class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL contr
     """entropy bonus weight"""
 
     def __post_init__(self):  # checked as the flags are parsed, before anything loads
+        super().__post_init__()  # the shared flags (common.config.check_flags)
         if self.clip_ratio_c <= 1:
             raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound)")
         if self.use_kl_in_reward and self.use_kl_loss:  # REINFORCE++: the KL goes in one place
@@ -260,7 +262,7 @@ def main(args: Args) -> dict:
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     train, stats, val = load_rl_data(args.train_files, args.val_files, tokenizer, **args.prompt_kwargs())
     total_steps = args.total_training_steps or args.total_epochs * (len(train) // args.train_batch_size)
-    checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps)  # a completed run exits 0 here
+    checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps, flags=dataclasses.asdict(args))
     pool = start_reward_pool(**args.reward_kwargs(), dry_run_rows=[] if args.reward_model else train[:2] + val[:2])
     model, ref, reward_model, run_info = load_rl_models(
         args.model, dist, tokenizer, with_reference=args.use_kl_loss or args.use_kl_in_reward, **args.model_kwargs()

@@ -17,6 +17,7 @@ Run (the tests run the same commands, shortened):
         --train-files ~/data/gsm8k/train.parquet --response-key extra_info.answer --lr 1e-5
 """
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,7 +194,7 @@ def main(args: Args) -> dict:
     if steps_per_epoch == 0:
         raise ValueError(f"train_files hold {len(train)} examples, fewer than train_batch_size={args.train_batch_size}")
     total_steps = args.total_training_steps or args.total_epochs * steps_per_epoch
-    checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps)  # a completed run exits 0 here
+    checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps, flags=dataclasses.asdict(args))
 
     # Model, optimizer, schedule; then resume.
     model, run_info = load_trained_model(args.model, dist, strategy=args.strategy, **args.policy_kwargs())

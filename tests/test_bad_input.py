@@ -24,6 +24,8 @@ def files(tmp_path_factory):
     (d / "no_fn.py").write_text("def other(data_source, solution_str, ground_truth, extra_info=None):\n    return 1\n")
     (d / "two_args.py").write_text("def compute_score(data_source, solution_str):\n    return 1.0\n")
     (d / "not_parquet.parquet").write_text("these are not parquet bytes")
+    (d / "a_file").write_text("")
+    (d / "no_config").mkdir()
     for name, state in (("foreign", {"recipe": "some_other_recipe", "step": 3}), ("torn", None)):
         ckpt = d / name / "checkpoints" / "step_3"
         (ckpt / "state").mkdir(parents=True)
@@ -61,6 +63,23 @@ CASES = [
     ("another recipe's checkpoint", dict(output_dir="{d}/foreign"), "written by recipes/some_other_recipe.py"),
     ("a damaged checkpoint named", dict(resume="{d}/torn/checkpoints/step_3"), "trainer_state.json is not valid JSON"),
     ("only damaged checkpoints", dict(output_dir="{d}/torn"), "no checkpoint in"),
+    ("negative lr", dict(lr=-1e-5), "--lr -1e-05: must be > 0"),
+    ("zero response length", dict(max_response_length=0), "--max-response-length 0: must be >= 1"),
+    ("zero sampling temperature", dict(temperature=0.0), "--temperature 0.0: must be > 0"),
+    ("zero epochs", dict(total_training_steps=None, total_epochs=0), "--total-epochs 0: must be >= 1"),
+    ("zero steps", dict(total_training_steps=0), "--total-training-steps 0: must be >= 1"),
+    ("negative steps", dict(total_training_steps=-1), "--total-training-steps -1: must be >= 1"),
+    ("zero validation batch", dict(val_batch_size=0), "--val-batch-size 0: must be >= 1"),
+    ("zero ppo epochs", dict(ppo_epochs=0), "--ppo-epochs 0: must be >= 1"),
+    ("top_p zero", dict(top_p=0.0), "--top-p 0.0: must be in (0, 1]"),
+    ("no reward workers", dict(reward_workers=0), "--reward-workers 0: must be >= 1"),
+    ("output dir is a file", dict(output_dir="{d}/a_file"), "--output-dir {d}/a_file: is a file"),
+    (
+        "reward model folder missing",
+        dict(reward_model="./no/such/rm"),
+        "--reward-model ./no/such/rm: folder does not exist",
+    ),  # noqa: E501
+    ("model folder without config", dict(model="{d}/no_config"), "no config.json in that folder"),
 ]
 
 
@@ -74,7 +93,7 @@ def test_bad_input_is_a_usage_error_before_any_model_loads(tmp_path, monkeypatch
     kwargs.setdefault("output_dir", str(tmp_path / "run"))
     with pytest.raises(UsageError) as error:
         module.main(module.Args(**kwargs))
-    assert words in str(error.value)
+    assert words.format(d=files) in str(error.value)
     assert len(str(error.value)) < 600, "a usage error is a short message"
 
 

@@ -317,3 +317,24 @@ def test_an_export_that_does_not_read_back_is_an_error(tmp_path, tokenizer):
     _truncate(tmp_path / "model.safetensors")
     with pytest.raises(DamagedCheckpoint, match="did not read back"):
         _check_export(tmp_path)
+
+
+def test_resume_refuses_a_checkpoint_trained_with_other_settings(tmp_path, tokenizer):
+    """--resume auto continues only the same run: changed algorithm or data flags are named, with
+    the two ways out; changing how long or how often (or the memory layout) is a resume."""
+    from common.config import UsageError
+
+    model, opt, sched = make()
+    flags = {"lr": 1e-3, "rollout_n": 4, "train_files": ("a.parquet",), "total_training_steps": 5, "logger": ()}
+    save_checkpoint(
+        tmp_path, 1, model=model, optimizer=opt, scheduler=sched, tokenizer=tokenizer, dist=DIST, recipe="grpo",
+        trainer_state={}, flags=flags,
+    )  # fmt: skip
+    assert find_resume("auto", tmp_path, "grpo", flags=flags).name == "step_1"
+    longer = {**flags, "total_training_steps": 9, "logger": ("wandb",)}
+    assert find_resume("auto", tmp_path, "grpo", flags=longer).name == "step_1"
+    with pytest.raises(UsageError) as refused:
+        find_resume("auto", tmp_path, "grpo", flags={**flags, "lr": 2e-3, "train_files": ("b.parquet",)})
+    message = str(refused.value)
+    assert "--lr 0.001 (now 0.002)" in message and "--train-files ['a.parquet'] (now ['b.parquet'])" in message
+    assert "--rollout-n" not in message and "--output-dir" in message and "--resume disable" in message

@@ -302,7 +302,7 @@ def test_empty_file_fails_before_model_loads(tmp_path, sft_no_model):
 
 def test_missing_model_folder_is_named(tmp_path):
     sft = load_recipe("sft")
-    with pytest.raises(ValueError, match="folder './no/such/model' does not exist"):
+    with pytest.raises(ValueError, match="--model ./no/such/model: folder does not exist"):
         sft.main(sft.Args(model="./no/such/model", output_dir=str(tmp_path / "o")))
 
 
