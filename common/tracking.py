@@ -33,6 +33,15 @@ def setup_logging(rank: int) -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+# Quantities that must stay finite: a step where one is not stops the run there, naming it.
+MUST_BE_FINITE = ("reward/mean", "train/loss", "train/grad_norm", "critic/vf_loss", "critic/grad_norm")
+ZERO_GRAD_STEPS = 3  # steps in a row without a gradient before the run says it cannot learn
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, gradient norm or reward that is NaN or infinite: training cannot go on from it."""
+
+
 class Tracker:
     """Writes every metric record to <run_dir>/metrics.jsonl (rank 0 only).
 
@@ -63,6 +72,7 @@ class Tracker:
         self.wandb = self.tb = None
         self.bar = None
         self.val_first, self.val_last = {}, {}  # before training (step 0), and the latest
+        self.zero_grad_steps, self.warned_zero_grad = 0, False
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -107,6 +117,7 @@ class Tracker:
     def log(self, metrics: dict, step: int) -> None:
         """Append a record for `step` (nothing when metrics is empty) and move the bar to it. The
         val/ metrics are also kept (on every rank) for the closing summary."""
+        self._check(metrics, step)
         val = {k: v for k, v in metrics.items() if k.startswith("val/")}
         if val:
             self.val_last = val
@@ -131,6 +142,30 @@ class Tracker:
             if shown:
                 self.bar.set_postfix(shown, refresh=False)
             self.bar.update(max(0, step - self.bar.n))
+
+    def _check(self, metrics: dict, step: int) -> None:
+        """On every rank (the values are global, so ranks agree): stop at a non-finite quantity,
+        and say once when ZERO_GRAD_STEPS steps in a row had no gradient at all."""
+        bad = {k: _plain(metrics[k]) for k in MUST_BE_FINITE if k in metrics and not math.isfinite(_plain(metrics[k]))}
+        if bad:
+            raise NonFiniteError(
+                f"step {step}: {', '.join(f'{k} = {v}' for k, v in bad.items())}, so training cannot go on. Likely "
+                f"causes: rewards far larger than the others (a reward function's scale), a learning rate too high, "
+                f"float16 overflow. Resume from the last checkpoint with a lower --lr, or check the reward function"
+            )
+        if "train/grad_norm" not in metrics:
+            return
+        self.zero_grad_steps = self.zero_grad_steps + 1 if _plain(metrics["train/grad_norm"]) == 0 else 0
+        if self.zero_grad_steps >= ZERO_GRAD_STEPS and not self.warned_zero_grad and self.is_main:
+            self.warned_zero_grad = True
+            log.warning(
+                "steps %d-%d had no gradient at all (train/grad_norm 0; reward/mean %s): every group's responses "
+                "got the same reward, so every advantage is 0 and the policy cannot learn. Likely causes: the "
+                "model never produces the answer format the reward function expects, or the reward function "
+                "returns the same value for everything. Read a few responses and their rewards (--reward-fn), or "
+                "start from a model that gets some answers right",
+                step - ZERO_GRAD_STEPS + 1, step, metrics.get("reward/mean"),
+            )  # fmt: skip
 
     def write(self, message: str) -> None:
         """Print above the progress bar (rank 0)."""

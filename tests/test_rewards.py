@@ -29,6 +29,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         os._exit(3)
     if solution_str == "text":
         return "not a number"
+    if solution_str in ("nan", "inf"):
+        return {"score": float(solution_str)}
     return {"score": float(solution_str == ground_truth), "acc": 1.0, "note": "ignored"}
 """
 
@@ -107,6 +109,9 @@ def test_pool_survives_hangs_exceptions_exits_and_bad_returns(bad_fn, caplog):
         assert "boom in reward" in out.first_error
         assert out.seconds < 10, "hung samples must cost about one timeout, not block"
         assert again.scores == [0.0, 1.0] and again.errors == 1
+        # a non-finite reward is counted and zeroed like an error, so it never reaches the advantages
+        nonfinite = pool.score([("d", "nan", "1", None), ("d", "inf", "1", None), ("d", "1", "1", None)])
+        assert nonfinite.scores == [0.0, 0.0, 1.0] and nonfinite.errors == 2
         assert sum("boom in reward" in r.message for r in caplog.records) == 1, "traceback printed once"
     finally:
         pool.close()

@@ -61,3 +61,29 @@ def test_finish_reports_the_validation_before_training_and_the_latest(tmp_path, 
     assert t.finish()["steps"] == 2
     out = capsys.readouterr().out
     assert "val accuracy 50.0%" in out and "->" not in out  # no "before" to compare with
+
+
+def test_a_non_finite_loss_stops_the_run_at_its_step_on_every_rank(tmp_path):
+    import pytest
+
+    from common.tracking import NonFiniteError
+
+    for is_main in (True, False):  # every rank raises, so none waits in a collective for the others
+        t = Tracker(tmp_path / str(is_main), 0, 5, loggers=(), is_main=is_main)
+        t.log({"train/loss": 0.5, "train/grad_norm": 1.0}, step=1)
+        with pytest.raises(NonFiniteError, match=r"step 2: train/grad_norm = nan.*lower --lr"):
+            t.log({"train/loss": 0.5, "train/grad_norm": float("nan")}, step=2)
+    with pytest.raises(NonFiniteError, match=r"step 3: reward/mean = inf"):
+        t.log({"reward/mean": float("inf")}, step=3)
+
+
+def test_steps_without_a_gradient_are_reported_once(tmp_path, caplog):
+    t = Tracker(tmp_path, 0, 9, loggers=())
+    with caplog.at_level("WARNING"):
+        for step, norm in enumerate([0.0, 0.0, 0.5, 0.0, 0.0], 1):  # never three in a row
+            t.log({"train/grad_norm": norm, "reward/mean": 0.0}, step=step)
+        assert "no gradient" not in caplog.text
+        for step in (6, 7, 8, 9):
+            t.log({"train/grad_norm": 0.0, "reward/mean": 0.0}, step=step)
+    assert caplog.text.count("no gradient") == 1 and "steps 4-6" in caplog.text
+    assert "answer format" in caplog.text
