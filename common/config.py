@@ -305,6 +305,12 @@ class RLArgs(RewardArgs, ValidationArgs, RolloutArgs, TrainerArgs, OptimArgs, Da
         names = ("prompt_key", "max_prompt_length", "truncation", "filter_overlong_prompts", "train_batch_size")
         return {k: getattr(self, k) for k in names}
 
+    def data_kwargs(self) -> dict:
+        """prompt_kwargs, and whether each row must carry a ground truth: the built-in rewards
+        score against it, a user's --reward-fn may not need one, a --reward-model never does."""
+        needs = "unused" if self.reward_model else "optional" if self.reward_fn else "required"
+        return {**self.prompt_kwargs(), "ground_truth": needs}
+
     def reward_kwargs(self) -> dict:
         """The keyword arguments of common.rewards.start_reward_pool that these flags set."""
         return dict(reward_fn=self.reward_fn, workers=self.reward_workers, timeout=self.reward_timeout)

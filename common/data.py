@@ -425,13 +425,27 @@ def load_rl_data(
     truncation: str,
     filter_overlong_prompts: bool,
     train_batch_size: int,
+    ground_truth: str = "required",
 ) -> tuple[list[dict], LoadStats, list[dict]]:
     """Training and validation prompts of an RL recipe (validation empty without val_files);
-    too few training prompts for one batch fail here, before any model loads."""
+    too few training prompts for one batch fail here, before any model loads. ground_truth:
+    "required" (the built-in rewards score against it: a row without one is an error naming it),
+    "optional" (a user's reward function may not need one: rows without are counted in a warning)
+    or "unused" (a reward model scores)."""
     kwargs = dict(prompt_key=prompt_key, max_prompt_length=max_prompt_length, truncation=truncation)
     kwargs["filter_overlong_prompts"] = filter_overlong_prompts
     train, stats = load_prompts(train_files, tokenizer, **kwargs, what="train_files")
     if len(train) < train_batch_size:
         raise DataError(f"train_files hold {len(train)} prompts, fewer than train_batch_size={train_batch_size}")
     val = load_prompts(val_files, tokenizer, **kwargs, what="val_files")[0] if val_files else []
+    missing = [r for r in train + val if r["ground_truth"] is None]
+    if missing and ground_truth == "required":
+        raise DataError(
+            f"{missing[0]['file']} row {missing[0]['row']}: reward_model.ground_truth is missing or null "
+            f"({len(missing)} rows like it); the built-in rewards score against it. Fill it in, or pass "
+            f"--reward-fn (a function that needs none) or --reward-model"
+        )
+    if missing and ground_truth == "optional":
+        log.warning("%d rows have no reward_model.ground_truth (e.g. %s row %s): the reward function gets None",
+                    len(missing), missing[0]["file"], missing[0]["row"])  # fmt: skip
     return train, stats, val

@@ -156,6 +156,7 @@ class Scored:
     timeouts: int = 0
     first_error: str | None = None
     seconds: float = 0.0
+    ok: list[bool] | None = None  # per sample: scored without an error or a timeout
 
     @classmethod
     def merge(cls, parts: list["Scored"], scores: list[float], extras: list[dict]) -> "Scored":
@@ -199,7 +200,7 @@ def _worker(conn, spec):
             conn.send((index, "error", traceback.format_exc()))
 
 
-STARTUP_TIMEOUT = 300.0  # seconds a new worker may take to import the reward function
+STARTUP_TIMEOUT = 120.0  # seconds a new worker may take to import the reward function (a hang at import ends here)
 
 
 class RewardPool:
@@ -232,10 +233,23 @@ class RewardPool:
         )
         theirs.close()
         conn = Connection(mine.detach())
-        status, detail = conn.recv() if conn.poll(STARTUP_TIMEOUT) else ("failed", "no answer")
+        status, detail = conn.recv() if conn.poll(STARTUP_TIMEOUT) else ("hung", "")
         if status != "ready":
             proc.kill()
-            raise RuntimeError(f"reward worker for {self.spec or 'built-in rewards'} failed to start: {detail}")
+            proc.wait()
+            if not self.spec:
+                raise RuntimeError(f"reward worker for the built-in rewards failed to start: {detail}")
+            if status == "hung":
+                raise UsageError(
+                    f"--reward-fn {self.spec}: importing it did not finish in {STARTUP_TIMEOUT:.0f}s (it hangs?)"
+                )
+            last = detail.strip().splitlines()[-1] if detail.strip() else "no reason given"
+            ours = "common.config.UsageError: "  # load_reward_fn's own message already names the flag
+            raise UsageError(
+                last.removeprefix(ours)
+                if last.startswith(ours)
+                else f"--reward-fn {self.spec}: importing it failed: {last}"
+            )
         return [proc, conn]
 
     def _replace(self, worker) -> None:
@@ -288,24 +302,36 @@ class RewardPool:
             else {}
             for r in results
         ]
-        return Scored(scores, extras, errors, timeouts, first_error, time.time() - t0)
+        ok = [r is not None for r in results]
+        return Scored(scores, extras, errors, timeouts, first_error, time.time() - t0, ok)
 
-    def dry_run(self, rows: list[dict]) -> None:
-        """Score a few rows before the first step, each row's ground truth standing in for a
-        response, under the same timeout as training. Failing on every row (a bad signature or
-        return type, an import error, a data_source without a built-in) is an error now rather
-        than a run of zeros; failing on some rows only is a warning."""
-        scored = self.score(
-            [(r["data_source"], str(r["ground_truth"]), r["ground_truth"], r.get("extra_info")) for r in rows]
-        )
-        failed = scored.errors + scored.timeouts
+    def dry_run(self, rows: list[dict], per_source: int = 2) -> None:
+        """Score up to `per_source` rows of every data_source among `rows` before the first step,
+        each row's ground truth standing in for a response, under the same timeout as training. A
+        data_source whose every tried row fails (a bad signature or return type, a data_source
+        without a built-in, a missing ground truth) is an error now, naming it, rather than a run of
+        zeros; some rows failing is a warning."""
+        tried: dict[str, list[dict]] = {}
+        for r in rows:
+            if len(tried.setdefault(r["data_source"], [])) < per_source:
+                tried[r["data_source"]].append(r)
+        picked = [r for group in tried.values() for r in group]
         name = self.spec or "built-in rewards"
+        scored = self.score(
+            [(r["data_source"], str(r["ground_truth"]), r["ground_truth"], r.get("extra_info")) for r in picked]
+        )
         reason = (scored.first_error or "").strip().splitlines()[-1:] or [f"timed out after {self.timeout}s"]
-        where = f"{rows[0].get('file', '?')} row {rows[0].get('row', '?')} (data_source={rows[0]['data_source']!r})"
-        if failed == len(rows):
-            raise UsageError(f"reward dry run failed ({name}) on all {len(rows)} rows, e.g. {where}: {reason[0]}")
-        if failed:
-            log.warning("reward dry run (%s): %d of %d rows failed: %s", name, failed, len(rows), reason[0])
+        ok = {r["data_source"] for r, score_ok in zip(picked, scored.ok) if score_ok}
+        for source, group in tried.items():
+            if source not in ok:
+                where = f"{group[0].get('file', '?')} row {group[0].get('row', '?')}"
+                raise UsageError(
+                    f"reward dry run failed ({name}) on every row tried for data_source={source!r}, e.g. "
+                    f"{where}: {reason[0]}"
+                )
+        if scored.errors + scored.timeouts:
+            log.warning("reward dry run (%s): %d of %d rows failed: %s", name,
+                        scored.errors + scored.timeouts, len(picked), reason[0])  # fmt: skip
 
     def close(self) -> None:
         for proc, conn in self.workers:
@@ -373,9 +399,12 @@ class RewardModel:
 
 def start_reward_pool(reward_fn: str | None, *, workers: int, timeout: float, dry_run_rows: list[dict]) -> RewardPool:
     """The worker pool for --reward-fn (or the built-ins), checked before any model loads: a
-    missing file or function fails with its name, and a dry run scores dry_run_rows (prompt rows
-    from common.data) with their ground truths. Pass no rows when a reward model scores instead."""
-    load_reward_fn(reward_fn)
+    missing file fails with its name; the file is imported only in the workers (its code never
+    runs in the trainer, and a hang or error at import is a UsageError, not a stuck run); a dry
+    run scores rows of every data_source in dry_run_rows (prompt rows from common.data) with their
+    ground truths. Pass no rows when a reward model scores instead."""
+    if reward_fn and not Path(reward_fn.partition(":")[0]).expanduser().is_file():
+        raise UsageError(f"--reward-fn {reward_fn}: file {reward_fn.partition(':')[0]!r} does not exist")
     pool = RewardPool(reward_fn, workers=workers, timeout=timeout)
     if dry_run_rows:
         pool.dry_run(dry_run_rows)

@@ -285,10 +285,10 @@ def main(args: Args) -> dict:
 
     # Data, the run to resume and rewards (a reward dry run), then the models, engine and optimizer.
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
-    train, stats, val = load_rl_data(args.train_files, args.val_files, tokenizer, **args.prompt_kwargs())
+    train, stats, val = load_rl_data(args.train_files, args.val_files, tokenizer, **args.data_kwargs())
     total_steps = args.total_training_steps or args.total_epochs * (len(train) // args.train_batch_size)
     checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps, flags=dataclasses.asdict(args))
-    pool = start_reward_pool(**args.reward_kwargs(), dry_run_rows=[] if args.reward_model else train[:2] + val[:2])
+    pool = start_reward_pool(**args.reward_kwargs(), dry_run_rows=[] if args.reward_model else train + val)
     model, ref, reward_model, run_info = load_rl_models(
         args.model, dist, tokenizer, with_reference=args.use_kl_loss, **args.model_kwargs()
     )

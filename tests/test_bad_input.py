@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import ROOT, TASK_TEST, load_recipe_refusing_models
@@ -25,6 +26,11 @@ def files(tmp_path_factory):
     (d / "two_args.py").write_text("def compute_score(data_source, solution_str):\n    return 1.0\n")
     (d / "not_parquet.parquet").write_text("these are not parquet bytes")
     (d / "a_file").write_text("")
+    (d / "syntax.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None)\n")
+    rows = pq.read_table(TASK_TEST).slice(0, 16).to_pylist()
+    pq.write_table(pa.Table.from_pylist([dict(r, data_source="my/task") for r in rows]), d / "unknown_source.parquet")
+    rows[5] = dict(rows[5], reward_model=dict(rows[5]["reward_model"], ground_truth=None))
+    pq.write_table(pa.Table.from_pylist(rows), d / "no_truth.parquet")
     (d / "no_config").mkdir()
     for name, state in (("foreign", {"recipe": "some_other_recipe", "step": 3}), ("torn", None)):
         ckpt = d / name / "checkpoints" / "step_3"
@@ -58,6 +64,17 @@ CASES = [
     ("reward file missing", dict(reward_fn="{d}/missing.py"), "--reward-fn"),
     ("reward function missing", dict(reward_fn="{d}/no_fn.py"), "defines no function 'compute_score'"),
     ("reward signature wrong", dict(reward_fn="{d}/two_args.py"), "reward dry run failed"),
+    ("reward file does not parse", dict(reward_fn="{d}/syntax.py"), "importing it failed: SyntaxError"),
+    (
+        "unknown data_source in training rows",
+        dict(train_files=("{d}/unknown_source.parquet",)),
+        "data_source='my/task'",
+    ),  # noqa: E501
+    (
+        "a row without a ground truth",
+        dict(train_files=("{d}/no_truth.parquet",)),
+        "row 5: reward_model.ground_truth is missing",
+    ),  # noqa: E501
     ("model folder missing", dict(model="./no/such/model"), "does not exist; pass a Hugging Face folder"),
     ("resume path not a checkpoint", dict(resume="{d}"), "not a checkpoint folder"),
     ("another recipe's checkpoint", dict(output_dir="{d}/foreign"), "written by recipes/some_other_recipe.py"),

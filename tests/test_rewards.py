@@ -1,4 +1,6 @@
 import logging
+import os
+import time
 
 import pytest
 import torch
@@ -82,9 +84,12 @@ def test_dry_run_fails_when_every_row_fails_and_warns_otherwise(bad_fn, caplog):
     try:
         with pytest.raises(
             ValueError,
-            match=r"reward dry run failed .* all 2 rows, e.g. f.parquet row 3 .*RuntimeError: boom in reward",
+            match=r"reward dry run failed .* every row tried for data_source='d', e.g. f.parquet row 3: RuntimeError: boom",
         ):
             pool.dry_run(rows)
+        # one data_source that scores does not hide another that never does
+        with pytest.raises(ValueError, match=r"data_source='e'"):
+            pool.dry_run([dict(rows[0], ground_truth="7"), dict(rows[0], data_source="e")])
         with caplog.at_level(logging.WARNING, logger="common.rewards"):
             pool.dry_run(rows[:1] + [dict(rows[0], ground_truth="7")])
         assert "1 of 2 rows failed" in caplog.text
@@ -147,3 +152,28 @@ def test_reward_model_reuses_or_retemplates(tmp_path, tokenizer):
     with torch.no_grad():
         direct = rm(input_ids=torch.tensor([ids])).logits[0, 0].float()
     assert score.shape == (1,) and torch.allclose(score[0], direct, atol=1e-5)
+
+
+def test_a_reward_file_runs_only_in_workers_and_a_hang_at_import_is_an_error(tmp_path, monkeypatch):
+    """The user's file is imported in the worker processes, never in the trainer's; one that hangs
+    while importing ends as a UsageError after the start-up timeout instead of stopping the run."""
+    import common.rewards as rewards
+    from common.config import UsageError
+
+    marker = tmp_path / "imported_by"
+    spy = tmp_path / "spy.py"
+    spy.write_text(
+        f"import os\nopen({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+    )
+    pool = rewards.start_reward_pool(str(spy), workers=2, timeout=5.0, dry_run_rows=[])
+    pool.close()
+    pids = marker.read_text().split()
+    assert len(pids) == 2 and str(os.getpid()) not in pids
+    hangs = tmp_path / "hangs.py"
+    hangs.write_text("import time\ntime.sleep(600)\n")
+    monkeypatch.setattr(rewards, "STARTUP_TIMEOUT", 3.0)
+    t0 = time.time()
+    with pytest.raises(UsageError, match="importing it did not finish in 3s"):
+        rewards.start_reward_pool(str(hangs), workers=1, timeout=5.0, dry_run_rows=[])
+    assert time.time() - t0 < 30
