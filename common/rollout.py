@@ -237,8 +237,9 @@ def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, rewar
 
 def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist) -> dict:
     """Sample responses to every row (sharded over ranks), score them, and return val/* metrics:
-    the mean reward, and the accuracy overall and per data_source (a result's own "acc" key when
-    it has one, else score > 0)."""
+    the mean reward, the accuracy overall and per data_source (a result's own "acc" key when
+    it has one, else score > 0), and the samples whose scoring raised or timed out (counted in
+    val/reward/errors and val/reward/timeouts: they score 0, so they must not pass for wrong answers)."""
     local, n_real = shard_evenly(rows, dist)
     completions = engine.generate([r["prompt_ids"] for r in local], sampling)[:n_real]
     pairs = [(row, c) for row, group in zip(local[:n_real], completions) for c in group]
@@ -247,9 +248,12 @@ def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist
     hits = [hit(s, e) for s, e in zip(scored.scores, scored.extras)]
     mine = list(zip([r["data_source"] for r, _ in pairs], scored.scores, hits))
     results = [x for part in gather_objects(mine) for x in part]
+    failures = [sum(column) for column in zip(*gather_objects((scored.errors, scored.timeouts)))]
     metrics = {
         "val/reward/mean": sum(s for _, s, _ in results) / len(results),
         "val/accuracy": sum(h for *_, h in results) / len(results),
+        "val/reward/errors": failures[0],
+        "val/reward/timeouts": failures[1],
     }
     for source in sorted({d for d, *_ in results}):
         hits_d = [h for d, _, h in results if d == source]

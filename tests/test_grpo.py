@@ -78,6 +78,7 @@ def test_verl_style_reward_file_and_failures_are_counted(tmp_path, small_val):
     assert "ValueError: flaky reward" in proc.stderr
     assert proc.stderr.count("Traceback (most recent call last)") == 1, "the traceback is printed once"
     assert 0 <= last["val/accuracy"] <= 1
+    assert last["val/reward/errors"] > 0 and last["val/reward/timeouts"] == 0, "validation counts them too"
 
 
 def test_reward_timeouts_do_not_hang_the_run(tmp_path, small_val):
