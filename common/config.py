@@ -311,9 +311,13 @@ class RLArgs(RewardArgs, ValidationArgs, RolloutArgs, TrainerArgs, OptimArgs, Da
         needs = "unused" if self.reward_model else "optional" if self.reward_fn else "required"
         return {**self.prompt_kwargs(), "ground_truth": needs}
 
-    def reward_kwargs(self) -> dict:
-        """The keyword arguments of common.rewards.start_reward_pool that these flags set."""
-        return dict(reward_fn=self.reward_fn, workers=self.reward_workers, timeout=self.reward_timeout)
+    def reward_kwargs(self, run_dir: Path) -> dict:
+        """The keyword arguments of common.rewards.start_reward_pool that these flags set; what
+        the reward workers print goes to <run_dir>/reward_workers.log (.rank<N> beyond rank 0)."""
+        rank = os.environ.get("RANK", "0")
+        name = "reward_workers.log" if rank == "0" else f"reward_workers.rank{rank}.log"
+        return dict(reward_fn=self.reward_fn, workers=self.reward_workers, timeout=self.reward_timeout,
+                    log_path=Path(run_dir) / name)  # fmt: skip
 
     def model_kwargs(self) -> dict:
         """The keyword arguments of common.model.load_rl_models that these flags set."""

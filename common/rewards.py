@@ -16,6 +16,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -200,6 +201,39 @@ def _worker(conn, spec):
             conn.send((index, "error", traceback.format_exc()))
 
 
+class _WorkerOutput:
+    """Whatever the workers print (a chatty reward function's debugging, a library's warnings),
+    copied into one log file in the run folder instead of the console, up to MAX_BYTES; past
+    that it is read and dropped, with one line saying so, so it can neither fill a disk nor
+    block a worker on a full pipe. Without a path the output is dropped."""
+
+    MAX_BYTES = 10 * 2**20
+
+    def __init__(self, path):
+        self.path, self.written, self.lock = (Path(path) if path else None), 0, threading.Lock()
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def follow(self, stream) -> None:
+        threading.Thread(target=self._copy, args=(stream,), daemon=True).start()
+
+    def _copy(self, stream) -> None:
+        for line in iter(stream.readline, b""):
+            if self.path is None:
+                continue
+            with self.lock:
+                if self.written < self.MAX_BYTES:
+                    kept = (
+                        line
+                        if self.written + len(line) <= self.MAX_BYTES
+                        else b"[reward worker output beyond 10 MB dropped]\n"
+                    )
+                    with open(self.path, "ab") as f:
+                        f.write(kept)
+                    self.written = self.written + len(line) if kept is line else self.MAX_BYTES
+        stream.close()
+
+
 STARTUP_TIMEOUT = 120.0  # seconds a new worker may take to import the reward function (a hang at import ends here)
 
 
@@ -211,8 +245,9 @@ class RewardPool:
     and the first traceback is printed once per run.
     """
 
-    def __init__(self, spec: str | None = None, workers: int = 2, timeout: float = 10.0):
+    def __init__(self, spec: str | None = None, workers: int = 2, timeout: float = 10.0, log_path=None):
         self.spec, self.timeout = spec, timeout
+        self.output = _WorkerOutput(log_path)
         self.workers = [self._start() for _ in range(max(1, workers))]
         self.printed_error = False
 
@@ -229,8 +264,10 @@ class RewardPool:
         }
         code = "import sys; from common.rewards import _worker_main; _worker_main(int(sys.argv[1]), sys.argv[2])"
         proc = subprocess.Popen(
-            [sys.executable, "-c", code, str(theirs.fileno()), self.spec or ""], pass_fds=[theirs.fileno()], env=env
-        )
+            [sys.executable, "-c", code, str(theirs.fileno()), self.spec or ""], pass_fds=[theirs.fileno()], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        self.output.follow(proc.stdout)
         theirs.close()
         conn = Connection(mine.detach())
         status, detail = conn.recv() if conn.poll(STARTUP_TIMEOUT) else ("hung", "")
@@ -397,15 +434,18 @@ class RewardModel:
         return self.torch.cat(out)
 
 
-def start_reward_pool(reward_fn: str | None, *, workers: int, timeout: float, dry_run_rows: list[dict]) -> RewardPool:
+def start_reward_pool(
+    reward_fn: str | None, *, workers: int, timeout: float, dry_run_rows: list[dict], log_path=None
+) -> RewardPool:
     """The worker pool for --reward-fn (or the built-ins), checked before any model loads: a
     missing file fails with its name; the file is imported only in the workers (its code never
     runs in the trainer, and a hang or error at import is a UsageError, not a stuck run); a dry
     run scores rows of every data_source in dry_run_rows (prompt rows from common.data) with their
-    ground truths. Pass no rows when a reward model scores instead."""
+    ground truths. Pass no rows when a reward model scores instead. What the workers print goes
+    to log_path (see _WorkerOutput)."""
     if reward_fn and not Path(reward_fn.partition(":")[0]).expanduser().is_file():
         raise UsageError(f"--reward-fn {reward_fn}: file {reward_fn.partition(':')[0]!r} does not exist")
-    pool = RewardPool(reward_fn, workers=workers, timeout=timeout)
+    pool = RewardPool(reward_fn, workers=workers, timeout=timeout, log_path=log_path)
     if dry_run_rows:
         pool.dry_run(dry_run_rows)
     return pool

@@ -263,7 +263,7 @@ def main(args: Args) -> dict:
     train, stats, val = load_rl_data(args.train_files, args.val_files, tokenizer, **args.data_kwargs())
     total_steps = args.total_training_steps or args.total_epochs * (len(train) // args.train_batch_size)
     checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps, flags=dataclasses.asdict(args))
-    pool = start_reward_pool(**args.reward_kwargs(), dry_run_rows=[] if args.reward_model else train + val)
+    pool = start_reward_pool(**args.reward_kwargs(run_dir), dry_run_rows=[] if args.reward_model else train + val)
     model, ref, reward_model, run_info = load_rl_models(
         args.model, dist, tokenizer, with_reference=args.use_kl_loss or args.use_kl_in_reward, **args.model_kwargs()
     )

@@ -177,3 +177,29 @@ def test_a_reward_file_runs_only_in_workers_and_a_hang_at_import_is_an_error(tmp
     with pytest.raises(UsageError, match="importing it did not finish in 3s"):
         rewards.start_reward_pool(str(hangs), workers=1, timeout=5.0, dry_run_rows=[])
     assert time.time() - t0 < 30
+
+
+def test_what_reward_workers_print_goes_to_a_capped_log_file(tmp_path, monkeypatch, capfd):
+    import common.rewards as rewards
+
+    chatty = tmp_path / "chatty.py"
+    chatty.write_text(
+        "import sys\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    print('scoring', solution_str, 'x' * 200, flush=True)\n"
+        "    print('a warning', file=sys.stderr, flush=True)\n"
+        "    return 1.0\n"
+    )
+    monkeypatch.setattr(rewards._WorkerOutput, "MAX_BYTES", 2000)
+    log_path = tmp_path / "run" / "reward_workers.log"
+    pool = rewards.start_reward_pool(str(chatty), workers=2, timeout=5.0, dry_run_rows=[], log_path=log_path)
+    pool.score([("d", str(i), "1", None) for i in range(40)])  # about 9 kB of output
+    pool.close()
+    for _ in range(100):  # the copying threads finish once the workers' pipes close
+        if log_path.is_file() and "dropped" in log_path.read_text():
+            break
+        time.sleep(0.1)
+    text = log_path.read_text()
+    assert "scoring " in text and "a warning" in text  # stdout and stderr (the two workers interleave)
+    assert len(text.encode()) <= 2000 + 100 and text.count("beyond 10 MB dropped") == 1
+    assert "scoring" not in capfd.readouterr().out, "worker output stays off the console"
