@@ -55,9 +55,11 @@ def run_recipe(
     nproc: int = 1,
     env: dict | None = None,
     check: bool = True,
-    timeout: int = 300,
+    timeout: int = 1200,
 ):
-    """Run a recipe the way users do: `python recipes/x.py`, or torchrun with nproc processes."""
+    """Run a recipe the way users do: `python recipes/x.py`, or torchrun with nproc processes.
+    The time limit is generous (a loaded 2-core machine runs these several times slower than a
+    quiet one); a run that hits it fails with the last output it printed, so it says how far it got."""
     if nproc == 1:
         cmd = [sys.executable, str(ROOT / "recipes" / f"{name}.py"), *map(str, flags)]
     else:
@@ -73,7 +75,13 @@ def run_recipe(
             *map(str, flags),
         ]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **(env or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        raise AssertionError(
+            f"{' '.join(cmd)} still running after {timeout}s; it got this far:\n{out[-3000:]}\n{err[-3000:]}"
+        ) from None  # noqa: E501
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
