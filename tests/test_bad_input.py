@@ -97,21 +97,58 @@ CASES = [
         "--reward-model ./no/such/rm: folder does not exist",
     ),  # noqa: E501
     ("model folder without config", dict(model="{d}/no_config"), "no config.json in that folder"),
+    ("zero prompt length", dict(max_prompt_length=0), "--max-prompt-length 0: must be >= 1"),
+    ("a beta of 1", dict(betas=(0.9, 1.0)), "--betas (0.9, 1.0): must be two numbers in [0, 1)"),
+    ("warmup ratio above 1", dict(lr_warmup_steps_ratio=1.5), "--lr-warmup-steps-ratio 1.5: must be in [0, 1]"),
+    ("top_k zero", dict(top_k=0), "--top-k 0: must be -1 (off) or >= 1"),
+    ("zero validation samples", dict(val_n=0), "--val-n 0: must be >= 1"),
+    ("zero reward timeout", dict(reward_timeout=0.0), "--reward-timeout 0.0: must be > 0 seconds"),
+    ("negative LoRA rank", dict(lora_rank=-1), "--lora-rank -1: must be >= 0"),
+]
+
+SFT_CASES = [
+    ("zero micro-batch", dict(micro_batch_size_per_gpu=0), "micro_batch_size_per_gpu=0 must be at least 1"),
+    ("zero batch", dict(train_batch_size=0), "train_batch_size=0 must be at least 1"),
+    ("missing train file", dict(train_files=("{d}/missing.parquet",)), "does not exist"),
+    ("train file not parquet", dict(train_files=("{d}/not_parquet.parquet",)), "not a readable parquet file"),
+    ("no train files", dict(train_files=()), "train_files is empty"),
+    ("response column missing", dict(response_key="extra_info.nope"), "not found"),
+    ("model folder missing", dict(model="./no/such/model"), "folder does not exist"),
+    ("model folder without config", dict(model="{d}/no_config"), "no config.json in that folder"),
+    ("resume path not a checkpoint", dict(resume="{d}"), "not a checkpoint folder"),
+    ("another recipe's checkpoint", dict(output_dir="{d}/foreign"), "written by recipes/some_other_recipe.py"),
+    ("a damaged checkpoint named", dict(resume="{d}/torn/checkpoints/step_3"), "trainer_state.json is not valid JSON"),
+    ("output dir is a file", dict(output_dir="{d}/a_file"), "is a file"),
+    ("negative lr", dict(lr=-1.0), "--lr -1.0: must be > 0"),
+    ("zero length", dict(max_length=0), "--max-length 0: must be >= 1"),
+    ("zero steps", dict(total_training_steps=0), "--total-training-steps 0: must be >= 1"),
+    ("zero epochs", dict(total_epochs=0), "--total-epochs 0: must be >= 1"),
+    ("negative save frequency", dict(save_freq=-2), "--save-freq -2"),
+    ("negative LoRA rank", dict(lora_rank=-1), "--lora-rank -1: must be >= 0"),
 ]
 
 
-@pytest.mark.parametrize("case", [c[0] for c in CASES])
-@pytest.mark.parametrize("recipe", RL_RECIPES)
-def test_bad_input_is_a_usage_error_before_any_model_loads(tmp_path, monkeypatch, files, recipe, case):
-    _, kwargs, words = next(c for c in CASES if c[0] == case)
+def raises_before_any_model_loads(tmp_path, monkeypatch, files, recipe, table, case):
+    _, kwargs, words = next(c for c in table if c[0] == case)
     module = load_recipe_refusing_models(recipe, monkeypatch)
-    kwargs = {k: tuple(x.format(d=files) for x in v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
-    kwargs = {k: v.format(d=files) if isinstance(v, str) else v for k, v in kwargs.items()}
+    fill = lambda v: v.format(d=files) if isinstance(v, str) else v  # noqa: E731
+    kwargs = {k: tuple(map(fill, v)) if isinstance(v, tuple) else fill(v) for k, v in kwargs.items()}
     kwargs.setdefault("output_dir", str(tmp_path / "run"))
     with pytest.raises(UsageError) as error:
         module.main(module.Args(**kwargs))
     assert words.format(d=files) in str(error.value)
     assert len(str(error.value)) < 600, "a usage error is a short message"
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+@pytest.mark.parametrize("recipe", RL_RECIPES)
+def test_bad_input_is_a_usage_error_before_any_model_loads(tmp_path, monkeypatch, files, recipe, case):
+    raises_before_any_model_loads(tmp_path, monkeypatch, files, recipe, CASES, case)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in SFT_CASES])
+def test_sft_bad_input_is_a_usage_error_before_any_model_loads(tmp_path, monkeypatch, files, case):
+    raises_before_any_model_loads(tmp_path, monkeypatch, files, "sft", SFT_CASES, case)
 
 
 def test_the_command_line_prints_one_line_and_exits_2(tmp_path):
