@@ -61,11 +61,7 @@ FLAG_RULES = [
     ("max_length", lambda v: v >= 1, ">= 1"),
     ("ppo_epochs", lambda v: v >= 1, ">= 1"),
     ("ppo_max_token_len_per_gpu", lambda v: v >= 1, ">= 1"),
-    (
-        "temperature",
-        lambda v: v > 0,
-        "> 0 (the trainer divides the logits by it; for greedy validation set --val-temperature 0)",
-    ),  # noqa: E501
+    ("temperature", lambda v: v > 0, "> 0 (the trainer divides the logits by it; --val-temperature 0 is greedy)"),
     ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("top_k", lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"),
     ("val_temperature", lambda v: v >= 0, ">= 0 (0 is greedy)"),
