@@ -36,7 +36,8 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _looks_local(path: str) -> bool:
+def looks_local(path: str) -> bool:
+    """A path (or an existing name) rather than a hub name such as Qwen/Qwen2.5-0.5B-Instruct."""
     return path.startswith((".", "/", "~")) or Path(path).expanduser().exists()
 
 
@@ -84,7 +85,7 @@ def check_flags(args) -> None:
             raise UsageError(f"{_flag(name)} {getattr(args, name)!r}: must be {must}")
     for name in ("model", "reward_model", "critic_model"):
         path = getattr(args, name, None)
-        if not path or not _looks_local(path):
+        if not path or not looks_local(path):
             continue
         folder = Path(path).expanduser()
         if not folder.is_dir():
@@ -296,16 +297,13 @@ class RLArgs(RewardArgs, ValidationArgs, RolloutArgs, TrainerArgs, OptimArgs, Da
     """validate once before the first step"""
 
     # Derived values, computed from the flags above (no side effects).
-    def prompt_kwargs(self) -> dict:
-        """The keyword arguments of common.data.load_rl_data that these flags set."""
-        names = ("prompt_key", "max_prompt_length", "truncation", "filter_overlong_prompts", "train_batch_size")
-        return {k: getattr(self, k) for k in names}
-
     def data_kwargs(self) -> dict:
-        """prompt_kwargs, and whether each row must carry a ground truth: the built-in rewards
-        score against it, a user's --reward-fn may not need one, a --reward-model never does."""
+        """The keyword arguments of common.data.load_rl_data that these flags set, and whether each
+        row must carry a ground truth: the built-in rewards score against it, a user's --reward-fn
+        may not need one, a --reward-model never does."""
+        names = ("prompt_key", "max_prompt_length", "truncation", "filter_overlong_prompts", "train_batch_size")
         needs = "unused" if self.reward_model else "optional" if self.reward_fn else "required"
-        return {**self.prompt_kwargs(), "ground_truth": needs}
+        return {**{k: getattr(self, k) for k in names}, "ground_truth": needs}
 
     def reward_kwargs(self, run_dir: Path) -> dict:
         """The keyword arguments of common.rewards.start_reward_pool that these flags set; what

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import UsageError
+from common.config import UsageError, looks_local
 
 log = logging.getLogger(__name__)
 
@@ -13,8 +13,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def _check_source(path: str, what: str) -> None:
-    looks_local = path.startswith((".", "/", "~")) or Path(path).exists()
-    if looks_local and not Path(path).expanduser().is_dir():
+    if looks_local(path) and not Path(path).expanduser().is_dir():
         raise UsageError(
             f"{what} folder {path!r} does not exist; pass a Hugging Face folder (config.json, "
             f"weights, tokenizer files) or a hub name such as Qwen/Qwen2.5-0.5B-Instruct"
