@@ -175,13 +175,14 @@ RESUMABLE_CHANGES = {
     "max_ckpt_to_keep", "export_merged_lora", "logger", "log_interval", "project_name", "experiment_name",
     "output_dir", "strategy", "micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
     "gradient_checkpointing", "shared_prompt_forward", "val_files", "val_batch_size", "val_n", "val_temperature",
-    "reward_workers", "reward_timeout",
+    "reward_workers", "reward_timeout", "stop_on_nonfinite_reward",
 }  # fmt: skip
 
 
 def _changed_flags(saved: dict, flags: dict) -> list[str]:
     plain = json.loads(json.dumps(flags, default=str))  # tuples as lists, as the checkpoint holds them
-    names = sorted(k for k in set(saved) | set(plain) if k not in RESUMABLE_CHANGES and saved.get(k) != plain.get(k))
+    # A flag only one side knows was added or removed between versions of the library: not a change.
+    names = sorted(k for k in set(saved) & set(plain) if k not in RESUMABLE_CHANGES and saved[k] != plain[k])
     return [f"--{k.replace('_', '-')} {saved.get(k)!r} (now {plain.get(k)!r})" for k in names]
 
 

@@ -19,17 +19,22 @@ class UsageError(ValueError):
     names it and says what to change, without a traceback, and exit status 2 (usage_errors)."""
 
 
+class RunStopped(RuntimeError):
+    """A run that cannot go on, for a reason its message explains in full (a NaN loss at step N,
+    say): reported like a UsageError but with exit status 1."""
+
+
 @contextlib.contextmanager
 def usage_errors():
     """Wraps a recipe's `main(tyro.cli(Args))`: a UsageError is printed as `error: <message>` on
-    stderr (once, by rank 0) and the process exits with status 2, as tyro does for a bad flag;
-    any other exception keeps its traceback."""
+    stderr (once, by rank 0) and the process exits with status 2, as tyro does for a bad flag; a
+    RunStopped is printed the same way, with status 1. Any other exception keeps its traceback."""
     try:
         yield
-    except UsageError as e:
+    except (UsageError, RunStopped) as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        raise SystemExit(2 if isinstance(e, UsageError) else 1) from None
 
 
 def _flag(name: str) -> str:
@@ -265,6 +270,8 @@ class RewardArgs:
     """reward worker processes per rank"""
     reward_model: str | None = None
     """AutoModelForSequenceClassification folder / hub name; replaces the rule-based score"""
+    stop_on_nonfinite_reward: bool = False
+    """stop the run at a NaN or infinite reward (default: it scores 0, counted in reward/nonfinite)"""
 
 
 @dataclass
@@ -312,6 +319,9 @@ class RLArgs(RewardArgs, ValidationArgs, RolloutArgs, TrainerArgs, OptimArgs, Da
         name = "reward_workers.log" if rank == "0" else f"reward_workers.rank{rank}.log"
         return dict(reward_fn=self.reward_fn, workers=self.reward_workers, timeout=self.reward_timeout,
                     log_path=Path(run_dir) / name)  # fmt: skip
+
+    def tracker_kwargs(self, recipe: str, run_info: dict) -> dict:
+        return {**super().tracker_kwargs(recipe, run_info), "stop_on_nonfinite_reward": self.stop_on_nonfinite_reward}
 
     def model_kwargs(self) -> dict:
         """The keyword arguments of common.model.load_rl_models that these flags set."""

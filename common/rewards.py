@@ -139,11 +139,20 @@ def hit(score: float, extras: dict) -> float:
 
 
 def score_value(result) -> float:
-    """The float score of a reward result (a number, or a dict with a 'score' key)."""
+    """The float score of a reward result (a number, or a dict with a 'score' key). It may be NaN
+    or infinite: RewardPool.score counts and zeroes those."""
     value = result["score"] if isinstance(result, dict) else result
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise TypeError(f"reward must be a finite number or a dict with a numeric 'score', got {result!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"reward must be a number or a dict with a numeric 'score', got {result!r}")
     return float(value)
+
+
+FLOAT32_MAX = 3.4028234663852886e38  # rewards train as float32: a larger score would be infinite there
+
+
+def finite(score: float) -> bool:
+    """Whether a score is a usable reward: a number that stays finite as a float32."""
+    return math.isfinite(score) and abs(score) <= FLOAT32_MAX
 
 
 # --- the worker pool ----------------------------------------------------------------------------
@@ -158,6 +167,7 @@ class Scored:
     first_error: str | None = None
     seconds: float = 0.0
     ok: list[bool] | None = None  # per sample: scored without an error or a timeout
+    nonfinite: int = 0  # scores that were NaN or infinite (as float32), zeroed
 
     @classmethod
     def merge(cls, parts: list["Scored"], scores: list[float], extras: list[dict]) -> "Scored":
@@ -167,6 +177,7 @@ class Scored:
             scores=list(scores), extras=list(extras), errors=sum(p.errors for p in parts),
             timeouts=sum(p.timeouts for p in parts), seconds=sum(p.seconds for p in parts),
             first_error=next((p.first_error for p in parts if p.first_error), None),
+            nonfinite=sum(p.nonfinite for p in parts),
         )  # fmt: skip
 
 
@@ -242,14 +253,16 @@ class RewardPool:
 
     One task per worker at a time, so every sample gets its own timeout: a worker that overruns
     is killed and replaced, and the sample scores 0. Exceptions score 0 as well; both are counted
-    and the first traceback is printed once per run.
+    and the first traceback is printed once per run. So do NaN or infinite scores (counted in
+    Scored.nonfinite, the sample shown once); a run that would rather stop on them says so with
+    --stop-on-nonfinite-reward (common.tracking stops it at that step).
     """
 
     def __init__(self, spec: str | None = None, workers: int = 2, timeout: float = 10.0, log_path=None):
         self.spec, self.timeout = spec, timeout
         self.output = _WorkerOutput(log_path)
         self.workers = [self._start() for _ in range(max(1, workers))]
-        self.printed_error = False
+        self.printed_error = self.printed_nonfinite = False
 
     def _start(self):
         """A new worker, returned once it has loaded the reward function, so that start-up time
@@ -333,6 +346,13 @@ class RewardPool:
         if timeouts:
             log.warning("%d sample(s) exceeded the %.1fs reward timeout and scored 0", timeouts, self.timeout)
         scores = [0.0 if r is None else score_value(r) for r in results]
+        nonfinite = [i for i, s in enumerate(scores) if not finite(s)]
+        if nonfinite and not self.printed_nonfinite:
+            self.printed_nonfinite = True
+            i = nonfinite[0]
+            log.warning("reward function returned %r for data_source=%r (scored 0, counted in reward/nonfinite; "
+                        "shown once)", results[i], tasks[i][0])  # fmt: skip
+        scores = [s if finite(s) else 0.0 for s in scores]
         extras = [
             {k: float(v) for k, v in r.items() if k != "score" and isinstance(v, int | float)}
             if isinstance(r, dict)
@@ -340,7 +360,7 @@ class RewardPool:
             for r in results
         ]
         ok = [r is not None for r in results]
-        return Scored(scores, extras, errors, timeouts, first_error, time.time() - t0, ok)
+        return Scored(scores, extras, errors, timeouts, first_error, time.time() - t0, ok, len(nonfinite))
 
     def dry_run(self, rows: list[dict], per_source: int = 2) -> None:
         """Score up to `per_source` rows of every data_source among `rows` before the first step,

@@ -211,7 +211,7 @@ def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, rewar
     by the reward pool (verl's compute_score) or, when given, the reward model.
 
     Adds rows [(prompt row, Completion)] with group g at rows g*n .. g*n+n-1, group_ids (B,),
-    scored (the pool's Scored: errors, timeouts, extra keys), rewards (B,) float32, and timing
+    scored (the pool's Scored: errors, timeouts, nonfinite, extra keys), rewards (B,) float32, and timing
     {perf/generate_s, perf/score_s}.
     """
     t = time.time()
@@ -230,6 +230,9 @@ def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, rewar
     if reward_model is not None:
         prompt_ids, messages = [p["prompt_ids"] for p, _ in rows], [p["messages"] for p, _ in rows]
         rewards = reward_model.score(messages, texts, prompt_ids, responses).to(device)
+        bad = ~torch.isfinite(rewards)  # zeroed and counted, as the pool does with a function's NaN
+        batch["scored"].nonfinite += int(bad.sum())
+        rewards = rewards.masked_fill(bad, 0.0)
     batch["rewards"] = rewards
     batch["timing"]["perf/score_s"] = time.time() - t
     return batch
@@ -238,8 +241,9 @@ def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, rewar
 def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist) -> dict:
     """Sample responses to every row (sharded over ranks), score them, and return val/* metrics:
     the mean reward, the accuracy overall and per data_source (a result's own "acc" key when
-    it has one, else score > 0), and the samples whose scoring raised or timed out (counted in
-    val/reward/errors and val/reward/timeouts: they score 0, so they must not pass for wrong answers)."""
+    it has one, else score > 0), and the samples whose scoring raised, timed out or gave NaN (counted
+    in val/reward/errors, timeouts and nonfinite: they score 0, so they must not pass for wrong
+    answers)."""
     local, n_real = shard_evenly(rows, dist)
     completions = engine.generate([r["prompt_ids"] for r in local], sampling)[:n_real]
     pairs = [(row, c) for row, group in zip(local[:n_real], completions) for c in group]
@@ -248,12 +252,13 @@ def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist
     hits = [hit(s, e) for s, e in zip(scored.scores, scored.extras)]
     mine = list(zip([r["data_source"] for r, _ in pairs], scored.scores, hits))
     results = [x for part in gather_objects(mine) for x in part]
-    failures = [sum(column) for column in zip(*gather_objects((scored.errors, scored.timeouts)))]
+    failures = [sum(c) for c in zip(*gather_objects((scored.errors, scored.timeouts, scored.nonfinite)))]
     metrics = {
         "val/reward/mean": sum(s for _, s, _ in results) / len(results),
         "val/accuracy": sum(h for *_, h in results) / len(results),
         "val/reward/errors": failures[0],
         "val/reward/timeouts": failures[1],
+        "val/reward/nonfinite": failures[2],
     }
     for source in sorted({d for d, *_ in results}):
         hits_d = [h for d, _, h in results if d == source]

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from common.config import RunStopped
 from common.parallel import barrier
 
 log = logging.getLogger(__name__)
@@ -34,11 +35,14 @@ def setup_logging(rank: int) -> None:
 
 
 # Quantities that must stay finite: a step where one is not stops the run there, naming it.
-MUST_BE_FINITE = ("reward/mean", "train/loss", "train/grad_norm", "critic/vf_loss", "critic/grad_norm")
+MUST_BE_FINITE = (
+    "reward/mean", "critic/advantages/mean", "critic/advantages/max", "critic/advantages/min",
+    "train/loss", "train/grad_norm", "critic/vf_loss", "critic/grad_norm",
+)  # fmt: skip
 ZERO_GRAD_STEPS = 3  # steps in a row without a gradient before the run says it cannot learn
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(RunStopped):
     """A loss, gradient norm or reward that is NaN or infinite: training cannot go on from it."""
 
 
@@ -62,8 +66,9 @@ class Tracker:
         is_main: bool = True,
         bar_keys: tuple[str, ...] = ("train/loss", "reward/mean", "val/accuracy"),
         log_interval: int = 0,
+        stop_on_nonfinite_reward: bool = False,
     ):
-        self.is_main = is_main
+        self.is_main, self.stop_on_nonfinite_reward = is_main, stop_on_nonfinite_reward
         self.total_steps, self.start_step, self.log_interval = total_steps, start_step, log_interval
         self.t_start = time.time()
         self.run_dir = Path(run_dir)
@@ -144,9 +149,18 @@ class Tracker:
             self.bar.update(max(0, step - self.bar.n))
 
     def _check(self, metrics: dict, step: int) -> None:
-        """On every rank (the values are global, so ranks agree): stop at a non-finite quantity,
-        and say once when ZERO_GRAD_STEPS steps in a row had no gradient at all."""
+        """On every rank (the values are global, so ranks agree): stop at a non-finite quantity
+        (or a NaN reward, zeroed by the reward pool, when asked to), and say once when
+        ZERO_GRAD_STEPS steps in a row had no gradient at all."""
         bad = {k: _plain(metrics[k]) for k in MUST_BE_FINITE if k in metrics and not math.isfinite(_plain(metrics[k]))}
+        counts = ("reward/nonfinite", "val/reward/nonfinite") if self.stop_on_nonfinite_reward else ()
+        nonfinite = {k: _plain(metrics[k]) for k in counts if metrics.get(k)}
+        if nonfinite:
+            raise NonFiniteError(
+                f"step {step}: {', '.join(f'{k} = {v:g}' for k, v in nonfinite.items())} (rewards that were NaN or "
+                f"infinite; --stop-on-nonfinite-reward stops on them). The reward function's first such result is "
+                f"in the warning above"
+            )
         if bad:
             raise NonFiniteError(
                 f"step {step}: {', '.join(f'{k} = {v}' for k, v in bad.items())}, so training cannot go on. Likely "
@@ -231,10 +245,12 @@ def console_line(record: dict, total_steps: int) -> str:
     return f"step {record['step']}/{total_steps}  " + "  ".join(shown)
 
 
-def step_metrics(batch: dict, rewards, seconds: float) -> dict:
+def step_metrics(batch: dict, rewards, advantages, seconds: float) -> dict:
     """Step 7's shared part for a batch from common.rollout.generate_and_score: reward/* and
-    response/* over every rank, the phase timings, train/epoch, perf/step_s and perf/tokens_per_s.
-    `rewards` (B,) are the final rewards, after any shaping the recipe did."""
+    response/* over every rank, the advantages' mean, max and min over response tokens (verl's
+    critic/advantages/*), the phase timings, train/epoch, perf/step_s and perf/tokens_per_s.
+    `rewards` (B,) are the final rewards, after any shaping the recipe did; `advantages` are
+    (B,) or (B, T)."""
     from common.parallel import all_reduce_sum
 
     rows = batch["rows"]
@@ -242,10 +258,29 @@ def step_metrics(batch: dict, rewards, seconds: float) -> dict:
     sources = [p["data_source"] for p, _ in rows]
     lengths = batch["response_mask"].sum(-1).tolist()
     metrics = rollout_metrics(rewards.tolist(), lengths, truncated, sources, batch["scored"])
+    metrics.update(advantage_metrics(advantages, batch["response_mask"]))
     tokens = all_reduce_sum(batch["attention_mask"].sum().float()).item()
     metrics.update(batch["timing"])
     metrics.update({"train/epoch": batch["epoch"], "perf/step_s": seconds, "perf/tokens_per_s": tokens / seconds})
     return metrics
+
+
+def advantage_metrics(advantages, response_mask) -> dict:
+    """critic/advantages/mean, min and max over the response tokens of every rank. torch's
+    reductions keep a NaN (Python's min and max may drop it), so a NaN advantage shows."""
+    from common.parallel import gather_objects
+
+    mask = response_mask.bool()
+    adv = (advantages.unsqueeze(-1).expand(mask.shape) if advantages.dim() == 1 else advantages)[mask].float()
+    local = (adv.sum().item(), len(adv), adv.min().item(), adv.max().item()) if len(adv) else None
+    parts = torch.tensor([p for p in gather_objects(local) if p is not None], dtype=torch.float64)
+    if not len(parts):
+        return {}
+    return {
+        "critic/advantages/mean": (parts[:, 0].sum() / parts[:, 1].sum()).item(),
+        "critic/advantages/max": parts[:, 3].max().item(),
+        "critic/advantages/min": parts[:, 2].min().item(),
+    }
 
 
 def _plain(v):
@@ -318,6 +353,7 @@ def rollout_metrics(rewards, lengths, truncated, sources, scored) -> dict:
         "reward/accuracy": sum(r[4] for r in rows) / len(rows),
         "reward/errors": all_reduce_sum(torch.tensor(float(scored.errors))).item(),
         "reward/timeouts": all_reduce_sum(torch.tensor(float(scored.timeouts))).item(),
+        "reward/nonfinite": all_reduce_sum(torch.tensor(float(scored.nonfinite))).item(),
         "response/length_mean": lens.mean().item(),
         "response/length_max": lens.max().item(),
         "response/clip_ratio": sum(r[2] for r in rows) / len(rows),

@@ -285,7 +285,7 @@ def main(args: Args) -> dict:
         engine.update_weights(step + 1)
 
         # 7. log
-        metrics.update(step_metrics(batch, rewards, time.time() - t0))
+        metrics.update(step_metrics(batch, rewards, advantages, time.time() - t0))
 
         # 8. validate / save
         if val and is_due(step + 1, args.test_freq, total_steps):

@@ -297,7 +297,7 @@ def main(args: Args) -> dict:
         engine.update_weights(step + 1)
 
         # 7. log
-        metrics.update(step_metrics(batch, rewards, time.time() - t0), **kl_metrics)  # with the KL in the reward
+        metrics.update(step_metrics(batch, rewards, advantages, time.time() - t0), **kl_metrics)  # KL: in the reward
 
         # 8. validate / save
         if val and is_due(step + 1, args.test_freq, total_steps):

@@ -65,6 +65,8 @@ def test_verl_style_reward_file_and_failures_are_counted(tmp_path, small_val):
         "def my_score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    if extra_info['index'] % 4 == 0:\n"
         "        raise ValueError('flaky reward')\n"
+        "    if extra_info['index'] % 4 == 1:\n"
+        "        return float('nan')\n"
         "    m = re.search(r'<answer>(.*?)</answer>', solution_str)\n"
         "    ok = bool(m) and m.group(1).strip() == ground_truth\n"
         "    return {'score': float(ok), 'acc': float(ok), 'formatted': float(bool(m))}\n"
@@ -73,12 +75,27 @@ def test_verl_style_reward_file_and_failures_are_counted(tmp_path, small_val):
     proc = grpo(out, small_val, f"{FAST} --total-training-steps 2 --test-freq 2 --reward-fn {reward}:my_score")
     last = read_metrics(out)[-1]
     assert last["reward/errors"] > 0, "rows with index % 4 == 0 raised and must be counted"
+    assert last["reward/nonfinite"] > 0 and last["val/reward/nonfinite"] > 0, "index % 4 == 1 gave NaN"
+    assert all(r["reward/nonfinite"] > 0 and r["reward/mean"] >= 0 for r in read_metrics(out)), "zeroed, run on"
     assert 0 <= last["reward/extra/formatted"] <= 1, "other keys of a dict result become metrics"
     assert "reward/extra/acc" in last and 0 <= last["reward/accuracy"] <= 1
     assert "ValueError: flaky reward" in proc.stderr
     assert proc.stderr.count("Traceback (most recent call last)") == 1, "the traceback is printed once"
     assert 0 <= last["val/accuracy"] <= 1
     assert last["val/reward/errors"] > 0 and last["val/reward/timeouts"] == 0, "validation counts them too"
+
+
+def test_a_nan_reward_stops_the_run_when_asked(tmp_path, small_val):
+    reward = tmp_path / "nan_reward.py"
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 1.0 if solution_str == ground_truth else float('nan')\n"  # the dry run's ground truths pass
+    )
+    out = tmp_path / "stops"
+    flags = f"{FAST} --total-training-steps 2 --test-freq 0 --reward-fn {reward} --stop-on-nonfinite-reward"
+    proc = grpo(out, small_val, flags.replace("--save-freq 0", "--save-freq 1"), check=False)
+    assert proc.returncode == 1 and "error: step 1: reward/nonfinite = " in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not (out / "checkpoints").exists(), "stopped before saving step 1"
 
 
 def test_reward_timeouts_do_not_hang_the_run(tmp_path, small_val):

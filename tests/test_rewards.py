@@ -1,4 +1,5 @@
 import logging
+import math
 import os
 import time
 
@@ -9,6 +10,7 @@ from conftest import TINY
 from common.rewards import (
     RewardModel,
     RewardPool,
+    Scored,
     default_compute_score,
     gsm8k_score,
     load_reward_fn,
@@ -31,7 +33,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         os._exit(3)
     if solution_str == "text":
         return "not a number"
-    if solution_str in ("nan", "inf"):
+    if solution_str in ("nan", "inf", "1e39"):
         return {"score": float(solution_str)}
     return {"score": float(solution_str == ground_truth), "acc": 1.0, "note": "ignored"}
 """
@@ -61,7 +63,8 @@ def test_builtins():
 
 def test_score_value_rejects_non_numbers():
     assert score_value({"score": 1, "acc": 0}) == 1.0
-    for bad in ("1", None, float("nan"), {"acc": 1}, True):
+    assert math.isnan(score_value(float("nan")))  # a number: RewardPool.score counts and zeroes it
+    for bad in ("1", None, {"acc": 1}, True):
         with pytest.raises((TypeError, KeyError)):
             score_value(bad)
 
@@ -93,7 +96,7 @@ def test_dry_run_fails_when_every_row_fails_and_warns_otherwise(bad_fn, caplog):
         with caplog.at_level(logging.WARNING, logger="common.rewards"):
             pool.dry_run(rows[:1] + [dict(rows[0], ground_truth="7")])
         assert "1 of 2 rows failed" in caplog.text
-        with pytest.raises(ValueError, match="must be a finite number"):
+        with pytest.raises(ValueError, match="must be a number or a dict"):
             pool.dry_run([dict(rows[0], ground_truth="text")])
     finally:
         pool.close()
@@ -114,10 +117,17 @@ def test_pool_survives_hangs_exceptions_exits_and_bad_returns(bad_fn, caplog):
         assert "boom in reward" in out.first_error
         assert out.seconds < 10, "hung samples must cost about one timeout, not block"
         assert again.scores == [0.0, 1.0] and again.errors == 1
-        # a non-finite reward is counted and zeroed like an error, so it never reaches the advantages
-        nonfinite = pool.score([("d", "nan", "1", None), ("d", "inf", "1", None), ("d", "1", "1", None)])
-        assert nonfinite.scores == [0.0, 0.0, 1.0] and nonfinite.errors == 2
         assert sum("boom in reward" in r.message for r in caplog.records) == 1, "traceback printed once"
+        # a non-finite reward (1e39 is one as the float32 rewards train in) is zeroed and counted
+        # apart from errors, so it never reaches the advantages; the first is shown once
+        with caplog.at_level(logging.WARNING, logger="common.rewards"):
+            tasks = [("d", s, "1", None) for s in ("nan", "inf", "1e39", "1")]
+            nonfinite, again = pool.score(tasks), pool.score(tasks[:1])
+        assert nonfinite.scores == [0.0, 0.0, 0.0, 1.0] and (nonfinite.nonfinite, nonfinite.errors) == (3, 0)
+        assert again.nonfinite == 1 and caplog.text.count("counted in reward/nonfinite") == 1
+        assert "returned {'score': nan} for data_source='d'" in caplog.text
+        merged = Scored.merge([nonfinite, again], [0.0], [{}])
+        assert merged.nonfinite == 4
     finally:
         pool.close()
 

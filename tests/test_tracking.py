@@ -75,6 +75,37 @@ def test_a_non_finite_loss_stops_the_run_at_its_step_on_every_rank(tmp_path):
             t.log({"train/loss": 0.5, "train/grad_norm": float("nan")}, step=2)
     with pytest.raises(NonFiniteError, match=r"step 3: reward/mean = inf"):
         t.log({"reward/mean": float("inf")}, step=3)
+    with pytest.raises(NonFiniteError, match=r"step 4: critic/advantages/mean = nan"):
+        t.log({"reward/mean": 1.0, "critic/advantages/mean": float("nan")}, step=4)
+
+
+def test_nonfinite_rewards_stop_the_run_only_when_asked(tmp_path):
+    import pytest
+
+    from common.tracking import NonFiniteError
+
+    counted = Tracker(tmp_path / "counted", 0, 5, loggers=())
+    counted.log({"reward/mean": 0.5, "reward/nonfinite": 2.0}, step=1)  # zeroed by the pool: the run goes on
+    assert '"reward/nonfinite": 2.0' in (tmp_path / "counted" / "metrics.jsonl").read_text()
+    stops = Tracker(tmp_path / "stops", 0, 5, loggers=(), stop_on_nonfinite_reward=True)
+    stops.log({"reward/mean": 0.5, "reward/nonfinite": 0.0, "val/reward/nonfinite": 0}, step=1)
+    with pytest.raises(NonFiniteError, match=r"step 2: val/reward/nonfinite = 1 .*--stop-on-nonfinite-reward"):
+        stops.log({"reward/mean": 0.5, "reward/nonfinite": 0.0, "val/reward/nonfinite": 1}, step=2)
+
+
+def test_advantage_metrics_over_response_tokens_keep_a_nan():
+    import math
+
+    import torch
+
+    from common.tracking import advantage_metrics
+
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    per_sequence = advantage_metrics(torch.tensor([1.0, -2.0]), mask)  # (B,): every response token carries it
+    assert per_sequence == {"critic/advantages/mean": 0.0, "critic/advantages/max": 1.0, "critic/advantages/min": -2.0}
+    per_token = advantage_metrics(torch.tensor([[0.5, 1.5, 99.0], [-1.0, 99.0, 99.0]]), mask)  # masked 99s ignored
+    assert per_token == {"critic/advantages/mean": 1 / 3, "critic/advantages/max": 1.5, "critic/advantages/min": -1.0}
+    assert all(math.isnan(v) for v in advantage_metrics(torch.tensor([float("nan"), 1.0]), mask).values())
 
 
 def test_steps_without_a_gradient_are_reported_once(tmp_path, caplog):
