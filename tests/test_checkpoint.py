@@ -333,6 +333,10 @@ def test_resume_refuses_a_checkpoint_trained_with_other_settings(tmp_path, token
     assert find_resume("auto", tmp_path, "grpo", flags=flags).name == "step_1"
     longer = {**flags, "total_training_steps": 9, "logger": ("wandb",)}
     assert find_resume("auto", tmp_path, "grpo", flags=longer).name == "step_1"
+    # a flag a newer version of the library added (or an older one had) is not a changed setting
+    newer = {**flags, "a_flag_added_since": True}
+    del newer["rollout_n"]
+    assert find_resume("auto", tmp_path, "grpo", flags=newer).name == "step_1"
     with pytest.raises(UsageError) as refused:
         find_resume("auto", tmp_path, "grpo", flags={**flags, "lr": 2e-3, "train_files": ("b.parquet",)})
     message = str(refused.value)
