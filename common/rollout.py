@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from common.data import pack_sequences, pad
 from common.parallel import gather_objects, is_fsdp, shard_evenly, unwrap
@@ -134,7 +135,7 @@ class HFEngine:
             do_sample=not sampling.greedy,
             **knobs,
             max_new_tokens=sampling.max_tokens,
-            num_return_sequences=sampling.n,
+            num_return_sequences=1,  # _generate_batch repeats each prompt n times itself
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
             return_dict_in_generate=True,
@@ -149,14 +150,31 @@ class HFEngine:
         return out
 
     def _generate_batch(self, inner, prompts, config, warpers, n) -> list[list[Completion]]:
+        from transformers import DynamicCache, LogitsProcessorList
+
         ids = pad(prompts, self.pad_id, side="left").to(self.device)
         attention = pad([[1] * len(p) for p in prompts], 0, side="left").to(self.device)
-        from transformers import LogitsProcessorList
-
+        cache = None
+        if n > 1:
+            # Prefill each prompt once rather than n times (most of a step's generate time with
+            # 16 samples per prompt): its n samples start from copies of one KV cache. Positions
+            # follow the left padding, as generate's own prefill computes them. Every rank takes
+            # this path (FSDP2's forwards are collective): one-token prompts get a padding column.
+            if ids.shape[1] == 1:
+                ids, attention = F.pad(ids, (1, 0), value=self.pad_id), F.pad(attention, (1, 0))
+            cache = DynamicCache(config=inner.config)
+            positions = (attention.cumsum(-1) - 1).clamp(min=0)
+            inner(
+                input_ids=ids[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
+                past_key_values=cache, use_cache=True, logits_to_keep=1,
+            )  # fmt: skip
+            cache.batch_repeat_interleave(n)
+        ids, attention = ids.repeat_interleave(n, 0), attention.repeat_interleave(n, 0)
         recorder = _SampledLogprobs()
         result = inner.generate(
             input_ids=ids,
             attention_mask=attention,
+            past_key_values=cache,
             generation_config=config,
             logits_processor=LogitsProcessorList([*warpers, recorder]),
             synced_gpus=is_fsdp(self.model) and self.world_size > 1,

@@ -42,6 +42,35 @@ def test_sampler_logprobs_match_the_trainer_forward(setup, tokenizer, temperatur
         assert c.finish_reason == ("stop" if c.token_ids[-1] == tokenizer.eos_token_id else "length")
 
 
+def test_each_prompt_is_prefilled_once_for_its_n_samples(setup):
+    """The prompt forward runs on the prompts, not on n copies of each; its samples start from
+    copies of that KV cache and get what n separate greedy runs get (left padding included)."""
+    model, prompts, engine = setup
+    widths = []
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
+    try:
+        shared = engine.generate(prompts, Sampling(n=3, temperature=0, max_tokens=8))
+    finally:
+        hook.remove()
+    longest = max(len(p) for p in prompts)
+    assert widths[0] == (len(prompts), longest - 1), "the prompt forward, once per prompt"
+    assert all(w[0] == 3 * len(prompts) and w[1] <= 1 for w in widths[1:]), "then one token at a time for 3n rows"
+    alone = engine.generate(prompts, Sampling(n=1, temperature=0, max_tokens=8))
+    tiny = [prompts[0][-1:]] * 2  # one-token prompts: the prompt forward still runs (a padding column)
+    for got, want in [
+        (shared, alone),
+        (
+            engine.generate(tiny, Sampling(n=2, temperature=0, max_tokens=4)),
+            engine.generate(tiny, Sampling(n=1, temperature=0, max_tokens=4)),
+        ),
+    ]:
+        for group, (one,) in zip(got, want):
+            for c in group:
+                assert c.token_ids == one.token_ids and c.logprobs == pytest.approx(one.logprobs, abs=1e-5)
+
+
 def test_length_finish_and_greedy(setup, tokenizer):
     model, prompts, engine = setup
     short = engine.generate(prompts[:2], Sampling(n=2, temperature=1.0, max_tokens=2))
