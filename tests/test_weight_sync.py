@@ -1,0 +1,117 @@
+"""common/weight_sync.py: the weights an engine receives are the checkpoint's names and tensors,
+LoRA merged without touching the trainer, tied weights once, FSDP2 gathered to the same values."""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+from safetensors.torch import load_file
+
+from common.model import load_policy
+from common.weight_sync import check_against, checkpoint_shapes, hf_name, hf_weights
+
+SFT = ROOT / "bundled" / "tiny-qwen2-sft"
+
+
+def test_names_and_tensors_are_the_checkpoints():
+    model = load_policy(str(SFT))
+    sent = dict(hf_weights(model))
+    saved = load_file(SFT / "model.safetensors")
+    assert set(sent) == set(saved) - {"lm_head.weight"}, "tied lm_head: sent once, as embed_tokens"
+    assert model.config.tie_word_embeddings
+    for name, tensor in saved.items():
+        if name in sent:
+            assert torch.equal(sent[name], tensor), name
+    assert {t.dtype for _, t in hf_weights(model, torch.bfloat16)} == {torch.bfloat16}
+    assert checkpoint_shapes(SFT) == {k: tuple(v.shape) for k, v in saved.items()}
+
+
+def test_wrapper_and_peft_prefixes_are_stripped():
+    assert hf_name("module.model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert hf_name("_orig_mod.model.norm.weight") == "model.norm.weight"
+    assert hf_name("base_model.model.model.layers.1.self_attn.q_proj.base_layer.weight") == (
+        "model.layers.1.self_attn.q_proj.weight"
+    )
+    assert hf_name("model.layers.0._checkpoint_wrapped_module.mlp.down_proj.weight") == (
+        "model.layers.0.mlp.down_proj.weight"
+    )
+
+
+def trained_adapter(model):
+    """Give every adapter weight seeded values (lora_B starts at zero, which would hide a missing
+    merge; lora_A at random), the same full tensors whether a parameter is whole or an FSDP2 shard."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for i, p in enumerate(p for name, p in model.named_parameters() if ".lora_" in name):
+        full = torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.05
+        with torch.no_grad():
+            p.copy_(distribute_tensor(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full)
+    return model
+
+
+def test_lora_is_sent_merged_and_the_trainer_keeps_its_weights():
+    model = trained_adapter(load_policy(str(SFT), lora_rank=4, lora_alpha=8))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sent = dict(hf_weights(model))
+    merged = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert set(sent) == set(merged) - {"lm_head.weight"}
+    for name, tensor in sent.items():
+        assert torch.allclose(tensor, merged[name], atol=1e-6), name
+    base = load_file(SFT / "model.safetensors")
+    assert any(not torch.equal(t, base[n]) for n, t in sent.items() if "q_proj" in n), "the adapters reach the engine"
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()), "trainer's weights untouched"
+
+
+def test_a_weight_the_engine_does_not_know_is_an_error():
+    shapes = checkpoint_shapes(SFT)
+    good = list(hf_weights(load_policy(str(SFT))))
+    assert [n for n, _ in check_against(iter(good), shapes, "engine 0")] == [n for n, _ in good]
+    renamed = [("model.layers.0.mlp.gate.weight", good[0][1])] + good[1:]
+    with pytest.raises(RuntimeError, match="model.layers.0.mlp.gate.weight is not a weight of the engine's model"):
+        list(check_against(iter(renamed), shapes, "engine 0"))
+    reshaped = [(good[0][0], good[0][1][:-1])] + good[1:]
+    with pytest.raises(RuntimeError, match=r"has shape \(260, 128\), the engine's model \(261, 128\)"):
+        list(check_against(iter(reshaped), shapes, "engine 0"))
+    with pytest.raises(RuntimeError, match=r"1 weight\(s\) never sent, e.g. model.norm.weight"):
+        list(check_against(iter([w for w in good if w[0] != "model.norm.weight"]), shapes, "engine 0"))
+
+
+FSDP2_SCRIPT = """
+import sys, torch
+sys.path.insert(0, sys.argv[4])
+from test_weight_sync import trained_adapter
+from common.model import load_policy
+from common.parallel import init_distributed, wrap_model
+from common.weight_sync import hf_weights
+dist = init_distributed()
+lora_rank = int(sys.argv[3])
+model = wrap_model(load_policy(sys.argv[1], lora_rank=lora_rank, lora_alpha=8), "fsdp2", dist)
+sent = dict(hf_weights(trained_adapter(model) if lora_rank else model))
+if dist.rank == 0:
+    torch.save(sent, sys.argv[2])
+"""
+
+
+def test_fsdp2_ranks_gather_what_one_process_sends(tmp_path):
+    """Two gloo processes, the model sharded, plain and with a trained LoRA adapter: rank 0's
+    stream equals one process's, name for name and bit for bit (every rank runs the gathers)."""
+    import os
+
+    script = tmp_path / "sync.py"
+    script.write_text(FSDP2_SCRIPT)
+    for lora_rank in (0, 4):
+        out = tmp_path / f"sent{lora_rank}.pt"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(29600 + os.getpid() % 300), str(script), str(SFT), str(out), str(lora_rank), str(ROOT / "tests")]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        sent = torch.load(out, weights_only=True)
+        model = load_policy(str(SFT), lora_rank=lora_rank, lora_alpha=8)
+        want = dict(hf_weights(trained_adapter(model) if lora_rank else model))
+        assert list(sent) == list(want), "the same names in the same (layer) order"
+        for name, tensor in want.items():
+            assert torch.allclose(sent[name], tensor, atol=1e-6 if lora_rank else 0), name
