@@ -65,6 +65,7 @@ FLAG_RULES = [
     ("max_prompt_length", lambda v: v >= 1, ">= 1"),
     ("max_response_length", lambda v: v >= 1, ">= 1"),
     ("max_length", lambda v: v >= 1, ">= 1"),
+    ("max_new_tokens", lambda v: v >= 1, ">= 1"),
     ("ppo_epochs", lambda v: v >= 1, ">= 1"),
     ("ppo_max_token_len_per_gpu", lambda v: v >= 1, ">= 1"),
     ("temperature", lambda v: v > 0, "> 0 (the trainer divides the logits by it; --val-temperature 0 is greedy)"),
@@ -100,8 +101,12 @@ def check_flags(args) -> None:
             )
         if not (folder / "config.json").is_file():
             raise UsageError(f"{_flag(name)} {path}: no config.json in that folder, so it is not a Hugging Face model")
-    if getattr(args, "output_dir", "") and Path(args.output_dir).expanduser().is_file():
+    out = Path(getattr(args, "output_dir", "") or ".").expanduser()
+    if out.is_file():
         raise UsageError(f"--output-dir {args.output_dir}: is a file; pass a folder (it is created if missing)")
+    blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise UsageError(f"--output-dir {args.output_dir}: {blocking} is a file, so the folder cannot be created")
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 import tyro
 
 from common.checkpoint import find_resume, resume, save_checkpoint
-from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, is_due, plan_batches, usage_errors
+from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, UsageError, is_due, plan_batches, usage_errors
 from common.data import batch_indices, load_sft, pad
 from common.model import load_tokenizer, load_trained_model
 from common.ops import logprobs_from_logits
@@ -192,7 +192,7 @@ def main(args: Args) -> dict:
     val = load_sft(args.val_files, tokenizer, **data_kwargs, what="val_files")[0] if args.val_files else []
     steps_per_epoch = len(train) // args.train_batch_size
     if steps_per_epoch == 0:
-        raise ValueError(f"train_files hold {len(train)} examples, fewer than train_batch_size={args.train_batch_size}")
+        raise UsageError(f"train_files hold {len(train)} examples, fewer than train_batch_size={args.train_batch_size}")
     total_steps = args.total_training_steps or args.total_epochs * steps_per_epoch
     checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps, flags=dataclasses.asdict(args))
 
