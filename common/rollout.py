@@ -289,6 +289,14 @@ class VLLMEngine:
         return groups
 
 
+def start_engine(model, tokenizer, dist, *, rollout_name: str = "hf", batch_size: int = 256, **vllm_kwargs):
+    """The rollout engine --rollout-name asks for: the HF engine on the live policy (the vLLM
+    flags unused), or a VLLMEngine loaded from model_path and synced with `model` at once."""
+    if rollout_name == "hf":
+        return HFEngine.for_policy(model, tokenizer, dist, batch_size=batch_size)
+    return VLLMEngine(model, eos_ids=[tokenizer.eos_token_id], dist=dist, **vllm_kwargs)
+
+
 def hf_generate_greedy(
     model, prompts, *, pad_id, eos_id, max_new_tokens, batch_size, device, world_size=1
 ) -> list[list[int]]:

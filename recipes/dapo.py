@@ -55,7 +55,7 @@ from common.parallel import (
     unwrap,
 )
 from common.rewards import start_reward_pool
-from common.rollout import HFEngine, evaluate, generate_and_score, regroup
+from common.rollout import evaluate, generate_and_score, regroup, start_engine
 from common.tracking import Tracker, describe_run, step_metrics
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
@@ -292,7 +292,7 @@ def main(args: Args) -> dict:
     model, ref, reward_model, run_info = load_rl_models(
         args.model, dist, tokenizer, with_reference=args.use_kl_loss, **args.model_kwargs()
     )
-    engine = HFEngine.for_policy(model, tokenizer, dist, batch_size=args.val_batch_size)
+    engine = start_engine(model, tokenizer, dist, **args.engine_kwargs())  # --rollout-name hf|vllm
     sampling, val_sampling = args.samplings()
     optimizer, scheduler = args.optimizer_and_scheduler(model, total_steps)
     state = resume(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)

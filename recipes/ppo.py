@@ -63,7 +63,7 @@ from common.parallel import (
     unwrap,
 )
 from common.rewards import start_reward_pool
-from common.rollout import HFEngine, evaluate, generate_and_score
+from common.rollout import evaluate, generate_and_score, start_engine
 from common.tracking import Tracker, describe_run, step_metrics
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
@@ -405,7 +405,7 @@ def main(args: Args) -> dict:
         args.model, dist, tokenizer, with_reference=args.use_kl_loss or args.use_kl_in_reward, **args.model_kwargs()
     )
     critic = critic_and_optimizer(args, dist, total_steps)  # PPO: (model, optimizer, scheduler)
-    engine = HFEngine.for_policy(model, tokenizer, dist, batch_size=args.val_batch_size)
+    engine = start_engine(model, tokenizer, dist, **args.engine_kwargs())  # --rollout-name hf|vllm
     sampling, val_sampling = args.samplings()
     optimizer, scheduler = args.optimizer_and_scheduler(model, max(1, total_steps - args.critic_warmup))
     state = resume(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist,

