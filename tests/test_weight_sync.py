@@ -92,6 +92,8 @@ model = wrap_model(load_policy(sys.argv[1], lora_rank=lora_rank, lora_alpha=8), 
 sent = dict(hf_weights(trained_adapter(model) if lora_rank else model))
 if dist.rank == 0:
     torch.save(sent, sys.argv[2])
+torch.distributed.barrier()  # neither rank exits while the other still uses the group
+torch.distributed.destroy_process_group()
 """
 
 
