@@ -371,6 +371,7 @@ class RLArgs(RewardArgs, ValidationArgs, RolloutArgs, TrainerArgs, OptimArgs, Da
                     log_path=Path(run_dir) / name)  # fmt: skip
 
     def tracker_kwargs(self, recipe: str, run_info: dict) -> dict:
+        """TrainerArgs.tracker_kwargs, plus whether a NaN or infinite reward stops the run."""
         return {**super().tracker_kwargs(recipe, run_info), "stop_on_nonfinite_reward": self.stop_on_nonfinite_reward}
 
     def engine_kwargs(self) -> dict:
