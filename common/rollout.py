@@ -216,7 +216,7 @@ class VLLMEngine:
     def __init__(self, model, *, model_path: str, eos_ids: list[int], dist, dtype: str, max_model_len: int,
                  seed: int, gpu_memory_utilization: float, tensor_parallel_size: int, enforce_eager: bool,
                  max_num_seqs: int, max_num_batched_tokens: int, enable_sleep_mode: bool,
-                 trust_remote_code: bool = False):  # fmt: skip
+                 trust_remote_code: bool = False, version: int = 0):  # fmt: skip
         import os
 
         from common.weight_sync import checkpoint_shapes
@@ -230,6 +230,7 @@ class VLLMEngine:
 
         self.model, self.eos_ids, self.rank = model, list(eos_ids), dist.rank
         self.sleep_mode, self.asleep, self.weight_version = enable_sleep_mode, False, -1
+        rng = torch.get_rng_state()  # LLM(seed=...) reseeds torch; a resumed run's restored RNG must survive it
         self.llm = LLM(
             model=model_path, dtype=dtype, seed=seed + dist.rank, max_model_len=max_model_len,
             enable_prefix_caching=True, logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
@@ -237,9 +238,10 @@ class VLLMEngine:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_sleep_mode=enable_sleep_mode, trust_remote_code=trust_remote_code, skip_tokenizer_init=True,
         )  # fmt: skip
+        torch.set_rng_state(rng)
         self.dtype = self.llm.llm_engine.model_config.dtype
         self.shapes = checkpoint_shapes(model_path)
-        self.update_weights(0)
+        self.update_weights(version)
 
     def sleep(self) -> None:
         if self.sleep_mode and not self.asleep:
@@ -289,12 +291,17 @@ class VLLMEngine:
         return groups
 
 
-def start_engine(model, tokenizer, dist, *, rollout_name: str = "hf", batch_size: int = 256, **vllm_kwargs):
-    """The rollout engine --rollout-name asks for: the HF engine on the live policy (the vLLM
-    flags unused), or a VLLMEngine loaded from model_path and synced with `model` at once."""
+def start_engine(model, tokenizer, dist, version: int = 0, *, rollout_name: str = "hf", batch_size: int = 256,
+                 **vllm_kwargs):  # fmt: skip
+    """The rollout engine --rollout-name asks for, holding weights `version` (the step the run
+    starts from): the HF engine on the live policy (the vLLM flags unused), or a VLLMEngine loaded
+    from model_path and synced with `model` at once. Call it after a resume has loaded the
+    trainer's weights, or a vLLM engine would start from the checkpoint's base model."""
     if rollout_name == "hf":
-        return HFEngine.for_policy(model, tokenizer, dist, batch_size=batch_size)
-    return VLLMEngine(model, eos_ids=[tokenizer.eos_token_id], dist=dist, **vllm_kwargs)
+        engine = HFEngine.for_policy(model, tokenizer, dist, batch_size=batch_size)
+        engine.update_weights(version)
+        return engine
+    return VLLMEngine(model, eos_ids=[tokenizer.eos_token_id], dist=dist, version=version, **vllm_kwargs)
 
 
 def hf_generate_greedy(
@@ -310,9 +317,14 @@ def hf_generate_greedy(
 
 def pack_groups(rows: list[tuple], n: int, tokenizer, device) -> dict:
     """The trainer tensors (common.data.pack_sequences) for rows [(prompt row, Completion)] whose
-    group g sits at rows g*n .. g*n+n-1, plus those rows and group_ids (B,)."""
+    group g sits at rows g*n .. g*n+n-1, plus those rows, group_ids (B,) and rollout_logprobs
+    (B, T): the engine's logprob of each sampled token (0 past a response's end)."""
     prompts, responses = [p["prompt_ids"] for p, _ in rows], [c.token_ids for _, c in rows]
     batch = pack_sequences(prompts, responses, tokenizer.pad_token_id, device)
+    width = batch["responses"].shape[1]
+    batch["rollout_logprobs"] = torch.tensor(
+        [c.logprobs + [0.0] * (width - len(c.logprobs)) for _, c in rows], dtype=torch.float32, device=device
+    )
     batch["rows"] = list(rows)
     batch["group_ids"] = torch.arange(len(rows) // n, device=device).repeat_interleave(n)
     return batch
@@ -328,6 +340,7 @@ def regroup(groups: list[list[tuple]], parts: list[dict], tokenizer, device) -> 
     batch["rewards"] = torch.tensor(rewards, dtype=torch.float32, device=device)
     batch["scored"] = Scored.merge([p["scored"] for p in parts], list(scores), list(extras))
     batch["timing"] = {k: sum(p["timing"][k] for p in parts) for k in parts[0]["timing"]}
+    batch["weight_version"] = parts[0]["weight_version"]
     return batch
 
 
@@ -337,7 +350,8 @@ def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, rewar
     by the reward pool (verl's compute_score) or, when given, the reward model.
 
     Adds rows [(prompt row, Completion)] with group g at rows g*n .. g*n+n-1, group_ids (B,),
-    scored (the pool's Scored: errors, timeouts, nonfinite, extra keys), rewards (B,) float32, and timing
+    rollout_logprobs (B, T), weight_version (the engine's), scored (the pool's Scored: errors,
+    timeouts, nonfinite, extra keys), rewards (B,) float32, and timing
     {perf/generate_s, perf/score_s}.
     """
     t = time.time()
@@ -346,6 +360,7 @@ def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, rewar
     responses = [c.token_ids for _, c in rows]
     batch = pack_groups(rows, sampling.n, tokenizer, device)
     batch["timing"] = {"perf/generate_s": time.time() - t}
+    batch["weight_version"] = engine.weight_version  # the weights that sampled this batch
 
     t = time.time()
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)

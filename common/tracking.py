@@ -245,12 +245,14 @@ def console_line(record: dict, total_steps: int) -> str:
     return f"step {record['step']}/{total_steps}  " + "  ".join(shown)
 
 
-def step_metrics(batch: dict, rewards, advantages, seconds: float) -> dict:
+def step_metrics(batch: dict, rewards, advantages, seconds: float, old_logprobs=None) -> dict:
     """Step 7's shared part for a batch from common.rollout.generate_and_score: reward/* and
     response/* over every rank, the advantages' mean, max and min over response tokens (verl's
-    critic/advantages/*), the phase timings, train/epoch, perf/step_s and perf/tokens_per_s.
-    `rewards` (B,) are the final rewards, after any shaping the recipe did; `advantages` are
-    (B,) or (B, T)."""
+    critic/advantages/*), the phase timings, train/epoch, perf/step_s and perf/tokens_per_s, and
+    the engine's rollout/weight_version. `rewards` (B,) are the final rewards, after any shaping
+    the recipe did; `advantages` are (B,) or (B, T). With the trainer's `old_logprobs` (B, T),
+    also rollout/logprob_diff_mean and _max: |trainer - engine| over response tokens, the
+    mismatch between the policy trained and the one that sampled."""
     from common.parallel import all_reduce_sum
 
     rows = batch["rows"]
@@ -259,6 +261,9 @@ def step_metrics(batch: dict, rewards, advantages, seconds: float) -> dict:
     lengths = batch["response_mask"].sum(-1).tolist()
     metrics = rollout_metrics(rewards.tolist(), lengths, truncated, sources, batch["scored"])
     metrics.update(advantage_metrics(advantages, batch["response_mask"]))
+    metrics["rollout/weight_version"] = batch["weight_version"]
+    if old_logprobs is not None:
+        metrics.update(logprob_diff_metrics(old_logprobs, batch["rollout_logprobs"], batch["response_mask"]))
     tokens = all_reduce_sum(batch["attention_mask"].sum().float()).item()
     metrics.update(batch["timing"])
     metrics.update({"train/epoch": batch["epoch"], "perf/step_s": seconds, "perf/tokens_per_s": tokens / seconds})
@@ -281,6 +286,20 @@ def advantage_metrics(advantages, response_mask) -> dict:
         "critic/advantages/max": parts[:, 3].max().item(),
         "critic/advantages/min": parts[:, 2].min().item(),
     }
+
+
+def logprob_diff_metrics(trainer, engine, response_mask) -> dict:
+    """rollout/logprob_diff_mean and _max: |trainer - engine| logprob over the response tokens of
+    every rank."""
+    from common.parallel import gather_objects
+
+    diff = (trainer.float() - engine.float()).abs()[response_mask.bool()]
+    parts = [p for p in gather_objects((diff.sum().item(), len(diff), diff.max().item() if len(diff) else 0.0))]
+    count = sum(p[1] for p in parts)
+    if not count:
+        return {}
+    return {"rollout/logprob_diff_mean": sum(p[0] for p in parts) / count,
+            "rollout/logprob_diff_max": max(p[2] for p in parts)}  # fmt: skip
 
 
 def _plain(v):

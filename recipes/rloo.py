@@ -186,11 +186,12 @@ def rollout(step, args, train, engine, sampling, pool, reward_model, tokenizer, 
 @torch.no_grad()
 def old_and_ref_logprobs(args, plan, model, ref, batch):
     """Step 4, in micro-batches. Old logprobs only when the policy moves before a sample is used
-    (several mini-batches or epochs); otherwise the update pass's detached logprobs are exact."""
+    (several mini-batches or epochs), or when vLLM sampled with its own copy of the weights (they
+    measure the mismatch); otherwise the update pass's detached logprobs are exact."""
     t, old_logprobs, ref_logprobs = time.time(), None, None
     micro = split_rows(batch, 0, len(batch["rows"]), **args.micro_batch_limits())
     order = torch.cat(micro).argsort()  # micro-batches may be length-sorted: back to row order
-    if plan.mini_batches_per_step > 1 or args.ppo_epochs > 1 or args.use_kl_in_reward:
+    if plan.mini_batches_per_step > 1 or args.ppo_epochs > 1 or args.use_kl_in_reward or args.rollout_name != "hf":
         old_logprobs = torch.cat([forward_logprobs(model, batch, rows, args)[0] for rows in micro])[order]
     if args.use_kl_loss or args.use_kl_in_reward:  # with LoRA the reference is the base model: the adapter switched off
         with unwrap(model).disable_adapter() if ref is None else contextlib.nullcontext():
@@ -259,11 +260,11 @@ def main(args: Args) -> dict:
     model, ref, reward_model, run_info = load_rl_models(
         args.model, dist, tokenizer, with_reference=args.use_kl_loss or args.use_kl_in_reward, **args.model_kwargs()
     )
-    engine = start_engine(model, tokenizer, dist, **args.engine_kwargs())  # --rollout-name hf|vllm
     sampling, val_sampling = args.samplings()
     optimizer, scheduler = args.optimizer_and_scheduler(model, total_steps)
     state = resume(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)
     start_step, kl_coef = state["step"], state.get("kl_coef", args.kl_coef)  # RLOO: an adaptive coef resumes
+    engine = start_engine(model, tokenizer, dist, start_step, **args.engine_kwargs())  # hf or vllm
     tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
 
@@ -289,7 +290,7 @@ def main(args: Args) -> dict:
         engine.update_weights(step + 1)
 
         # 7. log
-        metrics.update(step_metrics(batch, rewards, advantages, time.time() - t0), **kl_metrics)  # KL: in the reward
+        metrics.update(step_metrics(batch, rewards, advantages, time.time() - t0, old_logprobs), **kl_metrics)
 
         # 8. validate / save
         if val and is_due(step + 1, args.test_freq, total_steps):

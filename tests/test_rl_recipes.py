@@ -145,6 +145,7 @@ def test_smoke_checkpoint_and_exact_resume(tmp_path, small_val, recipe):
     )
     got = read_metrics(out)
     assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert [r["rollout/weight_version"] for r in got] == [0, 1, 2, 3], "step k samples with the weights of step k-1"
     for a, b in zip(got[2:], want[2:]):
         for key in ("reward/mean", "train/loss", "train/grad_norm", "response/length_mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-6), (key, a["step"])

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from common.tracking import Tracker, read_metrics
 
 
@@ -118,3 +120,17 @@ def test_steps_without_a_gradient_are_reported_once(tmp_path, caplog):
             t.log({"train/grad_norm": 0.0, "reward/mean": 0.0}, step=step)
     assert caplog.text.count("no gradient") == 1 and "steps 4-6" in caplog.text
     assert "answer format" in caplog.text
+
+
+def test_logprob_diff_metrics_over_response_tokens():
+    import torch
+
+    from common.tracking import logprob_diff_metrics
+
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    trainer = torch.tensor([[-0.5, -1.0, -9.0], [-2.0, -9.0, -9.0]])
+    engine = torch.tensor([[-0.4, -1.0, 0.0], [-2.3, 0.0, 0.0]])  # past a response's end: padding, not counted
+    got = logprob_diff_metrics(trainer, engine, mask)
+    assert got["rollout/logprob_diff_mean"] == pytest.approx(0.4 / 3) and got[
+        "rollout/logprob_diff_max"
+    ] == pytest.approx(0.3)

@@ -138,7 +138,35 @@ def test_grpo_with_the_vllm_engine_learns(tmp_path, capsys):
             logger=(),
         )  # fmt: skip
     )
-    after = read_metrics(out)[-1]["val/accuracy"]
+    records = read_metrics(out)
+    assert [r["rollout/weight_version"] for r in records] == list(range(20)), "synced after every step"
+    assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in records), "trainer and engine agree (float32)"
+    after = records[-1]["val/accuracy"]
     with capsys.disabled():
         print(f"\ngrpo --rollout-name vllm: val accuracy {SHIPPED_ACCURACY:.1%} -> {after:.1%} in 20 steps")
     assert after >= SHIPPED_ACCURACY + 0.06
+
+
+def test_grpo_with_the_vllm_engine_resumes_exactly(tmp_path):
+    """Killed after step 4's log and before its save, a resumed run repeats steps 3-4 exactly: the
+    engine starts from the checkpoint's weights (version 2), and the sampler's RNG is the one the
+    checkpoint restored (vLLM's own seeding at start-up does not reset it)."""
+    import shutil
+
+    from conftest import load_recipe, read_metrics
+
+    module = load_recipe("grpo")
+    out = tmp_path / "resume"
+    flags = dict(
+        output_dir=str(out), rollout_name="vllm", train_batch_size=8, ppo_mini_batch_size=8, rollout_n=4,
+        total_training_steps=4, save_freq=2, test_freq=0, val_before_train=False, max_ckpt_to_keep=0, logger=(),
+    )  # fmt: skip
+    module.main(module.Args(**flags, resume="disable"))
+    want = read_metrics(out)
+    shutil.rmtree(out / "checkpoints" / "step_4")
+    module.main(module.Args(**flags, resume="auto"))
+    got = read_metrics(out)
+    assert [r["step"] for r in got] == [1, 2, 3, 4] and [r["rollout/weight_version"] for r in got] == [0, 1, 2, 3]
+    for a, b in zip(got[2:], want[2:]):
+        for key in ("reward/mean", "train/loss", "train/grad_norm", "response/length_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6), (key, a["step"])
