@@ -170,3 +170,23 @@ def test_grpo_with_the_vllm_engine_resumes_exactly(tmp_path):
     for a, b in zip(got[2:], want[2:]):
         for key in ("reward/mean", "train/loss", "train/grad_norm", "response/length_mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-6), (key, a["step"])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_each_engine_gets_the_trainers_weights(tmp_path, strategy):
+    """torchrun with 2 gloo processes, one vLLM engine in each. rollout/logprob_diff_max spans both
+    ranks' samples: an engine left with stale weights would differ from the trainer by far more
+    than float32 noise once the first step has moved the policy (its samples of step 2 and 3)."""
+    from conftest import read_metrics, run_recipe
+
+    out = tmp_path / strategy
+    flags = ["--rollout-name", "vllm", "--strategy", strategy, "--output-dir", out, "--train-batch-size", 8,
+             "--ppo-mini-batch-size", 8, "--rollout-n", 4, "--total-training-steps", 3, "--test-freq", 3,
+             "--save-freq", 0, "--resume", "disable", "--no-val-before-train", "--lr", 1e-3]  # fmt: skip
+    if strategy == "fsdp2":  # ranks must agree on the micro-batch count
+        flags += ["--use-dynamic-bsz", "--ppo-max-token-len-per-gpu", 150]
+    run_recipe("grpo", *flags, nproc=2, env={"VLLM_LOGGING_LEVEL": "ERROR"})
+    records = read_metrics(out)
+    assert [r["rollout/weight_version"] for r in records] == [0, 1, 2]
+    assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in records), [r["rollout/logprob_diff_max"] for r in records]
+    assert "val/accuracy" in records[-1]
