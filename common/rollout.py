@@ -231,13 +231,23 @@ class VLLMEngine:
         self.model, self.eos_ids, self.rank = model, list(eos_ids), dist.rank
         self.sleep_mode, self.asleep, self.weight_version = enable_sleep_mode, False, -1
         rng = torch.get_rng_state()  # LLM(seed=...) reseeds torch; a resumed run's restored RNG must survive it
-        self.llm = LLM(
-            model=model_path, dtype=dtype, seed=seed + dist.rank, max_model_len=max_model_len,
-            enable_prefix_caching=True, logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
-            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_sleep_mode=enable_sleep_mode, trust_remote_code=trust_remote_code, skip_tokenizer_init=True,
-        )  # fmt: skip
+        try:
+            self.llm = LLM(
+                model=model_path, dtype=dtype, seed=seed + dist.rank, max_model_len=max_model_len,
+                enable_prefix_caching=True, logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
+                gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                enable_sleep_mode=enable_sleep_mode, trust_remote_code=trust_remote_code, skip_tokenizer_init=True,
+            )  # fmt: skip
+        except Exception as e:  # vLLM's own traceback names its internals, not what to do
+            from common.config import RunStopped
+
+            detail = " ".join(str(e).split())  # vLLM's messages run long (every architecture it knows)
+            raise RunStopped(
+                f"--rollout-name vllm: vLLM could not start on {model_path}: {type(e).__name__}: "
+                f"{detail[:300] + (' ...' if len(detail) > 300 else '')}; train with --rollout-name hf, or with a "
+                f"model vLLM supports"
+            ) from e
         torch.set_rng_state(rng)
         self.dtype = self.llm.llm_engine.model_config.dtype
         self.shapes = checkpoint_shapes(model_path)

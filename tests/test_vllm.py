@@ -190,3 +190,25 @@ def test_two_processes_each_engine_gets_the_trainers_weights(tmp_path, strategy)
     assert [r["rollout/weight_version"] for r in records] == [0, 1, 2]
     assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in records), [r["rollout/logprob_diff_max"] for r in records]
     assert "val/accuracy" in records[-1]
+
+
+def test_a_model_vllm_cannot_load_is_one_clear_error(tmp_path, tokenizer):
+    """A model whose architecture vLLM does not know: one message naming the folder and the way
+    out (--rollout-name hf), not vLLM's internals."""
+    import json
+    import shutil
+
+    from common.config import RunStopped
+
+    folder = tmp_path / "odd-model"
+    shutil.copytree(SFT, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
+    with pytest.raises(RunStopped, match=rf"vLLM could not start on {folder}: .*NoSuchModel.*--rollout-name hf") as e:
+        VLLMEngine(
+            load_policy(SFT), model_path=str(folder), eos_ids=[tokenizer.eos_token_id], dtype="float32",
+            max_model_len=80, seed=1, dist=Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
+            gpu_memory_utilization=0.5, tensor_parallel_size=1, enforce_eager=True, max_num_seqs=16,
+            max_num_batched_tokens=4096, enable_sleep_mode=False,
+        )  # fmt: skip
+    assert len(str(e.value)) < 600, "one short message"
