@@ -294,7 +294,7 @@ def logprob_diff_metrics(trainer, engine, response_mask) -> dict:
     from common.parallel import gather_objects
 
     diff = (trainer.float() - engine.float()).abs()[response_mask.bool()]
-    parts = [p for p in gather_objects((diff.sum().item(), len(diff), diff.max().item() if len(diff) else 0.0))]
+    parts = gather_objects((diff.sum().item(), len(diff), diff.max().item() if len(diff) else 0.0))
     count = sum(p[1] for p in parts)
     if not count:
         return {}
