@@ -76,6 +76,7 @@ FLAG_RULES = [
     ("tensor_parallel_size", lambda v: v >= 1, ">= 1"),
     ("max_num_seqs", lambda v: v >= 1, ">= 1"),
     ("max_num_batched_tokens", lambda v: v >= 1, ">= 1"),
+    ("rollout_is_threshold", lambda v: v >= 1, ">= 1 (below 1 even an on-policy token's weight of 1 is cut)"),
     ("val_n", lambda v: v >= 1, ">= 1"),
     ("val_batch_size", lambda v: v >= 1, ">= 1"),
     ("reward_timeout", lambda v: v > 0, "> 0 seconds"),
@@ -107,6 +108,12 @@ def check_flags(args) -> None:
             raise UsageError(f"{_flag(name)} {path}: no config.json in that folder, so it is not a Hugging Face model")
     if getattr(args, "rollout_name", "hf") == "vllm":
         _check_vllm(args)
+    if getattr(args, "bypass_mode", False) and getattr(args, "rollout_is", None):
+        raise UsageError(
+            f"--bypass-mode with --rollout-is {args.rollout_is}: in bypass mode the engine's logprobs are the old "
+            f"policy, so pi_old / pi_rollout is 1 and the weights change nothing (the PPO ratio pi / pi_rollout does "
+            f"the correcting); drop one of the two flags"
+        )
     out = Path(getattr(args, "output_dir", "") or ".").expanduser()
     if out.is_file():
         raise UsageError(f"--output-dir {args.output_dir}: is a file; pass a folder (it is created if missing)")
@@ -308,6 +315,12 @@ class RolloutArgs:
     """vllm: most tokens in one engine step"""
     enable_sleep_mode: bool = False
     """vllm (GPU): free the engine's memory between rollouts (verl's free_cache_engine)"""
+    rollout_is: Literal["token", "sequence"] | None = None
+    """rollout correction: weight each token by the truncated pi_old / pi_rollout, per token or per response"""
+    rollout_is_threshold: float = 2.0
+    """rollout correction: the cap on those importance weights"""
+    bypass_mode: bool = False
+    """take the engine's logprobs as the old policy (saves the trainer's old-logprob pass)"""
 
 
 @dataclass

@@ -154,6 +154,32 @@ def agg_loss(
     return out
 
 
+def rollout_is_weights(
+    old_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
+    level: str | None, threshold: float,
+) -> torch.Tensor:  # fmt: skip
+    """Truncated importance weights of the trainer's old policy over the engine that sampled,
+    (B, T), detached, zero on padding (verl's decoupled rollout correction):
+
+    token:     w_t = min(exp(clamp(old_t - rollout_t, +-20)), threshold)
+    sequence:  w_t = min(exp(clamp(sum_t' (old_t' - rollout_t'), +-20)), threshold), the same on
+               every token of a response
+
+    level None (the correction off): 1 on every response token. The +-20 clamp keeps exp finite;
+    only the top is truncated (a small weight stays unbiased).
+    Weights are positive, so scaling a token's advantage by w_t scales its clipped-surrogate loss
+    (dual-clip included) by w_t: the same gradient as weighting the loss, as verl does."""
+    mask = response_mask.to(torch.float32)
+    if level is None:
+        return mask
+    log_ratio = (old_logprobs.detach().float() - rollout_logprobs.float()) * mask
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(mask)
+    elif level != "token":
+        raise ValueError(f"rollout_is {level!r}; use token or sequence")
+    return torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0)).clamp(max=threshold) * mask
+
+
 def update_kl_coef(coef: float, kl: float, *, kind: str, target_kl: float, horizon: int, n_steps: int) -> float:
     """verl's kl_ctrl for a KL penalty in the reward, applied after each step. fixed: unchanged.
     adaptive (Ziegler et al. 2019, arXiv:1909.08593): coef * (1 + clip(kl / target_kl - 1, -0.2,

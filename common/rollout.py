@@ -228,7 +228,7 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default takes far more
         from vllm import LLM
 
-        self.model, self.eos_ids, self.rank = model, list(eos_ids), dist.rank
+        self.model, self.eos_ids, self.rank, self.max_model_len = model, list(eos_ids), dist.rank, max_model_len
         self.sleep_mode, self.asleep, self.weight_version = enable_sleep_mode, False, -1
         rng = torch.get_rng_state()  # LLM(seed=...) reseeds torch; a resumed run's restored RNG must survive it
         try:
@@ -282,6 +282,13 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         from vllm import SamplingParams
 
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + sampling.max_tokens > self.max_model_len:  # vLLM would refuse it, or cut the response short
+            raise ValueError(
+                f"a prompt of {longest} tokens plus {sampling.max_tokens} to generate exceeds the vLLM engine's "
+                f"max_model_len {self.max_model_len} (--max-prompt-length + --max-response-length); prompts from "
+                f"common.data.load_rl_data are cut or refused at --max-prompt-length, as --truncation says"
+            )
         params = SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_tokens, logprobs=0,

@@ -252,7 +252,8 @@ def step_metrics(batch: dict, rewards, advantages, seconds: float, old_logprobs=
     the engine's rollout/weight_version. `rewards` (B,) are the final rewards, after any shaping
     the recipe did; `advantages` are (B,) or (B, T). With the trainer's `old_logprobs` (B, T),
     also rollout/logprob_diff_mean and _max: |trainer - engine| over response tokens, the
-    mismatch between the policy trained and the one that sampled."""
+    mismatch between the policy trained and the one that sampled (not logged when the old
+    logprobs are the engine's own, as --bypass-mode makes them)."""
     from common.parallel import all_reduce_sum
 
     rows = batch["rows"]
@@ -262,7 +263,7 @@ def step_metrics(batch: dict, rewards, advantages, seconds: float, old_logprobs=
     metrics = rollout_metrics(rewards.tolist(), lengths, truncated, sources, batch["scored"])
     metrics.update(advantage_metrics(advantages, batch["response_mask"]))
     metrics["rollout/weight_version"] = batch["weight_version"]
-    if old_logprobs is not None:
+    if old_logprobs is not None and old_logprobs is not batch["rollout_logprobs"]:  # bypass: nothing to compare
         metrics.update(logprob_diff_metrics(old_logprobs, batch["rollout_logprobs"], batch["response_mask"]))
     tokens = all_reduce_sum(batch["attention_mask"].sum().float()).item()
     metrics.update(batch["timing"])
@@ -300,6 +301,31 @@ def logprob_diff_metrics(trainer, engine, response_mask) -> dict:
         return {}
     return {"rollout/logprob_diff_mean": sum(p[0] for p in parts) / count,
             "rollout/logprob_diff_max": max(p[2] for p in parts)}  # fmt: skip
+
+
+def rollout_is_metrics(weights, response_mask, threshold: float) -> dict:
+    """verl's rollout_corr/* for the rollout correction's weights (B, T) over the response tokens of
+    every rank: rollout_is_mean, _max, _min, rollout_is_ratio_fraction_high (the share truncated at
+    the threshold) and rollout_is_eff_sample_size ((sum w)^2 / (n sum w^2), 1 when every weight is
+    equal)."""
+    from common.parallel import gather_objects
+
+    w = weights[response_mask.bool()]
+    high = (w >= threshold).sum().item()  # in the weights' own dtype, where a truncated one equals the cap
+    w = w.double()
+    local = (w.sum().item(), w.square().sum().item(), len(w), high,
+             w.max().item() if len(w) else None, w.min().item() if len(w) else None)  # fmt: skip
+    parts = gather_objects(local)
+    total, squares, count, high = (sum(p[i] for p in parts) for i in range(4))
+    if not count:
+        return {}
+    return {
+        "rollout_corr/rollout_is_mean": total / count,
+        "rollout_corr/rollout_is_max": max(p[4] for p in parts if p[2]),
+        "rollout_corr/rollout_is_min": min(p[5] for p in parts if p[2]),
+        "rollout_corr/rollout_is_ratio_fraction_high": high / count,
+        "rollout_corr/rollout_is_eff_sample_size": total**2 / (count * squares) if squares else 0.0,
+    }
 
 
 def _plain(v):

@@ -19,6 +19,12 @@ regresses onto the returns. How this file departs from the paper (and matches ve
 4. Losses are aggregated by --loss-agg-mode with the token / sequence count of the whole mini-batch
    (all micro-batches, all ranks), so splitting a batch never changes the gradient.
 5. Old logprobs (for the KL in the reward) and values come from no-grad passes before the update.
+   Rollout correction (verl's algorithm.rollout_correction, off by default): the engine that
+   sampled (pi_rollout: vLLM's own copy, other kernels) is not exactly pi_old. --rollout-is token
+   scales each token's advantage by w_t = min(exp(old_t - rollout_t), --rollout-is-threshold),
+   sequence by min(exp(sum_t (old_t - rollout_t)), threshold) on all its tokens (log ratios
+   clamped to +-20); w is detached and positive, so this weights each token's loss as verl does.
+   --bypass-mode takes the engine's logprobs as the old ones: ratio pi / pi_rollout, no old pass.
 
 Run (the tests run the same commands, shortened):
     python recipes/ppo.py                     # bundled SFT checkpoint + addition task, CPU
@@ -51,6 +57,7 @@ from common.ops import (
     masked_mean,
     masked_var,
     masked_whiten,
+    rollout_is_weights,
 )
 from common.parallel import (
     all_reduce_sum,
@@ -64,7 +71,7 @@ from common.parallel import (
 )
 from common.rewards import start_reward_pool
 from common.rollout import evaluate, generate_and_score, start_engine
-from common.tracking import Tracker, describe_run, step_metrics
+from common.tracking import Tracker, describe_run, rollout_is_metrics, step_metrics
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
 PLOTS = (
@@ -253,13 +260,17 @@ def forward_values(critic, batch, rows, args):
 @torch.no_grad()
 def old_and_ref_logprobs(args, plan, model, ref, batch):
     """Step 4, in micro-batches. Old logprobs only when the policy moves before a sample is used
-    (several mini-batches or epochs), the KL in the reward needs them before the update, or vLLM
-    sampled with its own copy of the weights (they measure the mismatch); otherwise the update
-    pass's detached logprobs are exact."""
+    (several mini-batches or epochs), when vLLM sampled with its own copy of the weights (they
+    measure the mismatch) or when the rollout correction weighs them against the engine's;
+    otherwise the update pass's detached logprobs are exact. --bypass-mode takes the engine's
+    logprobs as the old ones, with no pass. The KL in the reward also needs them before the update."""
     t, old_logprobs, ref_logprobs = time.time(), None, None
     micro = split_rows(batch, 0, len(batch["rows"]), **args.micro_batch_limits())
     order = torch.cat(micro).argsort()  # micro-batches may be length-sorted: back to row order
-    if plan.mini_batches_per_step > 1 or args.ppo_epochs > 1 or args.use_kl_in_reward or args.rollout_name != "hf":
+    engine_compared = args.rollout_name != "hf" or args.rollout_is  # the mismatch is measured or corrected
+    if args.bypass_mode:  # the engine's logprobs are the old policy: no pass
+        old_logprobs = batch["rollout_logprobs"]
+    elif plan.mini_batches_per_step > 1 or args.ppo_epochs > 1 or args.use_kl_in_reward or engine_compared:
         old_logprobs = torch.cat([forward_logprobs(model, batch, rows, args)[0] for rows in micro])[order]
     if args.use_kl_loss or args.use_kl_in_reward:  # with LoRA the reference is the base model: the adapter switched off
         with unwrap(model).disable_adapter() if ref is None else contextlib.nullcontext():
@@ -431,16 +442,23 @@ def main(args: Args) -> dict:
         token_rewards, kl_coef, kl_metrics = apply_kl_penalty(args, rewards, old_logprobs, ref_logprobs, mask, kl_coef)
         advantages, returns, metrics = gae_over_batch(args, token_rewards, values, mask, dist)
 
+        # rollout correction (--rollout-is): each token's advantage times the truncated pi_old / pi_rollout
+        is_weights = rollout_is_weights(old_logprobs, batch["rollout_logprobs"], mask, args.rollout_is,
+                                        args.rollout_is_threshold)  # fmt: skip
+        adv_weighted = advantages * is_weights  # the advantages themselves when the correction is off
+
         # 6. update the critic; the policy after the critic warmup, then hand its weights to the engine
         metrics |= update_critic(args, plan, critic, batch, values, returns, mask, dist)
         if step >= args.critic_warmup:  # PPO: the critic trains alone first
             metrics |= update(
-                args, plan, model, optimizer, scheduler, batch, advantages, mask, old_logprobs, ref_logprobs, dist
+                args, plan, model, optimizer, scheduler, batch, adv_weighted, mask, old_logprobs, ref_logprobs, dist
             )
             engine.update_weights(step + 1)
 
         # 7. log
         metrics |= kl_metrics | step_metrics(batch, rewards, advantages, time.time() - t0, old_logprobs)
+        if args.rollout_is:
+            metrics |= rollout_is_metrics(is_weights, mask, args.rollout_is_threshold)
 
         # 8. validate / save
         if val and is_due(step + 1, args.test_freq, total_steps):

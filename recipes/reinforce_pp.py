@@ -12,6 +12,12 @@ from the paper (and matches verl's defaults):
    mini-batch (all micro-batches, all ranks), so splitting a batch never changes the gradient.
 5. Old logprobs come from the trainer: the detached logprobs of the update pass when each sample
    is used once at unchanged weights (one mini-batch, one epoch), else one no-grad pass first.
+   Rollout correction (verl's algorithm.rollout_correction, off by default): the engine that
+   sampled (pi_rollout: vLLM's own copy, other kernels) is not exactly pi_old. --rollout-is token
+   scales each token's advantage by w_t = min(exp(old_t - rollout_t), --rollout-is-threshold),
+   sequence by min(exp(sum_t (old_t - rollout_t)), threshold) on all its tokens (log ratios
+   clamped to +-20); w is detached and positive, so this weights each token's loss as verl does.
+   --bypass-mode takes the engine's logprobs as the old ones: ratio pi / pi_rollout, no old pass.
 
 Run (the tests run the same commands, shortened):
     python recipes/reinforce_pp.py            # bundled SFT checkpoint + addition task, CPU
@@ -43,6 +49,7 @@ from common.ops import (
     logprobs_from_logits,
     masked_mean,
     masked_whiten_all_ranks,
+    rollout_is_weights,
 )
 from common.parallel import (
     all_reduce_sum,
@@ -54,7 +61,7 @@ from common.parallel import (
 )
 from common.rewards import start_reward_pool
 from common.rollout import evaluate, generate_and_score, start_engine
-from common.tracking import Tracker, describe_run, step_metrics
+from common.tracking import Tracker, describe_run, rollout_is_metrics, step_metrics
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
 PLOTS = ("val/accuracy", "reward/mean", "response/length_mean", "policy/*", "train/grad_norm")  # panels of curves.png
@@ -194,12 +201,17 @@ def rollout(step, args, train, engine, sampling, pool, reward_model, tokenizer, 
 @torch.no_grad()
 def old_and_ref_logprobs(args, plan, model, ref, batch):
     """Step 4, in micro-batches. Old logprobs only when the policy moves before a sample is used
-    (several mini-batches or epochs), or when vLLM sampled with its own copy of the weights (they
-    measure the mismatch); otherwise the update pass's detached logprobs are exact."""
+    (several mini-batches or epochs), when vLLM sampled with its own copy of the weights (they
+    measure the mismatch) or when the rollout correction weighs them against the engine's;
+    otherwise the update pass's detached logprobs are exact. --bypass-mode takes the engine's
+    logprobs as the old ones, with no pass. The KL in the reward also needs them before the update."""
     t, old_logprobs, ref_logprobs = time.time(), None, None
     micro = split_rows(batch, 0, len(batch["rows"]), **args.micro_batch_limits())
     order = torch.cat(micro).argsort()  # micro-batches may be length-sorted: back to row order
-    if plan.mini_batches_per_step > 1 or args.ppo_epochs > 1 or args.use_kl_in_reward or args.rollout_name != "hf":
+    engine_compared = args.rollout_name != "hf" or args.rollout_is  # the mismatch is measured or corrected
+    if args.bypass_mode:  # the engine's logprobs are the old policy: no pass
+        old_logprobs = batch["rollout_logprobs"]
+    elif plan.mini_batches_per_step > 1 or args.ppo_epochs > 1 or args.use_kl_in_reward or engine_compared:
         old_logprobs = torch.cat([forward_logprobs(model, batch, rows, args)[0] for rows in micro])[order]
     if args.use_kl_loss or args.use_kl_in_reward:  # with LoRA the reference is the base model: the adapter switched off
         with unwrap(model).disable_adapter() if ref is None else contextlib.nullcontext():
@@ -291,14 +303,21 @@ def main(args: Args) -> dict:
         token_rewards, kl_coef, kl_metrics = apply_kl_penalty(args, rewards, old_logprobs, ref_logprobs, mask, kl_coef)
         advantages = compute_advantages(token_rewards, mask, args.gamma, group_ids if args.group_baseline else None)
 
+        # rollout correction (--rollout-is): each token's advantage times the truncated pi_old / pi_rollout
+        is_weights = rollout_is_weights(old_logprobs, batch["rollout_logprobs"], mask, args.rollout_is,
+                                        args.rollout_is_threshold)  # fmt: skip
+        adv_weighted = advantages * is_weights  # the advantages themselves when the correction is off
+
         # 6. update, then hand the new weights to the engine
         metrics = update(
-            args, plan, model, optimizer, scheduler, batch, advantages, mask, old_logprobs, ref_logprobs, dist
+            args, plan, model, optimizer, scheduler, batch, adv_weighted, mask, old_logprobs, ref_logprobs, dist
         )
         engine.update_weights(step + 1)
 
         # 7. log
         metrics.update(step_metrics(batch, rewards, advantages, time.time() - t0, old_logprobs), **kl_metrics)
+        if args.rollout_is:
+            metrics.update(rollout_is_metrics(is_weights, mask, args.rollout_is_threshold))
 
         # 8. validate / save
         if val and is_due(step + 1, args.test_freq, total_steps):

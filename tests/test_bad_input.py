@@ -109,6 +109,8 @@ CASES = [
     ("negative LoRA rank", dict(lora_rank=-1), "--lora-rank -1: must be >= 0"),
     ("vLLM memory fraction zero", dict(gpu_memory_utilization=0.0), "--gpu-memory-utilization 0.0: must be in (0, 1]"),
     ("vLLM zero sequences per step", dict(max_num_seqs=0), "--max-num-seqs 0: must be >= 1"),
+    ("IS cap below 1", dict(rollout_is="token", rollout_is_threshold=0.5), "--rollout-is-threshold 0.5: must be >= 1"),
+    ("IS weights in bypass mode", dict(rollout_is="sequence", bypass_mode=True), "drop one of the two flags"),
 ]
 if not torch.cuda.is_available():  # what a CPU machine cannot do with vLLM
     CASES += [

@@ -151,3 +151,30 @@ def test_agg_loss_split_with_global_counts_equals_one_pass(mode):
     assert agg_loss(loss[:2], mask[:2], "seq-mean-token-sum-norm", norm_constant=10).item() == pytest.approx(
         agg_loss(loss[:2], mask[:2], "seq-mean-token-sum").item() / 10
     )
+
+
+def test_is_weights_on_the_advantage_weight_each_tokens_loss():
+    """Rollout correction scales each token's advantage by its positive weight; that must equal
+    scaling each token's loss (verl weights the loss), on the clipped, unclipped and dual-clipped
+    branches alike, in value and gradient."""
+    old = torch.zeros(1, 5)
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, -2.0]])
+    weights = torch.tensor([[0.5, 2.0, 1.3, 0.1, 1.7]])
+    mask = torch.ones(1, 5)
+
+    def loss_and_grad(per_token):
+        new = torch.log(torch.tensor([[1.5, 0.5, 1.1, 1.5, 10.0]])).requires_grad_(True)  # clip, clip, none, none, dual
+        per_token(new).backward()
+        return new.grad.clone(), per_token(new.detach()).item()
+
+    weighted_adv = loss_and_grad(lambda new: compute_loss(new, old, adv * weights, mask, **loss_args())[0])
+    weighted_loss = loss_and_grad(
+        lambda new: sum(
+            weights[0, t] * compute_loss(new[:, t : t + 1], old[:, t : t + 1], adv[:, t : t + 1], mask[:, t : t + 1],
+                                         **loss_args(), num_tokens=5)[0]
+            for t in range(5)
+        )
+    )  # fmt: skip
+    assert weighted_adv[1] == pytest.approx(weighted_loss[1])
+    assert torch.allclose(weighted_adv[0], weighted_loss[0])
+    assert weighted_adv[0][0, 4] == 0  # the dual clip held on the last token

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -93,3 +95,33 @@ def test_kl_controller_step_uses_the_mean_of_sequence_means():
     )
     assert coef != 0.05 and metrics == {"policy/kl_coef": 0.05, "reward/kl_penalty": pytest.approx(want_kl)}
     assert ops.kl_controller_step(0.05, kl, mask, kind="fixed", target_kl=0.1, horizon=20)[0] == 0.05
+
+
+def test_rollout_is_weights_token_and_sequence_against_a_loop():
+    torch.manual_seed(0)
+    old = -torch.rand(3, 5) * 2
+    rollout = old + torch.randn(3, 5) * 0.5
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]])
+    rollout[1, 2:] = 99.0  # padding holds junk; it must not reach a sequence's sum
+    threshold = 1.3
+    token = ops.rollout_is_weights(old.requires_grad_(), rollout, mask, "token", threshold)
+    seq = ops.rollout_is_weights(old, rollout, mask, "sequence", threshold)
+    assert not token.requires_grad and not seq.requires_grad
+    for b in range(3):
+        valid = [t for t in range(5) if mask[b, t]]
+        seq_w = min(math.exp(sum(old[b, t].item() - rollout[b, t].item() for t in valid)), threshold)
+        for t in range(5):
+            want_token = min(math.exp(old[b, t].item() - rollout[b, t].item()), threshold) if mask[b, t] else 0.0
+            assert token[b, t].item() == pytest.approx(want_token, rel=1e-5)
+            assert seq[b, t].item() == pytest.approx(seq_w if mask[b, t] else 0.0, rel=1e-5)
+    assert (token[mask.bool()] < threshold).any() and (token == threshold).any()  # both sides of the cap seen
+
+
+def test_rollout_is_weights_stay_finite_and_keep_small_weights():
+    old, rollout, mask = torch.tensor([[0.0, -50.0, 0.0]]), torch.tensor([[-50.0, 0.0, 0.0]]), torch.ones(1, 3)
+    w = ops.rollout_is_weights(old, rollout, mask, "token", 2.0)
+    # exp(50) truncated at the threshold; exp(-50) bounded below at exp(-20), not rounded to 0
+    assert w.tolist()[0] == pytest.approx([2.0, math.exp(-20), 1.0])
+    assert ops.rollout_is_weights(old, rollout, mask, "sequence", 2.0).tolist()[0] == pytest.approx([1.0] * 3)
+    with pytest.raises(ValueError, match="token or sequence"):
+        ops.rollout_is_weights(old, rollout, mask, "geometric", 2.0)

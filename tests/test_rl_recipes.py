@@ -8,6 +8,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -225,6 +226,67 @@ def test_a_copied_recipe_starts_its_own_run(tmp_path, small_val):
     # ... and starting a new run from those weights is one flag away, as the message says
     python("my_algo", "--output-dir", "runs/my_algo_from_grpo", "--model", "runs/grpo/checkpoints/step_1/hf")
     assert [r["step"] for r in read_metrics(work / "runs" / "my_algo_from_grpo")] == [1]
+
+
+# --- rollout correction ------------------------------------------------------------------------------
+def engine_lagging_by(monkeypatch, shift):
+    """The engine reports every sampled token's logprob `shift` below the trainer's, as an engine
+    whose copy of the weights differs would: pi_old / pi_rollout = exp(shift) on every token."""
+    import common.rollout
+
+    pack = common.rollout.pack_groups
+
+    def lagging(*args, **kw):
+        batch = pack(*args, **kw)
+        batch["rollout_logprobs"] = batch["rollout_logprobs"] - shift * batch["response_mask"]
+        return batch
+
+    monkeypatch.setattr(common.rollout, "pack_groups", lagging)
+
+
+def one_step(module, out, small_val, **flags):
+    args = dict(
+        output_dir=str(out),
+        val_files=(str(small_val),),
+        train_batch_size=4,
+        rollout_n=4,
+        total_training_steps=1,
+        test_freq=0,
+        save_freq=0,
+        val_before_train=False,
+        resume="disable",
+        logger=(),
+    )
+    module.main(module.Args(**args, **flags))  # fmt: skip
+    return read_metrics(out)[-1]
+
+
+@pytest.mark.parametrize("recipe", RL_RECIPES)
+def test_rollout_correction_and_bypass_mode(tmp_path, small_val, monkeypatch, recipe):
+    """--rollout-is token weights every token by min(pi_old / pi_rollout, threshold) and logs
+    verl's rollout_corr/*; --bypass-mode makes the engine's logprobs the old policy (the PPO
+    ratio moves off 1 by the engine's lag, and there is no trainer-engine gap left to log)."""
+    module, shift = load_recipe(recipe), 0.1
+    engine_lagging_by(monkeypatch, shift)
+    weighted = one_step(module, tmp_path / "is", small_val, rollout_is="token")
+    assert weighted["rollout/logprob_diff_mean"] == pytest.approx(shift, rel=1e-3)
+    assert weighted["rollout_corr/rollout_is_mean"] == pytest.approx(math.exp(shift), rel=1e-3)
+    assert weighted["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0
+    assert weighted["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(1.0, abs=1e-4)
+
+    bypass = one_step(module, tmp_path / "bypass", small_val, bypass_mode=True)
+    assert bypass["policy/approx_kl"] == pytest.approx(-shift, abs=1e-3)  # mean(old - new) = -shift
+    assert "rollout/logprob_diff_mean" not in bypass and "rollout_corr/rollout_is_mean" not in bypass
+    if recipe != "grpo":
+        return
+    # Truncated everywhere (exp(0.1) > 1.05), every token's loss, so the gradient, is 1.05 times the plain one.
+    plain = one_step(module, tmp_path / "plain", small_val)
+    capped = one_step(module, tmp_path / "capped", small_val, rollout_is="token", rollout_is_threshold=1.05)
+    assert capped["rollout_corr/rollout_is_ratio_fraction_high"] == 1.0
+    assert capped["rollout_corr/rollout_is_mean"] == pytest.approx(1.05)
+    assert capped["reward/mean"] == plain["reward/mean"]  # the same samples
+    assert capped["train/grad_norm"] == pytest.approx(1.05 * plain["train/grad_norm"], rel=1e-4)
+    assert "rollout_corr/rollout_is_mean" not in plain
 
 
 # --- learning -----------------------------------------------------------------------------------------

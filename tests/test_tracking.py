@@ -134,3 +134,21 @@ def test_logprob_diff_metrics_over_response_tokens():
     assert got["rollout/logprob_diff_mean"] == pytest.approx(0.4 / 3) and got[
         "rollout/logprob_diff_max"
     ] == pytest.approx(0.3)
+
+
+def test_rollout_is_metrics_over_response_tokens():
+    import torch
+
+    from common.tracking import rollout_is_metrics
+
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    weights = torch.tensor([[0.5, 2.0, 0.0], [1.0, 0.0, 0.0]])  # 2.0 sits at the threshold: truncated
+    got = rollout_is_metrics(weights, mask, threshold=2.0)
+    assert got == pytest.approx({
+        "rollout_corr/rollout_is_mean": 3.5 / 3,
+        "rollout_corr/rollout_is_max": 2.0,
+        "rollout_corr/rollout_is_min": 0.5,
+        "rollout_corr/rollout_is_ratio_fraction_high": 1 / 3,
+        "rollout_corr/rollout_is_eff_sample_size": 3.5**2 / (3 * 5.25),
+    })  # fmt: skip
+    assert rollout_is_metrics(weights, torch.zeros_like(mask), threshold=2.0) == {}

@@ -26,6 +26,8 @@ GREEDY = Sampling(n=1, temperature=0, max_tokens=16)
 
 @pytest.fixture(scope="module")
 def setup(tokenizer):
+    """The module's engine. Tests that use it come before the recipe runs: each run starts and
+    stops its own engine, and stopping one tears down vLLM's process-wide parallel state."""
     model = load_policy(SFT)
     engine = VLLMEngine(
         model, model_path=SFT, eos_ids=[tokenizer.eos_token_id], dtype="float32", max_model_len=80, seed=1,
@@ -118,6 +120,16 @@ def test_lora_arrives_merged_and_the_trainer_keeps_its_base(setup, tokenizer):
     assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if "lora_" not in n)
 
 
+def test_a_prompt_past_max_model_len_is_refused_before_vllm(setup):
+    """The engine holds prompt + response limits (80 here); a longer request is one clear error
+    naming both flags, never vLLM's own failure or a silently shortened response. A recipe never
+    sends one: common.data cuts or refuses prompts at --max-prompt-length (tests/test_data.py)."""
+    engine, _ = setup
+    with pytest.raises(ValueError, match=r"a prompt of 65 tokens plus 16 .* max_model_len 80 \(--max-prompt-length"):
+        engine.generate([list(range(10, 75))], GREEDY)
+    assert len(engine.generate([list(range(10, 74))], GREEDY)[0]) == 1  # exactly at the limit: served
+
+
 def test_grpo_with_the_vllm_engine_learns(tmp_path, capsys):
     """The main job's recipe with --rollout-name vllm: 20 seeded steps from the shipped checkpoint
     raise the greedy accuracy by a clear margin (the HF engine's run gains 16 points; the bar is 6)."""
@@ -150,7 +162,8 @@ def test_grpo_with_the_vllm_engine_learns(tmp_path, capsys):
 def test_grpo_with_the_vllm_engine_resumes_exactly(tmp_path):
     """Killed after step 4's log and before its save, a resumed run repeats steps 3-4 exactly: the
     engine starts from the checkpoint's weights (version 2), and the sampler's RNG is the one the
-    checkpoint restored (vLLM's own seeding at start-up does not reset it)."""
+    checkpoint restored (vLLM's own seeding at start-up does not reset it). The run uses verl's
+    token-level rollout correction, whose weights stay at 1 while the engine is in sync."""
     import shutil
 
     from conftest import load_recipe, read_metrics
@@ -158,8 +171,8 @@ def test_grpo_with_the_vllm_engine_resumes_exactly(tmp_path):
     module = load_recipe("grpo")
     out = tmp_path / "resume"
     flags = dict(
-        output_dir=str(out), rollout_name="vllm", train_batch_size=8, ppo_mini_batch_size=8, rollout_n=4,
-        total_training_steps=4, save_freq=2, test_freq=0, val_before_train=False, max_ckpt_to_keep=0, logger=(),
+        output_dir=str(out), rollout_name="vllm", rollout_is="token", train_batch_size=8, ppo_mini_batch_size=8,
+        rollout_n=4, total_training_steps=4, save_freq=2, test_freq=0, val_before_train=False, max_ckpt_to_keep=0, logger=(),
     )  # fmt: skip
     module.main(module.Args(**flags, resume="disable"))
     want = read_metrics(out)
@@ -167,6 +180,8 @@ def test_grpo_with_the_vllm_engine_resumes_exactly(tmp_path):
     module.main(module.Args(**flags, resume="auto"))
     got = read_metrics(out)
     assert [r["step"] for r in got] == [1, 2, 3, 4] and [r["rollout/weight_version"] for r in got] == [0, 1, 2, 3]
+    for r in got:
+        assert r["rollout_corr/rollout_is_min"] > 0.999 and r["rollout_corr/rollout_is_max"] < 1.001, r["step"]
     for a, b in zip(got[2:], want[2:]):
         for key in ("reward/mean", "train/loss", "train/grad_norm", "response/length_mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-6), (key, a["step"])
