@@ -11,6 +11,7 @@ they only keep the bookkeeping.
 """
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 
@@ -199,6 +200,28 @@ def _repack_tied_lm_head(worker) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
+class _ExpectedVLLMWarnings(logging.Filter):
+    """Drops vLLM warnings that describe what this engine does on purpose, so that a warning left
+    on the console means something: without it every sync prints "Failed to load weights" twice."""
+
+    expected = (
+        "RotaryEmbedding: Failed to load weights",  # it has no weights: its cos/sin cache is computed
+        "Chat template warmup failed",  # no tokenizer in the engine on purpose: it gets token ids
+    )
+    tied_lm_head = "ParallelLMHead: Failed to load weights"  # expected only when tied: the embedding is sent
+
+    def __init__(self):
+        super().__init__()
+        self.tied = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg % record.args if record.args else record.msg)
+        return not (message.startswith(self.expected) or (self.tied and message.startswith(self.tied_lm_head)))
+
+
+EXPECTED_VLLM_WARNINGS = _ExpectedVLLMWarnings()
+
+
 class VLLMEngine:
     """vLLM's LLM inside this trainer process, one per process, holding its own copy of the policy.
 
@@ -224,10 +247,13 @@ class VLLMEngine:
         # In-process: collective_rpc then calls the worker directly (the weights stream is not
         # pickled), and the trainer needs no extra process per engine.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines (two per sync) bury the progress bar
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default takes far more
         from vllm import LLM
 
+        for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.renderers.base"):
+            logging.getLogger(name).addFilter(EXPECTED_VLLM_WARNINGS)  # on the emitters: LLM() replaces handlers
         self.model, self.eos_ids, self.rank, self.max_model_len = model, list(eos_ids), dist.rank, max_model_len
         self.sleep_mode, self.asleep, self.weight_version = enable_sleep_mode, False, -1
         rng = torch.get_rng_state()  # LLM(seed=...) reseeds torch; a resumed run's restored RNG must survive it
@@ -249,6 +275,9 @@ class VLLMEngine:
                 f"model vLLM supports"
             ) from e
         torch.set_rng_state(rng)
+        EXPECTED_VLLM_WARNINGS.tied = bool(
+            getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False)
+        )
         self.dtype = self.llm.llm_engine.model_config.dtype
         self.shapes = checkpoint_shapes(model_path)
         self.update_weights(version)

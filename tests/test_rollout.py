@@ -194,3 +194,21 @@ def test_regroup_keeps_the_chosen_groups_in_order_and_every_parts_counts(tokeniz
     assert [e["acc"] for e in scored.extras] == [1.0, 0.0, 0.0, 1.0] and batch["timing"] == {"perf/generate_s": 5.0}
     assert batch["weight_version"] == 7
     assert batch["rollout_logprobs"][0].tolist() == pytest.approx([-0.1, -0.2]), "the engine's logprobs, packed"
+
+
+def test_only_the_vllm_warnings_this_engine_causes_on_purpose_are_dropped():
+    import logging
+
+    from common.rollout import _ExpectedVLLMWarnings
+
+    def shown(filt, msg, *args):
+        return filt.filter(logging.LogRecord("vllm.x", logging.WARNING, "f.py", 1, msg, args, None))
+
+    filt = _ExpectedVLLMWarnings()
+    assert not shown(filt, "%s: Failed to load weights", "RotaryEmbedding")  # no weights to load
+    assert not shown(filt, "Chat template warmup failed")  # the engine has no tokenizer on purpose
+    assert shown(filt, "%s: Failed to load weights", "ParallelLMHead")  # untied: a real failure
+    assert shown(filt, "%s: Failed to load weights", "QKVParallelLinear")
+    filt.tied = True
+    assert not shown(filt, "%s: Failed to load weights", "ParallelLMHead")  # tied: the embedding is sent
+    assert shown(filt, "VocabParallelEmbedding: Failed to load weights")
