@@ -68,7 +68,11 @@ FLAG_RULES = [
     ("max_new_tokens", lambda v: v >= 1, ">= 1"),
     ("ppo_epochs", lambda v: v >= 1, ">= 1"),
     ("ppo_max_token_len_per_gpu", lambda v: v >= 1, ">= 1"),
-    ("temperature", lambda v: v > 0, "> 0 (the trainer divides the logits by it; --val-temperature 0 is greedy)"),
+    (
+        "temperature",
+        lambda v: v > 0,
+        "> 0 (greedy decoding: --val-temperature 0 in training, --no-do-sample in generate.py)",
+    ),
     ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("top_k", lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"),
     ("val_temperature", lambda v: v >= 0, ">= 0 (0 is greedy)"),
@@ -78,6 +82,9 @@ FLAG_RULES = [
     ("max_num_batched_tokens", lambda v: v >= 1, ">= 1"),
     ("rollout_is_threshold", lambda v: v >= 1, ">= 1 (below 1 even an on-policy token's weight of 1 is cut)"),
     ("val_n", lambda v: v >= 1, ">= 1"),
+    ("log_val_generations", lambda v: v >= 0, ">= 0 (0: none)"),
+    ("n_samples", lambda v: v >= 1, ">= 1"),
+    ("batch_size", lambda v: v >= 1, ">= 1"),
     ("val_batch_size", lambda v: v >= 1, ">= 1"),
     ("reward_timeout", lambda v: v > 0, "> 0 seconds"),
     ("reward_workers", lambda v: v >= 1, ">= 1"),
@@ -272,6 +279,24 @@ class TrainerArgs:
 
 
 @dataclass
+class EngineArgs:
+    rollout_name: Literal["hf", "vllm"] = "hf"
+    """rollout engine: hf (transformers generate on the live policy) or vllm (its own copy, synced each step)"""
+    gpu_memory_utilization: float = 0.5
+    """vllm: fraction of GPU memory its engine may take (weights and KV cache)"""
+    tensor_parallel_size: int = 1
+    """vllm: GPUs one engine spans (verl's tensor_model_parallel_size)"""
+    enforce_eager: bool = True
+    """vllm: no CUDA graphs (less memory and start-up time beside a trainer)"""
+    max_num_seqs: int = 1024
+    """vllm: most sequences in one engine step"""
+    max_num_batched_tokens: int = 8192
+    """vllm: most tokens in one engine step"""
+    enable_sleep_mode: bool = False
+    """vllm (GPU): free the engine's memory between rollouts (verl's free_cache_engine)"""
+
+
+@dataclass
 class RolloutArgs:
     max_prompt_length: int = 64
     """prompt tokens after the chat template (longer ones follow --truncation)"""
@@ -301,20 +326,6 @@ class RolloutArgs:
     """sample among the k most likely tokens (-1: off)"""
     shared_prompt_forward: bool = True
     """trainer passes run each group's shared prompt once (same numbers; off: one pass per sequence)"""
-    rollout_name: Literal["hf", "vllm"] = "hf"
-    """rollout engine: hf (transformers generate on the live policy) or vllm (its own copy, synced each step)"""
-    gpu_memory_utilization: float = 0.5
-    """vllm: fraction of GPU memory its engine may take (weights and KV cache)"""
-    tensor_parallel_size: int = 1
-    """vllm: GPUs one engine spans (verl's tensor_model_parallel_size)"""
-    enforce_eager: bool = True
-    """vllm: no CUDA graphs (less memory and start-up time beside a trainer)"""
-    max_num_seqs: int = 1024
-    """vllm: most sequences in one engine step"""
-    max_num_batched_tokens: int = 8192
-    """vllm: most tokens in one engine step"""
-    enable_sleep_mode: bool = False
-    """vllm (GPU): free the engine's memory between rollouts (verl's free_cache_engine)"""
     rollout_is: Literal["token", "sequence"] | None = None
     """rollout correction: weight each token by the truncated pi_old / pi_rollout, per token or per response"""
     rollout_is_threshold: float = 2.0
@@ -345,10 +356,12 @@ class ValidationArgs:
     """validation responses per prompt"""
     val_batch_size: int = 256
     """prompts per generate call in validation"""
+    log_val_generations: int = 0
+    """each validation, log the first N prompts with a response and its score (val_generations.jsonl; wandb table)"""
 
 
 @dataclass
-class RLArgs(RewardArgs, ValidationArgs, RolloutArgs, TrainerArgs, OptimArgs, DataArgs, ModelArgs):
+class RLArgs(RewardArgs, ValidationArgs, RolloutArgs, EngineArgs, TrainerArgs, OptimArgs, DataArgs, ModelArgs):
     """The plumbing flags every RL recipe shares, with the RL defaults for the bundled task.
     Flags are listed model, data, optim, trainer, rollout, validation, reward; a recipe's own
     algorithm knobs follow."""

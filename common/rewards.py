@@ -86,6 +86,33 @@ def exact_match(solution_str: str, ground_truth) -> float:
     return float(solution_str.strip() == str(ground_truth).strip())
 
 
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} (nested braces kept), stripped; None without one."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j].strip()
+    return None
+
+
+def extract_answer(data_source: str, text: str) -> str | None:
+    """The final answer a built-in reward reads from a response, as a string to vote on (maj@k in
+    recipes/evaluate.py): the <answer> tag (bundled task), the number after '#### ' (GSM8K, commas
+    dropped), the last \\boxed{} (math sources). None when there is none or no built-in."""
+    if data_source == BUNDLED_ADDITION:
+        return extract_answer_tag(text)
+    if data_source in GSM8K_SOURCES:
+        found = _GSM8K_STRICT.findall(text[-300:])
+        return found[-1].replace(",", "").rstrip(".") if found else None
+    if data_source in MATH_SOURCES or data_source.startswith(("math", "aime")):
+        return last_boxed(text)
+    return None
+
+
 def builtin_scorer(data_source: str):
     """The built-in (solution_str, ground_truth) -> score for a data_source, or None."""
     if data_source == BUNDLED_ADDITION:
@@ -168,6 +195,7 @@ class Scored:
     seconds: float = 0.0
     ok: list[bool] | None = None  # per sample: scored without an error or a timeout
     nonfinite: int = 0  # scores that were NaN or infinite (as float32), zeroed
+    preds: list[str | None] | None = None  # per sample: a dict result's "pred" string (verl's extracted answer)
 
     @classmethod
     def merge(cls, parts: list["Scored"], scores: list[float], extras: list[dict]) -> "Scored":
@@ -360,7 +388,8 @@ class RewardPool:
             for r in results
         ]
         ok = [r is not None for r in results]
-        return Scored(scores, extras, errors, timeouts, first_error, time.time() - t0, ok, len(nonfinite))
+        preds = [r.get("pred") if isinstance(r, dict) and isinstance(r.get("pred"), str) else None for r in results]
+        return Scored(scores, extras, errors, timeouts, first_error, time.time() - t0, ok, len(nonfinite), preds)
 
     def dry_run(self, rows: list[dict], per_source: int = 2) -> None:
         """Score up to `per_source` rows of every data_source among `rows` before the first step,

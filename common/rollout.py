@@ -230,6 +230,7 @@ class VLLMEngine:
     vLLM's layerwise reload, then resets the prefix cache (vLLM never does: a stale cache keeps
     serving the old weights' keys and values) and records the version. It runs once at start, so
     a resumed run or a LoRA policy generates with the trainer's weights from the first step.
+    With model None it serves the checkpoint at model_path as it is, and has nothing to sync.
     Sampled-token logprobs are vLLM's processed ones (after temperature / top-k / top-p), as the
     HF engine's. With sleep mode (GPU only) the engine sleeps at level 1 between uses: weights
     offloaded, KV cache freed; level 2 would drop the weights that validation and the next
@@ -280,7 +281,11 @@ class VLLMEngine:
         )
         self.dtype = self.llm.llm_engine.model_config.dtype
         self.shapes = checkpoint_shapes(model_path)
-        self.update_weights(version)
+        if model is not None:
+            self.update_weights(version)
+        else:  # generation only (recipes/generate.py): the weights vLLM loaded from model_path are the model
+            self.weight_version = version
+            self.sleep()
 
     def sleep(self) -> None:
         if self.sleep_mode and not self.asleep:
@@ -425,12 +430,13 @@ def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, rewar
     return batch
 
 
-def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist) -> dict:
+def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist, log_generations: int = 0) -> dict:
     """Sample responses to every row (sharded over ranks), score them, and return val/* metrics:
     the mean reward, the accuracy overall and per data_source (a result's own "acc" key when
     it has one, else score > 0), and the samples whose scoring raised, timed out or gave NaN (counted
     in val/reward/errors, timeouts and nonfinite: they score 0, so they must not pass for wrong
-    answers)."""
+    answers). With log_generations N (verl's trainer.log_val_generations), val/generations holds
+    the first N rows' prompt, first response, ground truth and score, for common.tracking to log."""
     local, n_real = shard_evenly(rows, dist)
     completions = engine.generate([r["prompt_ids"] for r in local], sampling)[:n_real]
     pairs = [(row, c) for row, group in zip(local[:n_real], completions) for c in group]
@@ -450,4 +456,10 @@ def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist
     for source in sorted({d for d, *_ in results}):
         hits_d = [h for d, _, h in results if d == source]
         metrics[f"val/accuracy/{source}"] = sum(hits_d) / len(hits_d)
+    if log_generations:  # rank 0 holds the first rows (shard_evenly is contiguous); every rank sends its first N
+        n = sampling.n
+        mine = [{"data_source": row["data_source"], "prompt": tokenizer.decode(row["prompt_ids"]),
+                 "response": texts[i * n], "ground_truth": str(row["ground_truth"]), "score": scored.scores[i * n]}
+                for i, row in enumerate(local[:n_real][:log_generations])]  # fmt: skip
+        metrics["val/generations"] = [g for part in gather_objects(mine) for g in part][:log_generations]
     return metrics

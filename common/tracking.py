@@ -81,17 +81,10 @@ class Tracker:
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if start_step > 0 and self.path.is_file():
-            for number, line in enumerate(self.path.read_text().splitlines(), 1):
-                try:
-                    record = json.loads(line) if line else None
-                except json.JSONDecodeError:  # a run killed while writing leaves a torn line
-                    log.warning("%s line %d is torn (%r...): dropped", self.path, number, line[:40])
-                    continue
-                if record is not None and record.get("step", 0) <= start_step:
-                    kept.append(line)
-        self.path.write_text("".join(line + "\n" for line in kept))
+        self.generations_path = self.run_dir / "val_generations.jsonl"
+        _keep_until(self.path, start_step)
+        if self.generations_path.exists():
+            _keep_until(self.generations_path, start_step)
         if config is not None:
             (self.run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str))
         if "wandb" in loggers:
@@ -121,7 +114,20 @@ class Tracker:
 
     def log(self, metrics: dict, step: int) -> None:
         """Append a record for `step` (nothing when metrics is empty) and move the bar to it. The
-        val/ metrics are also kept (on every rank) for the closing summary."""
+        val/ metrics are also kept (on every rank) for the closing summary. Logged generations
+        (val/generations, see common.rollout.evaluate) go to val_generations.jsonl, one line each,
+        and to wandb as a table."""
+        metrics = dict(metrics)
+        generations = metrics.pop("val/generations", None)
+        if generations and self.is_main:
+            with self.generations_path.open("a") as f:
+                f.writelines(json.dumps({"step": step, **g}) + "\n" for g in generations)
+            if self.wandb is not None:
+                import wandb
+
+                columns = list(generations[0])
+                table = wandb.Table(columns=columns, data=[[g[c] for c in columns] for g in generations])
+                self.wandb.log({"val/generations": table}, step=step)
         self._check(metrics, step)
         val = {k: v for k, v in metrics.items() if k.startswith("val/")}
         if val:
@@ -326,6 +332,22 @@ def rollout_is_metrics(weights, response_mask, threshold: float) -> dict:
         "rollout_corr/rollout_is_ratio_fraction_high": high / count,
         "rollout_corr/rollout_is_eff_sample_size": total**2 / (count * squares) if squares else 0.0,
     }
+
+
+def _keep_until(path: Path, step: int) -> None:
+    """A resumed run's jsonl log keeps the lines of steps up to its checkpoint (a fresh run: none);
+    a torn line, left by a kill while writing, is dropped with a warning."""
+    kept = []
+    if step > 0 and path.is_file():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                record = json.loads(line) if line else None
+            except json.JSONDecodeError:
+                log.warning("%s line %d is torn (%r...): dropped", path, number, line[:40])
+                continue
+            if record is not None and record.get("step", 0) <= step:
+                kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept))
 
 
 def _plain(v):

@@ -427,7 +427,7 @@ def main(args: Args) -> dict:
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
 
     if start_step == 0 and val and args.val_before_train:
-        tracker.log(evaluate(engine, pool, tokenizer, val, val_sampling, dist), step=0)
+        tracker.log(evaluate(engine, pool, tokenizer, val, val_sampling, dist, args.log_val_generations), step=0)
     for step in range(start_step, total_steps):
         t0 = time.time()
         # 1-3. sample prompts, generate, score
@@ -462,7 +462,7 @@ def main(args: Args) -> dict:
 
         # 8. validate / save
         if val and is_due(step + 1, args.test_freq, total_steps):
-            metrics.update(evaluate(engine, pool, tokenizer, val, val_sampling, dist))
+            metrics.update(evaluate(engine, pool, tokenizer, val, val_sampling, dist, args.log_val_generations))
         tracker.log(metrics, step=step + 1)
         if is_due(step + 1, args.save_freq, total_steps):
             save_checkpoint(run_dir, step + 1, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist,

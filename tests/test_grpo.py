@@ -10,6 +10,8 @@ import torch
 from conftest import ROOT, TASK_TEST, load_recipe_refusing_models, read_metrics, run_recipe
 from safetensors.torch import load_file
 
+from common.rewards import extract_answer_tag
+
 SFT = ROOT / "bundled" / "tiny-qwen2-sft"
 FAST = "--train-batch-size 8 --ppo-mini-batch-size 8 --rollout-n 4 --micro-batch-size-per-gpu 16 --save-freq 0 --no-val-before-train"
 
@@ -41,7 +43,12 @@ def test_two_processes(tmp_path, small_val, strategy):
     flags = f"{FAST} --strategy {strategy} --use-kl-loss"
     if strategy == "fsdp2":  # ranks must agree on the micro-batch count and on the forward calls in each
         flags += " --use-dynamic-bsz --ppo-max-token-len-per-gpu 150"
-    grpo(out, small_val, flags + " --total-training-steps 2 --test-freq 2 --save-freq 2", nproc=2)
+    grpo(
+        out,
+        small_val,
+        flags + " --total-training-steps 2 --test-freq 2 --save-freq 2 --log-val-generations 40",
+        nproc=2,
+    )
     run = json.loads((out / "config.json").read_text())["run"]
     assert run["world_size"] == 2 and run["strategy"] == strategy
     if strategy == "fsdp2":
@@ -49,6 +56,12 @@ def test_two_processes(tmp_path, small_val, strategy):
     last = read_metrics(out)[-1]
     assert "val/accuracy" in last and last["policy/kl_ref"] >= 0
     assert (out / "checkpoints" / "step_2" / "hf" / "model.safetensors").is_file()
+    # The first 40 validation rows in file order: rank 0 holds 32 of them, rank 1 the other 8.
+    logged = [json.loads(line) for line in (out / "val_generations.jsonl").read_text().splitlines()]
+    questions = [r["extra_info"]["question"] for r in pq.read_table(small_val).to_pylist()[:40]]
+    assert [g["step"] for g in logged] == [2] * 40
+    assert all(q in g["prompt"] for q, g in zip(questions, logged))
+    assert all(g["score"] == float(extract_answer_tag(g["response"]) == g["ground_truth"]) for g in logged)
     # The shared-prompt forward calls the wrapped model twice per micro-batch; gradient sync must
     # still give what one pass per sequence gives (same seed, so the same samples at step 1).
     grpo(plain, small_val, flags + " --total-training-steps 1 --test-freq 0 --no-shared-prompt-forward", nproc=2)

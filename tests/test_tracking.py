@@ -152,3 +152,17 @@ def test_rollout_is_metrics_over_response_tokens():
         "rollout_corr/rollout_is_eff_sample_size": 3.5**2 / (3 * 5.25),
     })  # fmt: skip
     assert rollout_is_metrics(weights, torch.zeros_like(mask), threshold=2.0) == {}
+
+
+def test_logged_generations_go_to_their_own_file_and_resume_like_the_metrics(tmp_path):
+    gens = [{"data_source": "d", "prompt": "1+1=", "response": "<answer>2</answer>", "ground_truth": "2", "score": 1.0}]
+    t = Tracker(tmp_path, loggers=(), total_steps=3)
+    for step in (1, 2, 3):
+        t.log({"val/accuracy": 0.5, "val/generations": gens * step}, step=step)
+    t.close()
+    lines = [json.loads(x) for x in (tmp_path / "val_generations.jsonl").read_text().splitlines()]
+    assert [g["step"] for g in lines] == [1, 2, 2, 3, 3, 3] and lines[0]["response"] == "<answer>2</answer>"
+    assert all("val/generations" not in r for r in read_metrics(tmp_path / "metrics.jsonl"))
+    Tracker(tmp_path, loggers=(), start_step=2, total_steps=3).close()  # resumed from step 2's checkpoint
+    lines = [json.loads(x) for x in (tmp_path / "val_generations.jsonl").read_text().splitlines()]
+    assert [g["step"] for g in lines] == [1, 2, 2]

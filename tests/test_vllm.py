@@ -130,6 +130,19 @@ def test_a_prompt_past_max_model_len_is_refused_before_vllm(setup):
     assert len(engine.generate([list(range(10, 74))], GREEDY)[0]) == 1  # exactly at the limit: served
 
 
+def test_generate_py_with_vllm_writes_what_the_hf_engine_writes(tmp_path):
+    """recipes/generate.py --rollout-name vllm serves the checkpoint as vLLM loads it (no trainer
+    copy to sync): greedy on the bundled test split, every response equals the HF engine's."""
+    import pyarrow.parquet as pq
+    from conftest import load_recipe
+
+    gen = load_recipe("generate")
+    for name in ("hf", "vllm"):
+        gen.main(gen.Args(rollout_name=name, do_sample=False, output_path=str(tmp_path / f"{name}.parquet")))
+    hf, vllm_rows = (pq.read_table(tmp_path / f"{name}.parquet").to_pylist() for name in ("hf", "vllm"))
+    assert len(hf) == 500 and [r["response_ids"] for r in vllm_rows] == [r["response_ids"] for r in hf]
+
+
 def test_grpo_with_the_vllm_engine_learns(tmp_path, capsys):
     """The main job's recipe with --rollout-name vllm: 20 seeded steps from the shipped checkpoint
     raise the greedy accuracy by a clear margin (the HF engine's run gains 16 points; the bar is 6)."""

@@ -1,0 +1,227 @@
+"""Generate: sample n responses per prompt from a model into a parquet (verl's main_generation).
+
+The output holds every row of the input file, every column kept, plus three columns:
+    responses       n strings: the decoded responses (special tokens dropped)
+    response_ids    n token-id lists, for training on them (best-of-n, rejection-sampled SFT)
+    finish_reasons  n of "stop" (an eos token) or "length" (--max-response-length reached)
+Prompts go through the model's chat template and --max-prompt-length exactly as in training
+(--truncation; rows dropped by --filter-overlong-prompts are counted and left out of the output).
+
+How it runs:
+1. The prompts are cut into chunks of --batch-size in file order. Process p of N generates the
+   chunks c with c mod N = p, its sampler seeded by (--seed, c), so with the HF engine one process
+   and N processes write the same responses (vLLM: the same for greedy decoding; sampled ones
+   differ, its CPU build takes no per-request seed).
+2. Each finished chunk is written at once under <output>.parts/ (written to a temporary name, then
+   renamed, so a chunk is either whole or absent). Started again with the same flags, a killed run
+   generates only the chunks that are missing; with other flags it refuses to mix the two.
+3. When every chunk exists, process 0 merges them in input order into --output-path and removes the
+   parts folder. recipes/evaluate.py scores the result.
+
+Run:
+    python recipes/generate.py --n-samples 8                       # bundled test split, shipped checkpoint
+    torchrun --nproc_per_node 2 recipes/generate.py --n-samples 8  # 2 processes, the same output
+    python recipes/generate.py --model runs/grpo/checkpoints/step_80/hf --no-do-sample \
+        --data-path ~/data/gsm8k/test.parquet --output-path ~/gen/gsm8k_step80.parquet --rollout-name vllm
+"""
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+
+from common.config import BUNDLED, EngineArgs, UsageError, check_flags, usage_errors
+from common.parallel import barrier, init_distributed
+
+RECIPE = Path(__file__).stem
+# The flags that decide what a chunk holds: a parts folder made with other values is not reused.
+OUTPUT_FLAGS = ("data_path", "prompt_key", "n_samples", "batch_size", "model", "tokenizer", "dtype", "do_sample",
+                "temperature", "top_p", "top_k", "max_prompt_length", "max_response_length", "truncation",
+                "filter_overlong_prompts", "seed", "rollout_name")  # fmt: skip
+
+
+# --- config ---------------------------------------------------------------------------------------
+@dataclass
+class Args(EngineArgs):  # rollout_name and the vLLM engine's flags come from EngineArgs
+    data_path: str = str(BUNDLED / "addition" / "test.parquet")
+    """input parquet in verl's format (a prompt column; other columns are copied to the output)"""
+    prompt_key: str = "prompt"
+    """column holding the prompt: a chat list of {role, content} or a plain string"""
+    output_path: str = ""
+    """output parquet (default: runs/generate/<input name>_n<n_samples>.parquet)"""
+    n_samples: int = 1
+    """responses sampled per prompt"""
+    batch_size: int = 128
+    """prompts per chunk: one generate call, one resumable part file"""
+    model: str = str(BUNDLED / "tiny-qwen2-sft")
+    """policy: a local Hugging Face folder or a hub name"""
+    tokenizer: str | None = None
+    """tokenizer folder or hub name (default: the model's)"""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype the weights are loaded and run in"""
+    trust_remote_code: bool = False
+    """allow model code from the model folder / hub (off: only transformers' own architectures)"""
+    do_sample: bool = True
+    """sample (off: greedy decoding, and --temperature / --top-p / --top-k are unused)"""
+    temperature: float = 1.0
+    """sampling temperature"""
+    top_p: float = 1.0
+    """nucleus sampling: keep the smallest token set with this much probability (1.0: off)"""
+    top_k: int = -1
+    """sample among the k most likely tokens (-1: off)"""
+    max_prompt_length: int = 64
+    """prompt tokens after the chat template (longer ones follow --truncation)"""
+    max_response_length: int = 16
+    """generated tokens per response"""
+    truncation: Literal["error", "left", "right", "middle"] = "error"
+    """too-long input: error, or keep the end (left), the start (right), or both ends (middle)"""
+    filter_overlong_prompts: bool = False
+    """drop (and count) prompts longer than max_prompt_length instead of truncating / failing"""
+    seed: int = 1
+    """seed for sampling (chunk c is sampled from seed and c)"""
+
+    def __post_init__(self):  # checked as the flags are parsed, before anything loads
+        check_flags(self)
+        if not Path(self.data_path).expanduser().is_file():
+            raise UsageError(f"--data-path {self.data_path}: no such file; pass a parquet file in verl's format")
+        out = self.output()
+        if out.suffix != ".parquet":
+            raise UsageError(f"--output-path {out}: must end in .parquet")
+        if out.resolve() == Path(self.data_path).expanduser().resolve():
+            raise UsageError(f"--output-path {out}: is the input file; write the responses to a new file")
+        blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            raise UsageError(f"--output-path {out}: {blocking} is a file, so the folder cannot be created")
+
+    def output(self) -> Path:
+        return Path(self.output_path or f"runs/generate/{Path(self.data_path).stem}_n{self.n_samples}.parquet")
+
+    def engine_kwargs(self) -> dict:
+        """The keyword arguments of common.rollout.start_engine that these flags set."""
+        names = ("rollout_name", "gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "max_num_seqs",
+                 "max_num_batched_tokens", "enable_sleep_mode", "dtype", "seed", "trust_remote_code")  # fmt: skip
+        return {**{k: getattr(self, k) for k in names}, "model_path": self.model, "batch_size": self.batch_size,
+                "max_model_len": self.max_prompt_length + self.max_response_length}  # fmt: skip
+
+
+# --- parts: one parquet per chunk, so a killed run resumes --------------------------------------------
+def open_parts(parts: Path, flags: dict, n_chunks: int, dist) -> set[int]:
+    """The chunks already written under `parts` by a run with the same flags (process 0 creates
+    the folder and its flags.json; a folder from other flags is an error, never mixed in)."""
+    manifest = parts / "flags.json"
+    if dist.is_main:
+        if manifest.is_file() and json.loads(manifest.read_text()) != flags:
+            old = json.loads(manifest.read_text())
+            changed = sorted(k for k in flags if old.get(k) != flags[k])
+            raise UsageError(
+                f"{parts} holds chunks generated with other flags ({', '.join(changed)}); delete that folder to "
+                f"start over, or pass another --output-path"
+            )
+        parts.mkdir(parents=True, exist_ok=True)
+        manifest.write_text(json.dumps(flags, indent=1))
+    barrier()
+    return {c for c in range(n_chunks) if (parts / f"chunk_{c:06d}.parquet").is_file()}
+
+
+def write_chunk(parts: Path, c: int, rows: list[dict], groups, tokenizer) -> None:
+    """Chunk c's responses, keyed by input row, written whole or not at all."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({
+        "row": [r["row"] for r in rows],
+        "responses": [tokenizer.batch_decode([x.token_ids for x in g], skip_special_tokens=True) for g in groups],
+        "response_ids": [[x.token_ids for x in g] for g in groups],
+        "finish_reasons": [[x.finish_reason for x in g] for g in groups],
+    })  # fmt: skip
+    tmp = parts / f"chunk_{c:06d}.parquet.tmp"
+    pq.write_table(table, tmp)
+    os.replace(tmp, parts / f"chunk_{c:06d}.parquet")
+
+
+def merge_parts(parts: Path, n_chunks: int, data_path: str, out: Path) -> dict:
+    """Process 0: the input's rows that were generated for, in input order, with the three new
+    columns, written to `out` (through a temporary name); the parts folder is removed after."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    done = pa.concat_tables([pq.read_table(parts / f"chunk_{c:06d}.parquet") for c in range(n_chunks)])
+    source = pq.read_table(Path(data_path).expanduser())
+    table = source.take(done.column("row"))
+    for name in ("responses", "response_ids", "finish_reasons"):
+        if name in table.column_names:  # an earlier generation's column: this run's replaces it (the input keeps it)
+            table = table.drop_columns([name])
+        table = table.append_column(name, done.column(name))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, out)
+    shutil.rmtree(parts)
+    lengths = [len(ids) for group in done.column("response_ids").to_pylist() for ids in group]
+    reasons = [r for group in done.column("finish_reasons").to_pylist() for r in group]
+    return {"rows": table.num_rows, "responses": len(lengths), "length_mean": sum(lengths) / max(len(lengths), 1),
+            "truncated": reasons.count("length") / max(len(reasons), 1)}  # fmt: skip
+
+
+# --- main ---------------------------------------------------------------------------------------
+def main(args: Args) -> dict:
+    from tqdm.auto import tqdm
+
+    from common.data import load_prompts
+    from common.model import load_policy, load_tokenizer
+    from common.rollout import Sampling, start_engine
+
+    dist = init_distributed()
+    out = args.output()
+    parts = out.with_name(out.name + ".parts")
+
+    # Prompts (checked and templated as training does), the chunks already done, then the model.
+    tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
+    rows, stats = load_prompts([args.data_path], tokenizer, prompt_key=args.prompt_key, what="data_path",
+                               max_prompt_length=args.max_prompt_length, truncation=args.truncation,
+                               filter_overlong_prompts=args.filter_overlong_prompts)  # fmt: skip
+    chunks = [rows[i : i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
+    done = open_parts(parts, {k: getattr(args, k) for k in OUTPUT_FLAGS}, len(chunks), dist)
+    todo = [c for c in range(dist.rank, len(chunks), dist.world_size) if c not in done]
+    if dist.is_main:
+        print(stats.summary("data_path"))
+        if done:
+            print(f"resuming: {len(done)} of {len(chunks)} chunks already in {parts}")
+    model = None
+    if args.rollout_name == "hf":  # vLLM loads the checkpoint itself
+        model = load_policy(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code).to(dist.device)
+    engine = start_engine(model, tokenizer, dist, **args.engine_kwargs())
+    temperature = args.temperature if args.do_sample else 0.0  # 0: greedy
+    sampling = Sampling(args.n_samples, temperature, args.top_p, args.top_k, args.max_response_length)
+
+    # Generate this process's missing chunks, each written as soon as it is done.
+    t0 = time.time()
+    mine = sum(len(chunks[c]) for c in todo)
+    who = f" (process 0 of {dist.world_size})" if dist.world_size > 1 else ""
+    with tqdm(total=mine, unit="prompt", desc=f"generate{who}", disable=not dist.is_main) as bar:
+        for c in todo:
+            torch.manual_seed(args.seed * 1_000_003 + c)  # the same samples whichever process takes chunk c
+            groups = engine.generate([r["prompt_ids"] for r in chunks[c]], sampling)
+            write_chunk(parts, c, chunks[c], groups, tokenizer)
+            bar.update(len(chunks[c]))
+    barrier()
+    summary = {"prompts_per_s": mine * dist.world_size / max(time.time() - t0, 1e-9)}
+    if dist.is_main:
+        summary.update(merge_parts(parts, len(chunks), args.data_path, out))
+        print(
+            f"{summary['rows']} prompts x {args.n_samples} responses -> {out}; response length mean "
+            f"{summary['length_mean']:.1f} tokens, {summary['truncated']:.1%} cut at --max-response-length"
+        )
+    barrier()
+    return summary
+
+
+if __name__ == "__main__":
+    with usage_errors():  # a bad flag, path or file: one line naming it, exit status 2
+        main(tyro.cli(Args))
