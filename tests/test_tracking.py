@@ -42,9 +42,14 @@ def test_wandb_logger_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     t = Tracker(tmp_path, loggers=("wandb",), project="p", experiment="e", config={"lr": 1.0})
     t.log({"train/loss": 0.5}, step=1)
+    gens = [{"data_source": "d", "prompt": "1+1=", "response": "<answer>2</answer>", "ground_truth": "2", "score": 1.0}]
+    t.log({"val/accuracy": 1.0, "val/generations": gens}, step=2)  # --log-val-generations: a wandb table
     t.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    (table,) = runs[0].glob("files/media/table/val/generations_*.table.json")
+    written = json.loads(table.read_text())
+    assert written["columns"] == list(gens[0]) and written["data"] == [list(gens[0].values())]
 
 
 def test_finish_reports_the_validation_before_training_and_the_latest(tmp_path, capsys):
