@@ -7,6 +7,7 @@ on CPU with gloo (in the tests) and on GPUs with NCCL.
 import contextlib
 import os
 import random
+import signal
 from dataclasses import dataclass
 
 import numpy as np
@@ -202,3 +203,28 @@ def shard_evenly(items: list, dist: Dist) -> tuple[list, int]:
     per_rank = -(-len(items) // dist.world_size)
     mine = items[dist.rank * per_rank : (dist.rank + 1) * per_rank]
     return mine + [items[0]] * (per_rank - len(mine)), len(mine)
+
+
+class StopSignal:
+    """SIGUSR1 or SIGTERM asks a training run to stop at the end of the step it is in, after
+    saving a checkpoint (even with --save-freq 0), and to exit with status 0: what Slurm sends
+    before a job's time limit (--signal) or on preemption, so the requeued job resumes with
+    --resume auto where this one stopped. The handlers only set a flag; requested() is
+    collective, so every rank stops after the same step even when only one got the signal (a
+    rank that stopped alone would leave the others waiting in a collective forever)."""
+
+    SIGNALS = ("SIGUSR1", "SIGTERM")
+
+    def __init__(self, dist: Dist):
+        self.device, self.received, self.stopping = dist.device, None, False
+        for name in self.SIGNALS:
+            signal.signal(getattr(signal, name), self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def requested(self) -> bool:
+        """Whether any rank got a signal, on every rank (once true, it stays true)."""
+        flag = torch.tensor(float(self.received is not None), device=self.device)
+        self.stopping = self.stopping or all_reduce_sum(flag).item() > 0
+        return self.stopping

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -210,6 +211,11 @@ class Scored:
 
 
 def _worker_main(fd: int, spec: str) -> None:
+    # A stop signal is the trainer's to act on (common.parallel.StopSignal); torchrun and Slurm send it
+    # to every process of the job, and a worker it killed would fail the step being scored. Workers
+    # end when the trainer closes the pool or goes away (EOF).
+    for name in ("SIGUSR1", "SIGTERM"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     _worker(Connection(fd), spec or None)
 
 

@@ -70,7 +70,7 @@ class Tracker:
     ):
         self.is_main, self.stop_on_nonfinite_reward = is_main, stop_on_nonfinite_reward
         self.total_steps, self.start_step, self.log_interval = total_steps, start_step, log_interval
-        self.t_start = time.time()
+        self.t_start, self.last_step = time.time(), start_step
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.bar_keys = bar_keys
@@ -118,6 +118,7 @@ class Tracker:
         (val/generations, see common.rollout.evaluate) go to val_generations.jsonl, one line each,
         and to wandb as a table."""
         metrics = dict(metrics)
+        self.last_step = max(self.last_step, step)
         generations = metrics.pop("val/generations", None)
         if generations and self.is_main:
             with self.generations_path.open("a") as f:
@@ -192,14 +193,15 @@ class Tracker:
         if self.is_main:
             (self.bar.write if self.bar is not None else print)(message)
 
-    def finish(self, plot_keys: tuple[str, ...] = (), saved: bool = False) -> dict:
+    def finish(self, plot_keys: tuple[str, ...] = (), saved: bool = False, stopped: bool = False) -> dict:
         """Collective (every rank calls it). Close the loggers, draw the curves and print the
         closing summary: val accuracy before (step 0) -> after (the latest val/ metrics logged),
-        steps, time, run folder and, when the run saved, the exported model folder. Returns the
-        summary."""
+        steps, time, run folder and, when the run saved, the exported model folder; a run that a
+        signal stopped (common.parallel.StopSignal) says where its checkpoint is and how to go on.
+        Returns the summary."""
         barrier()
         first_val = self.val_first
-        summary = {"steps": self.total_steps - self.start_step, "seconds": time.time() - self.t_start, **self.val_last}
+        summary = {"steps": self.last_step - self.start_step, "seconds": time.time() - self.t_start, **self.val_last}
         png = self.close(plot_keys)
         if "val/accuracy" in summary:
             before = f"{first_val['val/accuracy']:.1%} -> " if "val/accuracy" in first_val else ""
@@ -211,10 +213,15 @@ class Tracker:
             f"{summary['steps']} steps in {summary['seconds']:.0f}s; run folder {self.run_dir}"
             + (f"; curves {png}" if png else "")
         )
-        if saved:
+        if stopped:
+            self.write(
+                f"stopped by a signal after step {self.last_step} of {self.total_steps}; checkpoint "
+                f"{self.run_dir / 'checkpoints' / f'step_{self.last_step}'}; the same command (--resume auto) continues"
+            )
+        elif saved:
             final = self.run_dir / "checkpoints" / f"step_{self.total_steps}" / "hf"
             self.write(f"final model: {final} (a Hugging Face folder: from_pretrained loads it)")
-        return summary
+        return {**summary, "stopped": stopped}
 
     def close(self, plot_keys: tuple[str, ...] = ()) -> Path | None:
         if not self.is_main:

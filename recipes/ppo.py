@@ -60,6 +60,7 @@ from common.ops import (
     rollout_is_weights,
 )
 from common.parallel import (
+    StopSignal,
     all_reduce_sum,
     clip_grad_norm,
     gather_objects,
@@ -428,6 +429,7 @@ def main(args: Args) -> dict:
 
     if start_step == 0 and val and args.val_before_train:
         tracker.log(evaluate(engine, pool, tokenizer, val, val_sampling, dist, args.log_val_generations), step=0)
+    stop = StopSignal(dist)  # SIGUSR1 / SIGTERM (Slurm, before the time limit): save after this step, exit 0
     for step in range(start_step, total_steps):
         t0 = time.time()
         # 1-3. sample prompts, generate, score
@@ -460,16 +462,19 @@ def main(args: Args) -> dict:
         if args.rollout_is:
             metrics |= rollout_is_metrics(is_weights, mask, args.rollout_is_threshold)
 
-        # 8. validate / save
+        # 8. validate / save (and, after a stop signal, save and end the run here)
         if val and is_due(step + 1, args.test_freq, total_steps):
             metrics.update(evaluate(engine, pool, tokenizer, val, val_sampling, dist, args.log_val_generations))
         tracker.log(metrics, step=step + 1)
-        if is_due(step + 1, args.save_freq, total_steps):
+        stopping = stop.requested()  # collective: every rank stops after the same step
+        if is_due(step + 1, args.save_freq, total_steps) or stopping:
             save_checkpoint(run_dir, step + 1, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist,
                             tokenizer=tokenizer, trainer_state={"epoch": batch["epoch"], "kl_coef": kl_coef},
                             extra_models={"critic": critic}, **args.save_kwargs(RECIPE))  # fmt: skip
+        if stopping:
+            break
     pool.close()
-    return tracker.finish(PLOTS, saved=args.save_freq != 0)
+    return tracker.finish(PLOTS, saved=args.save_freq != 0, stopped=stop.stopping)
 
 
 if __name__ == "__main__":

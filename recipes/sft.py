@@ -32,6 +32,7 @@ from common.data import batch_indices, load_sft, pad
 from common.model import load_tokenizer, load_trained_model
 from common.ops import logprobs_from_logits
 from common.parallel import (
+    StopSignal,
     all_reduce_sum,
     clip_grad_norm,
     gather_objects,
@@ -207,20 +208,24 @@ def main(args: Args) -> dict:
     if val and args.val_before_train and start_step == 0:
         tracker.log(validate(model, tokenizer, val, args, dist), step=0)
     model.train()
+    stop = StopSignal(dist)  # SIGUSR1 / SIGTERM (Slurm, before the time limit): save after this step, exit 0
     for step in range(start_step, total_steps):
         # 1-3. this rank's slice of the batch, forward / backward, optimizer step
         metrics = train_step(step, args, train, model, optimizer, scheduler, tokenizer, dist)
 
-        # 4. validate / save
+        # 4. validate / save (and, after a stop signal, save and end the run here)
         done = step + 1
         if val and is_due(done, args.test_freq, total_steps):
             metrics.update(validate(model, tokenizer, val, args, dist))
         tracker.log(metrics, step=done)
-        if is_due(done, args.save_freq, total_steps):
+        stopping = stop.requested()  # collective: every rank stops after the same step
+        if is_due(done, args.save_freq, total_steps) or stopping:
             position = {"epoch": done // steps_per_epoch, "batch_in_epoch": done % steps_per_epoch}
             save_checkpoint(run_dir, done, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist,
                             tokenizer=tokenizer, trainer_state=position, **args.save_kwargs(RECIPE))  # fmt: skip
-    return tracker.finish(PLOTS, saved=args.save_freq != 0)
+        if stopping:
+            break
+    return tracker.finish(PLOTS, saved=args.save_freq != 0, stopped=stop.stopping)
 
 
 if __name__ == "__main__":

@@ -213,3 +213,21 @@ def test_what_reward_workers_print_goes_to_a_capped_log_file(tmp_path, monkeypat
     assert "scoring " in text and "a warning" in text  # stdout and stderr (the two workers interleave)
     assert len(text.encode()) <= 2000 + 100 and text.count("beyond 10 MB dropped") == 1
     assert "scoring" not in capfd.readouterr().out, "worker output stays off the console"
+
+
+def test_workers_leave_stop_signals_to_the_trainer():
+    """torchrun and Slurm signal every process of a job; the reward workers ignore SIGUSR1 and
+    SIGTERM (the trainer saves and stops, then closes them), so the step being scored finishes."""
+    import signal
+
+    pool = RewardPool(None, workers=2, timeout=5.0)
+    try:
+        for proc, _ in pool.workers:
+            os.kill(proc.pid, signal.SIGUSR1)
+            os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert all(proc.poll() is None for proc, _ in pool.workers)
+        out = pool.score([("bundled/addition", "<answer>2</answer>", "2", None)] * 4)
+        assert out.scores == [1.0] * 4 and out.errors == out.timeouts == 0
+    finally:
+        pool.close()
