@@ -5,10 +5,12 @@ on CPU with gloo (in the tests) and on GPUs with NCCL.
 """
 
 import contextlib
+import logging
 import os
 import random
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -39,6 +41,7 @@ def init_distributed() -> Dist:
     thinking it is alone (no gradient sync, silently).
     """
     launched = int(os.environ.get("WORLD_SIZE", "1"))
+    check_accelerate_config(launched)
     from accelerate import PartialState
 
     wants_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
@@ -64,6 +67,52 @@ def init_distributed() -> Dist:
     )
 
 
+def accelerate_config() -> tuple[str, dict] | None:
+    """(path, settings) of the config file `accelerate launch --config_file PATH` started this
+    process with (the recipe runs as that launcher's child: its command line names the file);
+    None when no such launcher or file."""
+    import yaml
+
+    parent = Path(f"/proc/{os.getppid()}")
+    try:
+        words = [w.decode(errors="replace") for w in (parent / "cmdline").read_bytes().split(b"\0")]
+        cwd = (parent / "cwd").resolve()
+    except OSError:
+        return None
+    if not any("accelerate" in w for w in words[:3]):
+        return None
+    for flag, value in zip(words, words[1:]):
+        if flag in ("--config_file", "--config-file"):
+            path = Path(value).expanduser()
+            try:
+                return value, yaml.safe_load((path if path.is_absolute() else cwd / path).read_text()) or {}
+            except (OSError, yaml.YAMLError):
+                return None
+    return None
+
+
+def check_accelerate_config(world_size: int) -> None:
+    """A launch the accelerate config cannot get: a GPU config (single GPU, DDP, FSDP) on a machine
+    without CUDA is an error before anything starts (accelerate would run it on the CPU without a
+    word); a world size other than the config's is said once."""
+    found = accelerate_config()
+    if found is None:
+        return
+    path, config = found
+    kind = str(config.get("distributed_type", "NO"))
+    if not config.get("use_cpu", False) and kind in ("NO", "MULTI_GPU", "FSDP") and not torch.cuda.is_available():
+        raise UsageError(
+            f"accelerate config {path} runs on GPUs (distributed_type {kind}) but this machine has no CUDA device; "
+            f"on CPU run the recipe with python, or torchrun --nproc_per_node N for several processes"
+        )
+    wanted = int(config.get("num_processes", world_size))
+    if wanted != world_size and os.environ.get("RANK", "0") == "0":
+        logging.getLogger(__name__).warning(
+            "accelerate config %s asks for %d processes; this launch has %d (--num_processes overrides it)",
+            path, wanted, world_size,
+        )  # fmt: skip
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -71,9 +120,16 @@ def seed_everything(seed: int) -> None:
 
 
 def resolve_strategy(strategy: str) -> str:
+    """--strategy auto: fsdp2 under an accelerate FSDP config, else ddp. An FSDP config with
+    --strategy ddp is an error: the model would be replicated where the config asked to shard it."""
+    use_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
+    if strategy == "ddp" and use_fsdp:
+        raise UsageError(
+            "--strategy ddp under an accelerate FSDP config: drop --strategy (auto follows the config) or launch "
+            "with configs/ddp.yaml"
+        )
     if strategy != "auto":
         return strategy
-    use_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
     return "fsdp2" if use_fsdp else "ddp"
 
 

@@ -192,3 +192,45 @@ def test_ray_script_stops_the_cluster_on_a_signal_and_on_a_missing_node(tmp_path
     lines = (tmp_path / "missing" / "calls.log").read_text().splitlines()
     assert not [x for x in lines if x.startswith("driver")] and [x for x in lines if x.startswith("ray stop")]
     assert not fakes_left()
+
+
+# --- accelerate configs ---------------------------------------------------------------------------------
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks what a machine without CUDA says")
+@pytest.mark.parametrize("config", ["single_gpu", "ddp", "fsdp2"])
+def test_a_gpu_config_without_cuda_stops_before_anything_starts(config):
+    """accelerate alone runs single_gpu.yaml on the CPU without a word, and ddp / fsdp2 as 8 gloo
+    processes; the recipe says at once that the config wants GPUs the machine lacks."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/{config}.yaml",
+         "--num_processes", "2" if config != "single_gpu" else "1", "recipes/grpo.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-2000:]
+    assert f"accelerate config configs/{config}.yaml runs on GPUs" in errors[0] and "no CUDA device" in errors[0]
+    assert "params" not in proc.stdout  # no model was loaded
+
+
+def test_a_cpu_config_is_read_and_passes(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "from common.parallel import accelerate_config, check_accelerate_config\n"
+        "check_accelerate_config(1)\nprint('CONFIG', accelerate_config())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu.yaml",
+                           str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "CONFIG ('configs/cpu.yaml', {" in proc.stdout and "'use_cpu': True" in proc.stdout
+
+
+def test_an_fsdp_config_with_strategy_ddp_is_refused(monkeypatch):
+    from common.config import UsageError
+    from common.parallel import resolve_strategy
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert resolve_strategy("auto") == "fsdp2" and resolve_strategy("fsdp2") == "fsdp2"
+    with pytest.raises(UsageError, match="--strategy ddp under an accelerate FSDP config"):
+        resolve_strategy("ddp")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    assert resolve_strategy("auto") == "ddp"
