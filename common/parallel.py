@@ -219,7 +219,9 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
 def all_reduce_max(value: int) -> int:
     """The largest of every rank's int (e.g. a micro-batch count every rank must then use)."""
     if tdist.is_available() and tdist.is_initialized():
-        t = torch.tensor([value], dtype=torch.long)
+        # NCCL reduces only CUDA tensors; gloo only CPU ones.
+        device = torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([value], dtype=torch.long, device=device)
         tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
         value = int(t.item())
     return value
