@@ -295,6 +295,14 @@ class EngineArgs:
     enable_sleep_mode: bool = False
     """vllm (GPU): free the engine's memory between rollouts (verl's free_cache_engine)"""
 
+    def engine_kwargs(self, batch_size: int) -> dict:
+        """The keyword arguments of common.rollout.start_engine that these flags set, with the
+        model, dtype, seed and length flags of the Args that build on this class."""
+        names = ("rollout_name", "gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "max_num_seqs",
+                 "max_num_batched_tokens", "enable_sleep_mode", "dtype", "seed", "trust_remote_code")  # fmt: skip
+        return {**{k: getattr(self, k) for k in names}, "model_path": self.model, "batch_size": batch_size,
+                "max_model_len": self.max_prompt_length + self.max_response_length}  # fmt: skip
+
 
 @dataclass
 class RolloutArgs:
@@ -401,11 +409,8 @@ class RLArgs(RewardArgs, ValidationArgs, RolloutArgs, EngineArgs, TrainerArgs, O
         return {**super().tracker_kwargs(recipe, run_info), "stop_on_nonfinite_reward": self.stop_on_nonfinite_reward}
 
     def engine_kwargs(self) -> dict:
-        """The keyword arguments of common.rollout.start_engine that these flags set."""
-        names = ("rollout_name", "gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "max_num_seqs",
-                 "max_num_batched_tokens", "enable_sleep_mode", "dtype", "seed", "trust_remote_code")  # fmt: skip
-        return {**{k: getattr(self, k) for k in names}, "model_path": self.model, "batch_size": self.val_batch_size,
-                "max_model_len": self.max_prompt_length + self.max_response_length}  # fmt: skip
+        """EngineArgs.engine_kwargs, validation's prompts per generate call as the batch."""
+        return super().engine_kwargs(self.val_batch_size)
 
     def model_kwargs(self) -> dict:
         """The keyword arguments of common.model.load_rl_models that these flags set."""

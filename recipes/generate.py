@@ -102,13 +102,6 @@ class Args(EngineArgs):  # rollout_name and the vLLM engine's flags come from En
     def output(self) -> Path:
         return Path(self.output_path or f"runs/generate/{Path(self.data_path).stem}_n{self.n_samples}.parquet")
 
-    def engine_kwargs(self) -> dict:
-        """The keyword arguments of common.rollout.start_engine that these flags set."""
-        names = ("rollout_name", "gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "max_num_seqs",
-                 "max_num_batched_tokens", "enable_sleep_mode", "dtype", "seed", "trust_remote_code")  # fmt: skip
-        return {**{k: getattr(self, k) for k in names}, "model_path": self.model, "batch_size": self.batch_size,
-                "max_model_len": self.max_prompt_length + self.max_response_length}  # fmt: skip
-
 
 # --- parts: one parquet per chunk, so a killed run resumes --------------------------------------------
 def open_parts(parts: Path, flags: dict, n_chunks: int, dist) -> set[int]:
@@ -196,7 +189,7 @@ def main(args: Args) -> dict:
     model = None
     if args.rollout_name == "hf":  # vLLM loads the checkpoint itself
         model = load_policy(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code).to(dist.device)
-    engine = start_engine(model, tokenizer, dist, **args.engine_kwargs())
+    engine = start_engine(model, tokenizer, dist, **args.engine_kwargs(args.batch_size))
     temperature = args.temperature if args.do_sample else 0.0  # 0: greedy
     sampling = Sampling(args.n_samples, temperature, args.top_p, args.top_k, args.max_response_length)
 
