@@ -45,7 +45,10 @@ def init_distributed() -> Dist:
     from accelerate import PartialState
 
     wants_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
-    state = PartialState(cpu=wants_cpu or not torch.cuda.is_available())
+    cpu = wants_cpu or not torch.cuda.is_available()
+    # FSDP2's CPU offload reduces CPU tensors (gradient norms), which NCCL cannot: give them gloo.
+    backend = {"backend": "cuda:nccl,cpu:gloo"} if fsdp_options()["offload"] and not cpu else {}
+    state = PartialState(cpu=cpu, **backend)
     if state.num_processes != launched:
         raise UsageError(
             f"the launcher started {launched} processes but the process group has "
@@ -119,18 +122,52 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resolve_strategy(strategy: str) -> str:
-    """--strategy auto: fsdp2 under an accelerate FSDP config, else ddp. An FSDP config with
-    --strategy ddp is an error: the model would be replicated where the config asked to shard it."""
-    use_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
-    if strategy == "ddp" and use_fsdp:
+def _env_flag(name: str, default: str = "false") -> bool:
+    return os.environ.get(name, default).strip().lower() in ("1", "true", "yes")
+
+
+def fsdp_options() -> dict:
+    """The FSDP settings an accelerate FSDP config exports (for torchrun, set them yourself):
+    FSDP_OFFLOAD_PARAMS keeps parameters, gradients and the optimizer step in CPU memory, each
+    block's parameters moved to the accelerator for its forward and backward (verl's
+    fsdp_config.param_offload + optimizer_offload); FSDP_RESHARD_AFTER_FORWARD=false keeps the
+    gathered parameters from forward to backward (faster, more memory). Settings the recipes
+    would not apply are refused rather than ignored."""
+    if _env_flag("ACCELERATE_USE_FSDP") and os.environ.get("FSDP_VERSION", "2") != "2":
         raise UsageError(
-            "--strategy ddp under an accelerate FSDP config: drop --strategy (auto follows the config) or launch "
-            "with configs/ddp.yaml"
+            f"the accelerate config asks for FSDP version {os.environ['FSDP_VERSION']}; the recipes shard with "
+            "FSDP2 (torch's fully_shard): set fsdp_version: 2 in its fsdp_config, as configs/fsdp2.yaml does"
+        )
+    if _env_flag("FSDP_ACTIVATION_CHECKPOINTING"):
+        raise UsageError(
+            "the accelerate config sets fsdp_activation_checkpointing, which the recipes do not read: "
+            "remove it from the config and pass --gradient-checkpointing"
+        )
+    return {
+        "offload": _env_flag("FSDP_OFFLOAD_PARAMS"),
+        "reshard_after_forward": _env_flag("FSDP_RESHARD_AFTER_FORWARD", "true"),
+    }
+
+
+def resolve_strategy(strategy: str) -> str:
+    """--strategy auto: fsdp2 under an accelerate FSDP config (or with FSDP_OFFLOAD_PARAMS set),
+    else ddp. An FSDP config with --strategy ddp is an error: the model would be replicated where
+    the config asked to shard it; so is CPU offload without FSDP2 or without a process group."""
+    use_fsdp = _env_flag("ACCELERATE_USE_FSDP")
+    offload = fsdp_options()["offload"]
+    if strategy == "ddp" and (use_fsdp or offload):
+        what = "an accelerate FSDP config" if use_fsdp else "FSDP_OFFLOAD_PARAMS=true"
+        raise UsageError(
+            f"--strategy ddp under {what}: drop --strategy (auto follows the config) or launch with configs/ddp.yaml"
+        )
+    if offload and not (tdist.is_available() and tdist.is_initialized()):
+        raise UsageError(
+            "CPU offload (FSDP_OFFLOAD_PARAMS=true) shards with FSDP2, which needs a launcher: "
+            "accelerate launch --config_file configs/fsdp2_offload.yaml ..., or torchrun --nproc_per_node N ..."
         )
     if strategy != "auto":
         return strategy
-    return "fsdp2" if use_fsdp else "ddp"
+    return "fsdp2" if use_fsdp or offload else "ddp"
 
 
 def _block_classes(model: nn.Module) -> set[str]:
@@ -141,17 +178,21 @@ def _block_classes(model: nn.Module) -> set[str]:
 
 
 def wrap_model(model: nn.Module, strategy: str, dist: Dist, mixed_precision: str = "no") -> nn.Module:
-    """Data-parallel wrap: DDP, or FSDP2 with one shard unit per transformer block; a single
-    process keeps the model as it is. mixed_precision "bf16" computes in bfloat16 over the
+    """Data-parallel wrap: DDP, or FSDP2 with one shard unit per transformer block (offloaded to
+    CPU memory when fsdp_options() says so, then also for one process); a single process
+    otherwise keeps the model as it is. mixed_precision "bf16" computes in bfloat16 over the
     model's own (master) weights: FSDP2 casts the gathered parameters and reduces gradients in
     float32; otherwise forward runs under autocast (generate too, since it calls forward)."""
-    model.to(dist.device)
-    fsdp = dist.world_size > 1 and strategy == "fsdp2"
+    options = fsdp_options() if strategy == "fsdp2" else {"offload": False}
+    # With offload, FSDP2 pays even for one process: the weights live in CPU memory.
+    fsdp = strategy == "fsdp2" and (dist.world_size > 1 or options["offload"])
+    if not options["offload"]:
+        model.to(dist.device)
     if mixed_precision == "bf16" and not fsdp:
         model.forward = torch.autocast(device_type=dist.device.type, dtype=torch.bfloat16)(model.forward)
     elif mixed_precision not in ("no", "bf16"):
         raise ValueError(f"mixed_precision={mixed_precision!r}; use no or bf16")
-    if dist.world_size == 1 or strategy == "none":  # "none": a frozen model each rank keeps whole
+    if not fsdp and (dist.world_size == 1 or strategy == "none"):  # "none": a frozen model each rank keeps whole
         return model
     if strategy == "ddp":
         ids = [dist.device.index] if dist.device.type == "cuda" else None
@@ -159,7 +200,7 @@ def wrap_model(model: nn.Module, strategy: str, dist: Dist, mixed_precision: str
     if strategy != "fsdp2":
         raise ValueError(f"unknown strategy {strategy!r}; use ddp or fsdp2")
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(dist.device.type, (dist.world_size,))
     policy = (
@@ -167,11 +208,20 @@ def wrap_model(model: nn.Module, strategy: str, dist: Dist, mixed_precision: str
         if mixed_precision == "bf16"
         else MixedPrecisionPolicy()
     )
+    # Pinned memory makes the copies to the GPU asynchronous; there is none to pin for on CPU.
+    offload = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda") if options["offload"] else OffloadPolicy()
+    shard = dict(
+        mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=options["reshard_after_forward"]
+    )
     blocks = _block_classes(model)
     for module in model.modules():
         if type(module).__name__ in blocks:
-            fully_shard(module, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(module, **shard)
+    fully_shard(model, **shard)
+    if options["offload"]:  # FSDP moves only parameters; buffers (rotary frequencies) go to the device here
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to(dist.device)
     return model
 
 
@@ -236,6 +286,24 @@ def gather_objects(obj) -> list:
     return out
 
 
+def broadcast_object(obj):
+    """Rank 0's obj, on every rank."""
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return obj
+    box = [obj]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def scatter_objects(objs: list | None):
+    """Rank r gets objs[r] of rank 0's list (the other ranks pass None)."""
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return objs[0]
+    box = [None]
+    tdist.scatter_object_list(box, objs if tdist.get_rank() == 0 else None, src=0)
+    return box[0]
+
+
 def barrier() -> None:
     if tdist.is_available() and tdist.is_initialized():
         tdist.barrier()
@@ -248,7 +316,8 @@ def sharding_report(model: nn.Module, strategy: str, dist: Dist) -> dict:
     return {
         "world_size": dist.world_size,
         "device": dist.device.type,
-        "strategy": strategy if dist.world_size > 1 else "single",
+        "strategy": strategy if dist.world_size > 1 or is_fsdp(model) else "single",
+        "param_offload": is_fsdp(model) and fsdp_options()["offload"],
         "params_full": full,
         "params_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "params_local_per_rank": gather_objects(local),

@@ -2,6 +2,7 @@
 (tests/fake_slurm/, which record what they were asked to run) with the SLURM_* variables of 1- and
 3-node jobs; bash -n and shellcheck on every script."""
 
+import json
 import os
 import shlex
 import shutil
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, read_metrics, run_recipe
 
 LAUNCH = ROOT / "launch"
 FAKES = ROOT / "tests" / "fake_slurm"
@@ -196,13 +197,14 @@ def test_ray_script_stops_the_cluster_on_a_signal_and_on_a_missing_node(tmp_path
 
 # --- accelerate configs ---------------------------------------------------------------------------------
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks what a machine without CUDA says")
-@pytest.mark.parametrize("config", ["single_gpu", "ddp", "fsdp2"])
+@pytest.mark.parametrize("config", ["single_gpu", "ddp", "fsdp2", "fsdp2_offload", "multi_node"])
 def test_a_gpu_config_without_cuda_stops_before_anything_starts(config):
     """accelerate alone runs single_gpu.yaml on the CPU without a word, and ddp / fsdp2 as 8 gloo
     processes; the recipe says at once that the config wants GPUs the machine lacks."""
+    size = ["--num_processes", "1"] if config == "single_gpu" else ["--num_processes", "2", "--num_machines", "1"]
     proc = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/{config}.yaml",
-         "--num_processes", "2" if config != "single_gpu" else "1", "recipes/grpo.py"],
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/{config}.yaml", *size,
+         "recipes/grpo.py"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]
@@ -234,3 +236,70 @@ def test_an_fsdp_config_with_strategy_ddp_is_refused(monkeypatch):
         resolve_strategy("ddp")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
     assert resolve_strategy("auto") == "ddp"
+
+
+def test_every_config_loads_in_accelerate_and_a_readme_command_uses_it():
+    """A config accelerate cannot read, or one the README never shows how to use, is a trap."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    readme = (ROOT / "README.md").read_text()
+    shipped = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+    assert {"cpu.yaml", "single_gpu.yaml", "ddp.yaml", "fsdp2.yaml", "fsdp2_offload.yaml", "multi_node.yaml"} <= set(
+        shipped
+    )
+    for name in shipped:
+        config = load_config_from_file(str(ROOT / "configs" / name))
+        assert config.num_processes >= 1, name
+        assert f"accelerate launch --config_file configs/{name}" in readme, f"no README command uses {name}"
+    named = {w.split("/")[-1] for w in readme.split() if w.startswith("configs/") and w.endswith(".yaml")}
+    assert named <= set(shipped), f"the README names configs that do not exist: {named - set(shipped)}"
+    offload = load_config_from_file(str(ROOT / "configs" / "fsdp2_offload.yaml"))
+    assert offload.fsdp_config == {"fsdp_version": 2, "fsdp_offload_params": True}
+
+
+def test_fsdp_settings_the_recipes_would_not_apply_are_refused(monkeypatch):
+    from common.config import UsageError
+    from common.parallel import fsdp_options, resolve_strategy
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(UsageError, match="FSDP version 1; the recipes shard with FSDP2"):
+        resolve_strategy("auto")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
+    with pytest.raises(UsageError, match="pass --gradient-checkpointing"):
+        fsdp_options()
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "false")
+    monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
+    assert fsdp_options() == {"offload": False, "reshard_after_forward": False}
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    with pytest.raises(UsageError, match="--strategy ddp under FSDP_OFFLOAD_PARAMS=true"):
+        resolve_strategy("ddp")
+    with pytest.raises(UsageError, match="CPU offload .* needs a launcher"):  # one plain process: no group
+        resolve_strategy("auto")
+
+
+def test_cpu_offload_trains_and_resumes_exactly_as_plain_fsdp2(tmp_path):
+    """FSDP_OFFLOAD_PARAMS=true (what configs/fsdp2_offload.yaml exports) under 2 processes: the
+    parameters really live in CPU memory as FSDP2 offloaded shards, and the losses and gradient
+    norms equal plain FSDP2's, also after a resume from an offloaded checkpoint. (On a CPU the
+    offload is a no-op for memory; the code path is the one GPUs run.)"""
+    flags = ["--total-training-steps", "4", "--test-freq", "0", "--save-freq", "2", "--log-interval", "0"]
+    run_recipe("grpo", *flags, "--strategy", "fsdp2", "--output-dir", tmp_path / "plain", nproc=2)
+    offload = {"FSDP_OFFLOAD_PARAMS": "true"}
+    run_recipe("grpo", *flags, "--output-dir", tmp_path / "offload", nproc=2, env=offload)
+    layout = json.loads((tmp_path / "offload" / "config.json").read_text())["run"]
+    assert layout["strategy"] == "fsdp2" and layout["param_offload"] is True and layout["world_size"] == 2
+    assert json.loads((tmp_path / "plain" / "config.json").read_text())["run"]["param_offload"] is False
+
+    def curve(run):
+        return [(m["train/loss"], m["train/grad_norm"]) for m in read_metrics(tmp_path / run) if "train/loss" in m]
+
+    assert len(curve("plain")) == 4 and curve("offload") == curve("plain")
+    shutil.rmtree(tmp_path / "offload" / "checkpoints" / "step_4")
+    lines = (tmp_path / "offload" / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "offload" / "metrics.jsonl").write_text("".join(lines[:-1]))
+    proc = run_recipe("grpo", *flags, "--output-dir", tmp_path / "offload", nproc=2, env=offload)
+    assert "resumed from" in proc.stdout + proc.stderr
+    assert curve("offload") == curve("plain")
