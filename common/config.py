@@ -7,7 +7,7 @@ own `Args` adds its algorithm's knobs and may override defaults.
 import contextlib
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
@@ -86,6 +86,11 @@ FLAG_RULES = [
     ("n_samples", lambda v: v >= 1, ">= 1"),
     ("batch_size", lambda v: v >= 1, ">= 1"),
     ("val_batch_size", lambda v: v >= 1, ">= 1"),
+    ("num_rollout_engines", lambda v: v >= 1, ">= 1"),
+    ("engine_num_cpus", lambda v: v > 0, "> 0"),
+    ("engine_num_gpus", lambda v: v >= 0, ">= 0"),
+    ("max_staleness", lambda v: v >= 0, ">= 0 (0 is synchronous)"),
+    ("engine_timeout", lambda v: v > 0, "> 0 seconds"),
     ("reward_timeout", lambda v: v > 0, "> 0 seconds"),
     ("reward_workers", lambda v: v >= 1, ">= 1"),
     ("kl_coef", lambda v: v >= 0, ">= 0"),
@@ -113,6 +118,8 @@ def check_flags(args) -> None:
             )
         if not (folder / "config.json").is_file():
             raise UsageError(f"{_flag(name)} {path}: no config.json in that folder, so it is not a Hugging Face model")
+    if hasattr(args, "rollout_placement"):
+        _check_placement(args)
     if getattr(args, "rollout_name", "hf") == "vllm":
         _check_vllm(args)
     if getattr(args, "bypass_mode", False) and getattr(args, "rollout_is", None):
@@ -127,6 +134,22 @@ def check_flags(args) -> None:
     blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise UsageError(f"--output-dir {args.output_dir}: {blocking} is a file, so the folder cannot be created")
+
+
+def _check_placement(args) -> None:
+    """The remote-engine flags only mean something with --rollout-placement remote, which runs HF
+    engines (remote vLLM engines are not built yet)."""
+    if args.rollout_placement == "colocated":
+        changed = [
+            f for f in fields(PlacementArgs) if f.name != "rollout_placement" and getattr(args, f.name) != f.default
+        ]
+        if changed:
+            raise UsageError(f"{_flag(changed[0].name)} applies to remote engines: add --rollout-placement remote")
+    elif args.rollout_name != "hf":
+        raise UsageError(
+            f"--rollout-placement remote with --rollout-name {args.rollout_name}: remote engines are HF engines "
+            f"for now; use --rollout-name hf, or colocated vLLM (--rollout-placement colocated)"
+        )
 
 
 def _check_vllm(args) -> None:
@@ -305,6 +328,38 @@ class EngineArgs:
 
 
 @dataclass
+class PlacementArgs:
+    rollout_placement: Literal["colocated", "remote"] = "colocated"
+    """colocated: the engine runs in the trainer's processes; remote: --num-rollout-engines Ray actors
+    with their own copy of the weights, streamed to them after every step"""
+    num_rollout_engines: int = 2
+    """remote: engine processes (Ray actors)"""
+    engine_num_cpus: float = 1.0
+    """remote: CPUs Ray reserves for each engine (its torch threads)"""
+    engine_num_gpus: float = 0.0
+    """remote: GPUs Ray reserves for each engine"""
+    ray_address: str | None = None
+    """remote: the Ray cluster to join (default: $RAY_ADDRESS, else Ray starts inside this job)"""
+    max_staleness: int = 0
+    """remote: steps of rollouts generated ahead while the trainer trains; no sample is trained on
+    more than this many weight versions after the one that sampled it (0: synchronous)"""
+    engine_timeout: float = 300.0
+    """remote: seconds any wait on an engine may last before the run stops, naming the engine"""
+
+    def placement_kwargs(self, train: list, total_steps: int) -> dict:
+        """The keyword arguments of common.rollout.start_engine for the placement: with remote
+        engines, the requests of the steps ahead (common.remote.StepPrompts over `train`)."""
+        if self.rollout_placement == "colocated":
+            return {}
+        from common.remote import StepPrompts
+
+        names = ("num_rollout_engines", "engine_num_cpus", "engine_num_gpus", "ray_address", "max_staleness",
+                 "engine_timeout")  # fmt: skip
+        schedule = StepPrompts(train, self.train_batch_size, self.seed, self.shuffle, self.samplings()[0])
+        return {"remote": {**{k: getattr(self, k) for k in names}, "schedule": schedule, "total_steps": total_steps}}
+
+
+@dataclass
 class RolloutArgs:
     max_prompt_length: int = 64
     """prompt tokens after the chat template (longer ones follow --truncation)"""
@@ -369,7 +424,9 @@ class ValidationArgs:
 
 
 @dataclass
-class RLArgs(RewardArgs, ValidationArgs, RolloutArgs, EngineArgs, TrainerArgs, OptimArgs, DataArgs, ModelArgs):
+class RLArgs(
+    RewardArgs, ValidationArgs, PlacementArgs, RolloutArgs, EngineArgs, TrainerArgs, OptimArgs, DataArgs, ModelArgs
+):
     """The plumbing flags every RL recipe shares, with the RL defaults for the bundled task.
     Flags are listed model, data, optim, trainer, rollout, validation, reward; a recipe's own
     algorithm knobs follow."""
@@ -408,9 +465,15 @@ class RLArgs(RewardArgs, ValidationArgs, RolloutArgs, EngineArgs, TrainerArgs, O
         """TrainerArgs.tracker_kwargs, plus whether a NaN or infinite reward stops the run."""
         return {**super().tracker_kwargs(recipe, run_info), "stop_on_nonfinite_reward": self.stop_on_nonfinite_reward}
 
-    def engine_kwargs(self) -> dict:
-        """EngineArgs.engine_kwargs, validation's prompts per generate call as the batch."""
-        return super().engine_kwargs(self.val_batch_size)
+    def engine_kwargs(self, train: list, total_steps: int) -> dict:
+        """EngineArgs.engine_kwargs (validation's prompts per generate call as the batch) and the
+        placement's (PlacementArgs.placement_kwargs)."""
+        return {**super().engine_kwargs(self.val_batch_size), **self.placement_kwargs(train, total_steps)}
+
+    @property
+    def engine_holds_own_weights(self) -> bool:
+        """vLLM or remote engines sample with their own copy of the policy, not the trainer's."""
+        return self.rollout_name != "hf" or self.rollout_placement == "remote"
 
     def model_kwargs(self) -> dict:
         """The keyword arguments of common.model.load_rl_models that these flags set."""

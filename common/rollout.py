@@ -44,6 +44,7 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
+    version: int | None = None  # the weights that sampled it, when an engine holds its own (remote)
 
 
 @contextlib.contextmanager
@@ -343,11 +344,24 @@ class VLLMEngine:
 
 
 def start_engine(model, tokenizer, dist, version: int = 0, *, rollout_name: str = "hf", batch_size: int = 256,
-                 **vllm_kwargs):  # fmt: skip
-    """The rollout engine --rollout-name asks for, holding weights `version` (the step the run
-    starts from): the HF engine on the live policy (the vLLM flags unused), or a VLLMEngine loaded
-    from model_path and synced with `model` at once. Call it after a resume has loaded the
-    trainer's weights, or a vLLM engine would start from the checkpoint's base model."""
+                 remote: dict | None = None, **vllm_kwargs):  # fmt: skip
+    """The rollout engine --rollout-name and --rollout-placement ask for, holding weights `version`
+    (the step the run starts from): the HF engine on the live policy (the vLLM flags unused), a
+    VLLMEngine loaded from model_path and synced with `model` at once, or (remote: the
+    PlacementArgs) common.remote.RemoteEngines, HF engines in Ray actors, synced at once. Call it
+    after a resume has loaded the trainer's weights, or an engine with its own copy would start
+    from the checkpoint's base model."""
+    if remote is not None:
+        from common.remote import RemoteEngines
+
+        return RemoteEngines(
+            model, dist, version, model_path=vllm_kwargs["model_path"], num_engines=remote["num_rollout_engines"],
+            engine_num_cpus=remote["engine_num_cpus"], engine_num_gpus=remote["engine_num_gpus"],
+            ray_address=remote["ray_address"], max_staleness=remote["max_staleness"], timeout=remote["engine_timeout"],
+            seed=vllm_kwargs["seed"], dtype=vllm_kwargs["dtype"], trust_remote_code=vllm_kwargs["trust_remote_code"],
+            pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], batch_size=batch_size,
+            schedule=remote["schedule"], total_steps=remote["total_steps"],
+        )  # fmt: skip
     if rollout_name == "hf":
         engine = HFEngine.for_policy(model, tokenizer, dist, batch_size=batch_size)
         engine.update_weights(version)
@@ -392,6 +406,7 @@ def regroup(groups: list[list[tuple]], parts: list[dict], tokenizer, device) -> 
     batch["scored"] = Scored.merge([p["scored"] for p in parts], list(scores), list(extras))
     batch["timing"] = {k: sum(p["timing"][k] for p in parts) for k in parts[0]["timing"]}
     batch["weight_version"] = parts[0]["weight_version"]
+    batch["engine_stats"] = parts[-1].get("engine_stats", {})
     return batch
 
 
@@ -411,7 +426,10 @@ def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, rewar
     responses = [c.token_ids for _, c in rows]
     batch = pack_groups(rows, sampling.n, tokenizer, device)
     batch["timing"] = {"perf/generate_s": time.time() - t}
-    batch["weight_version"] = engine.weight_version  # the weights that sampled this batch
+    batch["weight_version"] = (
+        engine.weight_version
+    )  # the weights it holds now (a Completion's version: those that sampled it)
+    batch["engine_stats"] = engine.stats() if hasattr(engine, "stats") else {}
 
     t = time.time()
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)

@@ -261,13 +261,15 @@ def console_line(record: dict, total_steps: int) -> str:
 def step_metrics(batch: dict, rewards, advantages, seconds: float, old_logprobs=None) -> dict:
     """Step 7's shared part for a batch from common.rollout.generate_and_score: reward/* and
     response/* over every rank, the advantages' mean, max and min over response tokens (verl's
-    critic/advantages/*), the phase timings, train/epoch, perf/step_s and perf/tokens_per_s, and
-    the engine's rollout/weight_version. `rewards` (B,) are the final rewards, after any shaping
+    critic/advantages/*), the phase timings, train/epoch, perf/step_s and perf/tokens_per_s, the
+    engine's rollout/weight_version, rollout/staleness_mean and _max (how many versions older the
+    weights that sampled each response are: 0 but for remote engines sampling ahead) and the
+    engine's own counters (common.remote.RemoteEngines.stats). `rewards` (B,) are the final rewards, after any shaping
     the recipe did; `advantages` are (B,) or (B, T). With the trainer's `old_logprobs` (B, T),
     also rollout/logprob_diff_mean and _max: |trainer - engine| over response tokens, the
     mismatch between the policy trained and the one that sampled (not logged when the old
     logprobs are the engine's own, as --bypass-mode makes them)."""
-    from common.parallel import all_reduce_sum
+    from common.parallel import all_reduce_sum, gather_objects
 
     rows = batch["rows"]
     truncated = [c.finish_reason == "length" for _, c in rows]
@@ -276,6 +278,12 @@ def step_metrics(batch: dict, rewards, advantages, seconds: float, old_logprobs=
     metrics = rollout_metrics(rewards.tolist(), lengths, truncated, sources, batch["scored"])
     metrics.update(advantage_metrics(advantages, batch["response_mask"]))
     metrics["rollout/weight_version"] = batch["weight_version"]
+    # Weight versions between the trainer's and those that sampled (remote engines sample ahead).
+    staleness = [batch["weight_version"] - c.version if c.version is not None else 0 for _, c in rows]
+    parts = gather_objects((sum(staleness), len(staleness), max(staleness, default=0)))
+    metrics["rollout/staleness_mean"] = sum(p[0] for p in parts) / max(1, sum(p[1] for p in parts))
+    metrics["rollout/staleness_max"] = max(p[2] for p in parts)
+    metrics.update(batch.get("engine_stats", {}))
     if old_logprobs is not None and old_logprobs is not batch["rollout_logprobs"]:  # bypass: nothing to compare
         metrics.update(logprob_diff_metrics(old_logprobs, batch["rollout_logprobs"], batch["response_mask"]))
     tokens = all_reduce_sum(batch["attention_mask"].sum().float()).item()

@@ -70,17 +70,31 @@ def _delta(layer) -> torch.Tensor:
     return total
 
 
+def _sent(inner, lora: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters a sync sends, by trainer name: LoRA's own tensors are merged, not sent."""
+    for name, param in inner.named_parameters():
+        if lora and (".lora_" in name or "modules_to_save" in name or "original_module" in name):
+            if "modules_to_save" in name:
+                raise UsageError(f"{name}: PEFT modules_to_save is not supported by the weight sync")
+            continue
+        yield name, param
+
+
+def weight_manifest(model) -> list[tuple[str, tuple[int, ...]]]:
+    """[(checkpoint name, full shape)] of what hf_weights sends, in its order, without gathering
+    anything (a DTensor's shape is the full one)."""
+    inner = unwrap(model)
+    lora = _lora_layers(inner) if is_lora(inner) else {}
+    return [(hf_name(name), tuple(param.shape)) for name, param in _sent(inner, lora)]
+
+
 @torch.no_grad()
 def hf_weights(model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, full tensor) for every weight of the policy, in the model's order (layer
     by layer), cast to `dtype` when given. A collective under FSDP2: every rank iterates it all."""
     inner = unwrap(model)
     lora = _lora_layers(inner) if is_lora(inner) else {}
-    for name, param in inner.named_parameters():
-        if lora and (".lora_" in name or "modules_to_save" in name or "original_module" in name):
-            if "modules_to_save" in name:
-                raise UsageError(f"{name}: PEFT modules_to_save is not supported by the weight sync")
-            continue
+    for name, param in _sent(inner, lora):
         tensor = _full(param.detach())
         owner = name.removesuffix(".base_layer.weight")
         if owner != name and owner in lora:

@@ -13,7 +13,8 @@ from the paper (and matches verl's defaults):
 5. Old logprobs come from the trainer: the detached logprobs of the update pass when each sample
    is used once at unchanged weights (one mini-batch, one epoch), else one no-grad pass first.
    Rollout correction (verl's algorithm.rollout_correction, off by default): the engine that
-   sampled (pi_rollout: vLLM's own copy, other kernels) is not exactly pi_old. --rollout-is token
+   sampled (pi_rollout: vLLM's or a remote engine's own copy, other kernels; with --max-staleness k,
+   weights up to k steps older) is not exactly pi_old. --rollout-is token
    scales each token's advantage by w_t = min(exp(old_t - rollout_t), --rollout-is-threshold),
    sequence by min(exp(sum_t (old_t - rollout_t)), threshold) on all its tokens (log ratios
    clamped to +-20); w is detached and positive, so this weights each token's loss as verl does.
@@ -188,7 +189,7 @@ def old_and_ref_logprobs(args, plan, model, ref, batch):
     t, old_logprobs, ref_logprobs = time.time(), None, None
     micro = split_rows(batch, 0, len(batch["rows"]), **args.micro_batch_limits())
     order = torch.cat(micro).argsort()  # micro-batches may be length-sorted: back to row order
-    engine_compared = args.rollout_name != "hf" or args.rollout_is  # the mismatch is measured or corrected
+    engine_compared = args.engine_holds_own_weights or args.rollout_is  # the mismatch is measured or corrected
     if args.bypass_mode:  # the engine's logprobs are the old policy: no pass
         old_logprobs = batch["rollout_logprobs"]
     elif plan.mini_batches_per_step > 1 or args.ppo_epochs > 1 or engine_compared:
@@ -263,7 +264,7 @@ def main(args: Args) -> dict:
     sampling, val_sampling = args.samplings()
     optimizer, scheduler = args.optimizer_and_scheduler(model, total_steps)
     start_step = resume(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)["step"]
-    engine = start_engine(model, tokenizer, dist, start_step, **args.engine_kwargs())  # hf or vllm
+    engine = start_engine(model, tokenizer, dist, start_step, **args.engine_kwargs(train, total_steps))
     tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
 

@@ -111,6 +111,18 @@ CASES = [
     ("vLLM zero sequences per step", dict(max_num_seqs=0), "--max-num-seqs 0: must be >= 1"),
     ("IS cap below 1", dict(rollout_is="token", rollout_is_threshold=0.5), "--rollout-is-threshold 0.5: must be >= 1"),
     ("IS weights in bypass mode", dict(rollout_is="sequence", bypass_mode=True), "drop one of the two flags"),
+    (
+        "staleness, colocated",
+        dict(max_staleness=1),
+        "--max-staleness applies to remote engines: add --rollout-placement remote",
+    ),
+    (
+        "no remote engines",
+        dict(rollout_placement="remote", num_rollout_engines=0),
+        "--num-rollout-engines 0: must be >= 1",
+    ),
+    ("negative staleness", dict(rollout_placement="remote", max_staleness=-1), "--max-staleness -1: must be >= 0"),
+    ("remote vLLM", dict(rollout_placement="remote", rollout_name="vllm"), "remote engines are HF engines for now"),
 ]
 if not torch.cuda.is_available():  # what a CPU machine cannot do with vLLM
     CASES += [

@@ -1,0 +1,538 @@
+"""Remote rollout engines (--rollout-placement remote): Ray actors, each holding its own copy of the
+policy, that generate while the trainer trains.
+
+- Ray starts locally (no dashboard, a small object store) unless --ray-address or RAY_ADDRESS
+  names a cluster (launch/slurm_ray.sbatch sets RAY_ADDRESS). Only trainer rank 0 talks to Ray:
+  the other ranks hand it their prompts and get their completions back through the trainer's
+  process group, so every rank calls generate and update_weights together.
+- Weights: trainer rank 0 and each engine share a two-member torch.distributed group (gloo) with
+  its own TCP rendezvous, never the trainer's group, so an engine that dies breaks only its own.
+  The names and shapes are agreed once by RPC before any tensor moves: a mismatch is an error on
+  both sides. A sync waits for the engines' work in flight (the pause), streams every weight in a
+  fixed order (common.weight_sync.hf_weights: FSDP2 gathers one parameter at a time, LoRA merged)
+  cast to the engine's dtype; each engine copies it into its model, resets its cache and reports
+  the version. Every wait has a timeout (--engine-timeout) and the message names the engine.
+- Staleness (--max-staleness k): after the sync that gives the engines version v (the trainer's
+  weights before step v), the requests for steps up to v + k are sent; each completion carries
+  the version that sampled it, so step t never trains on a sample older than version t - k, and
+  k = 0 is synchronous. A step's request is found by its prompts: any other generate (validation,
+  DAPO's extra rounds) runs at once on the current weights.
+- Faults: an engine process that dies is restarted by Ray; the new process loads the model from
+  disk and refuses to generate before it has received weights. The trainer rebuilds its group,
+  streams the current weights, and generates its prompts again (rollout/engine_restarts).
+- Every chunk of prompts is sampled under a seed of (run seed, request, chunk): which engine
+  serves it, a restart or the timing do not change what is sampled.
+"""
+
+import atexit
+import datetime
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from common.config import RunStopped
+from common.parallel import broadcast_object, gather_objects, scatter_objects
+from common.rollout import Completion, HFEngine, Sampling
+
+log = logging.getLogger(__name__)
+
+
+class NotSynced(RuntimeError):
+    """An engine asked to generate before it received the trainer's weights (a restarted one)."""
+
+
+class EngineDied(Exception):
+    """An engine's process died (Ray restarts it)."""
+
+    def __init__(self, index: int):
+        super().__init__(f"rollout engine {index} died")
+        self.index = index
+
+
+class EngineActor:
+    """One remote engine: an HF engine on its own copy of the model (run as a Ray actor)."""
+
+    def __init__(self, model_path: str, *, index: int, dtype: str, trust_remote_code: bool, pad_id: int,
+                 eos_ids: list[int], batch_size: int, threads: int):  # fmt: skip
+        from common.model import load_policy
+
+        torch.set_num_threads(max(1, threads))
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model = load_policy(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        self.model = model.to(device).eval().requires_grad_(False)
+        self.engine = HFEngine(self.model, pad_id=pad_id, eos_ids=eos_ids, device=device, batch_size=batch_size)
+        self.index, self.version, self.group, self.order, self.delay = index, -1, None, [], 0.0
+        self.incarnation = uuid.uuid4().hex  # a process Ray restarts gets a new one
+
+    def hello(self) -> tuple[str, int]:
+        return self.incarnation, os.getpid()
+
+    def _params(self) -> dict:
+        from common.weight_sync import hf_name
+
+        return {hf_name(name): p for name, p in self.model.named_parameters()}
+
+    def agree(self, manifest: list[tuple[str, tuple[int, ...]]]) -> list[str]:
+        """Check the trainer's [(name, shape)] against this model's weights; keep their order for
+        receive. Returns the dtype of each, which the trainer sends."""
+        params = self._params()
+        for name, shape in manifest:
+            if name not in params:
+                raise ValueError(f"rollout engine {self.index}: the trainer sends {name}, which its model lacks")
+            if tuple(params[name].shape) != tuple(shape):
+                raise ValueError(
+                    f"rollout engine {self.index}: {name} has shape {tuple(params[name].shape)} in its model, "
+                    f"{tuple(shape)} in the trainer's"
+                )
+        missing = sorted(set(params) - {n for n, _ in manifest})
+        if missing:
+            raise ValueError(
+                f"rollout engine {self.index}: the trainer never sends {missing[0]} ({len(missing)} in all)"
+            )
+        self.order = [name for name, _ in manifest]
+        return [str(params[name].dtype).removeprefix("torch.") for name in self.order]
+
+    def join(self, address: str, port: int, timeout_s: float) -> None:
+        from torch.distributed import ProcessGroupGloo, TCPStore
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.group = None  # a previous group (its trainer side is gone) is dropped
+        store = TCPStore(address, port, 2, False, timeout=timeout)
+        self.group = ProcessGroupGloo(store, 1, 2, timeout)
+
+    @torch.no_grad()
+    def receive(self, version: int) -> int:
+        """Every weight in the agreed order, from trainer rank 0, into the model."""
+        params = self._params()
+        for name in self.order:
+            param = params[name]
+            buffer = (
+                param.data
+                if param.device.type == "cpu" and param.is_contiguous()
+                else torch.empty_like(param, device="cpu")
+            )
+            self.group.broadcast(buffer, 0).wait()
+            if buffer is not param.data:
+                param.data.copy_(buffer)
+        self.engine.reset_cache()
+        self.version = version
+        return version
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling, seed: int) -> tuple[list, int, float]:
+        """(one list of completions per prompt, the weights version that sampled them, seconds)."""
+        if self.version < 0:
+            raise NotSynced(f"rollout engine {self.index} has not received the trainer's weights")
+        time.sleep(self.delay)
+        t = time.time()
+        torch.manual_seed(seed)
+        return self.engine.generate(prompts, sampling), self.version, time.time() - t
+
+    def slow_down(self, seconds: float) -> int:
+        """Wait this long before every generate (fault and staleness drills); returns the pid."""
+        self.delay = seconds
+        return os.getpid()
+
+    @torch.no_grad()
+    def checksums(self) -> dict[str, float]:
+        return {name: float(p.double().sum()) for name, p in self._params().items()}
+
+    def version_held(self) -> int:
+        return self.version
+
+
+@dataclass
+class StepPrompts:
+    """step -> (the prompt ids of every rank for that training step, in rank order, and the
+    training sampling): the order the RL recipes' rollout takes them in (common.data.batch_indices,
+    rank r taking every world_size-th from r), so a step's request can go out before the step."""
+
+    train: list
+    batch_size: int
+    seed: int
+    shuffle: bool
+    sampling: Sampling
+
+    def __call__(self, step: int, world_size: int) -> tuple[list[list[int]], Sampling]:
+        from common.data import batch_indices
+
+        _, indices = batch_indices(step, len(self.train), self.batch_size, self.seed, self.shuffle)
+        ranks = [indices[r::world_size] for r in range(world_size)]
+        return [self.train[i]["prompt_ids"] for share in ranks for i in share], self.sampling
+
+
+@dataclass
+class _Request:
+    prompts: list[list[int]]
+    sampling: Sampling
+    seed: int
+    chunks: list[tuple[int, int]]  # [start, stop) of prompts, one per engine
+    futures: list = field(default_factory=list)  # one Ray ObjectRef per chunk; None: to (re)submit
+    engines: list = field(default_factory=list)  # the engine of each chunk
+    results: list = field(default_factory=list)  # (groups, version, seconds) per chunk once collected
+
+
+class RemoteEngines:
+    """The engine interface (common.rollout) over N EngineActor processes; see the module docstring.
+    Collective: every trainer rank constructs it and calls generate / update_weights together."""
+
+    def __init__(self, model, dist, version: int, *, model_path: str, num_engines: int, engine_num_cpus: float,
+                 engine_num_gpus: float, ray_address: str | None, max_staleness: int, timeout: float, seed: int,
+                 dtype: str, trust_remote_code: bool, pad_id: int, eos_ids: list[int], batch_size: int,
+                 schedule=None, total_steps: int = 0):  # fmt: skip
+        self.model, self.dist, self.k, self.timeout, self.seed = model, dist, max_staleness, timeout, seed
+        self.schedule, self.total_steps = schedule, total_steps  # step -> (every rank's prompts, sampling)
+        self.weight_version, self.restarts, self.prefetch_misses, self.stale_resent, self.calls = -1, 0, 0, 0, 0
+        self.engine_seconds, self.waited = 0.0, 0.0
+        self.requests: dict[int, _Request] = {}
+        self.next_step = version  # the first step whose request is not yet sent
+        self.actors, self.groups, self.incarnations, self.dtypes, self.ray_started = [], [], [], [], False
+        if dist.is_main:
+            try:
+                self._start(model_path, num_engines, engine_num_cpus, engine_num_gpus, ray_address, dtype,
+                            trust_remote_code, pad_id, eos_ids, batch_size)  # fmt: skip
+            except BaseException:
+                self.close()
+                raise
+            # At any exit (the end, an error, Ctrl-C, the stop signal). Registered after ray.init,
+            # so it runs before Ray's own exit handler, while Ray's processes are still ours.
+            atexit.register(self.close)
+        self.update_weights(version)
+
+    # --- setup (rank 0) ---------------------------------------------------------------------------
+    def _start(self, model_path, n, cpus, gpus, address, dtype, trust_remote_code, pad_id, eos_ids, batch_size):
+        import math
+
+        import ray
+
+        from common.weight_sync import weight_manifest
+
+        if not ray.is_initialized():
+            address = address or os.environ.get("RAY_ADDRESS")
+            if address:
+                ray.init(address=address, log_to_driver=False, configure_logging=False)
+            else:
+                ray.init(include_dashboard=False, num_cpus=max(os.cpu_count() or 1, math.ceil(n * cpus)),
+                         num_gpus=torch.cuda.device_count(), object_store_memory=256 * 1024**2,
+                         log_to_driver=False, configure_logging=False)  # fmt: skip
+            self.ray_started = True
+        actor = ray.remote(EngineActor).options(num_cpus=cpus, num_gpus=gpus, max_restarts=-1, max_task_retries=0)
+        threads = max(1, int(cpus))
+        self.actors = [
+            actor.remote(model_path, index=i, dtype=dtype, trust_remote_code=trust_remote_code, pad_id=pad_id,
+                         eos_ids=eos_ids, batch_size=batch_size, threads=threads)
+            for i in range(n)
+        ]  # fmt: skip
+        self.incarnations = [self._get(a.hello.remote(), i, "start")[0] for i, a in enumerate(self.actors)]
+        self.manifest = weight_manifest(self.model)
+        self.dtypes = [
+            self._dtypes(self._get(a.agree.remote(self.manifest), i, "agree on the weights"))
+            for i, a in enumerate(self.actors)
+        ]
+        self.groups = [self._join(i) for i in range(n)]
+        log.info("%d remote rollout engines started (Ray %s)", n, "started here" if self.ray_started else "cluster")
+
+    def _get(self, ref, index: int, what: str):
+        """ray.get with the timeout. An engine whose process died (or was restarted and holds no
+        weights yet) raises EngineDied; any other failure stops the run with a message naming it."""
+        import ray
+
+        try:
+            return ray.get(ref, timeout=self.timeout)
+        except ray.exceptions.RayActorError:
+            raise EngineDied(index) from None
+        except ray.exceptions.GetTimeoutError:
+            raise RunStopped(
+                f"rollout engine {index} did not {what} within --engine-timeout {self.timeout:g}s"
+            ) from None
+        except ray.exceptions.RayTaskError as e:
+            cause = e.as_instanceof_cause()
+            if isinstance(cause, NotSynced):
+                raise EngineDied(index) from None
+            raise RunStopped(
+                f"rollout engine {index} failed to {what}: {cause.args[0] if cause.args else cause}"
+            ) from None
+
+    def _join(self, index: int):
+        import ray
+        from torch.distributed import ProcessGroupGloo, TCPStore
+
+        address = ray.util.get_node_ip_address()
+        timeout = datetime.timedelta(seconds=self.timeout)
+        store = TCPStore(address, 0, 2, True, timeout=timeout, wait_for_workers=False)  # port 0: any free one
+        joined = self.actors[index].join.remote(address, store.port, self.timeout)
+        group = ProcessGroupGloo(store, 0, 2, timeout)
+        self._get(joined, index, "join the weight group")
+        return group
+
+    # --- weights ----------------------------------------------------------------------------------
+    def update_weights(self, version: int, engines: list[int] | None = None) -> None:
+        """Collective. Stream the trainer's weights to `engines` (default: every one, and then the
+        engines hold `version` and the next steps' requests go out); an engine that dies on the
+        way is restarted and streamed again."""
+        targets = engines
+        for _ in range(4):
+            targets = broadcast_object(self._settle(targets) if self.dist.is_main else None)
+            failed = broadcast_object(self._stream(targets, version))
+            if not failed:
+                break
+            if self.dist.is_main:
+                self._recover(failed)
+            targets = failed
+        else:
+            raise RunStopped(f"rollout engines {targets} kept dying while taking the weights; see the Ray logs")
+        if engines is None:
+            self.weight_version = version
+            if self.dist.is_main:
+                for step in [s for s in self.requests if s < version]:  # its step passed without asking for it
+                    del self.requests[step]
+                    self.prefetch_misses += 1
+                self._prefetch()
+
+    def _stream(self, targets: list[int], version: int) -> list[int] | None:
+        """Every rank iterates the weights (FSDP2 gathers each); rank 0 sends each to `targets`.
+        Returns, on rank 0, the engines that died on the way."""
+        from common.weight_sync import hf_weights
+
+        failed = set()
+        receipts = [self.actors[i].receive.remote(version) for i in targets] if self.dist.is_main else []
+        for position, (_, tensor) in enumerate(hf_weights(self.model)):
+            if not self.dist.is_main:
+                continue
+            sends = []  # (engine, the tensor as sent, kept alive until its send is done, the send)
+            for i in targets:
+                if i not in failed:
+                    sent = tensor.to(self.dtypes[i][position]).contiguous().cpu()
+                    try:
+                        sends.append((i, sent, self.groups[i].broadcast(sent, 0)))
+                    except RuntimeError:  # the peer is gone: its group is broken
+                        failed.add(i)
+            for i, _, work in sends:
+                try:
+                    work.wait()
+                except RuntimeError:
+                    failed.add(i)
+        if not self.dist.is_main:
+            return None
+        for i, ref in zip(targets, receipts):
+            try:
+                got = self._get(ref, i, "take the weights")
+            except EngineDied:
+                failed.add(i)
+                continue
+            if i not in failed and got != version:
+                raise RunStopped(f"rollout engine {i} reports weights version {got} after a sync to {version}")
+        return sorted(failed)
+
+    def _settle(self, engines) -> list[int]:
+        """The pause before a sync: wait until the engines have finished the work sent to them
+        (its results stay with the requests), so the stream never waits behind a generate."""
+        import ray
+
+        pending = [f for r in self.requests.values() for f in r.futures if f is not None]
+        if pending:
+            t = time.time()
+            ray.wait(pending, num_returns=len(pending), timeout=self.timeout)
+            self.waited += time.time() - t
+        return list(range(len(self.actors))) if engines is None else list(engines)
+
+    def _recover(self, engines) -> None:
+        """Wait for Ray to restart each dead engine, then agree and join again (rank 0)."""
+        import ray
+
+        for i in engines:
+            deadline = time.time() + self.timeout
+            while True:
+                try:
+                    incarnation, pid = ray.get(self.actors[i].hello.remote(), timeout=self.timeout)
+                    break
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    if time.time() > deadline:
+                        raise RunStopped(
+                            f"rollout engine {i} died and did not come back within {self.timeout:g}s"
+                        ) from None
+                    time.sleep(0.5)
+            if incarnation != self.incarnations[i]:
+                self.restarts += 1
+                self.incarnations[i] = incarnation
+                log.warning("rollout engine %d died and was restarted (pid %d); it gets the weights again", i, pid)
+            self.dtypes[i] = self._dtypes(
+                self._get(self.actors[i].agree.remote(self.manifest), i, "agree on the weights")
+            )
+            self.groups[i] = self._join(i)
+
+    @staticmethod
+    def _dtypes(names: list[str]) -> list[torch.dtype]:
+        return [getattr(torch, name) for name in names]
+
+    # --- generation -------------------------------------------------------------------------------
+    def _submit(self, prompts, sampling, seed) -> _Request:
+        n = len(self.actors)
+        bounds = [len(prompts) * i // n for i in range(n + 1)]
+        request = _Request(prompts, sampling, seed, [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a])
+        request.futures = [None] * len(request.chunks)
+        request.engines = [c % n for c in range(len(request.chunks))]
+        request.results = [None] * len(request.chunks)
+        self._send(request)
+        return request
+
+    def _send(self, request: _Request) -> int:
+        """Send the chunks that have neither a result nor a call in flight; returns how many."""
+        sent = 0
+        for c, (a, b) in enumerate(request.chunks):
+            if request.futures[c] is None and request.results[c] is None:
+                engine = self.actors[request.engines[c]]
+                request.futures[c] = engine.generate.remote(request.prompts[a:b], request.sampling, request.seed + c)
+                sent += 1
+        return sent
+
+    def _prefetch(self) -> None:
+        """Send the requests of steps up to weight_version + k (rank 0)."""
+        if self.schedule is None:
+            return
+        last = min(self.weight_version + self.k, self.total_steps - 1)
+        while self.next_step <= last:
+            prompts, sampling = self.schedule(self.next_step, self.dist.world_size)
+            self.requests[self.next_step] = self._submit(prompts, sampling, self._seed(self.next_step))
+            self.next_step += 1
+
+    def _seed(self, step: int | None) -> int:
+        if step is None:
+            self.calls += 1
+            return (self.seed * 1_000_003 + 2**40 + self.calls * 10_007) % 2**62
+        return (self.seed * 1_000_003 + step * 10_007) % 2**62
+
+    def _collect(self, request: _Request) -> list[int]:
+        """Wait for every chunk's result; returns the engines that died on the way (their
+        chunks go out again after they have the weights)."""
+        dead = set()
+        for c, ref in enumerate(request.futures):
+            if ref is not None:
+                request.futures[c] = None
+                try:
+                    groups, version, seconds = self._get(ref, request.engines[c], "generate")
+                except EngineDied as e:
+                    dead.add(e.index)
+                    continue
+                if version >= self.weight_version - self.k:
+                    request.results[c] = (groups, version, seconds)
+                else:  # older than --max-staleness allows (cannot happen by the schedule; never trained on)
+                    self.stale_resent += 1
+        return sorted(dead)
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        """Collective: each rank's prompts go to rank 0, which serves them all (a step's prefetched
+        request when they are its prompts, else a new one) and sends each rank its completions."""
+        t, request = time.time(), None
+        shares = gather_objects([list(p) for p in prompts])
+        if self.dist.is_main:
+            flat = [p for share in shares for p in share]
+            request = self.requests.get(self.weight_version)
+            if request is not None and request.prompts == flat and request.sampling == sampling:
+                del self.requests[self.weight_version]
+            else:  # not this step's prompts (validation, a DAPO round): sampled now, on the current weights
+                request = self._submit(flat, sampling, self._seed(None))
+        for _ in range(8):
+            dead = broadcast_object(self._collect(request) if self.dist.is_main else None)
+            if dead:  # restarted by Ray: the current weights first, then their chunks again
+                if self.dist.is_main:
+                    self._recover(dead)
+                self.update_weights(self.weight_version, engines=dead)
+            if not broadcast_object(self._send(request) if self.dist.is_main else None):
+                break
+        else:
+            raise RunStopped("rollout engines kept dying while generating; see the Ray logs")
+        parts = None
+        if self.dist.is_main:
+            groups = []
+            self.engine_seconds = max(seconds for *_, seconds in request.results)
+            for groups_c, version, _ in request.results:
+                for group in groups_c:
+                    for completion in group:
+                        completion.version = version
+                groups.extend(groups_c)
+            sizes = [len(s) for s in shares]
+            bounds = [sum(sizes[:r]) for r in range(len(sizes) + 1)]
+            parts = [groups[a:b] for a, b in zip(bounds, bounds[1:])]
+        self.waited += time.time() - t
+        return scatter_objects(parts)
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def sleep(self) -> None:  # the engines live in their own processes: nothing to free here
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def reset_cache(self) -> None:  # each engine resets its own on every sync
+        pass
+
+    def stats(self) -> dict:
+        """rollout/engine_restarts (engine processes Ray restarted), prefetch_misses (a step's
+        request sent ahead that the step did not ask for), stale_resent (chunks sampled by weights
+        older than --max-staleness allows, sampled again: the schedule never makes one),
+        perf/engine_generate_s (how long the slowest engine took on the latest request: with
+        --max-staleness > 0 mostly while the trainer trained) and perf/rollout_wait_s (how long
+        the trainer waited on the engines since the last call, in generate and in the pause
+        before a sync): the generation time the overlap did not hide."""
+        stats = {"rollout/engine_restarts": self.restarts, "rollout/prefetch_misses": self.prefetch_misses,
+                 "rollout/stale_resent": self.stale_resent, "perf/engine_generate_s": self.engine_seconds,
+                 "perf/rollout_wait_s": self.waited}  # fmt: skip
+        self.waited = 0.0
+        return stats
+
+    def checksums(self) -> list[dict[str, float]]:
+        """Each engine's {weight name: sum} (rank 0; for tests)."""
+        return [self._get(a.checksums.remote(), i, "report checksums") for i, a in enumerate(self.actors)]
+
+    def versions(self) -> list[int]:
+        return [self._get(a.version_held.remote(), i, "report its version") for i, a in enumerate(self.actors)]
+
+    def close(self) -> None:
+        """Stop the engines (and Ray, when this process started it). Runs at exit too."""
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors, self.groups, self.requests = [], [], {}
+        if self.ray_started and ray.is_initialized():
+            started = _descendants(os.getpid(), "ray")  # the local Ray's processes: ray.init made them our children
+            ray.shutdown()
+            # Ray's per-node agents outlive their raylet for a minute or more; a run leaves nothing behind.
+            for pid in started:
+                try:
+                    os.kill(pid, 15)
+                except OSError:
+                    pass
+        self.ray_started = False
+
+
+def _descendants(root: int, named: str) -> list[int]:
+    """The pids of every process below `root` whose command line holds `named` (Linux /proc;
+    empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else []:
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return [pid for pid in found if named in _cmdline(pid)]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

@@ -1,0 +1,261 @@
+"""Remote rollout engines (common.remote): HF engines in Ray actors, their weight stream, the
+staleness bound, engine faults, and grpo.py with --rollout-placement remote.
+
+One trainer process (this one) and two engine actors share a Ray started for the module; the
+recipe tests start their own. No Ray process may outlive a test that started Ray."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, TASK_TRAIN, TINY
+
+from common.config import RunStopped
+from common.parallel import Dist
+from common.rollout import HFEngine, Sampling
+
+SFT = ROOT / "bundled" / "tiny-qwen2-sft"
+SAMPLING = Sampling(n=4, max_tokens=8)
+BATCH = 8  # prompts per step
+
+
+def ray_processes() -> list[str]:
+    """Ray's own processes (raylet, gcs_server, workers) that belong to this user."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if proc.stat().st_uid != os.getuid():
+                continue
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(k in cmd for k in ("raylet", "gcs_server", "ray::", "default_worker.py", "ray/dashboard")):
+            found.append(f"{proc.name}: {cmd[:120]}")
+    return found
+
+
+def wait_until_no_ray(seconds: float = 30) -> list[str]:
+    deadline = time.time() + seconds
+    while (left := ray_processes()) and time.time() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+@pytest.fixture(scope="module")
+def task(tokenizer):
+    from common.data import load_rl_data
+
+    train, _, _ = load_rl_data(
+        (str(TASK_TRAIN),), (), tokenizer, prompt_key="prompt", max_prompt_length=64, truncation="error",
+        filter_overlong_prompts=False, train_batch_size=BATCH,
+    )  # fmt: skip
+    return train
+
+
+def start(model, tokenizer, *, model_path=SFT, engines=2, staleness=0, timeout=120, schedule=None, steps=0):
+    from common.remote import RemoteEngines
+
+    return RemoteEngines(
+        model, Dist(0, 1, 0, torch.device("cpu")), 0, model_path=str(model_path), num_engines=engines,
+        engine_num_cpus=1, engine_num_gpus=0, ray_address=None, max_staleness=staleness, timeout=timeout, seed=7,
+        dtype="float32", trust_remote_code=False, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id],
+        batch_size=64, schedule=schedule, total_steps=steps,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray for the module's in-process tests; shut down (and checked gone) at the end."""
+    import ray
+
+    ray.init(include_dashboard=False, num_cpus=4, object_store_memory=256 * 1024**2, log_to_driver=False,
+             configure_logging=False)  # fmt: skip
+    yield
+    from common.remote import _descendants
+
+    started = _descendants(os.getpid(), "ray")
+    ray.shutdown()
+    for pid in started:  # as RemoteEngines.close does for a Ray it started: the agents linger otherwise
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    assert not wait_until_no_ray(), f"Ray processes left: {ray_processes()}"
+
+
+def checksums(model) -> dict[str, float]:
+    from common.weight_sync import hf_weights
+
+    return {name: float(t.double().sum()) for name, t in hf_weights(model)}
+
+
+def nudge(model, step: int) -> None:
+    """A stand-in for an optimizer step: every weight moves, differently each time."""
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.add_(1e-3 * ((i + step) % 5 - 2))
+
+
+def test_engines_hold_the_trainers_weights_after_every_sync(ray_session, tokenizer):
+    """Checksums of every weight equal the trainer's, at start and after a step; versions match;
+    and greedy outputs equal the trainer's own HF engine on the same weights (the engines really
+    generate with what they were sent)."""
+    from common.model import load_policy
+
+    model = load_policy(str(SFT))
+    engines = start(model, tokenizer)
+    try:
+        assert engines.checksums() == [checksums(model)] * 2 and engines.versions() == [0, 0]
+        nudge(model, 1)
+        engines.update_weights(1)
+        assert engines.checksums() == [checksums(model)] * 2 and engines.versions() == [1, 1]
+        assert engines.weight_version == 1
+        prompts = [[tokenizer.bos_token_id or 1, 20 + i, 30 + i] for i in range(6)]
+        greedy = Sampling(n=1, temperature=0, max_tokens=6)
+        local = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu")
+        remote = engines.generate(prompts, greedy)
+        assert [g[0].token_ids for g in remote] == [g[0].token_ids for g in local.generate(prompts, greedy)]
+        assert {g[0].version for g in remote} == {1}
+    finally:
+        engines.close()
+
+
+@pytest.mark.parametrize("change", ["shape", "name"])
+def test_a_weight_mismatch_is_an_error_on_both_sides_within_the_timeout(ray_session, tokenizer, tmp_path, change):
+    """An engine model whose weights differ from the trainer's (one more MLP unit, or one more
+    layer) stops the start: the engine raises (its own message, naming itself and the weight) and
+    the trainer stops the run with it, well within the timeout; no tensor is sent."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common.model import load_policy
+
+    config = AutoConfig.from_pretrained(TINY)
+    if change == "shape":
+        config.intermediate_size += 1
+    else:
+        config.num_hidden_layers += 1
+        config.layer_types = [*config.layer_types, config.layer_types[-1]]
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "other")
+    t = time.time()
+    with pytest.raises(RunStopped) as caught:
+        start(load_policy(str(SFT)), tokenizer, model_path=tmp_path / "other", timeout=60)
+    message = str(caught.value)
+    assert message.startswith("rollout engine 0 failed to agree on the weights: rollout engine 0:"), message
+    if change == "shape":
+        assert "model.layers.0.mlp.gate_proj.weight has shape" in message and "in the trainer's" in message
+    else:
+        last = config.num_hidden_layers - 1
+        assert f"the trainer never sends model.layers.{last}." in message
+    assert time.time() - t < 60
+
+
+def test_a_hung_engine_is_named_within_the_timeout(ray_session, tokenizer):
+    import ray
+
+    from common.model import load_policy
+
+    engines = start(load_policy(str(SFT)), tokenizer, engines=1)
+    engines.timeout = 4  # after the start, which loads the model (--engine-timeout covers it too)
+    try:
+        ray.get(engines.actors[0].slow_down.remote(60))
+        t = time.time()
+        with pytest.raises(RunStopped, match=r"rollout engine 0 did not generate within --engine-timeout 4s"):
+            engines.generate([[1, 2, 3]], SAMPLING)
+        assert time.time() - t < 15
+    finally:
+        engines.close()
+
+
+def run_steps(engines, model, task, steps, trainer_seconds=0.0):
+    """A trainer loop: each step asks for its prompts' completions, 'trains' and syncs. Returns
+    per step (the versions that sampled, the completions, the seconds it waited)."""
+    from common.remote import StepPrompts
+
+    schedule = StepPrompts(task, BATCH, 7, True, SAMPLING)
+    seen = []
+    for step in range(steps):
+        prompts, _ = schedule(step, 1)
+        t = time.time()
+        groups = engines.generate(prompts, SAMPLING)
+        waited = time.time() - t
+        assert len(groups) == BATCH and all(len(g) == SAMPLING.n for g in groups)
+        seen.append(({c.version for g in groups for c in g}, groups, waited))
+        time.sleep(trainer_seconds)
+        nudge(model, step + 1)
+        engines.update_weights(step + 1)
+    return seen
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+@pytest.mark.parametrize("slow", ["trainer", "engine"])
+def test_no_sample_is_older_than_the_staleness_bound(ray_session, tokenizer, task, staleness, slow):
+    """Step t trains only on samples of versions t-k .. t, under a slow trainer (the engines run
+    ahead as far as allowed: exactly t-k once the pipeline is full) and a slow engine."""
+    import ray
+
+    from common.model import load_policy
+    from common.remote import StepPrompts
+
+    model = load_policy(str(SFT))
+    schedule = StepPrompts(task, BATCH, 7, True, SAMPLING)
+    engines = start(model, tokenizer, staleness=staleness, schedule=schedule, steps=6)
+    try:
+        if slow == "engine":
+            ray.get([a.slow_down.remote(0.5) for a in engines.actors])
+        seen = run_steps(engines, model, task, 6, trainer_seconds=1.0 if slow == "trainer" else 0.0)
+        for step, (versions, _, _) in enumerate(seen):
+            assert min(versions) >= step - staleness and max(versions) <= step, (step, versions)
+            assert versions == {max(0, step - staleness)}  # every sample as stale as allowed, no more
+        assert engines.stats()["rollout/prefetch_misses"] == 0 and engines.stats()["rollout/stale_resent"] == 0
+    finally:
+        engines.close()
+
+
+def test_a_killed_engine_is_restarted_synced_and_loses_no_prompt(ray_session, tokenizer, task):
+    """Kill one engine's process while it generates a step's request (--max-staleness 1): Ray
+    restarts it, it gets the current weights before it generates again, and its prompts are
+    generated again: every prompt comes back once, the chunk sampled as the chunk's fixed seed
+    samples it on the current weights, the other engine's chunk as it was."""
+    import ray
+
+    from common.model import load_policy
+    from common.remote import StepPrompts
+
+    model = load_policy(str(SFT))
+    schedule = StepPrompts(task, BATCH, 7, True, SAMPLING)
+    engines = start(model, tokenizer, staleness=1, schedule=schedule, steps=4)
+    try:
+        step0 = engines.generate(schedule(0, 1)[0], SAMPLING)
+        pid = ray.get(engines.actors[1].slow_down.remote(3.0))
+        nudge(model, 1)
+        engines.update_weights(1)  # sends step 2's request: engine 1 sleeps in its chunk
+        os.kill(pid, signal.SIGKILL)
+        step1 = engines.generate(schedule(1, 1)[0], SAMPLING)  # sent before the kill: unharmed
+        nudge(model, 2)
+        engines.update_weights(2)  # engine 1 is found dead here, restarted and streamed version 2
+        assert engines.stats()["rollout/engine_restarts"] == 1
+        assert engines.checksums() == [checksums(model)] * 2 and engines.versions() == [2, 2]
+        prompts = schedule(2, 1)[0]
+        step2 = engines.generate(prompts, SAMPLING)
+        assert engines.stats()["rollout/engine_restarts"] == 1  # one death, counted once
+        assert [len(g) for g in step2] == [SAMPLING.n] * BATCH
+        half = BATCH // 2  # engine 0 sampled prompts 0-3 on version 1; engine 1's (4-7) again on version 2
+        assert {c.version for g in step2[:half] for c in g} == {1}
+        assert {c.version for g in step2[half:] for c in g} == {2}
+        local = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as the engine: the same sums, so the same samples
+        try:
+            torch.manual_seed(engines._seed(2) + 1)
+            again = local.generate(prompts[half:], SAMPLING)
+        finally:
+            torch.set_num_threads(threads)
+        assert [[c.token_ids for c in g] for g in step2[half:]] == [[c.token_ids for c in g] for g in again]
+        assert len(step0) == len(step1) == BATCH
+    finally:
+        engines.close()
