@@ -137,19 +137,13 @@ def check_flags(args) -> None:
 
 
 def _check_placement(args) -> None:
-    """The remote-engine flags only mean something with --rollout-placement remote, which runs HF
-    engines (remote vLLM engines are not built yet)."""
+    """The remote-engine flags only mean something with --rollout-placement remote."""
     if args.rollout_placement == "colocated":
         changed = [
             f for f in fields(PlacementArgs) if f.name != "rollout_placement" and getattr(args, f.name) != f.default
         ]
         if changed:
             raise UsageError(f"{_flag(changed[0].name)} applies to remote engines: add --rollout-placement remote")
-    elif args.rollout_name != "hf":
-        raise UsageError(
-            f"--rollout-placement remote with --rollout-name {args.rollout_name}: remote engines are HF engines "
-            f"for now; use --rollout-name hf, or colocated vLLM (--rollout-placement colocated)"
-        )
 
 
 def _check_vllm(args) -> None:
@@ -168,7 +162,7 @@ def _check_vllm(args) -> None:
     if args.tensor_parallel_size > 1:
         raise UsageError(
             f"--tensor-parallel-size {args.tensor_parallel_size}: here each trainer process runs one engine on one "
-            f"GPU; an engine over several GPUs needs remote engines (not built yet)"
+            f"GPU; an engine over several GPUs is not built yet"
         )
     if importlib.util.find_spec("vllm") is None:
         raise UsageError(

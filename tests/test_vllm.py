@@ -240,3 +240,18 @@ def test_a_model_vllm_cannot_load_is_one_clear_error(tmp_path, tokenizer):
             max_num_batched_tokens=4096, enable_sleep_mode=False,
         )  # fmt: skip
     assert len(str(e.value)) < 600, "one short message"
+
+
+def test_grpo_with_remote_vllm_engines_gets_the_weights_every_step(tmp_path):
+    """--rollout-name vllm --rollout-placement remote: a vLLM engine in a Ray actor, fed by the
+    weight stream. Each step the trainer's old logprobs match the engine's (within 1e-3: the
+    bundled task's large learning rate moves them by nats per step, as a stale engine shows)."""
+    from conftest import read_metrics, run_recipe
+    from test_remote import wait_until_no_ray
+
+    run_recipe("grpo", "--rollout-name", "vllm", "--rollout-placement", "remote", "--num-rollout-engines", "1",
+               "--total-training-steps", "4", "--test-freq", "0", "--save-freq", "0", "--output-dir", tmp_path)  # fmt: skip
+    steps = [m for m in read_metrics(tmp_path) if "train/loss" in m]
+    assert len(steps) == 4 and all(m["rollout/staleness_max"] == 0 for m in steps)
+    assert all(m["rollout/logprob_diff_max"] < 1e-3 for m in steps), [m["rollout/logprob_diff_max"] for m in steps]
+    assert not wait_until_no_ray()
