@@ -94,8 +94,13 @@ def as_messages(value, file: str, index: int, key: str) -> list[dict]:
 # --- templating and truncation -------------------------------------------------------------------
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+def render_chat(
+    tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+) -> list[int]:
+    """Token ids of the chat template's text (with `tools`, the OpenAI schemas it lists)."""
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -173,6 +178,12 @@ def load_prompts(
                 ids = truncate(ids, max_prompt_length, truncation)
                 stats.truncated += 1
             reward_model = row.get("reward_model") or {}
+            agent = row.get("agent_name") or "single_turn_agent"
+            if agent not in ("single_turn_agent", "tool_agent"):
+                raise DataError(
+                    f"{file} row {i} column 'agent_name': {agent!r} is not an agent here; use single_turn_agent "
+                    f"(the default) or tool_agent"
+                )
             out.append(
                 {
                     "prompt_ids": ids,
@@ -180,6 +191,7 @@ def load_prompts(
                     "data_source": row.get("data_source") or "unknown",
                     "ground_truth": reward_model.get("ground_truth") if isinstance(reward_model, dict) else None,
                     "extra_info": row.get("extra_info"),
+                    "agent_name": agent,
                     "file": file,
                     "row": i,
                 }

@@ -210,6 +210,14 @@ class Scored:
         )  # fmt: skip
 
 
+TOOLS_PREFIX = "tools:"  # a pool spec naming a --tool-config file rather than a reward function
+
+
+def _check_text(result) -> None:
+    if not isinstance(result, str):
+        raise TypeError(f"a tool must return a str (the text the model reads), got {type(result).__name__}")
+
+
 def _worker_main(fd: int, spec: str) -> None:
     # A stop signal is the trainer's to act on (common.parallel.StopSignal); torchrun and Slurm send it
     # to every process of the job, and a worker it killed would fail the step being scored. Workers
@@ -221,7 +229,12 @@ def _worker_main(fd: int, spec: str) -> None:
 
 def _worker(conn, spec):
     try:
-        fn = load_reward_fn(spec)
+        if spec and spec.startswith(TOOLS_PREFIX):  # a tool pool (common.agent): results are the tools' text
+            from common.agent import load_tool_functions
+
+            fn, check = load_tool_functions(spec.removeprefix(TOOLS_PREFIX)), _check_text
+        else:
+            fn, check = load_reward_fn(spec), score_value
     except BaseException:
         conn.send(("failed", traceback.format_exc()))
         return
@@ -236,7 +249,7 @@ def _worker(conn, spec):
         index, args = task
         try:
             result = fn(*args)
-            score_value(result)
+            check(result)
             reply = (index, "ok", result)
         except BaseException:  # a reward function may raise anything, SystemExit included
             reply = (index, "error", traceback.format_exc())
@@ -344,36 +357,9 @@ class RewardPool:
 
     def score(self, tasks: list[tuple]) -> Scored:
         t0 = time.time()
-        results: list = [None] * len(tasks)
-        pending = deque(enumerate(tasks))
-        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (task index, start time)
-        errors, timeouts, first_error = 0, 0, None
-        while pending or busy:
-            for slot, worker in enumerate(self.workers):
-                if slot not in busy and pending:
-                    index, args = pending.popleft()
-                    worker[1].send((index, args))
-                    busy[slot] = (index, time.time())
-            deadline = min(start for _, start in busy.values()) + self.timeout
-            ready = wait([self.workers[s][1] for s in busy], timeout=max(0.0, deadline - time.time()))
-            for slot in list(busy):
-                worker, (index, start) = self.workers[slot], busy[slot]
-                if worker[1] in ready:
-                    try:
-                        _, status, payload = worker[1].recv()
-                    except (EOFError, OSError):  # the worker died (os._exit, segfault)
-                        status, payload = "error", f"reward worker exited with code {worker[0].poll()}"
-                        self._replace(worker)
-                    del busy[slot]
-                    if status == "ok":
-                        results[index] = payload
-                    else:
-                        errors += 1
-                        first_error = first_error or payload
-                elif time.time() - start >= self.timeout:
-                    self._replace(worker)
-                    del busy[slot]
-                    timeouts += 1
+        results, failures, first_error = self.run(tasks)
+        timeouts = sum(1 for f in failures.values() if f == "timeout")
+        errors = len(failures) - timeouts
         if first_error and not self.printed_error:
             self.printed_error = True
             log.error("reward function raised (scored 0, counted in reward/errors; shown once):\n%s", first_error)
@@ -396,6 +382,46 @@ class RewardPool:
         ok = [r is not None for r in results]
         preds = [r.get("pred") if isinstance(r, dict) and isinstance(r.get("pred"), str) else None for r in results]
         return Scored(scores, extras, errors, timeouts, first_error, time.time() - t0, ok, len(nonfinite), preds)
+
+    def run(self, tasks: list[tuple]) -> tuple[list, dict[int, str], str | None]:
+        """Each task's arguments through the workers' function, one task per worker at a time:
+        (results, None where it failed; {task index: "timeout" or the last line of what it
+        raised}; the first traceback)."""
+        results: list = [None] * len(tasks)
+        pending = deque(enumerate(tasks))
+        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (task index, start time)
+        failures, first_error = {}, None
+        while pending or busy:
+            for slot, worker in enumerate(self.workers):
+                if slot not in busy and pending:
+                    index, args = pending.popleft()
+                    worker[1].send((index, args))
+                    busy[slot] = (index, time.time())
+            deadline = min(start for _, start in busy.values()) + self.timeout
+            ready = wait([self.workers[s][1] for s in busy], timeout=max(0.0, deadline - time.time()))
+            for slot in list(busy):
+                worker, (index, start) = self.workers[slot], busy[slot]
+                if worker[1] in ready:
+                    try:
+                        _, status, payload = worker[1].recv()
+                    except (EOFError, OSError):  # the worker died (os._exit, segfault)
+                        try:
+                            code = worker[0].wait(timeout=5)
+                        except subprocess.TimeoutExpired:
+                            code = None
+                        status, payload = "error", f"reward worker exited with code {code}"
+                        self._replace(worker)
+                    del busy[slot]
+                    if status == "ok":
+                        results[index] = payload
+                    else:
+                        failures[index] = (payload.strip().splitlines() or ["failed"])[-1]
+                        first_error = first_error or payload
+                elif time.time() - start >= self.timeout:
+                    self._replace(worker)
+                    del busy[slot]
+                    failures[index] = "timeout"
+        return results, failures, first_error
 
     def dry_run(self, rows: list[dict], per_source: int = 2) -> None:
         """Score up to `per_source` rows of every data_source among `rows` before the first step,

@@ -45,6 +45,7 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
     version: int | None = None  # the weights that sampled it, when an engine holds its own (remote)
+    mask: list[int] | None = None  # 1 where the policy sampled the token (common.agent); None: every token
 
 
 @contextlib.contextmanager
@@ -396,6 +397,9 @@ def pack_groups(rows: list[tuple], n: int, tokenizer, device) -> dict:
     batch["rollout_logprobs"] = torch.tensor(
         [c.logprobs + [0.0] * (width - len(c.logprobs)) for _, c in rows], dtype=torch.float32, device=device
     )
+    for i, (_, c) in enumerate(rows):  # multi-turn: only the sampled tokens are the policy's (common.agent)
+        if c.mask is not None:
+            batch["response_mask"][i, : len(c.mask)] = torch.tensor(c.mask, dtype=batch["response_mask"].dtype)
     batch["rows"] = list(rows)
     batch["group_ids"] = torch.arange(len(rows) // n, device=device).repeat_interleave(n)
     return batch
@@ -416,6 +420,14 @@ def regroup(groups: list[list[tuple]], parts: list[dict], tokenizer, device) -> 
     return batch
 
 
+def sample(engine, prompts: list[dict], sampling: Sampling) -> list[list[Completion]]:
+    """sampling.n completions of each prompt row: through the agent loop when the engine runs one
+    (common.agent.AgentLoop: each row's agent_name), else from its prompt ids alone."""
+    if hasattr(engine, "generate_rows"):
+        return engine.generate_rows(prompts, sampling)
+    return engine.generate([p["prompt_ids"] for p in prompts], sampling)
+
+
 def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, reward_model=None) -> dict:
     """Steps 2-3 of every RL recipe for this rank's prompts (rows from common.data.load_prompts):
     sampling.n responses each, packed for the trainer (common.data.pack_sequences), then scored
@@ -427,7 +439,7 @@ def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, rewar
     {perf/generate_s, perf/score_s}.
     """
     t = time.time()
-    groups = engine.generate([p["prompt_ids"] for p in prompts], sampling)
+    groups = sample(engine, prompts, sampling)
     rows = [(p, c) for p, group in zip(prompts, groups) for c in group]
     responses = [c.token_ids for _, c in rows]
     batch = pack_groups(rows, sampling.n, tokenizer, device)
@@ -462,7 +474,7 @@ def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist
     answers). With log_generations N (verl's trainer.log_val_generations), val/generations holds
     the first N rows' prompt, first response, ground truth and score, for common.tracking to log."""
     local, n_real = shard_evenly(rows, dist)
-    completions = engine.generate([r["prompt_ids"] for r in local], sampling)[:n_real]
+    completions = sample(engine, local, sampling)[:n_real]
     pairs = [(row, c) for row, group in zip(local[:n_real], completions) for c in group]
     texts = tokenizer.batch_decode([c.token_ids for _, c in pairs], skip_special_tokens=True)
     scored = pool.score([(r["data_source"], t, r["ground_truth"], r["extra_info"]) for (r, _), t in zip(pairs, texts)])
