@@ -91,6 +91,8 @@ FLAG_RULES = [
     ("engine_num_gpus", lambda v: v >= 0, ">= 0"),
     ("max_staleness", lambda v: v >= 0, ">= 0 (0 is synchronous)"),
     ("engine_timeout", lambda v: v > 0, "> 0 seconds"),
+    ("max_assistant_turns", lambda v: v >= 1, ">= 1"),
+    ("tool_timeout", lambda v: v > 0, "> 0 seconds"),
     ("reward_timeout", lambda v: v > 0, "> 0 seconds"),
     ("reward_workers", lambda v: v >= 1, ">= 1"),
     ("kl_coef", lambda v: v >= 0, ">= 0"),
@@ -120,6 +122,10 @@ def check_flags(args) -> None:
             raise UsageError(f"{_flag(name)} {path}: no config.json in that folder, so it is not a Hugging Face model")
     if hasattr(args, "rollout_placement"):
         _check_placement(args)
+    if getattr(args, "tool_config", None):
+        from common.agent import read_tool_config
+
+        read_tool_config(args.tool_config)  # its YAML and files; the functions are imported in the tool workers
     if getattr(args, "rollout_name", "hf") == "vllm":
         _check_vllm(args)
     if getattr(args, "bypass_mode", False) and getattr(args, "rollout_is", None):
@@ -406,6 +412,30 @@ class RewardArgs:
 
 
 @dataclass
+class AgentArgs:
+    tool_config: str | None = None
+    """YAML listing the tools of tool_agent rows: OpenAI function schemas and path/to/file.py:function (verl's tool config)"""
+    max_assistant_turns: int = 5
+    """tool_agent: most assistant turns in one conversation"""
+    tool_timeout: float = 10.0
+    """tool_agent: seconds one tool call may take before the model is told it timed out"""
+    tokenization_sanity_check_mode: Literal["strict", "ignore_strippable", "off"] = "strict"
+    """tool_agent: compare the turn-by-turn tokens with the whole conversation tokenised at once"""
+
+    def agent_kwargs(self, tool_pool) -> dict:
+        """common.rollout.start_engine's `agent`: the keyword arguments of common.agent.AgentLoop
+        these flags set, its tools running in `tool_pool` (none without --tool-config)."""
+        if not self.tool_config:
+            return {}
+        from common.agent import read_tool_config
+
+        return {"agent": dict(tools=read_tool_config(self.tool_config), pool=tool_pool,
+                              max_assistant_turns=self.max_assistant_turns,
+                              max_response_length=self.max_response_length,
+                              check_mode=self.tokenization_sanity_check_mode)}  # fmt: skip
+
+
+@dataclass
 class ValidationArgs:
     val_temperature: float = 0.0
     """validation sampling temperature; 0 is greedy"""
@@ -419,7 +449,16 @@ class ValidationArgs:
 
 @dataclass
 class RLArgs(
-    RewardArgs, ValidationArgs, PlacementArgs, RolloutArgs, EngineArgs, TrainerArgs, OptimArgs, DataArgs, ModelArgs
+    RewardArgs,
+    ValidationArgs,
+    AgentArgs,
+    PlacementArgs,
+    RolloutArgs,
+    EngineArgs,
+    TrainerArgs,
+    OptimArgs,
+    DataArgs,
+    ModelArgs,
 ):
     """The plumbing flags every RL recipe shares, with the RL defaults for the bundled task.
     Flags are listed model, data, optim, trainer, rollout, validation, reward; a recipe's own
@@ -445,7 +484,7 @@ class RLArgs(
         may not need one, a --reward-model never does."""
         names = ("prompt_key", "max_prompt_length", "truncation", "filter_overlong_prompts", "train_batch_size")
         needs = "unused" if self.reward_model else "optional" if self.reward_fn else "required"
-        return {**{k: getattr(self, k) for k in names}, "ground_truth": needs}
+        return {**{k: getattr(self, k) for k in names}, "ground_truth": needs, "tools": bool(self.tool_config)}
 
     def reward_kwargs(self, run_dir: Path) -> dict:
         """The keyword arguments of common.rewards.start_reward_pool that these flags set; what
@@ -453,16 +492,18 @@ class RLArgs(
         rank = os.environ.get("RANK", "0")
         name = "reward_workers.log" if rank == "0" else f"reward_workers.rank{rank}.log"
         return dict(reward_fn=self.reward_fn, workers=self.reward_workers, timeout=self.reward_timeout,
-                    log_path=Path(run_dir) / name)  # fmt: skip
+                    log_path=Path(run_dir) / name, tool_config=self.tool_config, tool_timeout=self.tool_timeout)  # fmt: skip
 
     def tracker_kwargs(self, recipe: str, run_info: dict) -> dict:
         """TrainerArgs.tracker_kwargs, plus whether a NaN or infinite reward stops the run."""
         return {**super().tracker_kwargs(recipe, run_info), "stop_on_nonfinite_reward": self.stop_on_nonfinite_reward}
 
-    def engine_kwargs(self, train: list, total_steps: int) -> dict:
-        """EngineArgs.engine_kwargs (validation's prompts per generate call as the batch) and the
-        placement's (PlacementArgs.placement_kwargs)."""
-        return {**super().engine_kwargs(self.val_batch_size), **self.placement_kwargs(train, total_steps)}
+    def engine_kwargs(self, train: list, total_steps: int, pool) -> dict:
+        """EngineArgs.engine_kwargs (validation's prompts per generate call as the batch), the
+        placement's (PlacementArgs.placement_kwargs) and the agent loop's, whose tools run in the
+        reward pool's tool workers (common.rewards.start_reward_pool)."""
+        return {**super().engine_kwargs(self.val_batch_size), **self.placement_kwargs(train, total_steps),
+                **self.agent_kwargs(pool.tools)}  # fmt: skip
 
     @property
     def engine_holds_own_weights(self) -> bool:

@@ -438,6 +438,7 @@ def load_rl_data(
     filter_overlong_prompts: bool,
     train_batch_size: int,
     ground_truth: str = "required",
+    tools: bool = False,
 ) -> tuple[list[dict], LoadStats, list[dict]]:
     """Training and validation prompts of an RL recipe (validation empty without val_files);
     too few training prompts for one batch fail here, before any model loads. ground_truth:
@@ -450,6 +451,12 @@ def load_rl_data(
     if len(train) < train_batch_size:
         raise DataError(f"train_files hold {len(train)} prompts, fewer than train_batch_size={train_batch_size}")
     val = load_prompts(val_files, tokenizer, **kwargs, what="val_files")[0] if val_files else []
+    agentic = next((r for r in train + val if r["agent_name"] == "tool_agent"), None)
+    if agentic is not None and not tools:
+        raise DataError(
+            f"{agentic['file']} row {agentic['row']} column 'agent_name': tool_agent rows need tools: pass "
+            f"--tool-config tools.yaml (common/agent.py describes the file)"
+        )
     missing = [r for r in train + val if r["ground_truth"] is None]
     if missing and ground_truth == "required":
         raise DataError(

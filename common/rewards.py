@@ -306,7 +306,7 @@ class RewardPool:
     """
 
     def __init__(self, spec: str | None = None, workers: int = 2, timeout: float = 10.0, log_path=None):
-        self.spec, self.timeout = spec, timeout
+        self.spec, self.timeout, self.tools = spec, timeout, None
         self.output = _WorkerOutput(log_path)
         self.workers = [self._start() for _ in range(max(1, workers))]
         self.printed_error = self.printed_nonfinite = False
@@ -336,16 +336,17 @@ class RewardPool:
             proc.wait()
             if not self.spec:
                 raise RuntimeError(f"reward worker for the built-in rewards failed to start: {detail}")
+            flag, shown = (
+                ("--tool-config", self.spec.removeprefix(TOOLS_PREFIX))
+                if self.spec.startswith(TOOLS_PREFIX)
+                else ("--reward-fn", self.spec)
+            )
             if status == "hung":
-                raise UsageError(
-                    f"--reward-fn {self.spec}: importing it did not finish in {STARTUP_TIMEOUT:.0f}s (it hangs?)"
-                )
+                raise UsageError(f"{flag} {shown}: importing it did not finish in {STARTUP_TIMEOUT:.0f}s (it hangs?)")
             last = detail.strip().splitlines()[-1] if detail.strip() else "no reason given"
             ours = "common.config.UsageError: "  # load_reward_fn's own message already names the flag
             raise UsageError(
-                last.removeprefix(ours)
-                if last.startswith(ours)
-                else f"--reward-fn {self.spec}: importing it failed: {last}"
+                last.removeprefix(ours) if last.startswith(ours) else f"{flag} {shown}: importing it failed: {last}"
             )
         return [proc, conn]
 
@@ -452,6 +453,8 @@ class RewardPool:
                         scored.errors + scored.timeouts, len(picked), reason[0])  # fmt: skip
 
     def close(self) -> None:
+        if getattr(self, "tools", None) is not None:
+            self.tools.close()
         for proc, conn in self.workers:
             try:
                 conn.send(None)
@@ -516,7 +519,14 @@ class RewardModel:
 
 
 def start_reward_pool(
-    reward_fn: str | None, *, workers: int, timeout: float, dry_run_rows: list[dict], log_path=None
+    reward_fn: str | None,
+    *,
+    workers: int,
+    timeout: float,
+    dry_run_rows: list[dict],
+    log_path=None,
+    tool_config: str | None = None,
+    tool_timeout: float = 10.0,
 ) -> RewardPool:
     """The worker pool for --reward-fn (or the built-ins), checked before any model loads: a
     missing file fails with its name; the file is imported only in the workers (its code never
@@ -529,4 +539,8 @@ def start_reward_pool(
     pool = RewardPool(reward_fn, workers=workers, timeout=timeout, log_path=log_path)
     if dry_run_rows:
         pool.dry_run(dry_run_rows)
+    # --tool-config: the tools' own pool (common.agent), started now so an import that fails or
+    # hangs is an error before any model loads; closed with the reward pool.
+    pool.tools = RewardPool(TOOLS_PREFIX + tool_config, workers=workers, timeout=tool_timeout,
+                            log_path=log_path) if tool_config else None  # fmt: skip
     return pool

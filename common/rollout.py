@@ -349,13 +349,20 @@ class VLLMEngine:
 
 
 def start_engine(model, tokenizer, dist, version: int = 0, *, rollout_name: str = "hf", batch_size: int = 256,
-                 remote: dict | None = None, **vllm_kwargs):  # fmt: skip
+                 remote: dict | None = None, agent: dict | None = None, **vllm_kwargs):  # fmt: skip
     """The rollout engine --rollout-name and --rollout-placement ask for, holding weights `version`
     (the step the run starts from): the HF engine on the live policy (the vLLM flags unused), a
     VLLMEngine loaded from model_path and synced with `model` at once, or (remote: the
     PlacementArgs) common.remote.RemoteEngines, HF or vLLM engines in Ray actors, synced at once. Call it
     after a resume has loaded the trainer's weights, or an engine with its own copy would start
-    from the checkpoint's base model."""
+    from the checkpoint's base model. With `agent` (common.config.AgentArgs.agent_kwargs) the
+    engine runs behind common.agent.AgentLoop."""
+    if agent is not None:
+        from common.agent import AgentLoop
+
+        inner = start_engine(model, tokenizer, dist, version, rollout_name=rollout_name, batch_size=batch_size,
+                             remote=remote, **vllm_kwargs)  # fmt: skip
+        return AgentLoop(inner, tokenizer, **agent)
     if remote is not None:
         from common.remote import RemoteEngines
 

@@ -313,7 +313,7 @@ def main(args: Args) -> dict:
     optimizer, scheduler = args.optimizer_and_scheduler(model, total_steps)
     state = resume(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)
     start_step, gen_batches = state["step"], state.get("gen_batches", 0)  # DAPO: the data position
-    engine = start_engine(model, tokenizer, dist, start_step, **args.engine_kwargs(train, total_steps))
+    engine = start_engine(model, tokenizer, dist, start_step, **args.engine_kwargs(train, total_steps, pool))
     tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
 

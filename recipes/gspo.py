@@ -275,7 +275,7 @@ def main(args: Args) -> dict:
     sampling, val_sampling = args.samplings()
     optimizer, scheduler = args.optimizer_and_scheduler(model, total_steps)
     start_step = resume(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)["step"]
-    engine = start_engine(model, tokenizer, dist, start_step, **args.engine_kwargs(train, total_steps))
+    engine = start_engine(model, tokenizer, dist, start_step, **args.engine_kwargs(train, total_steps, pool))
     tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
 

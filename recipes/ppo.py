@@ -424,7 +424,7 @@ def main(args: Args) -> dict:
     state = resume(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist,
                    extra_models={"critic": critic})  # fmt: skip
     start_step, kl_coef = state["step"], state.get("kl_coef", args.kl_coef)  # PPO: an adaptive coef resumes
-    engine = start_engine(model, tokenizer, dist, start_step, **args.engine_kwargs(train, total_steps))
+    engine = start_engine(model, tokenizer, dist, start_step, **args.engine_kwargs(train, total_steps, pool))
     tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
 
