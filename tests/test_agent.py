@@ -255,3 +255,65 @@ def test_tool_agent_rows_without_tools_and_a_bad_tool_config_stop_before_loading
                       "--output-dir", tmp_path / "b", check=False)  # fmt: skip
     assert proc.returncode == 2 and "--tool-config" in proc.stderr and "no calculator here" in proc.stderr
     assert "params" not in proc.stdout  # no model was loaded
+
+
+COLLECTIVE = """
+import json, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from test_agent import Scripted, row, CALL
+from common.agent import AgentLoop, read_tool_config
+from common.model import load_tokenizer
+from common.rewards import TOOLS_PREFIX, RewardPool
+from common.rollout import Sampling
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+
+class Collective(Scripted):
+    # A collective generate, as FSDP2's forwards and remote engines are: every rank must call it
+    # as often, with as many prompts, or the all_gather below fails or hangs.
+    rounds = 0
+
+    def generate(self, prompts, sampling):
+        sizes = [None, None]
+        dist.all_gather_object(sizes, len(prompts))
+        assert sizes[0] == sizes[1], sizes
+        self.rounds += 1
+        return super().generate(prompts, sampling)
+
+
+tokenizer = load_tokenizer(sys.argv[2])
+script = [CALL, CALL, "<answer>5</answer>"] if rank == 0 else ["<answer>5</answer>"]  # 3 turns on rank 0, 1 on rank 1
+pool = RewardPool(TOOLS_PREFIX + sys.argv[3], workers=1, timeout=5)
+engine = Collective(tokenizer, script)
+agent = AgentLoop(engine, tokenizer, tools=read_tool_config(sys.argv[3]), pool=pool, max_assistant_turns=5,
+                  max_response_length=400)
+groups = agent.generate_rows([row(tokenizer)], Sampling(n=2, max_tokens=200))
+pool.close()
+print(json.dumps({"rank": rank, "calls": engine.rounds, "turns": agent.stats()["agent/turns_mean"],
+                  "n": [len(g) for g in groups]}))
+"""
+
+
+def test_two_processes_sample_in_step_when_their_conversations_differ(tmp_path, tool_config):
+    """Rank 0's conversations take three turns, rank 1's one: rank 1 keeps sampling (fillers,
+    dropped) so that a collective engine sees both ranks call it as often with as many prompts."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, TINY
+
+    (tmp_path / "probe.py").write_text(COLLECTIVE)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29731",
+         str(tmp_path / "probe.py"), str(ROOT / "tests"), str(TINY), tool_config],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = sorted(
+        (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"]
+    )
+    assert [r["calls"] for r in results] == [3, 3]  # rank 1: its one turn, then two rounds of fillers
+    assert [r["turns"] for r in results] == [3, 1] and [r["n"] for r in results] == [[2], [2]]
