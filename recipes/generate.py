@@ -179,6 +179,10 @@ def main(args: Args) -> dict:
     rows, stats = load_prompts([args.data_path], tokenizer, prompt_key=args.prompt_key, what="data_path",
                                max_prompt_length=args.max_prompt_length, truncation=args.truncation,
                                filter_overlong_prompts=args.filter_overlong_prompts)  # fmt: skip
+    agentic = next((r for r in rows if r["agent_name"] == "tool_agent"), None)
+    if agentic is not None:  # sampling it as one turn would silently drop its tools
+        raise UsageError(f"{agentic['file']} row {agentic['row']}: tool_agent rows need the agent loop, which "
+                         f"generate.py does not run yet (the RL recipes do, with --tool-config)")  # fmt: skip
     chunks = [rows[i : i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
     done = open_parts(parts, {k: getattr(args, k) for k in OUTPUT_FLAGS}, len(chunks), dist)
     todo = [c for c in range(dist.rank, len(chunks), dist.world_size) if c not in done]

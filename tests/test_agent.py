@@ -255,6 +255,8 @@ def test_tool_agent_rows_without_tools_and_a_bad_tool_config_stop_before_loading
                       "--output-dir", tmp_path / "b", check=False)  # fmt: skip
     assert proc.returncode == 2 and "--tool-config" in proc.stderr and "no calculator here" in proc.stderr
     assert "params" not in proc.stdout  # no model was loaded
+    proc = run_recipe("generate", "--data-path", test, "--output-path", tmp_path / "out.parquet", check=False)
+    assert proc.returncode == 2 and "tool_agent rows need the agent loop" in proc.stderr  # not sampled as one turn
 
 
 COLLECTIVE = """
