@@ -41,7 +41,6 @@ from common.rollout import Completion, Sampling
 
 log = logging.getLogger(__name__)
 
-AGENTS = ("single_turn_agent", "tool_agent")
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 

@@ -119,6 +119,7 @@ def truncate(ids: list, max_len: int, mode: str) -> list:
 
 
 # --- RL prompts (verl format) ----------------------------------------------------------------------
+AGENTS = ("single_turn_agent", "tool_agent")  # a row's agent_name: the loop that samples it (common.agent)
 
 
 @dataclass
@@ -179,7 +180,7 @@ def load_prompts(
                 stats.truncated += 1
             reward_model = row.get("reward_model") or {}
             agent = row.get("agent_name") or "single_turn_agent"
-            if agent not in ("single_turn_agent", "tool_agent"):
+            if agent not in AGENTS:
                 raise DataError(
                     f"{file} row {i} column 'agent_name': {agent!r} is not an agent here; use single_turn_agent "
                     f"(the default) or tool_agent"

@@ -28,6 +28,7 @@ import atexit
 import datetime
 import logging
 import os
+import signal
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -534,7 +535,7 @@ class RemoteEngines:
             # Ray's per-node agents outlive their raylet for a minute or more; a run leaves nothing behind.
             for pid in started:
                 try:
-                    os.kill(pid, 15)
+                    os.kill(pid, signal.SIGTERM)
                 except OSError:
                     pass
         self.ray_started = False

@@ -453,7 +453,7 @@ class RewardPool:
                         scored.errors + scored.timeouts, len(picked), reason[0])  # fmt: skip
 
     def close(self) -> None:
-        if getattr(self, "tools", None) is not None:
+        if self.tools is not None:
             self.tools.close()
         for proc, conn in self.workers:
             try:
