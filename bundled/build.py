@@ -23,9 +23,16 @@ HERE = Path(__file__).resolve().parent
 DATA_SOURCE = "bundled/addition"
 N_TEST = 500
 SEED = 0
+TOOL_SOURCE = "bundled/calculator"
+N_TOOL_SFT, N_TOOL_RL = 4000, 8000  # 3-digit pairs: tool-use conversations for SFT, prompts for RL
 
-# Qwen's chat template, trimmed to what the bundled task needs (no tools), same markers and layout.
+# Qwen's chat template, trimmed to what the bundled tasks need, same markers and layout. Given
+# tools, it lists them in a system turn first, one line each (name: description) where Qwen's
+# writes each whole JSON schema: the tiny model reads a tenth of the tokens.
 CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n<tools>\\n' }}"
+    "{%- for tool in tools %}{{- tool['function']['name'] + ': ' + tool['function']['description'] + '\\n' }}"
+    "{%- endfor %}{{- '</tools><|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
@@ -104,6 +111,52 @@ def build_task(out: Path) -> None:
         pq.write_table(pa.Table.from_pylist(records), out / f"{split}.parquet")
 
 
+def tool_call(a: int, b: int) -> str:
+    call = {"name": "calculator", "arguments": {"expression": f"{a}+{b}"}}
+    return f"<tool_call>{json.dumps(call)}</tool_call>"
+
+
+def build_tool_task(out: Path) -> None:
+    """3-digit addition with the calculator of calculator/tools.yaml: RL prompts (tool_agent rows)
+    and tool-use conversations for SFT (messages, with the tool schemas in a tools column)."""
+    import yaml
+
+    schemas = [t["tool_schema"] for t in yaml.safe_load((out / "tools.yaml").read_text())["tools"]]
+    rng = random.Random(SEED)
+    pairs = rng.sample([(a, b) for a in range(100, 1000) for b in range(100, 1000)], N_TEST + N_TOOL_SFT + N_TOOL_RL)
+    splits = {
+        "test": pairs[:N_TEST],
+        "sft": pairs[N_TEST : N_TEST + N_TOOL_SFT],
+        "train": pairs[N_TEST + N_TOOL_SFT :],
+    }
+    for split, rows in splits.items():
+        records = []
+        for i, (a, b) in enumerate(rows):
+            record = {
+                "data_source": TOOL_SOURCE,
+                "prompt": [{"role": "user", "content": question(a, b)}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {
+                    "split": split,
+                    "index": i,
+                    "question": question(a, b),
+                    "answer": f"<answer>{a + b}</answer>",
+                },  # fmt: skip
+                "agent_name": "tool_agent",
+            }
+            if split == "sft":  # the conversation the model should have: call, read, answer
+                record["messages"] = [
+                    {"role": "user", "content": question(a, b)},
+                    {"role": "assistant", "content": tool_call(a, b)},
+                    {"role": "tool", "content": str(a + b)},
+                    {"role": "assistant", "content": f"<answer>{a + b}</answer>"},
+                ]
+                record["tools"] = json.dumps(schemas)
+            records.append(record)
+        pq.write_table(pa.Table.from_pylist(records), out / f"{split}.parquet")
+
+
 def main() -> None:
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)
@@ -111,6 +164,7 @@ def main() -> None:
     model.to(torch.bfloat16).save_pretrained(model_dir)  # bf16 on disk keeps the bundle small
     tokenizer.save_pretrained(model_dir)
     build_task(HERE / "addition")
+    build_tool_task(HERE / "calculator")
     n = sum(p.numel() for p in model.parameters())
     print(json.dumps({"model": str(model_dir), "params": n, "vocab": len(tokenizer)}))
 

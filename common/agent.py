@@ -31,6 +31,7 @@ mismatch with the turn and both token strings.
 import json
 import logging
 import re
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,13 +123,123 @@ def read_tool_config(path: str) -> ToolConfig:
 
 def load_tool_functions(path: str):
     """In a worker process: call(name, arguments) running the named tool of --tool-config."""
-    from common.rewards import load_reward_fn
+    from common.rewards import load_from_file
 
     config = read_tool_config(path)
-    loaded = {name: load_reward_fn(target) for name, target in config.functions.items()}
+    loaded = {name: load_from_file(target, "--tool-config", "") for name, target in config.functions.items()}
 
     def call(name: str, arguments: dict) -> str:
         return loaded[name](**arguments)
+
+    return call
+
+
+# --- interactions -----------------------------------------------------------------------------------
+@dataclass
+class InteractionConfig:
+    """What --interaction-config declares (verl's layout): per name, the class and its config."""
+
+    path: str
+    classes: dict[str, tuple[str, dict]]  # name -> ("file.py:Class" or "package.module.Class", config)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.classes)
+
+
+def read_interaction_config(path: str) -> InteractionConfig:
+    """Read and check --interaction-config without importing any of its classes:
+
+    interaction:
+      - name: grader                           # what a row's extra_info.interaction_kwargs.name picks
+        class_name: grader.py:RetryGrader      # path/to/file.py:Class, or verl's package.module.Class
+        config: {}                             # passed to the class, with its name added
+    """
+    import yaml
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UsageError(f"--interaction-config {path}: file does not exist")
+    try:
+        config = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as e:
+        raise UsageError(f"--interaction-config {path}: not valid YAML ({e})") from None
+    items = config.get("interaction") if isinstance(config, dict) else None
+    if not isinstance(items, list) or not items:
+        raise UsageError(
+            f"--interaction-config {path}: expected a top-level `interaction:` list with at least one entry"
+        )
+    classes = {}
+    for i, item in enumerate(items):
+        where = f"--interaction-config {path}: interaction[{i}]"
+        name = item.get("name") if isinstance(item, dict) else None
+        target = item.get("class_name") if isinstance(item, dict) else None
+        if not isinstance(name, str) or not name or not isinstance(target, str) or not target:
+            raise UsageError(
+                f"{where}: needs name: ... and class_name: path/to/file.py:Class (or package.module.Class)"
+            )
+        if ":" in target:
+            source = Path(target.partition(":")[0]).expanduser()
+            source = source if source.is_absolute() else file.parent / source
+            if not source.is_file():
+                raise UsageError(f"{where} ({name}): file {target.partition(':')[0]!r} does not exist")
+            target = f"{source}:{target.partition(':')[2]}"
+        elif "." not in target:
+            raise UsageError(
+                f"{where} ({name}): class_name {target!r} is neither file.py:Class nor package.module.Class"
+            )
+        settings = item.get("config") or {}
+        if not isinstance(settings, dict):
+            raise UsageError(f"{where} ({name}): config must be a mapping")
+        if name in classes:
+            raise UsageError(f"{where}: a second interaction named {name!r}")
+        classes[name] = (target, settings)
+    return InteractionConfig(str(file), classes)
+
+
+def load_interactions(path: str):
+    """In a worker process: call(method, name, instance_id, messages, kwargs) on the named
+    interaction of --interaction-config, with verl's methods (plain or async): "start" ->
+    start_interaction(instance_id, **kwargs); "respond" -> generate_response(instance_id, messages,
+    **kwargs), checked to be (done, message, score, extra) and returned as (done, message, score);
+    "finalize" -> finalize_interaction(instance_id, **kwargs) when it takes them."""
+    import asyncio
+    import importlib
+    import inspect
+    import math
+
+    from common.rewards import load_from_file
+
+    def load(target):
+        if ":" in target:
+            return load_from_file(target, "--interaction-config", "", kind="class")
+        module, _, name = target.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+    config = read_interaction_config(path)
+    instances = {name: load(target)({**settings, "name": name}) for name, (target, settings) in config.classes.items()}
+    loop = asyncio.new_event_loop()  # one loop for the worker's life: an interaction may keep loop-bound state
+
+    def run(value):
+        return loop.run_until_complete(value) if inspect.isawaitable(value) else value
+
+    def call(method: str, name: str, instance_id: str, messages, kwargs: dict):
+        interaction = instances[name]
+        if method == "start":
+            return str(run(interaction.start_interaction(instance_id, **kwargs)) or instance_id)
+        if method == "respond":
+            result = run(interaction.generate_response(instance_id, messages, **kwargs))
+            if not (isinstance(result, tuple | list) and len(result) == 4 and isinstance(result[1], str)):
+                raise TypeError(f"{name}.generate_response must return (done, message: str, score, extra), "
+                                f"got {str(result)[:120]}")  # fmt: skip
+            score = float(result[2])
+            if not math.isfinite(score):
+                raise ValueError(f"{name}.generate_response returned the score {score}")
+            return bool(result[0]), result[1], score
+        finalize = interaction.finalize_interaction
+        takes_id = bool(inspect.signature(finalize).parameters)  # verl's base class takes none
+        run(finalize(instance_id, **kwargs) if takes_id else finalize())
+        return ""
 
     return call
 
@@ -144,10 +255,14 @@ class Conversation:
     mask: list[int] = field(default_factory=list)  # 1: sampled by the policy
     logprobs: list[float] = field(default_factory=list)  # the engine's, 0 where not sampled
     assistant_turns: int = 0
+    user_turns: int = 0  # the interaction's replies
     tool_calls: int = 0
     tool_errors: int = 0
     tool_timeouts: int = 0
     malformed_calls: int = 0
+    interaction: str | None = None  # the instance id of its interaction, when it has one running
+    interaction_errors: int = 0
+    turn_scores: list[float] = field(default_factory=list)  # the interaction's, one per reply
     finish_reason: str = "stop"
     done: bool = False
 
@@ -156,8 +271,24 @@ class Conversation:
         self.mask += [int(sampled)] * len(tokens)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
 
+    @property
+    def agent(self) -> str:
+        return self.row.get("agent_name") or "single_turn_agent"
+
     def completion(self) -> Completion:
-        return Completion(self.tokens, self.logprobs, self.finish_reason, mask=self.mask)
+        """As the trainer takes it, with conversation_extra_info."""
+        extra = conversation_extra_info(self.row, self.user_turns, self.assistant_turns, self.turn_scores)
+        return Completion(self.tokens, self.logprobs, self.finish_reason, mask=self.mask, extra_info=extra)
+
+
+def conversation_extra_info(row: dict, user_turns: int = 0, assistant_turns: int = 1, turn_scores=()) -> dict | None:
+    """What a tool_agent conversation adds to its row's extra_info for the reward function, under
+    verl's names: num_turns and rollout_reward_scores (the interaction's user_turn_rewards). None
+    for other rows. The defaults describe a one-turn answer, as the reward dry run scores."""
+    if (row.get("agent_name") or "single_turn_agent") != "tool_agent":
+        return None
+    scores = {"user_turn_rewards": list(turn_scores)} if row.get("interaction_kwargs") else {}
+    return {"num_turns": user_turns + assistant_turns + 1, "rollout_reward_scores": scores}
 
 
 def between_turns(tokenizer, messages: list[dict], new: list[dict], eos_id: int, tools=None) -> list[int]:
@@ -210,47 +341,68 @@ def _turn_at(tokenizer, conversation: Conversation, position: int, tools=None) -
 class AgentStats:
     conversations: int = 0
     assistant_turns: int = 0
+    user_turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
     tool_timeouts: int = 0
     malformed_calls: int = 0
+    interaction_errors: int = 0
+    turn_scores: list[float] = field(default_factory=list)
     tokenization_mismatches: int = 0
     policy_tokens: int = 0
     tokens: int = 0
 
     def metrics(self) -> dict:
         n = max(1, self.conversations)
-        return {
+        metrics = {
             "agent/turns_mean": self.assistant_turns / n,
+            "agent/user_turns_mean": self.user_turns / n,
             "agent/tool_calls_mean": self.tool_calls / n,
             "agent/tool_errors": self.tool_errors,
             "agent/tool_timeouts": self.tool_timeouts,
             "agent/malformed_calls": self.malformed_calls,
+            "agent/interaction_errors": self.interaction_errors,
             "agent/tokenization_mismatches": self.tokenization_mismatches,
             "agent/policy_token_share": self.policy_tokens / max(1, self.tokens),
         }
+        if self.turn_scores:
+            metrics["agent/interaction_score_mean"] = sum(self.turn_scores) / len(self.turn_scores)
+        return metrics
 
 
 class AgentLoop:
     """The agent loop over an engine. generate_rows(rows, sampling) runs each row's agent;
-    everything else (generate, update_weights, the lifecycle, weight_version) is the engine's."""
+    everything else (generate, update_weights, the lifecycle, weight_version) is the engine's.
+
+    tools / pool: the --tool-config tools and the worker pool running them; interactions /
+    interaction_pool: the same for --interaction-config (one worker, which holds every running
+    interaction's state). lockstep: every rank calls the engine equally often (needed when its
+    generate is collective, as in training; generate.py's ranks work alone)."""
 
     def __init__(self, engine, tokenizer, *, tools: ToolConfig | None, pool, max_assistant_turns: int,
-                 max_response_length: int, check_mode: str = "strict"):  # fmt: skip
+                 max_response_length: int, check_mode: str = "strict", interactions: InteractionConfig | None = None,
+                 interaction_pool=None, max_user_turns: int = 5, lockstep: bool = True):  # fmt: skip
         self.engine, self.tokenizer, self.tools, self.pool = engine, tokenizer, tools, pool
-        self.max_turns, self.max_length, self.check_mode = max_assistant_turns, max_response_length, check_mode
+        self.interactions, self.interaction_pool = interactions, interaction_pool
+        self.max_turns, self.max_user_turns, self.max_length = max_assistant_turns, max_user_turns, max_response_length
+        self.check_mode, self.lockstep = check_mode, lockstep
         self.eos_id = tokenizer.eos_token_id
         self.stats_since = AgentStats()
-        self.reported_mismatch = False
+        self.reported_mismatch = self.reported_interaction_error = False
 
     def __getattr__(self, name):  # update_weights, sleep, wake_up, reset_cache, weight_version, ...
         return getattr(self.engine, name)
 
     def stats(self) -> dict:
+        """The engine's counters and agent/* over the conversations since the last call."""
         stats = self.engine.stats() if hasattr(self.engine, "stats") else {}
-        stats.update(self.stats_since.metrics())
-        self.stats_since = AgentStats()
+        stats.update(self.agent_metrics())
         return stats
+
+    def agent_metrics(self) -> dict:
+        """agent/* over the conversations since the last call (validation takes its own)."""
+        metrics, self.stats_since = self.stats_since.metrics(), AgentStats()
+        return metrics
 
     def generate(self, prompts, sampling: Sampling):
         return self.engine.generate(prompts, sampling)
@@ -259,85 +411,147 @@ class AgentLoop:
         """sampling.n conversations per row, each as one Completion whose mask marks the sampled
         tokens. Rows of single_turn_agent are sampled as the engine samples them."""
         first = self.engine.generate([r["prompt_ids"] for r in rows], sampling)
-        conversations = []
-        for row, group in zip(rows, first):
-            for c in group:
-                conversation = Conversation(row, list(row["messages"]))
-                conversation.add(c.token_ids, True, c.logprobs)
-                conversation.finish_reason = c.finish_reason
-                conversation.assistant_turns = 1
-                self._after_turn(conversation, c.token_ids, row.get("agent_name") or "single_turn_agent")
-                conversations.append(conversation)
+        conversations = [Conversation(row, list(row["messages"])) for row, group in zip(rows, first) for _ in group]
+        self._start_interactions(conversations)
+        for conversation, c in zip(conversations, (c for group in first for c in group)):
+            self._sampled(conversation, c.token_ids, c.logprobs, c.finish_reason)
+        self._after_turns(conversations)
+        reduce = all_reduce_max if self.lockstep else (lambda value: value)
         while True:
             active = [c for c in conversations if not c.done]
             budget = [self.max_length - len(c.tokens) for c in active]
             # Every rank samples the same number of times with as many prompts (the engines'
             # generate may be collective: FSDP2's forwards, remote engines); fillers are dropped.
-            count = all_reduce_max(len(active))
+            count = reduce(len(active))
             if count == 0:
                 break
             more = Sampling(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                            max_tokens=all_reduce_max(max(budget, default=1)))  # fmt: skip
+                            max_tokens=reduce(max(budget, default=1)))  # fmt: skip
             inputs = [c.row["prompt_ids"] + c.tokens for c in active]
             outs = self.engine.generate(inputs + [rows[0]["prompt_ids"]] * (count - len(inputs)), more)
             for conversation, left, (out,) in zip(active, budget, outs):
-                ids, logprobs = out.token_ids[:left], out.logprobs[:left]
-                conversation.add(ids, True, logprobs)
-                conversation.assistant_turns += 1
-                conversation.finish_reason = "length" if len(ids) < len(out.token_ids) else out.finish_reason
-                self._after_turn(conversation, ids, "tool_agent")
+                cut = len(out.token_ids) > left
+                self._sampled(conversation, out.token_ids[:left], out.logprobs[:left],
+                              "length" if cut else out.finish_reason)  # fmt: skip
+            self._after_turns(active)
+        self._finish_interactions(conversations)
         for conversation in conversations:
             self._account(conversation)
         n = sampling.n
         done = [c.completion() for c in conversations]
         return [done[i * n : (i + 1) * n] for i in range(len(rows))]
 
-    def _after_turn(self, conversation: Conversation, ids: list[int], agent: str) -> None:
-        """Record the turn; with tool_agent, run its calls and append their results, or end."""
+    def _sampled(self, conversation: Conversation, ids: list[int], logprobs: list[float], finish_reason: str) -> None:
+        conversation.add(ids, True, logprobs)
+        conversation.assistant_turns += 1
+        conversation.finish_reason = finish_reason
         text = self.tokenizer.decode([t for t in ids if t != self.eos_id])
         conversation.messages.append({"role": "assistant", "content": text})
-        if agent != "tool_agent" or conversation.finish_reason != "stop":
-            conversation.done = True
-            return
-        calls, malformed = parse_tool_calls(text)
-        if not calls and not malformed:  # an answer
-            conversation.done = True
-            return
-        if conversation.assistant_turns >= self.max_turns:
-            conversation.done = True
-            return
-        conversation.malformed_calls += len(malformed)
-        replies = [f"Error: {m}" for m in malformed] + self._run(conversation, calls)
-        new = [{"role": "tool", "content": reply} for reply in replies]
+
+    def _after_turns(self, conversations: list[Conversation]) -> None:
+        """After each conversation's new assistant turn: run the calls it made (every
+        conversation's at once in the tool pool) and append their results; or, when it answered
+        and has an interaction, append the interaction's reply; else it is done."""
+        calling, answered = [], []
+        for c in conversations:
+            if c.agent != "tool_agent" or c.finish_reason != "stop" or c.assistant_turns >= self.max_turns:
+                c.done = True
+                continue
+            calls, malformed = parse_tool_calls(c.messages[-1]["content"])
+            if calls or malformed:
+                calling.append((c, calls, malformed))
+            elif c.interaction is not None and c.user_turns < self.max_user_turns:
+                answered.append(c)
+            else:
+                c.done = True
+        for (c, _, malformed), replies in zip(calling, self._run_tools(calling)):
+            c.malformed_calls += len(malformed)
+            self._append(c, [{"role": "tool", "content": reply} for reply in replies])
+        for c, result in zip(answered, self._interact(answered)):
+            c.user_turns += 1
+            if result is None:  # the interaction failed: counted, and the conversation ends
+                c.interaction_errors += 1
+                c.done = True
+                continue
+            done, message, score = result
+            c.turn_scores.append(score)
+            if done:
+                c.done = True
+            else:
+                self._append(c, [{"role": "user", "content": message}])
+
+    def _append(self, conversation: Conversation, new: list[dict]) -> None:
+        """Append messages through the chat template (unsampled tokens), with the next assistant
+        turn's prompt; a conversation with no room left to answer ends before them."""
         between = between_turns(self.tokenizer, conversation.messages, new, self.eos_id, self._schemas())
-        conversation.messages.extend(new)
-        if len(conversation.tokens) + len(between) >= self.max_length:  # no room left to answer
+        if len(conversation.tokens) + len(between) >= self.max_length:
             conversation.finish_reason, conversation.done = "length", True
-            conversation.messages = conversation.messages[: -len(new)]
             return
+        conversation.messages.extend(new)
         conversation.add(between, False)
 
-    def _run(self, conversation: Conversation, calls: list[dict]) -> list[str]:
-        known = [c for c in calls if self.tools is not None and c["name"] in self.tools.functions]
-        replies = {}
-        for c in calls:
-            if c not in known:
-                conversation.tool_errors += 1
-                names = ", ".join(self.tools.names) if self.tools else "none"
-                replies[id(c)] = f"Error: no tool named {c['name']!r} (tools: {names})"
-        if known:
-            results, failures, _ = self.pool.run([(c["name"], c["arguments"]) for c in known])
-            for i, c in enumerate(known):
-                conversation.tool_calls += 1
-                if failures.get(i) == "timeout":
-                    conversation.tool_timeouts += 1
-                    replies[id(c)] = f"Error: the tool {c['name']} did not answer within {self.pool.timeout:g}s"
-                elif i in failures:
-                    conversation.tool_errors += 1
-                    replies[id(c)] = f"Error: the tool {c['name']} failed: {failures[i]}"
+    def _run_tools(self, calling: list[tuple]) -> list[list[str]]:
+        """The replies to every conversation's calls (an error text for a malformed call, an
+        unknown tool, a tool that raised, timed out or crashed), the known calls run together."""
+        replies = [[f"Error: {m}" for m in malformed] for _, _, malformed in calling]
+        tasks, owners = [], []
+        for k, (c, calls, _) in enumerate(calling):
+            for call in calls:
+                if self.tools is not None and call["name"] in self.tools.functions:
+                    tasks.append((call["name"], call["arguments"]))
+                    owners.append((k, len(replies[k])))
+                    replies[k].append("")
                 else:
-                    replies[id(c)] = results[i]
-        return [replies[id(c)] for c in calls]
+                    c.tool_errors += 1
+                    names = ", ".join(self.tools.names) if self.tools else "none"
+                    replies[k].append(f"Error: no tool named {call['name']!r} (tools: {names})")
+        if not tasks:
+            return replies
+        results, failures, _ = self.pool.run(tasks)
+        for i, ((k, slot), (name, _)) in enumerate(zip(owners, tasks)):
+            c = calling[k][0]
+            c.tool_calls += 1
+            if failures.get(i) == "timeout":
+                c.tool_timeouts += 1
+                replies[k][slot] = f"Error: the tool {name} did not answer within {self.pool.timeout:g}s"
+            elif i in failures:
+                c.tool_errors += 1
+                replies[k][slot] = f"Error: the tool {name} failed: {failures[i]}"
+            else:
+                replies[k][slot] = results[i]
+        return replies
+
+    # Interactions run in their pool's one worker; a call that fails or hangs (then the worker is
+    # replaced, and every interaction's state with it) ends that conversation, counted.
+    def _call_interactions(self, method: str, conversations: list[Conversation]) -> list:
+        tasks = []
+        for c in conversations:
+            kwargs = c.row["interaction_kwargs"]
+            tasks.append((method, kwargs["name"], c.interaction, c.messages if method == "respond" else None, kwargs))
+        results, failures, first_error = self.interaction_pool.run(tasks) if tasks else ([], {}, None)
+        if failures and not self.reported_interaction_error:
+            self.reported_interaction_error = True
+            reason = first_error or f"no answer within {self.interaction_pool.timeout:g}s"
+            log.error("an interaction's %s failed (the conversation ends; counted in agent/interaction_errors; "
+                      "shown once):\n%s", method, reason)  # fmt: skip
+        return [None if i in failures else r for i, r in enumerate(results)]
+
+    def _start_interactions(self, conversations: list[Conversation]) -> None:
+        starting = [c for c in conversations if c.agent == "tool_agent" and c.row.get("interaction_kwargs")]
+        for c in starting:
+            c.interaction = uuid.uuid4().hex
+        for c, instance in zip(starting, self._call_interactions("start", starting)):
+            if instance is None:
+                c.interaction_errors += 1
+            c.interaction = instance
+
+    def _interact(self, conversations: list[Conversation]) -> list:
+        return self._call_interactions("respond", conversations)
+
+    def _finish_interactions(self, conversations: list[Conversation]) -> None:
+        running = [c for c in conversations if c.interaction is not None]
+        for c, result in zip(running, self._call_interactions("finalize", running)):
+            c.interaction_errors += result is None
 
     def _schemas(self):
         return self.tools.schemas if self.tools else None
@@ -346,10 +560,13 @@ class AgentLoop:
         s = self.stats_since
         s.conversations += 1
         s.assistant_turns += conversation.assistant_turns
+        s.user_turns += conversation.user_turns
         s.tool_calls += conversation.tool_calls
         s.tool_errors += conversation.tool_errors
         s.tool_timeouts += conversation.tool_timeouts
         s.malformed_calls += conversation.malformed_calls
+        s.interaction_errors += conversation.interaction_errors
+        s.turn_scores += conversation.turn_scores
         s.policy_tokens += sum(conversation.mask)
         s.tokens += len(conversation.mask)
         if conversation.assistant_turns > 1 and conversation.finish_reason == "stop":

@@ -92,6 +92,7 @@ FLAG_RULES = [
     ("max_staleness", lambda v: v >= 0, ">= 0 (0 is synchronous)"),
     ("engine_timeout", lambda v: v > 0, "> 0 seconds"),
     ("max_assistant_turns", lambda v: v >= 1, ">= 1"),
+    ("max_user_turns", lambda v: v >= 1, ">= 1"),
     ("tool_timeout", lambda v: v > 0, "> 0 seconds"),
     ("reward_timeout", lambda v: v > 0, "> 0 seconds"),
     ("reward_workers", lambda v: v >= 1, ">= 1"),
@@ -126,6 +127,10 @@ def check_flags(args) -> None:
         from common.agent import read_tool_config
 
         read_tool_config(args.tool_config)  # its YAML and files; the functions are imported in the tool workers
+    if getattr(args, "interaction_config", None):
+        from common.agent import read_interaction_config
+
+        read_interaction_config(args.interaction_config)  # likewise: the classes are imported in a worker
     if getattr(args, "rollout_name", "hf") == "vllm":
         _check_vllm(args)
     if getattr(args, "bypass_mode", False) and getattr(args, "rollout_is", None):
@@ -415,24 +420,42 @@ class RewardArgs:
 class AgentArgs:
     tool_config: str | None = None
     """YAML listing the tools of tool_agent rows: OpenAI function schemas and path/to/file.py:function (verl's tool config)"""
+    interaction_config: str | None = None
+    """YAML listing the interactions a row's extra_info.interaction_kwargs names (verl's interaction config)"""
     max_assistant_turns: int = 5
     """tool_agent: most assistant turns in one conversation"""
+    max_user_turns: int = 5
+    """tool_agent: most interaction replies in one conversation"""
     tool_timeout: float = 10.0
-    """tool_agent: seconds one tool call may take before the model is told it timed out"""
+    """tool_agent: seconds one tool or interaction call may take (a tool's then tells the model; an interaction's ends the conversation)"""
     tokenization_sanity_check_mode: Literal["strict", "ignore_strippable", "off"] = "strict"
     """tool_agent: compare the turn-by-turn tokens with the whole conversation tokenised at once"""
 
-    def agent_kwargs(self, tool_pool) -> dict:
-        """common.rollout.start_engine's `agent`: the keyword arguments of common.agent.AgentLoop
-        these flags set, its tools running in `tool_pool` (none without --tool-config)."""
-        if not self.tool_config:
-            return {}
+    def tool_schemas(self) -> list[dict] | None:
+        """The function schemas of --tool-config, which tool_agent prompts are templated with."""
         from common.agent import read_tool_config
 
-        return {"agent": dict(tools=read_tool_config(self.tool_config), pool=tool_pool,
-                              max_assistant_turns=self.max_assistant_turns,
-                              max_response_length=self.max_response_length,
-                              check_mode=self.tokenization_sanity_check_mode)}  # fmt: skip
+        return read_tool_config(self.tool_config).schemas if self.tool_config else None
+
+    def interaction_names(self) -> list[str] | None:
+        from common.agent import read_interaction_config
+
+        return read_interaction_config(self.interaction_config).names if self.interaction_config else None
+
+    def agent_kwargs(self, tool_pool, interaction_pool) -> dict:
+        """common.rollout.start_engine's `agent`: the keyword arguments of common.agent.AgentLoop
+        these flags set, its tools and interactions running in those pools
+        (common.rewards.start_agent_pools); none without --tool-config or --interaction-config."""
+        if not self.tool_config and not self.interaction_config:
+            return {}
+        from common.agent import read_interaction_config, read_tool_config
+
+        return {"agent": dict(
+            tools=read_tool_config(self.tool_config) if self.tool_config else None, pool=tool_pool,
+            interactions=read_interaction_config(self.interaction_config) if self.interaction_config else None,
+            interaction_pool=interaction_pool, max_assistant_turns=self.max_assistant_turns,
+            max_user_turns=self.max_user_turns, max_response_length=self.max_response_length,
+            check_mode=self.tokenization_sanity_check_mode)}  # fmt: skip
 
 
 @dataclass
@@ -484,7 +507,12 @@ class RLArgs(
         may not need one, a --reward-model never does."""
         names = ("prompt_key", "max_prompt_length", "truncation", "filter_overlong_prompts", "train_batch_size")
         needs = "unused" if self.reward_model else "optional" if self.reward_fn else "required"
-        return {**{k: getattr(self, k) for k in names}, "ground_truth": needs, "tools": bool(self.tool_config)}
+        return {
+            **{k: getattr(self, k) for k in names},
+            "ground_truth": needs,
+            "tools": self.tool_schemas(),
+            "interactions": self.interaction_names(),
+        }
 
     def reward_kwargs(self, run_dir: Path) -> dict:
         """The keyword arguments of common.rewards.start_reward_pool that these flags set; what
@@ -492,7 +520,8 @@ class RLArgs(
         rank = os.environ.get("RANK", "0")
         name = "reward_workers.log" if rank == "0" else f"reward_workers.rank{rank}.log"
         return dict(reward_fn=self.reward_fn, workers=self.reward_workers, timeout=self.reward_timeout,
-                    log_path=Path(run_dir) / name, tool_config=self.tool_config, tool_timeout=self.tool_timeout)  # fmt: skip
+                    log_path=Path(run_dir) / name, tool_config=self.tool_config, tool_timeout=self.tool_timeout,
+                    interaction_config=self.interaction_config)  # fmt: skip
 
     def tracker_kwargs(self, recipe: str, run_info: dict) -> dict:
         """TrainerArgs.tracker_kwargs, plus whether a NaN or infinite reward stops the run."""
@@ -503,7 +532,7 @@ class RLArgs(
         placement's (PlacementArgs.placement_kwargs) and the agent loop's, whose tools run in the
         reward pool's tool workers (common.rewards.start_reward_pool)."""
         return {**super().engine_kwargs(self.val_batch_size), **self.placement_kwargs(train, total_steps),
-                **self.agent_kwargs(pool.tools)}  # fmt: skip
+                **self.agent_kwargs(pool.tools, pool.interactions)}  # fmt: skip
 
     @property
     def engine_holds_own_weights(self) -> bool:

@@ -3,6 +3,7 @@
 Every error names the file, the row and the column, and says what to change.
 """
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +92,26 @@ def as_messages(value, file: str, index: int, key: str) -> list[dict]:
     )
 
 
+def as_tools(value, file: str, index: int, key: str) -> list[dict] | None:
+    """A tools cell (verl's multiturn tools_key) as the OpenAI function schemas a chat template
+    lists: a list of them, or that list as a JSON string; None or empty for no tools."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else None
+        except json.JSONDecodeError as e:
+            raise DataError(f"{file} row {index} column {key!r}: not valid JSON ({e.msg})") from None
+    if value is None or (isinstance(value, list | tuple) and not value):
+        return None
+    if isinstance(value, list | tuple) and all(
+        isinstance(t, dict) and isinstance((t.get("function") or {}).get("name"), str) for t in value
+    ):
+        return [dict(t) for t in value]
+    raise DataError(
+        f"{file} row {index} column {key!r}: expected a list of OpenAI tool schemas "
+        f"({{'type': 'function', 'function': {{'name': ..., ...}}}}), or that list as JSON, got: {str(value)[:80]!r}"
+    )
+
+
 # --- templating and truncation -------------------------------------------------------------------
 
 
@@ -158,10 +179,12 @@ def load_prompts(
     max_prompt_length: int,
     truncation: str = "error",
     filter_overlong_prompts: bool = False,
+    tools: list[dict] | None = None,
     what: str = "train_files",
 ) -> tuple[list[dict], LoadStats]:
     """verl parquet rows as dicts with templated `prompt_ids` plus data_source, ground_truth,
-    extra_info and the raw `messages`. ground_truth is None when reward_model is absent."""
+    extra_info, agent_name and the raw `messages`. ground_truth is None when reward_model is
+    absent. tool_agent rows are templated with `tools` (the --tool-config schemas) listed."""
     stats = LoadStats()
     out = []
     for file, rows in read_parquet(files, what):
@@ -169,7 +192,13 @@ def load_prompts(
         for i, row in enumerate(rows):
             stats.rows += 1
             messages = as_messages(get_field(row, prompt_key, file, i, "prompt_key"), file, i, prompt_key)
-            ids = render_chat(tokenizer, messages, add_generation_prompt=True)
+            agent = row.get("agent_name") or "single_turn_agent"
+            if agent not in AGENTS:
+                raise DataError(
+                    f"{file} row {i} column 'agent_name': {agent!r} is not an agent here; use single_turn_agent "
+                    f"(the default) or tool_agent"
+                )
+            ids = render_chat(tokenizer, messages, True, tools=tools if agent == "tool_agent" else None)
             if len(ids) > max_prompt_length:
                 if filter_overlong_prompts:
                     stats.filtered_overlong += 1
@@ -179,12 +208,6 @@ def load_prompts(
                 ids = truncate(ids, max_prompt_length, truncation)
                 stats.truncated += 1
             reward_model = row.get("reward_model") or {}
-            agent = row.get("agent_name") or "single_turn_agent"
-            if agent not in AGENTS:
-                raise DataError(
-                    f"{file} row {i} column 'agent_name': {agent!r} is not an agent here; use single_turn_agent "
-                    f"(the default) or tool_agent"
-                )
             out.append(
                 {
                     "prompt_ids": ids,
@@ -206,14 +229,14 @@ def load_prompts(
 # --- SFT examples ----------------------------------------------------------------------------------
 
 
-def _assistant_spans(tokenizer, messages, file, index) -> tuple[list[int], list[int]]:
-    full = render_chat(tokenizer, messages, add_generation_prompt=False)
+def _assistant_spans(tokenizer, messages, file, index, tools=None) -> tuple[list[int], list[int]]:
+    full = render_chat(tokenizer, messages, add_generation_prompt=False, tools=tools)
     mask = [0] * len(full)
     for turn, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = render_chat(tokenizer, messages[:turn], add_generation_prompt=True)
-        end = render_chat(tokenizer, messages[: turn + 1], add_generation_prompt=False)
+        start = render_chat(tokenizer, messages[:turn], add_generation_prompt=True, tools=tools)
+        end = render_chat(tokenizer, messages[: turn + 1], add_generation_prompt=False, tools=tools)
         if full[: len(start)] != start or full[: len(end)] != end:
             raise DataError(
                 f"{file} row {index}: the chat template does not render turn {turn} as a prefix "
@@ -232,13 +255,15 @@ def load_sft(
     messages_key: str = "messages",
     prompt_key: str = "prompt",
     response_key: str = "response",
+    tools_key: str = "tools",
     truncation: str = "error",
     what: str = "train_files",
 ) -> tuple[list[dict], LoadStats]:
     """SFT examples: `input_ids` and `loss_mask` (1 on assistant/response tokens only).
 
     A file with a `messages_key` column is read as chat conversations (loss on every assistant
-    turn); otherwise prompt_key/response_key are read (dotted keys reach into structs, as in
+    turn, tool turns masked; a `tools_key` column lists the tool schemas the template shows);
+    otherwise prompt_key/response_key are read (dotted keys reach into structs, as in
     extra_info.answer) and the response is followed by the tokenizer's eos. Each example also keeps
     `prompt_ids` (the prompt up to the last assistant turn), `data_source` and `ground_truth`
     (None without reward_model) for generation-based validation.
@@ -249,6 +274,7 @@ def load_sft(
     for file, rows in read_parquet(files, what):
         stats.per_file[file] = len(rows)
         chat = has_column(rows, messages_key)
+        with_tools = chat and has_column(rows, tools_key)
         if not chat and not has_column(rows, prompt_key):
             raise DataError(
                 f"{file}: neither a {messages_key!r} column (chat) nor a {prompt_key!r} column "
@@ -262,8 +288,9 @@ def load_sft(
                 last = max((t for t, m in enumerate(messages) if m["role"] == "assistant"), default=None)
                 if last is None:
                     raise DataError(f"{file} row {i} column {messages_key!r}: no assistant message to train on")
-                ids, mask = _assistant_spans(tokenizer, messages, file, i)
-                prompt_ids = render_chat(tokenizer, messages[:last], add_generation_prompt=True)
+                tools = as_tools(get_field(row, tools_key, file, i), file, i, tools_key) if with_tools else None
+                ids, mask = _assistant_spans(tokenizer, messages, file, i, tools)
+                prompt_ids = render_chat(tokenizer, messages[:last], add_generation_prompt=True, tools=tools)
             else:
                 messages = as_messages(get_field(row, prompt_key, file, i, "prompt_key"), file, i, prompt_key)
                 response = get_field(row, response_key, file, i, "response_key")
@@ -428,6 +455,37 @@ def split_rows(
     return [rows + start for rows in split]
 
 
+def check_agent_rows(rows: list[dict], tools: list[dict] | None, interactions: list[str] | None) -> None:
+    """What the agent loop (common.agent) needs of prompt rows: a tool_agent row needs tools or
+    interactions to act on; a row whose extra_info holds interaction_kwargs (verl's) must be a
+    tool_agent row naming an interaction of --interaction-config (the name may be left out when
+    there is one). Sets each row's interaction_kwargs (None without), its name filled in."""
+    for r in rows:
+        where = f"{r['file']} row {r['row']}"
+        extra = r["extra_info"] if isinstance(r["extra_info"], dict) else {}
+        kwargs = extra.get("interaction_kwargs")
+        r["interaction_kwargs"] = None
+        if kwargs is not None:
+            if not isinstance(kwargs, dict):
+                raise DataError(f"{where} column 'extra_info.interaction_kwargs': expected a mapping with a name, "
+                                f"got {str(kwargs)[:80]!r}")  # fmt: skip
+            if not interactions:
+                raise DataError(f"{where}: extra_info.interaction_kwargs names an interaction; pass "
+                                f"--interaction-config interactions.yaml (common/agent.py describes the file)")  # fmt: skip
+            name = kwargs.get("name") or (interactions[0] if len(interactions) == 1 else None)
+            if name not in interactions:
+                raise DataError(f"{where} column 'extra_info.interaction_kwargs.name': {name!r} is not in "
+                                f"--interaction-config (it has {', '.join(interactions)})")  # fmt: skip
+            if r["agent_name"] != "tool_agent":
+                raise DataError(f"{where}: interaction_kwargs need agent_name tool_agent (the agent that runs "
+                                f"interactions), not {r['agent_name']}")  # fmt: skip
+            r["interaction_kwargs"] = {**kwargs, "name": name}
+        if r["agent_name"] == "tool_agent" and not tools and not interactions:
+            raise DataError(f"{where} column 'agent_name': tool_agent rows need tools or interactions: pass "
+                            f"--tool-config tools.yaml and/or --interaction-config (common/agent.py describes "
+                            f"both files)")  # fmt: skip
+
+
 def load_rl_data(
     train_files,
     val_files,
@@ -439,25 +497,22 @@ def load_rl_data(
     filter_overlong_prompts: bool,
     train_batch_size: int,
     ground_truth: str = "required",
-    tools: bool = False,
+    tools: list[dict] | None = None,
+    interactions: list[str] | None = None,
 ) -> tuple[list[dict], LoadStats, list[dict]]:
     """Training and validation prompts of an RL recipe (validation empty without val_files);
     too few training prompts for one batch fail here, before any model loads. ground_truth:
     "required" (the built-in rewards score against it: a row without one is an error naming it),
     "optional" (a user's reward function may not need one: rows without are counted in a warning)
-    or "unused" (a reward model scores)."""
-    kwargs = dict(prompt_key=prompt_key, max_prompt_length=max_prompt_length, truncation=truncation)
+    or "unused" (a reward model scores). tools: the --tool-config schemas, which tool_agent rows
+    are templated with; interactions: the --interaction-config names (check_agent_rows)."""
+    kwargs = dict(prompt_key=prompt_key, max_prompt_length=max_prompt_length, truncation=truncation, tools=tools)
     kwargs["filter_overlong_prompts"] = filter_overlong_prompts
     train, stats = load_prompts(train_files, tokenizer, **kwargs, what="train_files")
     if len(train) < train_batch_size:
         raise DataError(f"train_files hold {len(train)} prompts, fewer than train_batch_size={train_batch_size}")
     val = load_prompts(val_files, tokenizer, **kwargs, what="val_files")[0] if val_files else []
-    agentic = next((r for r in train + val if r["agent_name"] == "tool_agent"), None)
-    if agentic is not None and not tools:
-        raise DataError(
-            f"{agentic['file']} row {agentic['row']} column 'agent_name': tool_agent rows need tools: pass "
-            f"--tool-config tools.yaml (common/agent.py describes the file)"
-        )
+    check_agent_rows(train + val, tools, interactions)
     missing = [r for r in train + val if r["ground_truth"] is None]
     if missing and ground_truth == "required":
         raise DataError(

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 # --- built-in scorers --------------------------------------------------------------------------
 
-BUNDLED_ADDITION = "bundled/addition"
+BUNDLED_SOURCES = ("bundled/addition", "bundled/calculator")  # the bundled tasks: 2-digit, and 3-digit with a tool
 GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
 MATH_SOURCES = (
     "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math",
@@ -104,7 +104,7 @@ def extract_answer(data_source: str, text: str) -> str | None:
     """The final answer a built-in reward reads from a response, as a string to vote on (maj@k in
     recipes/evaluate.py): the <answer> tag (bundled task), the number after '#### ' (GSM8K, commas
     dropped), the last \\boxed{} (math sources). None when there is none or no built-in."""
-    if data_source == BUNDLED_ADDITION:
+    if data_source in BUNDLED_SOURCES:
         return extract_answer_tag(text)
     if data_source in GSM8K_SOURCES:
         found = _GSM8K_STRICT.findall(text[-300:])
@@ -116,7 +116,7 @@ def extract_answer(data_source: str, text: str) -> str | None:
 
 def builtin_scorer(data_source: str):
     """The built-in (solution_str, ground_truth) -> score for a data_source, or None."""
-    if data_source == BUNDLED_ADDITION:
+    if data_source in BUNDLED_SOURCES:
         return addition_score
     if data_source in GSM8K_SOURCES:
         return gsm8k_score
@@ -131,7 +131,7 @@ def default_compute_score(data_source, solution_str, ground_truth, extra_info=No
     scorer = builtin_scorer(data_source)
     if scorer is None:
         raise ValueError(
-            f"no built-in reward for data_source={data_source!r} (built-ins: {BUNDLED_ADDITION}, "
+            f"no built-in reward for data_source={data_source!r} (built-ins: {', '.join(BUNDLED_SOURCES)}, "
             f"{', '.join(GSM8K_SOURCES)}, math sources such as {MATH_SOURCES[0]}, format); pass "
             f"--reward-fn path/to/file.py:compute_score"
         )
@@ -143,22 +143,26 @@ def default_compute_score(data_source, solution_str, ground_truth, extra_info=No
 
 def load_reward_fn(spec: str | None):
     """`path/to/file.py[:name]` -> the function (name defaults to compute_score); None -> built-ins."""
-    if not spec:
-        return default_compute_score
+    return load_from_file(spec, "--reward-fn", "compute_score") if spec else default_compute_score
+
+
+def load_from_file(spec: str, flag: str, default_name: str, kind: str = "function"):
+    """`path/to/file.py[:name]` -> the function (or class: kind) the file names so, the file run
+    as a module of its own; errors name `flag`."""
     path, _, name = spec.partition(":")
-    name = name or "compute_score"
+    name = name or default_name
     file = Path(path).expanduser()
     if not file.is_file():
-        raise UsageError(f"--reward-fn {spec}: file {path!r} does not exist")
-    module_name = f"_reward_fn_{abs(hash(str(file.resolve())))}"
+        raise UsageError(f"{flag} {spec}: file {path!r} does not exist")
+    module_name = f"_user_code_{abs(hash(str(file.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(module_name, file)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
     module_spec.loader.exec_module(module)
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise UsageError(f"--reward-fn {spec}: {path!r} defines no function {name!r}")
-    return fn
+    found = getattr(module, name, None)
+    if not callable(found):
+        raise UsageError(f"{flag} {spec}: {path!r} defines no {kind} {name!r}")
+    return found
 
 
 def hit(score: float, extras: dict) -> float:
@@ -211,6 +215,8 @@ class Scored:
 
 
 TOOLS_PREFIX = "tools:"  # a pool spec naming a --tool-config file rather than a reward function
+INTERACTIONS_PREFIX = "interactions:"  # ... or an --interaction-config file
+SIDE_POOLS = ((TOOLS_PREFIX, "--tool-config"), (INTERACTIONS_PREFIX, "--interaction-config"))
 
 
 def _check_text(result) -> None:
@@ -233,6 +239,10 @@ def _worker(conn, spec):
             from common.agent import load_tool_functions
 
             fn, check = load_tool_functions(spec.removeprefix(TOOLS_PREFIX)), _check_text
+        elif spec and spec.startswith(INTERACTIONS_PREFIX):  # interactions: load_interactions checks results
+            from common.agent import load_interactions
+
+            fn, check = load_interactions(spec.removeprefix(INTERACTIONS_PREFIX)), lambda result: None
         else:
             fn, check = load_reward_fn(spec), score_value
     except BaseException:
@@ -306,7 +316,8 @@ class RewardPool:
     """
 
     def __init__(self, spec: str | None = None, workers: int = 2, timeout: float = 10.0, log_path=None):
-        self.spec, self.timeout, self.tools = spec, timeout, None
+        self.spec, self.timeout = spec, timeout
+        self.tools = self.interactions = None  # the agent loop's pools (start_agent_pools), closed with this one
         self.output = _WorkerOutput(log_path)
         self.workers = [self._start() for _ in range(max(1, workers))]
         self.printed_error = self.printed_nonfinite = False
@@ -336,10 +347,9 @@ class RewardPool:
             proc.wait()
             if not self.spec:
                 raise RuntimeError(f"reward worker for the built-in rewards failed to start: {detail}")
-            flag, shown = (
-                ("--tool-config", self.spec.removeprefix(TOOLS_PREFIX))
-                if self.spec.startswith(TOOLS_PREFIX)
-                else ("--reward-fn", self.spec)
+            flag, shown = next(
+                ((flag, self.spec.removeprefix(prefix)) for prefix, flag in SIDE_POOLS if self.spec.startswith(prefix)),
+                ("--reward-fn", self.spec),
             )
             if status == "hung":
                 raise UsageError(f"{flag} {shown}: importing it did not finish in {STARTUP_TIMEOUT:.0f}s (it hangs?)")
@@ -434,10 +444,15 @@ class RewardPool:
         for r in rows:
             if len(tried.setdefault(r["data_source"], [])) < per_source:
                 tried[r["data_source"]].append(r)
+        from common.agent import conversation_extra_info
+
         picked = [r for group in tried.values() for r in group]
         name = self.spec or "built-in rewards"
+        extras = [r.get("extra_info") for r in picked]  # tool_agent rows: with what a conversation adds
+        extras = [{**(e or {}), **conversation_extra_info(r)} if conversation_extra_info(r) else e
+                  for r, e in zip(picked, extras)]  # fmt: skip
         scored = self.score(
-            [(r["data_source"], str(r["ground_truth"]), r["ground_truth"], r.get("extra_info")) for r in picked]
+            [(r["data_source"], str(r["ground_truth"]), r["ground_truth"], e) for r, e in zip(picked, extras)]
         )
         reason = (scored.first_error or "").strip().splitlines()[-1:] or [f"timed out after {self.timeout}s"]
         ok = {r["data_source"] for r, score_ok in zip(picked, scored.ok) if score_ok}
@@ -453,8 +468,9 @@ class RewardPool:
                         scored.errors + scored.timeouts, len(picked), reason[0])  # fmt: skip
 
     def close(self) -> None:
-        if self.tools is not None:
-            self.tools.close()
+        for side in (self.tools, self.interactions):
+            if side is not None:
+                side.close()
         for proc, conn in self.workers:
             try:
                 conn.send(None)
@@ -527,6 +543,7 @@ def start_reward_pool(
     log_path=None,
     tool_config: str | None = None,
     tool_timeout: float = 10.0,
+    interaction_config: str | None = None,
 ) -> RewardPool:
     """The worker pool for --reward-fn (or the built-ins), checked before any model loads: a
     missing file fails with its name; the file is imported only in the workers (its code never
@@ -539,8 +556,25 @@ def start_reward_pool(
     pool = RewardPool(reward_fn, workers=workers, timeout=timeout, log_path=log_path)
     if dry_run_rows:
         pool.dry_run(dry_run_rows)
-    # --tool-config: the tools' own pool (common.agent), started now so an import that fails or
-    # hangs is an error before any model loads; closed with the reward pool.
-    pool.tools = RewardPool(TOOLS_PREFIX + tool_config, workers=workers, timeout=tool_timeout,
-                            log_path=log_path) if tool_config else None  # fmt: skip
+    pool.tools, pool.interactions = start_agent_pools(tool_config, interaction_config, workers=workers,
+                                                      timeout=tool_timeout, log_path=log_path)  # fmt: skip
     return pool
+
+
+def start_agent_pools(tool_config: str | None, interaction_config: str | None, *, workers: int, timeout: float,
+                      log_path=None) -> tuple[RewardPool | None, RewardPool | None]:  # fmt: skip
+    """The agent loop's worker pools (common.agent), each None without its flag: the tools of
+    --tool-config (`workers` of them) and the interactions of --interaction-config (one worker,
+    which holds every running interaction's state). Started now, so an import that fails or hangs
+    is an error before any model loads."""
+    tools = (
+        RewardPool(TOOLS_PREFIX + tool_config, workers=workers, timeout=timeout, log_path=log_path)
+        if tool_config
+        else None
+    )
+    interactions = (
+        RewardPool(INTERACTIONS_PREFIX + interaction_config, workers=1, timeout=timeout, log_path=log_path)
+        if interaction_config
+        else None
+    )
+    return tools, interactions

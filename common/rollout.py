@@ -46,6 +46,16 @@ class Completion:
     finish_reason: str  # "stop" | "length"
     version: int | None = None  # the weights that sampled it, when an engine holds its own (remote)
     mask: list[int] | None = None  # 1 where the policy sampled the token (common.agent); None: every token
+    extra_info: dict | None = None  # added to the row's extra_info for the reward (common.agent: num_turns, ...)
+
+
+def reward_task(row: dict, completion: Completion, text: str) -> tuple:
+    """The reward pool's (data_source, solution_str, ground_truth, extra_info) for one response;
+    a conversation's own extra_info (common.agent) is added to a copy of the row's."""
+    extra_info = row["extra_info"]
+    if completion.extra_info:
+        extra_info = {**(extra_info or {}), **completion.extra_info}
+    return row["data_source"], text, row["ground_truth"], extra_info
 
 
 @contextlib.contextmanager
@@ -458,9 +468,7 @@ def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, rewar
 
     t = time.time()
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    batch["scored"] = pool.score(
-        [(p["data_source"], x, p["ground_truth"], p["extra_info"]) for (p, _), x in zip(rows, texts)]
-    )
+    batch["scored"] = pool.score([reward_task(p, c, x) for (p, c), x in zip(rows, texts)])
     rewards = torch.tensor(batch["scored"].scores, dtype=torch.float32, device=device)
     if reward_model is not None:
         prompt_ids, messages = [p["prompt_ids"] for p, _ in rows], [p["messages"] for p, _ in rows]
@@ -479,12 +487,14 @@ def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist
     it has one, else score > 0), and the samples whose scoring raised, timed out or gave NaN (counted
     in val/reward/errors, timeouts and nonfinite: they score 0, so they must not pass for wrong
     answers). With log_generations N (verl's trainer.log_val_generations), val/generations holds
-    the first N rows' prompt, first response, ground truth and score, for common.tracking to log."""
+    the first N rows' prompt, first response, ground truth and score, for common.tracking to log.
+    Through the agent loop (common.agent), also val/agent/*: this rank's conversations."""
     local, n_real = shard_evenly(rows, dist)
     completions = sample(engine, local, sampling)[:n_real]
+    agent = engine.agent_metrics() if hasattr(engine, "agent_metrics") else {}  # this rank's conversations
     pairs = [(row, c) for row, group in zip(local[:n_real], completions) for c in group]
     texts = tokenizer.batch_decode([c.token_ids for _, c in pairs], skip_special_tokens=True)
-    scored = pool.score([(r["data_source"], t, r["ground_truth"], r["extra_info"]) for (r, _), t in zip(pairs, texts)])
+    scored = pool.score([reward_task(r, c, t) for (r, c), t in zip(pairs, texts)])
     hits = [hit(s, e) for s, e in zip(scored.scores, scored.extras)]
     mine = list(zip([r["data_source"] for r, _ in pairs], scored.scores, hits))
     results = [x for part in gather_objects(mine) for x in part]
@@ -495,6 +505,7 @@ def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist
         "val/reward/errors": failures[0],
         "val/reward/timeouts": failures[1],
         "val/reward/nonfinite": failures[2],
+        **{f"val/{k}": v for k, v in agent.items()},
     }
     for source in sorted({d for d, *_ in results}):
         hits_d = [h for d, _, h in results if d == source]

@@ -4,6 +4,9 @@ The output holds every row of the input file, every column kept, plus three colu
     responses       n strings: the decoded responses (special tokens dropped)
     response_ids    n token-id lists, for training on them (best-of-n, rejection-sampled SFT)
     finish_reasons  n of "stop" (an eos token) or "length" (--max-response-length reached)
+Rows with agent_name tool_agent run through the agent loop (common.agent) with --tool-config and
+--interaction-config, as in training: their response is the whole conversation after the prompt,
+tool results included.
 Prompts go through the model's chat template and --max-prompt-length exactly as in training
 (--truncation; rows dropped by --filter-overlong-prompts are counted and left out of the output).
 
@@ -36,19 +39,20 @@ from typing import Literal
 import torch
 import tyro
 
-from common.config import BUNDLED, EngineArgs, UsageError, check_flags, usage_errors
+from common.config import BUNDLED, AgentArgs, EngineArgs, UsageError, check_flags, usage_errors
 from common.parallel import barrier, init_distributed
 
 RECIPE = Path(__file__).stem
 # The flags that decide what a chunk holds: a parts folder made with other values is not reused.
 OUTPUT_FLAGS = ("data_path", "prompt_key", "n_samples", "batch_size", "model", "tokenizer", "dtype", "do_sample",
                 "temperature", "top_p", "top_k", "max_prompt_length", "max_response_length", "truncation",
-                "filter_overlong_prompts", "seed", "rollout_name")  # fmt: skip
+                "filter_overlong_prompts", "seed", "rollout_name", "tool_config", "interaction_config",
+                "max_assistant_turns", "max_user_turns")  # fmt: skip
 
 
 # --- config ---------------------------------------------------------------------------------------
 @dataclass
-class Args(EngineArgs):  # rollout_name and the vLLM engine's flags come from EngineArgs
+class Args(AgentArgs, EngineArgs):  # rollout_name, the vLLM engine's and the agent loop's flags are shared
     data_path: str = str(BUNDLED / "addition" / "test.parquet")
     """input parquet in verl's format (a prompt column; other columns are copied to the output)"""
     prompt_key: str = "prompt"
@@ -166,9 +170,10 @@ def merge_parts(parts: Path, n_chunks: int, data_path: str, out: Path) -> dict:
 def main(args: Args) -> dict:
     from tqdm.auto import tqdm
 
-    from common.data import load_prompts
+    from common.data import check_agent_rows, load_prompts
     from common.model import load_policy, load_tokenizer
-    from common.rollout import Sampling, start_engine
+    from common.rewards import start_agent_pools
+    from common.rollout import Sampling, sample, start_engine
 
     dist = init_distributed()
     out = args.output()
@@ -178,11 +183,9 @@ def main(args: Args) -> dict:
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     rows, stats = load_prompts([args.data_path], tokenizer, prompt_key=args.prompt_key, what="data_path",
                                max_prompt_length=args.max_prompt_length, truncation=args.truncation,
-                               filter_overlong_prompts=args.filter_overlong_prompts)  # fmt: skip
-    agentic = next((r for r in rows if r["agent_name"] == "tool_agent"), None)
-    if agentic is not None:  # sampling it as one turn would silently drop its tools
-        raise UsageError(f"{agentic['file']} row {agentic['row']}: tool_agent rows need the agent loop, which "
-                         f"generate.py does not run yet (the RL recipes do, with --tool-config)")  # fmt: skip
+                               filter_overlong_prompts=args.filter_overlong_prompts,
+                               tools=args.tool_schemas())  # fmt: skip
+    check_agent_rows(rows, args.tool_schemas(), args.interaction_names())
     chunks = [rows[i : i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
     done = open_parts(parts, {k: getattr(args, k) for k in OUTPUT_FLAGS}, len(chunks), dist)
     todo = [c for c in range(dist.rank, len(chunks), dist.world_size) if c not in done]
@@ -193,7 +196,11 @@ def main(args: Args) -> dict:
     model = None
     if args.rollout_name == "hf":  # vLLM loads the checkpoint itself
         model = load_policy(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code).to(dist.device)
-    engine = start_engine(model, tokenizer, dist, **args.engine_kwargs(args.batch_size))
+    pools = start_agent_pools(args.tool_config, args.interaction_config, workers=2, timeout=args.tool_timeout)
+    agent = args.agent_kwargs(*pools)
+    for kwargs in agent.values():
+        kwargs["lockstep"] = False  # each process generates its own chunks, as many as it has
+    engine = start_engine(model, tokenizer, dist, **args.engine_kwargs(args.batch_size), **agent)
     temperature = args.temperature if args.do_sample else 0.0  # 0: greedy
     sampling = Sampling(args.n_samples, temperature, args.top_p, args.top_k, args.max_response_length)
 
@@ -204,10 +211,13 @@ def main(args: Args) -> dict:
     with tqdm(total=mine, unit="prompt", desc=f"generate{who}", disable=not dist.is_main) as bar:
         for c in todo:
             torch.manual_seed(args.seed * 1_000_003 + c)  # the same samples whichever process takes chunk c
-            groups = engine.generate([r["prompt_ids"] for r in chunks[c]], sampling)
+            groups = sample(engine, chunks[c], sampling)  # tool_agent rows through the agent loop
             write_chunk(parts, c, chunks[c], groups, tokenizer)
             bar.update(len(chunks[c]))
     barrier()
+    for pool in pools:
+        if pool is not None:
+            pool.close()
     summary = {"prompts_per_s": mine * dist.world_size / max(time.time() - t0, 1e-9)}
     if dist.is_main:
         summary.update(merge_parts(parts, len(chunks), args.data_path, out))

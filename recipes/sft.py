@@ -56,6 +56,8 @@ class Args(TrainerArgs, OptimArgs, DataArgs, ModelArgs):  # flags listed model, 
     """column holding the response (dotted keys reach into structs)"""
     messages_key: str = "messages"
     """chat column; used instead of prompt/response when a file has it"""
+    tools_key: str = "tools"
+    """column of a chat row's tool schemas (OpenAI format, a list or JSON), shown by the chat template"""
     max_length: int = 128
     """longest prompt + response in tokens (longer rows follow --truncation)"""
     train_batch_size: int = 64
@@ -188,7 +190,8 @@ def main(args: Args) -> dict:
     # Data, read and checked before the model so bad rows fail in seconds; then the run to resume.
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     data_kwargs = dict(max_length=args.max_length, messages_key=args.messages_key, prompt_key=args.prompt_key,
-                       response_key=args.response_key, truncation=args.truncation)  # fmt: skip
+                       response_key=args.response_key, tools_key=args.tools_key,
+                       truncation=args.truncation)  # fmt: skip
     train, stats = load_sft(args.train_files, tokenizer, **data_kwargs, what="train_files")
     val = load_sft(args.val_files, tokenizer, **data_kwargs, what="val_files")[0] if args.val_files else []
     steps_per_epoch = len(train) // args.train_batch_size

@@ -38,9 +38,7 @@ def schema(name):
 @pytest.fixture
 def tool_config(tmp_path):
     (tmp_path / "tools.py").write_text(TOOLS)
-    tools = [
-        {"function": f"tools.py:{n}", "tool_schema": schema(n)} for n in ("add", "hang", "fail", "garbage", "crash")
-    ]
+    tools = [{"function": f"tools.py:{n}", "tool_schema": schema(n)} for n in TOOL_NAMES]
     (tmp_path / "tools.yaml").write_text(json.dumps({"tools": tools}))  # JSON is YAML
     return str(tmp_path / "tools.yaml")
 
@@ -53,7 +51,8 @@ def pool(tool_config):
 
 
 class Scripted:
-    """An engine that answers from a script: text by the number of tool replies in the prompt."""
+    """An engine that answers from a script: text by the number of tool and user replies in the
+    prompt after the first user message."""
 
     def __init__(self, tokenizer, script):
         self.tokenizer, self.script, self.weight_version, self.calls = tokenizer, script, 0, []
@@ -63,7 +62,8 @@ class Scripted:
         for ids in prompts:
             text = self.tokenizer.decode(ids)
             self.calls.append(text)
-            reply = self.script[min(text.count("<|im_start|>tool"), len(self.script) - 1)]
+            turn = text.count("<|im_start|>tool") + text.count("<|im_start|>user") - 1  # replies so far
+            reply = self.script[min(turn, len(self.script) - 1)]
             tokens = self.tokenizer(reply, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
             tokens = tokens[: sampling.max_tokens]
             done = tokens[-1] == self.tokenizer.eos_token_id
@@ -71,12 +71,18 @@ class Scripted:
         return out
 
 
-def row(tokenizer, agent="tool_agent"):
+TOOL_NAMES = ("add", "hang", "fail", "garbage", "crash")  # the tool_config fixture's
+
+
+def row(tokenizer, agent="tool_agent", interaction=None):
+    """A prompt row as common.data.load_prompts makes it (tool_agent: the fixture's tools listed)."""
     from common.data import render_chat
 
     messages = [{"role": "user", "content": "What is 2+3?"}]
-    return {"prompt_ids": render_chat(tokenizer, messages, True), "messages": messages, "agent_name": agent,
-            "data_source": "t", "ground_truth": "5", "extra_info": {}}  # fmt: skip
+    tools = [schema(n) for n in TOOL_NAMES] if agent == "tool_agent" else None
+    return {"prompt_ids": render_chat(tokenizer, messages, True, tools=tools), "messages": messages,
+            "agent_name": agent, "data_source": "t", "ground_truth": "5", "extra_info": {},
+            "interaction_kwargs": interaction}  # fmt: skip
 
 
 def loop(tokenizer, script, pool, tool_config, **kw):
@@ -204,27 +210,30 @@ def test_bad_tool_configs_are_refused(tmp_path):
             read_tool_config(str(tmp_path / "c.yaml"))
 
 
-def tool_task(tmp_path, tool_config_text=None):
-    """The bundled addition task with every row a tool_agent row, and a calculator tool."""
+def tool_task(tmp_path, tool_config_text=None, interaction=None):
+    """The bundled addition task with every row a tool_agent row, and a calculator tool; with
+    `interaction`, each row's extra_info names it with the row's ground truth (as verl's GSM8K
+    interaction data does)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
     from conftest import TASK_TEST, TASK_TRAIN
 
     out = {}
     for name, source in (("train", TASK_TRAIN), ("test", TASK_TEST)):
-        table = pq.read_table(source)
-        table = table.append_column("agent_name", pa_strings(["tool_agent"] * table.num_rows))
-        pq.write_table(table, tmp_path / f"{name}.parquet")
+        rows = pq.read_table(source).to_pylist()
+        for r in rows:
+            r["agent_name"] = "tool_agent"
+            if interaction:
+                r["extra_info"]["interaction_kwargs"] = {
+                    "name": interaction,
+                    "ground_truth": r["reward_model"]["ground_truth"],
+                }
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"{name}.parquet")
         out[name] = str(tmp_path / f"{name}.parquet")
     (tmp_path / "calc.py").write_text("def add(a, b):\n    return str(int(a) + int(b))\n")
     tools = [{"function": "calc.py:add", "tool_schema": schema("add")}]
     (tmp_path / "tools.yaml").write_text(tool_config_text or json.dumps({"tools": tools}))
     return out["train"], out["test"], str(tmp_path / "tools.yaml")
-
-
-def pa_strings(values):
-    import pyarrow as pa
-
-    return pa.array(values, type=pa.string())
 
 
 def test_grpo_runs_tool_agent_rows_through_the_agent_loop(tmp_path):
@@ -235,10 +244,40 @@ def test_grpo_runs_tool_agent_rows_through_the_agent_loop(tmp_path):
 
     train, test, tools = tool_task(tmp_path)
     run_recipe("grpo", "--train-files", train, "--val-files", test, "--tool-config", tools, "--total-training-steps",
-               "2", "--test-freq", "0", "--save-freq", "0", "--output-dir", tmp_path / "run")  # fmt: skip
+               "2", "--test-freq", "0", "--save-freq", "0", "--max-prompt-length", "96",
+               "--output-dir", tmp_path / "run")  # fmt: skip
     steps = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
     assert len(steps) == 2 and all(m["agent/turns_mean"] >= 1 for m in steps)
     assert all(m["agent/policy_token_share"] == 1 for m in steps)  # no tool turn: every token sampled
+
+
+def test_grpo_runs_an_interaction_and_its_scores_reach_the_reward(tmp_path):
+    """grpo.py with the bundled grader (bundled/calculator/interactions.yaml): every answer is
+    graded, wrong ones are told so and answered again, and a reward function reading verl's
+    extra_info["rollout_reward_scores"] trains on the grader's last score."""
+    from conftest import ROOT, read_metrics, run_recipe
+
+    train, test, tools = tool_task(tmp_path, interaction="grader")
+    (tmp_path / "reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    scores = extra_info['rollout_reward_scores']['user_turn_rewards']\n"
+        "    return {'score': scores[-1] if scores else 0.0, 'turns': extra_info['num_turns']}\n"
+    )
+    run_recipe("grpo", "--train-files", train, "--val-files", test, "--tool-config", tools, "--interaction-config",
+               ROOT / "bundled/calculator/interactions.yaml", "--max-user-turns", "2", "--reward-fn",
+               tmp_path / "reward.py", "--total-training-steps", "2", "--test-freq", "0", "--save-freq", "0",
+               "--max-prompt-length", "96", "--max-response-length", "48", "--output-dir", tmp_path / "run")  # fmt: skip
+    steps = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
+    assert len(steps) == 2
+    for m in steps:
+        assert 1 <= m["agent/user_turns_mean"] <= 2 and m["agent/interaction_errors"] == 0
+        assert m["reward/errors"] == 0  # the reward function found rollout_reward_scores in every extra_info
+        turns = m["agent/turns_mean"] + m["agent/user_turns_mean"] + 1  # verl's num_turns, as the reward saw it
+        assert m["reward/extra/turns"] == pytest.approx(turns)
+        assert 0 <= m["reward/mean"] <= 1 and "agent/interaction_score_mean" in m
+        assert m["agent/policy_token_share"] < 1  # the grader's replies are not the policy's tokens
+    val = [m for m in read_metrics(tmp_path / "run") if "val/accuracy" in m]  # validation before the first step
+    assert val and val[0]["val/agent/user_turns_mean"] >= 1  # its conversations counted apart from training's
 
 
 def test_tool_agent_rows_without_tools_and_a_bad_tool_config_stop_before_loading(tmp_path):
@@ -246,17 +285,17 @@ def test_tool_agent_rows_without_tools_and_a_bad_tool_config_stop_before_loading
 
     train, test, tools = tool_task(tmp_path)
     proc = run_recipe("grpo", "--train-files", train, "--val-files", test, "--output-dir", tmp_path / "a", check=False)
-    assert proc.returncode == 2 and "tool_agent rows need tools: pass --tool-config" in proc.stderr
+    assert proc.returncode == 2 and "tool_agent rows need tools or interactions: pass --tool-config" in proc.stderr
     (tmp_path / "broken.py").write_text("raise ImportError('no calculator here')\n")
     (tmp_path / "broken.yaml").write_text(
         json.dumps({"tools": [{"function": "broken.py:add", "tool_schema": schema("add")}]})
     )
     proc = run_recipe("grpo", "--train-files", train, "--val-files", test, "--tool-config", tmp_path / "broken.yaml",
-                      "--output-dir", tmp_path / "b", check=False)  # fmt: skip
+                      "--max-prompt-length", "96", "--output-dir", tmp_path / "b", check=False)  # fmt: skip
     assert proc.returncode == 2 and "--tool-config" in proc.stderr and "no calculator here" in proc.stderr
     assert "params" not in proc.stdout  # no model was loaded
     proc = run_recipe("generate", "--data-path", test, "--output-path", tmp_path / "out.parquet", check=False)
-    assert proc.returncode == 2 and "tool_agent rows need the agent loop" in proc.stderr  # not sampled as one turn
+    assert proc.returncode == 2 and "tool_agent rows need tools or interactions" in proc.stderr  # not one turn
 
 
 COLLECTIVE = """
@@ -319,3 +358,167 @@ def test_two_processes_sample_in_step_when_their_conversations_differ(tmp_path, 
     )
     assert [r["calls"] for r in results] == [3, 3]  # rank 1: its one turn, then two rounds of fillers
     assert [r["turns"] for r in results] == [3, 1] and [r["n"] for r in results] == [[2], [2]]
+
+
+def test_tool_calls_of_every_conversation_run_together(tokenizer, pool, tool_config):
+    """Two rows, two conversations each, every one calling once: the tool pool is asked once,
+    with the four calls (so a slow tool costs one round, not one per conversation)."""
+    agent, engine = loop(tokenizer, [CALL, "<answer>5</answer>"], pool, tool_config)
+    batches = []
+    run = pool.run
+    pool.run = lambda tasks: batches.append(len(tasks)) or run(tasks)
+    groups = agent.generate_rows([row(tokenizer), row(tokenizer)], Sampling(n=2, max_tokens=200))
+    assert batches == [4] and [len(g) for g in groups] == [2, 2]
+    assert agent.stats()["agent/tool_calls_mean"] == 1
+
+
+# --- interactions ----------------------------------------------------------------------------------
+INTERACTIONS = """
+import time
+
+
+class RetryGrader:
+    # verl's interface, async as verl's are: a right answer ends the conversation with 1.0, a
+    # wrong one is told so (0.0) and the model answers again.
+    def __init__(self, config):
+        self.config, self.truth = config, {}
+
+    async def start_interaction(self, instance_id=None, ground_truth=None, **kwargs):
+        self.truth[instance_id] = ground_truth
+        return instance_id
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        if f"<answer>{self.truth[instance_id]}</answer>" in messages[-1]["content"]:
+            return True, "Correct.", 1.0, {}
+        return False, "Wrong, try again.", 0.0, {}
+
+    async def finalize_interaction(self, instance_id, **kwargs):
+        del self.truth[instance_id]
+
+
+class Plain:
+    # Plain methods, and verl's base-class finalize that takes no arguments.
+    def __init__(self, config):
+        self.config = config
+
+    def start_interaction(self, instance_id, **kwargs):
+        return instance_id
+
+    def generate_response(self, instance_id, messages, mode=None, **kwargs):
+        if mode == "hang":
+            time.sleep(60)
+        if mode == "raise":
+            raise RuntimeError("the grader is on fire")
+        if mode == "garbage":
+            return "not a tuple"
+        return False, "Again.", 0.5, {}
+
+    def finalize_interaction(self):
+        pass
+"""
+
+
+@pytest.fixture
+def interaction_pool(tmp_path):
+    from common.rewards import INTERACTIONS_PREFIX
+
+    (tmp_path / "interactions.py").write_text(INTERACTIONS)
+    (tmp_path / "interactions.yaml").write_text(
+        "interaction:\n  - {name: grader, class_name: interactions.py:RetryGrader, config: {}}\n"
+        "  - {name: plain, class_name: interactions.py:Plain}\n"
+    )
+    pool = RewardPool(INTERACTIONS_PREFIX + str(tmp_path / "interactions.yaml"), workers=1, timeout=2.0)
+    yield pool
+    pool.close()
+
+
+def interacting(tokenizer, script, pool, interaction_pool, tool_config, **kw):
+    from common.agent import read_interaction_config
+
+    engine = Scripted(tokenizer, script)
+    agent = AgentLoop(engine, tokenizer, tools=read_tool_config(tool_config), pool=pool, max_assistant_turns=5,
+                      max_response_length=300, interactions=read_interaction_config(interaction_pool.spec.split(":", 1)[1]),
+                      interaction_pool=interaction_pool, max_user_turns=kw.pop("user_turns", 5))  # fmt: skip
+    return agent, engine
+
+
+def test_an_interaction_replies_until_the_answer_is_right(tokenizer, pool, interaction_pool, tool_config):
+    """A wrong answer gets the grader's reply as a user turn (not the policy's tokens) and the
+    model answers again; the right one ends it. The turn scores reach the reward function where
+    verl's reward functions read them."""
+    from common.rollout import reward_task
+
+    agent, engine = interacting(tokenizer, ["<answer>4</answer>", "<answer>5</answer>"], pool, interaction_pool,
+                                tool_config)  # fmt: skip
+    r = row(tokenizer, interaction={"name": "grader", "ground_truth": "5"})
+    (c,) = agent.generate_rows([r], Sampling(n=1, max_tokens=200))[0]
+    eos = tokenizer.eos_token_id
+    turns = [
+        tokenizer(t, add_special_tokens=False)["input_ids"] + [eos]
+        for t in ("<answer>4</answer>", "<answer>5</answer>")
+    ]
+    assert [t for t, m in zip(c.token_ids, c.mask) if m] == turns[0] + turns[1]
+    assert tokenizer.decode(c.token_ids[len(turns[0]) : -len(turns[1])]) == (
+        "\n<|im_start|>user\nWrong, try again.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert "Correct." not in tokenizer.decode(c.token_ids)  # the closing reply is not part of the sequence
+    # verl counts num_turns as user turns (both replies) + assistant turns + 1 (the prompt)
+    assert c.extra_info == {"num_turns": 5, "rollout_reward_scores": {"user_turn_rewards": [0.0, 1.0]}}
+    extra = reward_task(r, c, "text")[3]
+    assert extra["rollout_reward_scores"]["user_turn_rewards"][-1] == 1.0 and r["extra_info"] == {}  # a copy
+    stats = agent.stats()
+    assert stats["agent/user_turns_mean"] == 2 and stats["agent/interaction_score_mean"] == 0.5
+    assert stats["agent/turns_mean"] == 2 and stats["agent/interaction_errors"] == 0
+
+
+def test_max_user_turns_ends_the_conversation(tokenizer, pool, interaction_pool, tool_config):
+    agent, engine = interacting(tokenizer, ["<answer>4</answer>"], pool, interaction_pool, tool_config, user_turns=2)
+    r = row(tokenizer, interaction={"name": "grader", "ground_truth": "5"})
+    (c,) = agent.generate_rows([r], Sampling(n=1, max_tokens=200))[0]
+    assert c.extra_info["rollout_reward_scores"]["user_turn_rewards"] == [0.0, 0.0]
+    assert len(engine.calls) == 3  # answer, told, answer, told, answer: not graded again
+
+
+@pytest.mark.parametrize("mode", ["hang", "raise", "garbage"])
+def test_a_failing_interaction_ends_its_conversation_counted(tokenizer, pool, interaction_pool, tool_config, mode):
+    agent, engine = interacting(tokenizer, ["<answer>4</answer>"], pool, interaction_pool, tool_config)
+    (c,) = agent.generate_rows([row(tokenizer, interaction={"name": "plain", "mode": mode})], Sampling(n=1))[0]
+    assert len(engine.calls) == 1 and agent.stats()["agent/interaction_errors"] >= 1
+    works = row(tokenizer, interaction={"name": "plain", "mode": None})  # the pool still works after it
+    agent, engine = interacting(tokenizer, ["<answer>4</answer>"], pool, interaction_pool, tool_config, user_turns=1)
+    (c,) = agent.generate_rows([works], Sampling(n=1, max_tokens=200))[0]
+    assert c.extra_info["rollout_reward_scores"]["user_turn_rewards"] == [0.5]
+    assert agent.stats()["agent/interaction_errors"] == 0  # its finalize_interaction() takes no arguments
+
+
+def test_interaction_rows_and_configs_are_checked(tmp_path):
+    from common.agent import read_interaction_config
+    from common.data import DataError, check_agent_rows
+
+    (tmp_path / "g.py").write_text("class G:\n    pass\n")
+    cases = {
+        "interaction: []": "at least one entry",
+        "interaction: [{name: g}]": "needs name: ... and class_name",
+        "interaction: [{name: g, class_name: nope.py:G}]": "does not exist",
+        "interaction: [{name: g, class_name: G}]": "neither file.py:Class nor package.module.Class",
+        "interaction: [{name: g, class_name: g.py:G}, {name: g, class_name: g.py:G}]": "a second interaction",
+    }
+    for text, words in cases.items():
+        (tmp_path / "i.yaml").write_text(text)
+        with pytest.raises(UsageError, match=words):
+            read_interaction_config(str(tmp_path / "i.yaml"))
+
+    def rows(kwargs, agent="tool_agent"):
+        return [{"file": "f.parquet", "row": 3, "agent_name": agent, "extra_info": {"interaction_kwargs": kwargs}}]
+
+    with pytest.raises(DataError, match="f.parquet row 3: .*pass --interaction-config"):
+        check_agent_rows(rows({"name": "g"}), None, None)
+    with pytest.raises(DataError, match="'nope' is not in --interaction-config"):
+        check_agent_rows(rows({"name": "nope"}), None, ["g", "h"])
+    with pytest.raises(DataError, match="need agent_name tool_agent"):
+        check_agent_rows(rows({"name": "g"}, "single_turn_agent"), None, ["g"])
+    with pytest.raises(DataError, match="tool_agent rows need tools or interactions"):
+        check_agent_rows(rows(None), None, None)
+    one = rows({"query": "q"})  # no name, one interaction: it is that one
+    check_agent_rows(one, None, ["g"])
+    assert one[0]["interaction_kwargs"] == {"query": "q", "name": "g"}

@@ -113,6 +113,31 @@ def test_sft_messages_trains_on_every_assistant_turn_only(tmp_path, tokenizer):
     assert tokenizer.decode(ex["prompt_ids"]).endswith("2+2<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_sft_tool_conversations_show_the_tools_and_train_on_assistant_turns_only(tmp_path, tokenizer):
+    """The bundled tool-use set: the tools column (JSON, verl's tools_key) is listed by the chat
+    template, the tool's reply is masked out, both assistant turns are trained on; and the RL
+    prompt of the same question, templated with --tool-config's schemas, is the same prefix."""
+    from conftest import BUNDLED
+
+    from common.agent import read_tool_config
+
+    sft = BUNDLED / "calculator" / "sft.parquet"
+    (ex, *_), _ = load_sft([sft], tokenizer, max_length=256)
+    row = pq.read_table(sft).slice(0, 1).to_pylist()[0]
+    a, b = row["extra_info"]["question"].split("=")[0].split("+")
+    text = tokenizer.decode(ex["input_ids"])
+    assert text.startswith("<|im_start|>system\n<tools>\ncalculator: ")
+    masked = tokenizer.decode([t for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m])
+    call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{a}+{b}"}}}}</tool_call>'
+    assert masked == f"{call}<|im_end|>\n<answer>{int(a) + int(b)}</answer><|im_end|>\n"
+    schemas = read_tool_config(str(BUNDLED / "calculator" / "tools.yaml")).schemas
+    rows, _ = load_prompts([sft], tokenizer, max_prompt_length=256, tools=schemas)
+    assert ex["input_ids"][: len(rows[0]["prompt_ids"])] == rows[0]["prompt_ids"]
+    bad = write(tmp_path / "t.parquet", [{"messages": row["messages"], "tools": "[{oops"}])
+    with pytest.raises(DataError, match="row 0 column 'tools': not valid JSON"):
+        load_sft([bad], tokenizer, max_length=256)
+
+
 def test_sft_errors(tmp_path, tokenizer):
     f = write(tmp_path / "n.parquet", [{"text": "a"}])
     with pytest.raises(DataError, match="neither a 'messages' column .* nor a 'prompt' column"):
