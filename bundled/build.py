@@ -86,28 +86,25 @@ def question(a: int, b: int) -> str:
     return f"{a}+{b}=? Answer in <answer></answer>."
 
 
+def row(source: str, split: str, i: int, a: int, b: int) -> dict:
+    """A verl-format row asking a+b."""
+    return {
+        "data_source": source,
+        "prompt": [{"role": "user", "content": question(a, b)}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        # verl keeps the worked answer in extra_info; sft.py trains on it (--response-key).
+        "extra_info": {"split": split, "index": i, "question": question(a, b), "answer": f"<answer>{a + b}</answer>"},
+    }
+
+
 def build_task(out: Path) -> None:
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
     random.Random(SEED).shuffle(pairs)
     splits = {"test": pairs[:N_TEST], "train": pairs[N_TEST:]}
     out.mkdir(parents=True, exist_ok=True)
     for split, rows in splits.items():
-        records = [
-            {
-                "data_source": DATA_SOURCE,
-                "prompt": [{"role": "user", "content": question(a, b)}],
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-                # verl keeps the worked answer in extra_info; sft.py trains on it (--response-key).
-                "extra_info": {
-                    "split": split,
-                    "index": i,
-                    "question": question(a, b),
-                    "answer": f"<answer>{a + b}</answer>",
-                },
-            }
-            for i, (a, b) in enumerate(rows)
-        ]
+        records = [row(DATA_SOURCE, split, i, a, b) for i, (a, b) in enumerate(rows)]
         pq.write_table(pa.Table.from_pylist(records), out / f"{split}.parquet")
 
 
@@ -132,19 +129,7 @@ def build_tool_task(out: Path) -> None:
     for split, rows in splits.items():
         records = []
         for i, (a, b) in enumerate(rows):
-            record = {
-                "data_source": TOOL_SOURCE,
-                "prompt": [{"role": "user", "content": question(a, b)}],
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-                "extra_info": {
-                    "split": split,
-                    "index": i,
-                    "question": question(a, b),
-                    "answer": f"<answer>{a + b}</answer>",
-                },  # fmt: skip
-                "agent_name": "tool_agent",
-            }
+            record = {**row(TOOL_SOURCE, split, i, a, b), "agent_name": "tool_agent"}
             if split == "sft":  # the conversation the model should have: call, read, answer
                 record["messages"] = [
                     {"role": "user", "content": question(a, b)},
