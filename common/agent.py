@@ -469,9 +469,9 @@ class AgentLoop:
             self._append(c, [{"role": "tool", "content": reply} for reply in replies])
         for c, result in zip(answered, self._interact(answered)):
             c.user_turns += 1
-            if result is None:  # the interaction failed: counted, and the conversation ends
+            if result is None:  # the interaction failed: counted once, and the conversation ends
                 c.interaction_errors += 1
-                c.done = True
+                c.done, c.interaction = True, None  # its state may be gone with the worker: no finalize
                 continue
             done, message, score = result
             c.turn_scores.append(score)
