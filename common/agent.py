@@ -85,20 +85,26 @@ class ToolConfig:
         return list(self.functions)
 
 
-def read_tool_config(path: str) -> ToolConfig:
-    """Read and check --tool-config without running any of its code."""
+def _yaml_list(path: str, flag: str, key: str, what: str) -> tuple[Path, list]:
+    """The config file and its top-level `key:` list (non-empty), read without running anything."""
     import yaml
 
     file = Path(path).expanduser()
     if not file.is_file():
-        raise UsageError(f"--tool-config {path}: file does not exist")
+        raise UsageError(f"{flag} {path}: file does not exist")
     try:
         config = yaml.safe_load(file.read_text())
     except yaml.YAMLError as e:
-        raise UsageError(f"--tool-config {path}: not valid YAML ({e})") from None
-    tools = config.get("tools") if isinstance(config, dict) else None
-    if not isinstance(tools, list) or not tools:
-        raise UsageError(f"--tool-config {path}: expected a top-level `tools:` list with at least one tool")
+        raise UsageError(f"{flag} {path}: not valid YAML ({e})") from None
+    items = config.get(key) if isinstance(config, dict) else None
+    if not isinstance(items, list) or not items:
+        raise UsageError(f"{flag} {path}: expected a top-level `{key}:` list with at least one {what}")
+    return file, items
+
+
+def read_tool_config(path: str) -> ToolConfig:
+    """Read and check --tool-config without running any of its code."""
+    file, tools = _yaml_list(path, "--tool-config", "tools", "tool")
     schemas, functions = [], {}
     for i, tool in enumerate(tools):
         where = f"--tool-config {path}: tools[{i}]"
@@ -155,20 +161,7 @@ def read_interaction_config(path: str) -> InteractionConfig:
         class_name: grader.py:RetryGrader      # path/to/file.py:Class, or verl's package.module.Class
         config: {}                             # passed to the class, with its name added
     """
-    import yaml
-
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise UsageError(f"--interaction-config {path}: file does not exist")
-    try:
-        config = yaml.safe_load(file.read_text())
-    except yaml.YAMLError as e:
-        raise UsageError(f"--interaction-config {path}: not valid YAML ({e})") from None
-    items = config.get("interaction") if isinstance(config, dict) else None
-    if not isinstance(items, list) or not items:
-        raise UsageError(
-            f"--interaction-config {path}: expected a top-level `interaction:` list with at least one entry"
-        )
+    file, items = _yaml_list(path, "--interaction-config", "interaction", "entry")
     classes = {}
     for i, item in enumerate(items):
         where = f"--interaction-config {path}: interaction[{i}]"
