@@ -5,6 +5,9 @@ one; every row must hold the same n). Each response is scored by the reward trai
 built-in for the row's data_source, or --reward-fn path.py[:name] with verl's compute_score
 signature, in the same hang-proof worker pool (a timeout, an exception or a NaN scores 0 and is
 counted), after the same dry run, so a data_source nothing can score stops it before any work.
+Where generate.py ran conversations through the agent loop, its response_extra_info column (what
+each conversation adds to extra_info: num_turns, rollout_reward_scores) reaches the reward as in
+training.
 
 Reported per data_source and over all rows:
     mean_score             mean score of every response
@@ -144,8 +147,9 @@ def table(results: dict, n: int) -> str:
 
 # --- reading -----------------------------------------------------------------------------------------
 def read_rows(args: Args) -> tuple[list[dict], int]:
-    """(per row {data_source, ground_truth, extra_info, responses, lengths, reasons},
-    n). Every row must hold a list of the same number of response strings."""
+    """(per row {data_source, ground_truth, extra_info, extra_infos (each response's, with what its
+    conversation added), responses, lengths, reasons}, n). Every row must hold a list of the same
+    number of response strings."""
     from common.data import DataError, get_field, has_column, read_parquet
 
     (file, rows), = read_parquet([args.data_path], "data_path")  # fmt: skip
@@ -170,10 +174,12 @@ def read_rows(args: Args) -> tuple[list[dict], int]:
             get_field(row, args.reward_model_key, file, i, "reward_model_key") if args.reward_model_key in row else None
         )
         ids, reasons = row.get("response_ids"), row.get("finish_reasons")
+        added = read_added(row.get("response_extra_info"), n, file, i)
         parsed.append({
             "data_source": str(get_field(row, args.data_source_key, file, i, "data_source_key")),
             "ground_truth": reward.get("ground_truth") if isinstance(reward, dict) else None,
-            "extra_info": row.get("extra_info"),
+            "extra_infos": [row.get("extra_info") if x is None else {**(row.get("extra_info") or {}), **x}
+                            for x in added],
             "responses": responses,
             "lengths": [len(x) for x in ids] if isinstance(ids, list) and len(ids) == n else [len(x) for x in responses],
             "length_unit": "tokens" if isinstance(ids, list) and len(ids) == n else "chars",
@@ -181,7 +187,27 @@ def read_rows(args: Args) -> tuple[list[dict], int]:
             "file": file,
             "row": i,
         })  # fmt: skip
+        parsed[-1]["extra_info"] = parsed[-1]["extra_infos"][0]  # what the reward dry run scores
     return parsed, n
+
+
+def read_added(column, n: int, file: str, i: int) -> list[dict | None]:
+    """A row's response_extra_info (generate.py: n JSON strings of what each conversation added to
+    extra_info, "null" for none); n Nones when the file has no such column."""
+    from common.data import DataError
+
+    if column is None:
+        return [None] * n
+    try:
+        added = [json.loads(x) for x in column] if isinstance(column, list) and len(column) == n else None
+    except (TypeError, ValueError):
+        added = None
+    if added is None or not all(x is None or isinstance(x, dict) for x in added):
+        raise DataError(
+            f"{file} row {i}: 'response_extra_info' must be {n} JSON strings of objects (or \"null\"), one per "
+            f"response, as recipes/generate.py writes; drop the column to score without it"
+        )
+    return added
 
 
 # --- main ---------------------------------------------------------------------------------------
@@ -198,7 +224,9 @@ def main(args: Args) -> dict:
                              dry_run_rows=parsed, log_path=out_json.with_suffix(".reward_workers.log"))  # fmt: skip
 
     # Score every response, a chunk at a time for the progress bar.
-    tasks = [(p["data_source"], r, p["ground_truth"], p["extra_info"]) for p in parsed for r in p["responses"]]
+    tasks = [
+        (p["data_source"], r, p["ground_truth"], x) for p in parsed for r, x in zip(p["responses"], p["extra_infos"])
+    ]
     parts, step = [], 1024
     with tqdm(total=len(tasks), unit="response", desc="score") as bar:
         for start in range(0, len(tasks), step):

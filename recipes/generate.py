@@ -6,7 +6,9 @@ The output holds every row of the input file, every column kept, plus three colu
     finish_reasons  n of "stop" (an eos token) or "length" (--max-response-length reached)
 Rows with agent_name tool_agent run through the agent loop (common.agent) with --tool-config and
 --interaction-config, as in training: their response is the whole conversation after the prompt,
-tool results included.
+tool results included. Then a fourth column, response_extra_info, holds n JSON strings of what
+the conversation adds to the row's extra_info for the reward (verl's num_turns and
+rollout_reward_scores; "null" for other rows), and recipes/evaluate.py scores with it.
 Prompts go through the model's chat template and --max-prompt-length exactly as in training
 (--truncation; rows dropped by --filter-overlong-prompts are counted and left out of the output).
 
@@ -136,6 +138,7 @@ def write_chunk(parts: Path, c: int, rows: list[dict], groups, tokenizer) -> Non
         "responses": [tokenizer.batch_decode([x.token_ids for x in g], skip_special_tokens=True) for g in groups],
         "response_ids": [[x.token_ids for x in g] for g in groups],
         "finish_reasons": [[x.finish_reason for x in g] for g in groups],
+        "response_extra_info": [[json.dumps(x.extra_info) for x in g] for g in groups],
     })  # fmt: skip
     tmp = parts / f"chunk_{c:06d}.parquet.tmp"
     pq.write_table(table, tmp)
@@ -143,18 +146,21 @@ def write_chunk(parts: Path, c: int, rows: list[dict], groups, tokenizer) -> Non
 
 
 def merge_parts(parts: Path, n_chunks: int, data_path: str, out: Path) -> dict:
-    """Process 0: the input's rows that were generated for, in input order, with the three new
-    columns, written to `out` (through a temporary name); the parts folder is removed after."""
+    """Process 0: the input's rows that were generated for, in input order, with the new columns
+    (response_extra_info only when a row went through the agent loop), written to `out` (through
+    a temporary name); the parts folder is removed after."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     done = pa.concat_tables([pq.read_table(parts / f"chunk_{c:06d}.parquet") for c in range(n_chunks)])
     source = pq.read_table(Path(data_path).expanduser())
     table = source.take(done.column("row"))
-    for name in ("responses", "response_ids", "finish_reasons"):
+    agent = any(x != "null" for group in done.column("response_extra_info").to_pylist() for x in group)
+    for name in ("responses", "response_ids", "finish_reasons", "response_extra_info"):
         if name in table.column_names:  # an earlier generation's column: this run's replaces it (the input keeps it)
             table = table.drop_columns([name])
-        table = table.append_column(name, done.column(name))
+        if name != "response_extra_info" or agent:
+            table = table.append_column(name, done.column(name))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     pq.write_table(table, tmp)
