@@ -333,8 +333,10 @@ agent = AgentLoop(engine, tokenizer, tools=read_tool_config(sys.argv[3]), pool=p
                   max_response_length=400)
 groups = agent.generate_rows([row(tokenizer)], Sampling(n=2, max_tokens=200))
 pool.close()
-print(json.dumps({"rank": rank, "calls": engine.rounds, "turns": agent.stats()["agent/turns_mean"],
-                  "n": [len(g) for g in groups]}))
+# One file per rank: two processes printing to one pipe can interleave their lines.
+with open(f"{sys.argv[4]}/rank{rank}.json", "w") as f:
+    json.dump({"rank": rank, "calls": engine.rounds, "turns": agent.stats()["agent/turns_mean"],
+               "n": [len(g) for g in groups]}, f)
 """
 
 
@@ -349,13 +351,11 @@ def test_two_processes_sample_in_step_when_their_conversations_differ(tmp_path, 
     (tmp_path / "probe.py").write_text(COLLECTIVE)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29731",
-         str(tmp_path / "probe.py"), str(ROOT / "tests"), str(TINY), tool_config],
+         str(tmp_path / "probe.py"), str(ROOT / "tests"), str(TINY), tool_config, str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = sorted(
-        (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"]
-    )
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["calls"] for r in results] == [3, 3]  # rank 1: its one turn, then two rounds of fillers
     assert [r["turns"] for r in results] == [3, 1] and [r["n"] for r in results] == [[2], [2]]
 
@@ -522,3 +522,67 @@ def test_interaction_rows_and_configs_are_checked(tmp_path):
     one = rows({"query": "q"})  # no name, one interaction: it is that one
     check_agent_rows(one, None, ["g"])
     assert one[0]["interaction_kwargs"] == {"query": "q", "name": "g"}
+
+
+def test_generate_keeps_what_each_conversation_adds_and_evaluate_scores_with_it(tmp_path):
+    """generate.py writes each conversation's num_turns and rollout_reward_scores (response_extra_info)
+    and evaluate.py hands them to the reward as training does; without the column such a reward
+    cannot score the file, and evaluate says so before scoring."""
+    import pyarrow.parquet as pq
+    from conftest import ROOT, run_recipe
+
+    _, test, tools = tool_task(tmp_path, interaction="grader")
+    pq.write_table(pq.read_table(test).slice(0, 48), test)
+    out = tmp_path / "gen.parquet"
+    run_recipe("generate", "--data-path", test, "--output-path", out, "--tool-config", tools, "--interaction-config",
+               ROOT / "bundled/calculator/interactions.yaml", "--max-user-turns", "2", "--n-samples", "2",
+               "--max-prompt-length", "96", "--max-response-length", "48")  # fmt: skip
+    rows = pq.read_table(out).to_pylist()
+    added = [json.loads(x) for r in rows for x in r["response_extra_info"]]
+    assert len(added) == 96 and all(len(a["rollout_reward_scores"]["user_turn_rewards"]) >= 1 for a in added)
+    assert {a["num_turns"] for a in added} > {3}  # one answer graded, and some answered again after "wrong"
+    (tmp_path / "reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return extra_info['num_turns'] + extra_info['rollout_reward_scores']['user_turn_rewards'][-1]\n"
+    )
+    run_recipe("evaluate", "--data-path", out, "--reward-fn", tmp_path / "reward.py")
+    result = json.loads(out.with_name("gen.eval.json").read_text())["all"]
+    expected = sum(a["num_turns"] + a["rollout_reward_scores"]["user_turn_rewards"][-1] for a in added) / 96
+    assert result["scoring_failures"] == 0 and result["mean_score"] == pytest.approx(expected)
+    pq.write_table(pq.read_table(out).drop_columns(["response_extra_info"]), tmp_path / "bare.parquet")
+    proc = run_recipe("evaluate", "--data-path", tmp_path / "bare.parquet", "--reward-fn", tmp_path / "reward.py",
+                      check=False)  # fmt: skip
+    assert proc.returncode == 2 and "reward dry run failed" in proc.stderr
+
+
+def test_a_killed_multi_turn_run_resumes_exactly(tmp_path):
+    """Conversations of several turns (the grader answers each wrong answer) resume as single-turn
+    runs do: killed after step 4's log and before its save, the run resumed from step 2's
+    checkpoint repeats steps 3-4, its conversations turn for turn."""
+    import shutil
+
+    from conftest import ROOT, read_metrics, run_recipe
+
+    train, test, tools = tool_task(tmp_path, interaction="grader")
+    out = tmp_path / "run"
+    flags = ["--train-files", train, "--val-files", test, "--tool-config", tools, "--interaction-config",
+             ROOT / "bundled/calculator/interactions.yaml", "--max-user-turns", "2", "--max-prompt-length", "96",
+             "--max-response-length", "48", "--train-batch-size", "8", "--rollout-n", "4", "--total-training-steps",
+             "4", "--save-freq", "2", "--test-freq", "0", "--no-val-before-train", "--max-ckpt-to-keep", "0",
+             "--output-dir", out]  # fmt: skip
+    run_recipe("grpo", *flags)
+    want = read_metrics(out)
+    assert min(m["agent/user_turns_mean"] for m in want) > 0  # the grader replied: several turns to resume
+    shutil.rmtree(out / "checkpoints" / "step_4")
+    run_recipe("grpo", *flags)  # --resume auto: from step 2
+    got = read_metrics(out)
+    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    for a, b in zip(got[2:], want[2:]):
+        for key in (
+            "reward/mean",
+            "train/loss",
+            "train/grad_norm",
+            "agent/user_turns_mean",
+            "agent/policy_token_share",
+        ):
+            assert a[key] == pytest.approx(b[key], rel=1e-6), (key, a["step"])
