@@ -162,9 +162,9 @@ def apply_kl_penalty(args, scores, old_logprobs, ref_logprobs, response_mask, kl
     """Token rewards (verl's PPO): the outcome score on each response's last valid token, and with the
     KL in the reward - kl_coef * KL_t(old || ref) on every token. scores (B,), the rest (B, T). Returns
     (token_rewards (B, T), next kl_coef by verl's kl_ctrl from the all-rank mean of sequence KLs, metrics)."""
-    last = (response_mask.sum(-1).long() - 1).clamp(min=0)  # (B,)
-    token_rewards = torch.zeros_like(response_mask, dtype=torch.float32)
-    token_rewards.scatter_(1, last.unsqueeze(-1), scores.float().unsqueeze(-1))
+    # The last sampled token, not the mask's length: a multi-turn mask has holes (tool tokens).
+    last = (response_mask.cumsum(-1) == response_mask.sum(-1, keepdim=True)) * response_mask  # (B, T)
+    token_rewards = scores.float().unsqueeze(-1) * last
     if not args.use_kl_in_reward:
         return token_rewards, kl_coef, {}
     kl = kl_penalty(old_logprobs, ref_logprobs, args.kl_penalty) * response_mask  # (B, T)

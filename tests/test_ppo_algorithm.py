@@ -122,6 +122,17 @@ def test_token_rewards_score_on_the_last_token_minus_the_kl():
     assert coef == pytest.approx(0.1 * (1 - 0.2 * 2 / 100))  # clipped at -0.2
 
 
+def test_the_score_lands_on_the_last_sampled_token_of_a_multi_turn_mask():
+    """A conversation's mask has holes where the tool answered: the outcome goes on the policy's
+    last token (index 5), not at the mask's length (index 3, a tool token GAE passes over)."""
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]]).float()
+    zeros = torch.zeros_like(mask)
+    rewards, _, _ = apply_kl_penalty(kl_args(use_kl_in_reward=False), torch.tensor([2.0]), zeros, zeros, mask, 0.1)
+    assert rewards.tolist() == [[0.0, 0.0, 0.0, 0.0, 0.0, 2.0, 0.0]]
+    _, returns = compute_gae(rewards, zeros, mask, gamma=1.0, lam=1.0)
+    assert returns.tolist() == [[2.0, 2.0, 0.0, 0.0, 2.0, 2.0, 0.0]]  # every sampled token sees the score
+
+
 def test_kl_in_reward_and_in_loss_are_refused_together():
     with pytest.raises(ValueError, match="put the KL in one place"):
         ppo.Args(use_kl_loss=True)
