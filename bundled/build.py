@@ -1,10 +1,10 @@
 """Rebuild the bundled offline assets: tiny chat tokenizer, random-init tiny Qwen2, addition task.
 
-    python bundled/build.py            # writes bundled/tiny-qwen2 and bundled/addition
+    python bundled/build.py            # writes bundled/tiny-qwen2, bundled/addition and calculator's data
 
 Deterministic: the same torch version gives the same weights, and any Python gives the same data.
-The shipped SFT checkpoint (bundled/tiny-qwen2-sft) is made from these by recipes/sft.py; the
-command is in bundled/README.md.
+The shipped SFT checkpoints (bundled/tiny-qwen2-sft, bundled/tiny-qwen2-tools) are made from these
+by recipes/sft.py; the commands are in bundled/README.md.
 """
 
 import json
@@ -25,6 +25,7 @@ N_TEST = 500
 SEED = 0
 TOOL_SOURCE = "bundled/calculator"
 N_TOOL_SFT, N_TOOL_RL = 4000, 8000  # 3-digit pairs: tool-use conversations for SFT, prompts for RL
+N_DIRECT_SFT = 4000  # and SFT conversations that answer without the tool, drawn after the rest
 
 # Qwen's chat template, trimmed to what the bundled tasks need, same markers and layout. Given
 # tools, it lists them in a system turn first, one line each (name: description) where Qwen's
@@ -120,23 +121,35 @@ def build_tool_task(out: Path) -> None:
 
     schemas = [t["tool_schema"] for t in yaml.safe_load((out / "tools.yaml").read_text())["tools"]]
     rng = random.Random(SEED)
-    pairs = rng.sample([(a, b) for a in range(100, 1000) for b in range(100, 1000)], N_TEST + N_TOOL_SFT + N_TOOL_RL)
+    n = N_TEST + N_TOOL_SFT + N_TOOL_RL
+    # One draw for all: a longer draw begins with the shorter one's pairs (set-based sampling), so
+    # the direct-answer pairs came after test, sft and train without changing them.
+    pairs = rng.sample([(a, b) for a in range(100, 1000) for b in range(100, 1000)], n + N_DIRECT_SFT)
+    tool, direct = pairs[N_TEST : N_TEST + N_TOOL_SFT], pairs[n:]
     splits = {
         "test": pairs[:N_TEST],
-        "sft": pairs[N_TEST : N_TEST + N_TOOL_SFT],
-        "train": pairs[N_TEST + N_TOOL_SFT :],
+        # Half the SFT conversations call the calculator, half answer at once, interleaved: the SFT
+        # model calls its tool on some prompts only, and RL has the choice to learn.
+        "sft": [x for pair in zip(tool, direct) for x in pair],
+        "train": pairs[N_TEST + N_TOOL_SFT : n],
     }
     for split, rows in splits.items():
         records = []
         for i, (a, b) in enumerate(rows):
             record = {**row(TOOL_SOURCE, split, i, a, b), "agent_name": "tool_agent"}
-            if split == "sft":  # the conversation the model should have: call, read, answer
+            if split == "sft" and i % 2 == 0:  # call, read the result, answer
                 record["messages"] = [
                     {"role": "user", "content": question(a, b)},
                     {"role": "assistant", "content": tool_call(a, b)},
                     {"role": "tool", "content": str(a + b)},
                     {"role": "assistant", "content": f"<answer>{a + b}</answer>"},
                 ]
+            elif split == "sft":  # the answer at once, the tools listed all the same
+                record["messages"] = [
+                    {"role": "user", "content": question(a, b)},
+                    {"role": "assistant", "content": f"<answer>{a + b}</answer>"},
+                ]
+            if split == "sft":
                 record["tools"] = json.dumps(schemas)
             records.append(record)
         pq.write_table(pa.Table.from_pylist(records), out / f"{split}.parquet")

@@ -3,6 +3,8 @@ model is told when a tool hangs, raises, returns garbage or a call is malformed,
 tokenisation check."""
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 
@@ -249,6 +251,31 @@ def test_grpo_runs_tool_agent_rows_through_the_agent_loop(tmp_path):
     steps = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
     assert len(steps) == 2 and all(m["agent/turns_mean"] >= 1 for m in steps)
     assert all(m["agent/policy_token_share"] == 1 for m in steps)  # no tool turn: every token sampled
+
+
+RL_RECIPES = sorted(
+    p.stem for p in (Path(__file__).parent.parent / "recipes").glob("*.py") if "RLArgs):" in p.read_text()
+)
+
+
+@pytest.mark.parametrize("recipe", RL_RECIPES)
+def test_every_rl_recipe_trains_on_tool_conversations(tmp_path, recipe):
+    """Each RL recipe takes the agent loop as it is (no change to its algorithm functions): one
+    step on the bundled tool task from the tool checkpoint, whose conversations call the
+    calculator, so the trainer sees masks with the tool's tokens left out."""
+    import pyarrow.parquet as pq
+    from conftest import BUNDLED, read_metrics, run_recipe
+
+    task = BUNDLED / "calculator"
+    pq.write_table(pq.read_table(task / "train.parquet").slice(0, 64), tmp_path / "train.parquet")
+    run_recipe(recipe, "--model", BUNDLED / "tiny-qwen2-tools", "--train-files", tmp_path / "train.parquet",
+               "--val-files", tmp_path / "train.parquet", "--tool-config", task / "tools.yaml", "--max-prompt-length",
+               "128", "--max-response-length", "128", "--max-assistant-turns", "3", "--train-batch-size", "8",
+               "--rollout-n", "4", "--total-training-steps", "1", "--test-freq", "0", "--save-freq", "0",
+               "--output-dir", tmp_path / "run")  # fmt: skip
+    (step,) = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
+    assert step["agent/tool_calls_mean"] > 0 and step["agent/policy_token_share"] < 1
+    assert all(math.isfinite(step[k]) for k in ("train/loss", "train/grad_norm"))
 
 
 def test_grpo_runs_an_interaction_and_its_scores_reach_the_reward(tmp_path):
@@ -586,3 +613,29 @@ def test_a_killed_multi_turn_run_resumes_exactly(tmp_path):
             "agent/policy_token_share",
         ):
             assert a[key] == pytest.approx(b[key], rel=1e-6), (key, a["step"])
+
+
+@pytest.mark.slow
+def test_grpo_learns_to_call_the_calculator(tmp_path, capsys):
+    """The bundled tool task (README, "Tools and multi-turn"): from bundled/tiny-qwen2-tools, which
+    calls its calculator on about half its sampled answers, 20 seeded GRPO steps raise greedy
+    accuracy on the first 128 test prompts by a wide margin (measured 58.6% -> 75.8%; the bar is 8
+    points, which 10 steps only just passed), and the policy calls the tool more often."""
+    import pyarrow.parquet as pq
+    from conftest import BUNDLED, read_metrics, run_recipe
+
+    task = BUNDLED / "calculator"
+    pq.write_table(pq.read_table(task / "test.parquet").slice(0, 128), tmp_path / "val.parquet")
+    out = tmp_path / "run"
+    run_recipe("grpo", "--model", BUNDLED / "tiny-qwen2-tools", "--train-files", task / "train.parquet",
+               "--val-files", tmp_path / "val.parquet", "--tool-config", task / "tools.yaml", "--max-prompt-length",
+               "128", "--max-response-length", "128", "--max-assistant-turns", "3", "--lr", "5e-5",
+               "--total-training-steps", "20", "--test-freq", "20", "--save-freq", "0", "--output-dir", out)  # fmt: skip
+    metrics = read_metrics(out)
+    before, after = metrics[0]["val/accuracy"], metrics[-1]["val/accuracy"]
+    steps = [m for m in metrics if "agent/tool_calls_mean" in m and "train/loss" in m]
+    calls = [sum(m["agent/tool_calls_mean"] for m in part) / 3 for part in (steps[:3], steps[-3:])]
+    with capsys.disabled():
+        print(f"\ntool task: val accuracy {before:.1%} -> {after:.1%}, tool calls {calls[0]:.2f} -> {calls[1]:.2f}")
+    assert after >= before + 0.08, (before, after)
+    assert calls[1] > calls[0]

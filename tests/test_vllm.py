@@ -21,6 +21,8 @@ from common.rollout import HFEngine, Sampling, VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 SFT = str(ROOT / "bundled" / "tiny-qwen2-sft")
+TOOLS = str(ROOT / "bundled" / "tiny-qwen2-tools")
+CALCULATOR = ROOT / "bundled" / "calculator"
 GREEDY = Sampling(n=1, temperature=0, max_tokens=16)
 
 
@@ -30,7 +32,7 @@ def setup(tokenizer):
     stops its own engine, and stopping one tears down vLLM's process-wide parallel state."""
     model = load_policy(SFT)
     engine = VLLMEngine(
-        model, model_path=SFT, eos_ids=[tokenizer.eos_token_id], dtype="float32", max_model_len=80, seed=1,
+        model, model_path=SFT, eos_ids=[tokenizer.eos_token_id], dtype="float32", max_model_len=256, seed=1,
         dist=Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), gpu_memory_utilization=0.5,
         tensor_parallel_size=1, enforce_eager=True, max_num_seqs=256, max_num_batched_tokens=4096,
         enable_sleep_mode=False,
@@ -121,13 +123,51 @@ def test_lora_arrives_merged_and_the_trainer_keeps_its_base(setup, tokenizer):
 
 
 def test_a_prompt_past_max_model_len_is_refused_before_vllm(setup):
-    """The engine holds prompt + response limits (80 here); a longer request is one clear error
+    """The engine holds prompt + response limits (256 here); a longer request is one clear error
     naming both flags, never vLLM's own failure or a silently shortened response. A recipe never
     sends one: common.data cuts or refuses prompts at --max-prompt-length (tests/test_data.py)."""
     engine, _ = setup
-    with pytest.raises(ValueError, match=r"a prompt of 65 tokens plus 16 .* max_model_len 80 \(--max-prompt-length"):
-        engine.generate([list(range(10, 75))], GREEDY)
-    assert len(engine.generate([list(range(10, 74))], GREEDY)[0]) == 1  # exactly at the limit: served
+    with pytest.raises(ValueError, match=r"a prompt of 241 tokens plus 16 .* max_model_len 256 \(--max-prompt-length"):
+        engine.generate([list(range(10, 251))], GREEDY)
+    assert len(engine.generate([list(range(10, 250))], GREEDY)[0]) == 1  # exactly at the limit: served
+
+
+def test_the_agent_loop_on_vllm_gives_the_hf_engines_conversations_and_masks(setup, tokenizer):
+    """The bundled tool checkpoint answers calculator prompts (greedy) through the agent loop: on
+    the vLLM engine and on the HF engine the conversations are the same tokens under the same
+    mask (the tool's replies masked out), the tool was called, and vLLM's logprobs of the sampled
+    tokens equal the trainer's on the whole conversation."""
+    from common.agent import AgentLoop, read_tool_config
+    from common.rewards import TOOLS_PREFIX, RewardPool
+
+    engine, _ = setup
+    model = load_policy(TOOLS)
+    use(engine, model, 4)
+    config = str(CALCULATOR / "tools.yaml")
+    tools = read_tool_config(config)
+    rows, _ = load_prompts([CALCULATOR / "test.parquet"], tokenizer, max_prompt_length=128, tools=tools.schemas)
+    rows = rows[:16]
+    hf = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu")
+    pool = RewardPool(TOOLS_PREFIX + config, workers=1, timeout=10)
+    try:
+        got, want = (
+            AgentLoop(
+                e, tokenizer, tools=tools, pool=pool, max_assistant_turns=3, max_response_length=128
+            ).generate_rows(rows, Sampling(n=1, temperature=0, max_tokens=128))
+            for e in (engine, hf)
+        )
+    finally:
+        pool.close()
+    got, want = [g for (g,) in got], [w for (w,) in want]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [g.mask for g in got] == [w.mask for w in want]
+    called = [g for g in got if 0 in g.mask]  # a tool reply in the conversation
+    assert len(called) >= 8, "the tool checkpoint calls its calculator"
+    with torch.no_grad():
+        trainer = trainer_logprobs(model, [r["prompt_ids"] for r in rows], got, tokenizer, 1.0)
+    for i, g in enumerate(got):
+        sampled = torch.tensor(g.mask[: len(g.token_ids)], dtype=torch.bool)
+        assert torch.allclose(trainer[i, : len(g.token_ids)][sampled], torch.tensor(g.logprobs)[sampled], atol=1e-4)
 
 
 def test_generate_py_with_vllm_writes_what_the_hf_engine_writes(tmp_path):
