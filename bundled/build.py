@@ -24,7 +24,7 @@ DATA_SOURCE = "bundled/addition"
 N_TEST = 500
 SEED = 0
 TOOL_SOURCE = "bundled/calculator"
-N_TOOL_SFT, N_TOOL_RL = 4000, 8000  # 3-digit pairs: tool-use conversations for SFT, prompts for RL
+N_TOOL_SFT, N_TOOL_RL = 4000, 8000  # (3-digit, 2-digit) pairs: tool-use conversations for SFT, prompts for RL
 N_DIRECT_SFT = 4000  # and SFT conversations that answer without the tool, drawn after the rest
 
 # Qwen's chat template, trimmed to what the bundled tasks need, same markers and layout. Given
@@ -83,19 +83,23 @@ def build_model(tokenizer) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config)
 
 
-def question(a: int, b: int) -> str:
-    return f"{a}+{b}=? Answer in <answer></answer>."
+OPS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}
 
 
-def row(source: str, split: str, i: int, a: int, b: int) -> dict:
-    """A verl-format row asking a+b."""
+def question(a: int, b: int, op: str = "+") -> str:
+    return f"{a}{op}{b}=? Answer in <answer></answer>."
+
+
+def row(source: str, split: str, i: int, a: int, b: int, op: str = "+") -> dict:
+    """A verl-format row asking a+b (or a*b)."""
+    q, result = question(a, b, op), OPS[op](a, b)
     return {
         "data_source": source,
-        "prompt": [{"role": "user", "content": question(a, b)}],
+        "prompt": [{"role": "user", "content": q}],
         "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        "reward_model": {"style": "rule", "ground_truth": str(result)},
         # verl keeps the worked answer in extra_info; sft.py trains on it (--response-key).
-        "extra_info": {"split": split, "index": i, "question": question(a, b), "answer": f"<answer>{a + b}</answer>"},
+        "extra_info": {"split": split, "index": i, "question": q, "answer": f"<answer>{result}</answer>"},
     }
 
 
@@ -110,13 +114,15 @@ def build_task(out: Path) -> None:
 
 
 def tool_call(a: int, b: int) -> str:
-    call = {"name": "calculator", "arguments": {"expression": f"{a}+{b}"}}
+    call = {"name": "calculator", "arguments": {"expression": f"{a}*{b}"}}
     return f"<tool_call>{json.dumps(call)}</tool_call>"
 
 
 def build_tool_task(out: Path) -> None:
-    """3-digit addition with the calculator of calculator/tools.yaml: RL prompts (tool_agent rows)
-    and tool-use conversations for SFT (messages, with the tool schemas in a tools column)."""
+    """A 3-digit number times a 2-digit one, with the calculator of calculator/tools.yaml: RL
+    prompts (tool_agent rows) and conversations for SFT (messages, with the tool schemas in a
+    tools column). Multiplication, not addition: the tiny model learns 3-digit addition by itself
+    in minutes of SFT, and this product it does not."""
     import yaml
 
     schemas = [t["tool_schema"] for t in yaml.safe_load((out / "tools.yaml").read_text())["tools"]]
@@ -124,7 +130,7 @@ def build_tool_task(out: Path) -> None:
     n = N_TEST + N_TOOL_SFT + N_TOOL_RL
     # One draw for all: a longer draw begins with the shorter one's pairs (set-based sampling), so
     # the direct-answer pairs came after test, sft and train without changing them.
-    pairs = rng.sample([(a, b) for a in range(100, 1000) for b in range(100, 1000)], n + N_DIRECT_SFT)
+    pairs = rng.sample([(a, b) for a in range(100, 1000) for b in range(10, 100)], n + N_DIRECT_SFT)
     tool, direct = pairs[N_TEST : N_TEST + N_TOOL_SFT], pairs[n:]
     splits = {
         "test": pairs[:N_TEST],
@@ -136,18 +142,18 @@ def build_tool_task(out: Path) -> None:
     for split, rows in splits.items():
         records = []
         for i, (a, b) in enumerate(rows):
-            record = {**row(TOOL_SOURCE, split, i, a, b), "agent_name": "tool_agent"}
+            record = {**row(TOOL_SOURCE, split, i, a, b, "*"), "agent_name": "tool_agent"}
             if split == "sft" and i % 2 == 0:  # call, read the result, answer
                 record["messages"] = [
-                    {"role": "user", "content": question(a, b)},
+                    {"role": "user", "content": question(a, b, "*")},
                     {"role": "assistant", "content": tool_call(a, b)},
-                    {"role": "tool", "content": str(a + b)},
-                    {"role": "assistant", "content": f"<answer>{a + b}</answer>"},
+                    {"role": "tool", "content": str(a * b)},
+                    {"role": "assistant", "content": f"<answer>{a * b}</answer>"},
                 ]
             elif split == "sft":  # the answer at once, the tools listed all the same
                 record["messages"] = [
-                    {"role": "user", "content": question(a, b)},
-                    {"role": "assistant", "content": f"<answer>{a + b}</answer>"},
+                    {"role": "user", "content": question(a, b, "*")},
+                    {"role": "assistant", "content": f"<answer>{a * b}</answer>"},
                 ]
             if split == "sft":
                 record["tools"] = json.dumps(schemas)

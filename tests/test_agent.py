@@ -617,10 +617,11 @@ def test_a_killed_multi_turn_run_resumes_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_learns_to_call_the_calculator(tmp_path, capsys):
-    """The bundled tool task (README, "Tools and multi-turn"): from bundled/tiny-qwen2-tools, which
-    calls its calculator on about half its sampled answers, 20 seeded GRPO steps raise greedy
-    accuracy on the first 128 test prompts by a wide margin (measured 58.6% -> 75.8%; the bar is 8
-    points, which 10 steps only just passed), and the policy calls the tool more often."""
+    """The bundled tool task (README, "Tools and multi-turn"): bundled/tiny-qwen2-tools calls its
+    calculator on about half its sampled answers but, greedy, answers at once (and its own products
+    are wrong). 20 seeded GRPO steps teach it to call: greedy, it calls on (nearly) every one of the
+    first 128 test prompts, and its accuracy rises by a wide margin (the bar is 30 points; the
+    bench measured 2.3% -> 86.3% on 256 prompts)."""
     import pyarrow.parquet as pq
     from conftest import BUNDLED, read_metrics, run_recipe
 
@@ -632,10 +633,9 @@ def test_grpo_learns_to_call_the_calculator(tmp_path, capsys):
                "128", "--max-response-length", "128", "--max-assistant-turns", "3", "--lr", "5e-5",
                "--total-training-steps", "20", "--test-freq", "20", "--save-freq", "0", "--output-dir", out)  # fmt: skip
     metrics = read_metrics(out)
-    before, after = metrics[0]["val/accuracy"], metrics[-1]["val/accuracy"]
-    steps = [m for m in metrics if "agent/tool_calls_mean" in m and "train/loss" in m]
-    calls = [sum(m["agent/tool_calls_mean"] for m in part) / 3 for part in (steps[:3], steps[-3:])]
+    before, after = metrics[0], metrics[-1]
     with capsys.disabled():
-        print(f"\ntool task: val accuracy {before:.1%} -> {after:.1%}, tool calls {calls[0]:.2f} -> {calls[1]:.2f}")
-    assert after >= before + 0.08, (before, after)
-    assert calls[1] > calls[0]
+        print(f"\ntool task: val accuracy {before['val/accuracy']:.1%} -> {after['val/accuracy']:.1%}, greedy calls "
+              f"{before['val/agent/tool_calls_mean']:.2f} -> {after['val/agent/tool_calls_mean']:.2f}")  # fmt: skip
+    assert before["val/agent/tool_calls_mean"] <= 0.2 and after["val/agent/tool_calls_mean"] >= 0.9
+    assert after["val/accuracy"] >= before["val/accuracy"] + 0.3

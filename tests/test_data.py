@@ -124,12 +124,12 @@ def test_sft_tool_conversations_show_the_tools_and_train_on_assistant_turns_only
     sft = BUNDLED / "calculator" / "sft.parquet"
     (ex, *_), _ = load_sft([sft], tokenizer, max_length=256)
     row = pq.read_table(sft).slice(0, 1).to_pylist()[0]
-    a, b = row["extra_info"]["question"].split("=")[0].split("+")
+    a, b = row["extra_info"]["question"].split("=")[0].split("*")
     text = tokenizer.decode(ex["input_ids"])
     assert text.startswith("<|im_start|>system\n<tools>\ncalculator: ")
     masked = tokenizer.decode([t for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m])
-    call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{a}+{b}"}}}}</tool_call>'
-    assert masked == f"{call}<|im_end|>\n<answer>{int(a) + int(b)}</answer><|im_end|>\n"
+    call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{a}*{b}"}}}}</tool_call>'
+    assert masked == f"{call}<|im_end|>\n<answer>{int(a) * int(b)}</answer><|im_end|>\n"
     schemas = read_tool_config(str(BUNDLED / "calculator" / "tools.yaml")).schemas
     rows, _ = load_prompts([sft], tokenizer, max_prompt_length=256, tools=schemas)
     assert ex["input_ids"][: len(rows[0]["prompt_ids"])] == rows[0]["prompt_ids"]

@@ -132,16 +132,32 @@ def test_a_prompt_past_max_model_len_is_refused_before_vllm(setup):
     assert len(engine.generate([list(range(10, 250))], GREEDY)[0]) == 1  # exactly at the limit: served
 
 
-def test_the_agent_loop_on_vllm_gives_the_hf_engines_conversations_and_masks(setup, tokenizer):
-    """The bundled tool checkpoint answers calculator prompts (greedy) through the agent loop: on
-    the vLLM engine and on the HF engine the conversations are the same tokens under the same
-    mask (the tool's replies masked out), the tool was called, and vLLM's logprobs of the sampled
-    tokens equal the trainer's on the whole conversation."""
+def test_the_agent_loop_on_vllm_gives_the_hf_engines_conversations_and_masks(setup, tokenizer, tmp_path):
+    """Calculator prompts through the agent loop, greedy: on the vLLM engine and on the HF engine
+    the conversations are the same tokens under the same mask (the tool's replies masked out), and
+    vLLM's logprobs of the sampled tokens equal the trainer's on the whole conversation. Greedy,
+    the bundled tool checkpoint answers at once; three SFT steps on its tool conversations make it
+    call the calculator, and the weight sync carries them to vLLM."""
+    import pyarrow.parquet as pq
+
     from common.agent import AgentLoop, read_tool_config
+    from common.data import load_sft, pad
     from common.rewards import TOOLS_PREFIX, RewardPool
 
     engine, _ = setup
     model = load_policy(TOOLS)
+    calls = pq.read_table(CALCULATOR / "sft.parquet").take(list(range(0, 64, 2)))  # even rows call the tool
+    pq.write_table(calls, tmp_path / "calls.parquet")
+    examples, _ = load_sft([tmp_path / "calls.parquet"], tokenizer, max_length=256)
+    ids = pad([e["input_ids"] for e in examples], tokenizer.pad_token_id, side="right")
+    attention = pad([[1] * len(e["input_ids"]) for e in examples], 0, side="right")
+    mask = pad([e["loss_mask"] for e in examples], 0, side="right")[:, 1:]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        optimizer.zero_grad()
+        (-(logprobs_from_logits(logits, ids[:, 1:]) * mask).sum() / mask.sum()).backward()
+        optimizer.step()
     use(engine, model, 4)
     config = str(CALCULATOR / "tools.yaml")
     tools = read_tool_config(config)
@@ -162,7 +178,7 @@ def test_the_agent_loop_on_vllm_gives_the_hf_engines_conversations_and_masks(set
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert [g.mask for g in got] == [w.mask for w in want]
     called = [g for g in got if 0 in g.mask]  # a tool reply in the conversation
-    assert len(called) >= 8, "the tool checkpoint calls its calculator"
+    assert len(called) >= 8, "after the SFT steps the model calls its calculator"
     with torch.no_grad():
         trainer = trainer_logprobs(model, [r["prompt_ids"] for r in rows], got, tokenizer, 1.0)
     for i, g in enumerate(got):
