@@ -27,16 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "bundled" / "calculator"
-GRPO_FLAGS = [
-    "--max-prompt-length",
-    "128",
-    "--max-response-length",
-    "128",
-    "--max-assistant-turns",
-    "3",
-    "--lr",
-    "5e-5",
-]
+GRPO_FLAGS = ["--max-prompt-length", "128", "--max-response-length", "128", "--max-assistant-turns", "3",
+              "--lr", "5e-5"]  # fmt: skip
 
 
 def run(recipe: str, flags: list) -> None:
@@ -108,14 +100,15 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=5, help="steps averaged for the first / last reward")
     parser.add_argument("grpo_flags", nargs="*", help="more grpo.py flags for both arms (after --)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        results = [arm(None, args, Path(tmp))] + [arm(steps, args, Path(tmp)) for steps in args.sft_steps]
+    # Each arm's row as soon as it is measured: a later arm failing loses nothing before it.
     print(f"{'arm':<13} {'after SFT':>9} {'after GRPO':>10} {'reward first':>12} {'reward last':>11} "
-          f"{'calls first':>11} {'calls last':>10} {'greedy calls':>12}")  # fmt: skip
-    for r in results:
-        print(f"{r['arm']:<13} {r['after SFT']:>9.1%} {r['after GRPO']:>10.1%} {r['reward first']:>12.3f} "
-              f"{r['reward last']:>11.3f} {r['calls first']:>11.2f} {r['calls last']:>10.2f} "
-              f"{r['greedy calls SFT']:>5.2f} {r['greedy calls GRPO']:>5.2f}")  # fmt: skip
+          f"{'calls first':>11} {'calls last':>10} {'greedy calls':>12}", flush=True)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        for steps in [None, *args.sft_steps]:
+            r = arm(steps, args, Path(tmp))
+            print(f"{r['arm']:<13} {r['after SFT']:>9.1%} {r['after GRPO']:>10.1%} {r['reward first']:>12.3f} "
+                  f"{r['reward last']:>11.3f} {r['calls first']:>11.2f} {r['calls last']:>10.2f} "
+                  f"{r['greedy calls SFT']:>5.2f} {r['greedy calls GRPO']:>5.2f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

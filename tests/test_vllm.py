@@ -139,24 +139,25 @@ def test_the_agent_loop_on_vllm_gives_the_hf_engines_conversations_and_masks(set
     the bundled tool checkpoint answers at once; three SFT steps on its tool conversations make it
     call the calculator, and the weight sync carries them to vLLM."""
     import pyarrow.parquet as pq
+    from conftest import load_recipe
 
     from common.agent import AgentLoop, read_tool_config
-    from common.data import load_sft, pad
+    from common.data import load_sft
     from common.rewards import TOOLS_PREFIX, RewardPool
+
+    sft = load_recipe("sft")
 
     engine, _ = setup
     model = load_policy(TOOLS)
     calls = pq.read_table(CALCULATOR / "sft.parquet").take(list(range(0, 64, 2)))  # even rows call the tool
     pq.write_table(calls, tmp_path / "calls.parquet")
     examples, _ = load_sft([tmp_path / "calls.parquet"], tokenizer, max_length=256)
-    ids = pad([e["input_ids"] for e in examples], tokenizer.pad_token_id, side="right")
-    attention = pad([[1] * len(e["input_ids"]) for e in examples], 0, side="right")
-    mask = pad([e["loss_mask"] for e in examples], 0, side="right")[:, 1:]
+    ids, attention, mask = sft.collate(examples, tokenizer.pad_token_id, "cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(3):
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+    for _ in range(3):  # sft.py's own steps
+        loss, _ = sft.compute_loss(model(input_ids=ids, attention_mask=attention).logits, ids, mask, mask[:, 1:].sum())
         optimizer.zero_grad()
-        (-(logprobs_from_logits(logits, ids[:, 1:]) * mask).sum() / mask.sum()).backward()
+        loss.backward()
         optimizer.step()
     use(engine, model, 4)
     config = str(CALCULATOR / "tools.yaml")
