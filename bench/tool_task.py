@@ -14,7 +14,7 @@ greedy accuracy and tool calls per conversation on the first --val-prompts test 
 SFT and after GRPO, and the sampled reward and tool calls over the first and last --window GRPO
 steps.
 
-    python bench/tool_task.py                     # about 15 minutes on 2 CPU cores
+    python bench/tool_task.py                     # about 18 minutes on 2 CPU cores
 """
 
 import argparse
