@@ -203,7 +203,8 @@ def rollout(step, args, train, engine, sampling, pool, reward_model, tokenizer, 
     prompts = [train[i] for i in indices[dist.rank :: dist.world_size]]
     # 2-3. generate with the live policy; score with verl's compute_score (or the reward model)
     batch = generate_and_score(prompts, engine, sampling, pool, tokenizer, dist.device, reward_model)
-    lengths, limits = batch["response_mask"].sum(-1), (args.max_response_length, args.overlong_buffer_len)
+    width = batch["responses"].shape[1]  # DAPO: the whole response's length, tool tokens too (verl: its attention mask)
+    lengths, limits = batch["attention_mask"][:, -width:].sum(-1), (args.max_response_length, args.overlong_buffer_len)
     batch["rewards"] = batch["rewards"] + overlong_penalty(lengths, *limits, args.overlong_penalty_factor)  # DAPO
     batch["epoch"] = epoch
     return batch

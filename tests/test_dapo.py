@@ -41,6 +41,23 @@ def test_overlong_penalty_ramps_to_the_factor():
     assert dapo.overlong_penalty(lengths, 16, 0, 1.0).tolist() == [0.0] * 5  # buffer 0: off
 
 
+def test_the_overlong_penalty_counts_a_conversations_tool_tokens(monkeypatch):
+    """A multi-turn response's length is the whole conversation after the prompt, as verl counts
+    it (the response's attention mask), not only the tokens the policy sampled: a 16-token
+    conversation (max 16) whose middle 8 tokens the tool wrote gets the full penalty."""
+    from types import SimpleNamespace
+
+    mask = torch.tensor([[1] * 4 + [0] * 8 + [1] * 4, [1] * 8 + [0] * 8])  # holes; a short single-turn row
+    attention = torch.cat([torch.ones(2, 3), torch.tensor([[1] * 16, [1] * 8 + [0] * 8])], 1)  # prompt 3
+    batch = {"responses": torch.zeros(2, 16, dtype=torch.long), "response_mask": mask, "attention_mask": attention,
+             "rewards": torch.ones(2)}  # fmt: skip
+    monkeypatch.setattr(dapo, "generate_and_score", lambda *a, **k: batch)
+    args = dapo.Args(max_response_length=16, train_batch_size=2)  # overlong buffer 4: the ramp starts at 12
+    dist = SimpleNamespace(rank=0, world_size=1, device="cpu")
+    out = dapo.rollout(0, args, [{}] * 2, None, None, None, None, None, dist)
+    assert out["rewards"].tolist() == [0.0, 1.0]  # 16 tokens: -1; 8 sampled would have been no penalty
+
+
 def test_select_groups_takes_the_first_groups_with_a_reward_spread():
     rewards = [[1, 1, 1], [0, 1, 0], [0, 0, 0], [1.0, 0.75, 1.0], [1, 0, 1], [0.5]]
     # group 3 differs only by an overlong penalty: that is a spread too; a group of one counts (verl)
