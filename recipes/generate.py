@@ -125,7 +125,15 @@ def open_parts(parts: Path, flags: dict, n_chunks: int, dist) -> set[int]:
         parts.mkdir(parents=True, exist_ok=True)
         manifest.write_text(json.dumps(flags, indent=1))
     barrier()
-    return {c for c in range(n_chunks) if (parts / f"chunk_{c:06d}.parquet").is_file()}
+    done = {c for c in range(n_chunks) if (parts / f"chunk_{c:06d}.parquet").is_file()}
+    import pyarrow.parquet as pq
+
+    if any("response_extra_info" not in pq.read_schema(parts / f"chunk_{c:06d}.parquet").names for c in done):
+        raise UsageError(
+            f"{parts} holds chunks from an older generate.py (without the response_extra_info column); delete "
+            f"that folder to start over, or pass another --output-path"
+        )
+    return done
 
 
 def write_chunk(parts: Path, c: int, rows: list[dict], groups, tokenizer) -> None:

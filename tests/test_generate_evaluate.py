@@ -5,6 +5,7 @@ input refused before any model loads."""
 import itertools
 import json
 import math
+import re
 
 import pyarrow.parquet as pq
 import pytest
@@ -146,6 +147,23 @@ def test_a_killed_generation_resumes_from_its_finished_chunks(tmp_path, gen, val
     gen.main(gen.Args(output_path=str(out), **flags))
     assert written == [2, 3, 4]
     assert pq.read_table(out).to_pylist() == pq.read_table(whole).to_pylist()
+
+
+def test_chunks_from_an_older_generate_are_refused_by_name(tmp_path, gen):
+    """A parts folder written before generate.py kept response_extra_info cannot be merged with
+    new chunks: resuming it is a usage error naming the folder, not a KeyError at the end."""
+    from types import SimpleNamespace
+
+    import pyarrow as pa
+
+    parts, flags = tmp_path / "out.parquet.parts", {"n_samples": 2}
+    parts.mkdir()
+    (parts / "flags.json").write_text(json.dumps(flags))
+    pq.write_table(pa.table({"row": [0], "responses": [["a", "b"]]}), parts / "chunk_000000.parquet")
+    with pytest.raises(UsageError, match=re.escape(f"{parts} holds chunks from an older generate.py")):
+        gen.open_parts(parts, flags, 3, SimpleNamespace(is_main=True))
+    pq.write_table(pa.table({"row": [0], "response_extra_info": [["null", "null"]]}), parts / "chunk_000000.parquet")
+    assert gen.open_parts(parts, flags, 3, SimpleNamespace(is_main=True)) == {0}
 
 
 # --- bad input ---------------------------------------------------------------------------------------
