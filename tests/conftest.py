@@ -14,6 +14,8 @@ BUNDLED = ROOT / "bundled"
 TINY = BUNDLED / "tiny-qwen2"
 TASK_TRAIN = BUNDLED / "addition" / "train.parquet"
 TASK_TEST = BUNDLED / "addition" / "test.parquet"
+# Every recipe whose Args build on RLArgs: the RL family, forks dropped into recipes/ included.
+RL_RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py") if "RLArgs):" in p.read_text())
 SHIPPED_ACCURACY = 0.488  # bundled/tiny-qwen2-sft's greedy accuracy on TASK_TEST (test_sft.py measures it)
 
 

@@ -4,9 +4,9 @@ tokenisation check."""
 
 import json
 import math
-from pathlib import Path
 
 import pytest
+from conftest import RL_RECIPES
 
 from common.agent import AgentLoop, Conversation, check_tokenization, parse_tool_calls, read_tool_config
 from common.config import UsageError
@@ -251,11 +251,6 @@ def test_grpo_runs_tool_agent_rows_through_the_agent_loop(tmp_path):
     steps = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
     assert len(steps) == 2 and all(m["agent/turns_mean"] >= 1 for m in steps)
     assert all(m["agent/policy_token_share"] == 1 for m in steps)  # no tool turn: every token sampled
-
-
-RL_RECIPES = sorted(
-    p.stem for p in (Path(__file__).parent.parent / "recipes").glob("*.py") if "RLArgs):" in p.read_text()
-)
 
 
 @pytest.mark.parametrize("recipe", RL_RECIPES)

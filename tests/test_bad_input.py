@@ -11,11 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ROOT, TASK_TEST, load_recipe_refusing_models
+from conftest import RL_RECIPES, ROOT, TASK_TEST, load_recipe_refusing_models
 
 from common.config import UsageError
-
-RL_RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py") if "RLArgs):" in p.read_text())
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,9 @@ import math
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ROOT, TASK_TEST, read_metrics, run_recipe
+from conftest import RL_RECIPES, ROOT, TASK_TEST, read_metrics, run_recipe
 
 pytestmark = pytest.mark.gpu
-RL_RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py") if "RLArgs):" in p.read_text())
 STEPS = "--total-training-steps 3 --save-freq 3 --test-freq 3 --no-val-before-train".split()
 RL_SHAPE = "--train-batch-size 8 --rollout-n 4".split()
 

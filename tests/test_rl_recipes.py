@@ -15,10 +15,9 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, SHIPPED_ACCURACY, TASK_TEST, load_recipe, read_metrics, run_recipe
+from conftest import RL_RECIPES, ROOT, SHIPPED_ACCURACY, TASK_TEST, load_recipe, read_metrics, run_recipe
 
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
-RL_RECIPES = [r for r in RECIPES if "RLArgs):" in (ROOT / "recipes" / f"{r}.py").read_text()]
 FAST = (
     "--train-batch-size 8 --ppo-mini-batch-size 8 --rollout-n 4 --micro-batch-size-per-gpu 16 "
     "--save-freq 0 --no-val-before-train --test-freq 0"
