@@ -143,20 +143,14 @@ def build_tool_task(out: Path) -> None:
         records = []
         for i, (a, b) in enumerate(rows):
             record = {**row(TOOL_SOURCE, split, i, a, b, "*"), "agent_name": "tool_agent"}
-            if split == "sft" and i % 2 == 0:  # call, read the result, answer
+            if split == "sft":  # even rows call, read the result, then answer; odd rows answer at once
+                call = [{"role": "assistant", "content": tool_call(a, b)}, {"role": "tool", "content": str(a * b)}]
                 record["messages"] = [
                     {"role": "user", "content": question(a, b, "*")},
-                    {"role": "assistant", "content": tool_call(a, b)},
-                    {"role": "tool", "content": str(a * b)},
+                    *(call if i % 2 == 0 else []),
                     {"role": "assistant", "content": f"<answer>{a * b}</answer>"},
                 ]
-            elif split == "sft":  # the answer at once, the tools listed all the same
-                record["messages"] = [
-                    {"role": "user", "content": question(a, b, "*")},
-                    {"role": "assistant", "content": f"<answer>{a * b}</answer>"},
-                ]
-            if split == "sft":
-                record["tools"] = json.dumps(schemas)
+                record["tools"] = json.dumps(schemas)  # listed in odd rows too: the same prompt either way
             records.append(record)
         pq.write_table(pa.Table.from_pylist(records), out / f"{split}.parquet")
 
