@@ -239,10 +239,10 @@ def test_an_fsdp_config_with_strategy_ddp_is_refused(monkeypatch):
 
 
 def test_every_config_loads_in_accelerate_and_a_readme_command_uses_it():
-    """A config accelerate cannot read, or one the README never shows how to use, is a trap."""
+    """A config accelerate cannot read, or one the README and docs/ never show how to use, is a trap."""
     from accelerate.commands.config.config_args import load_config_from_file
 
-    readme = (ROOT / "README.md").read_text()
+    readme = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     shipped = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
     assert {"cpu.yaml", "single_gpu.yaml", "ddp.yaml", "fsdp2.yaml", "fsdp2_offload.yaml", "multi_node.yaml"} <= set(
         shipped
@@ -250,9 +250,9 @@ def test_every_config_loads_in_accelerate_and_a_readme_command_uses_it():
     for name in shipped:
         config = load_config_from_file(str(ROOT / "configs" / name))
         assert config.num_processes >= 1, name
-        assert f"accelerate launch --config_file configs/{name}" in readme, f"no README command uses {name}"
+        assert f"accelerate launch --config_file configs/{name}" in readme, f"no README or docs/ command uses {name}"
     named = {w.split("/")[-1] for w in readme.split() if w.startswith("configs/") and w.endswith(".yaml")}
-    assert named <= set(shipped), f"the README names configs that do not exist: {named - set(shipped)}"
+    assert named <= set(shipped), f"the README or docs/ name configs that do not exist: {named - set(shipped)}"
     offload = load_config_from_file(str(ROOT / "configs" / "fsdp2_offload.yaml"))
     assert offload.fsdp_config == {"fsdp_version": 2, "fsdp_offload_params": True}
 
