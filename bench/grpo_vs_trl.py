@@ -32,9 +32,9 @@ def greedy_accuracy(model_dir) -> float:
     from transformers import AutoModelForCausalLM
 
     from common.data import load_prompts
+    from common.engines import hf_generate_greedy
     from common.model import load_tokenizer
-    from common.rewards import default_compute_score
-    from common.rollout import hf_generate_greedy
+    from common.scoring import default_compute_score
 
     tokenizer = load_tokenizer(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -84,7 +84,7 @@ def trl_worker(args, out: Path) -> None:
 
     from common.data import read_parquet
     from common.model import load_tokenizer
-    from common.rewards import addition_score
+    from common.scoring import addition_score
 
     rows = read_parquet([TRAIN])[0][1]
     data = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]} for r in rows])

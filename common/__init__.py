@@ -1,4 +1,29 @@
-"""Plumbing shared by the recipes: config bases, data, model, ops, parallel, checkpoint, tracking.
+"""Plumbing shared by the recipes. Nothing here decides how a recipe learns (advantage, loss,
+aggregation): that stays in the recipe.
 
-Nothing here decides how a recipe learns (advantage, loss, aggregation): that stays in the recipe.
+Read it bottom-up. LAYERS lists the modules from the bottom: a module imports (at top level or
+inside a function) only modules listed before it, so there is no import circle and each module
+can be read knowing only those below it. tests/test_layers.py enforces this; a new module takes
+the lowest place its imports allow. Recipes sit on top and import from any layer; nothing here
+imports a recipe.
 """
+
+LAYERS = (
+    "errors",  # UsageError, RunStopped and usage_errors: what every layer raises and how recipes report it
+    "optim",  # AdamW and the lr schedules
+    "parallel",  # the process group, DDP / FSDP2 wrapping, collectives, the stop signal, logging setup
+    "data",  # parquet rows, chat templating, truncation, padding, micro-batches
+    "ops",  # masked maths, logprobs and entropy from logits, KL estimators, loss aggregation
+    "scoring",  # verl's compute_score built-ins and the loaders of user code (no processes)
+    "tools",  # --tool-config / --interaction-config read without running them; tool calls in text
+    "model",  # policy, critic, reward model and tokenizer loading; response logits and values
+    "tracking",  # metrics.jsonl, the console, wandb / tensorboard, curves
+    "checkpoint",  # save, check, resume, hf/ export
+    "weight_sync",  # the trainer's weights under checkpoint names, for engines with their own copy
+    "rewards",  # the hang-proof worker pool that runs reward functions, tools and interactions
+    "engines",  # Sampling, Completion, the HF and vLLM engines
+    "remote",  # engines in Ray actors, the weight stream to them, bounded staleness
+    "agent",  # the multi-turn loop with tools and interactions over any engine
+    "rollout",  # start_engine, a step's sampled and scored batch, validation
+    "config",  # the flag dataclasses every recipe builds on, and their checks
+)

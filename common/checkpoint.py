@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.config import UsageError
+from common.errors import UsageError
 from common.model import is_lora
 from common.parallel import Dist, barrier, unwrap
 

@@ -4,46 +4,27 @@ Recipes inherit from these so the flags stay flat (`--lr`, `--model`, `--train-f
 own `Args` adds its algorithm's knobs and may override defaults.
 """
 
-import contextlib
+import importlib.util
 import os
-import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
+import torch
+
+from common.engines import Sampling
+from common.errors import UsageError
+from common.errors import usage_errors as usage_errors  # re-exported for older forks
+from common.model import looks_local
+from common.optim import build_optimizer, build_scheduler
+from common.remote import StepPrompts
+from common.tools import read_interaction_config, read_tool_config
+
 BUNDLED = Path(__file__).resolve().parent.parent / "bundled"
-
-
-class UsageError(ValueError):
-    """Input the user can fix (a flag, a path, a file, a row): reported as one short message that
-    names it and says what to change, without a traceback, and exit status 2 (usage_errors)."""
-
-
-class RunStopped(RuntimeError):
-    """A run that cannot go on, for a reason its message explains in full (a NaN loss at step N,
-    say): reported like a UsageError but with exit status 1."""
-
-
-@contextlib.contextmanager
-def usage_errors():
-    """Wraps a recipe's `main(tyro.cli(Args))`: a UsageError is printed as `error: <message>` on
-    stderr (once, by rank 0) and the process exits with status 2, as tyro does for a bad flag; a
-    RunStopped is printed the same way, with status 1. Any other exception keeps its traceback."""
-    try:
-        yield
-    except (UsageError, RunStopped) as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2 if isinstance(e, UsageError) else 1) from None
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def looks_local(path: str) -> bool:
-    """A path (or an existing name) rather than a hub name such as Qwen/Qwen2.5-0.5B-Instruct."""
-    return path.startswith((".", "/", "~")) or Path(path).expanduser().exists()
 
 
 # (field, test, what it must be): checked on every recipe's flags as they are parsed (check_flags).
@@ -124,12 +105,8 @@ def check_flags(args) -> None:
     if hasattr(args, "rollout_placement"):
         _check_placement(args)
     if getattr(args, "tool_config", None):
-        from common.agent import read_tool_config
-
         read_tool_config(args.tool_config)  # its YAML and files; the functions are imported in the tool workers
     if getattr(args, "interaction_config", None):
-        from common.agent import read_interaction_config
-
         read_interaction_config(args.interaction_config)  # likewise: the classes are imported in a worker
     if getattr(args, "rollout_name", "hf") == "vllm":
         _check_vllm(args)
@@ -159,10 +136,6 @@ def _check_placement(args) -> None:
 
 def _check_vllm(args) -> None:
     """--rollout-name vllm: the platform can do what the flags ask, and vLLM is installed."""
-    import importlib.util
-
-    import torch
-
     if not torch.cuda.is_available():
         if args.enable_sleep_mode:
             raise UsageError(
@@ -246,8 +219,6 @@ class OptimArgs:
 
     def optimizer_and_scheduler(self, model, total_steps: int):
         """AdamW (common.optim.build_optimizer) and its lr schedule over total_steps."""
-        from common.optim import build_optimizer, build_scheduler
-
         optimizer = build_optimizer(model, self.lr, self.weight_decay, self.betas)
         return optimizer, build_scheduler(
             optimizer, kind=self.lr_scheduler, total_steps=total_steps,
@@ -356,8 +327,6 @@ class PlacementArgs:
         engines, the requests of the steps ahead (common.remote.StepPrompts over `train`)."""
         if self.rollout_placement == "colocated":
             return {}
-        from common.remote import StepPrompts
-
         names = ("num_rollout_engines", "engine_num_cpus", "engine_num_gpus", "ray_address", "max_staleness",
                  "engine_timeout")  # fmt: skip
         schedule = StepPrompts(train, self.train_batch_size, self.seed, self.shuffle, self.samplings()[0])
@@ -433,13 +402,9 @@ class AgentArgs:
 
     def tool_schemas(self) -> list[dict] | None:
         """The function schemas of --tool-config, which tool_agent prompts are templated with."""
-        from common.agent import read_tool_config
-
         return read_tool_config(self.tool_config).schemas if self.tool_config else None
 
     def interaction_names(self) -> list[str] | None:
-        from common.agent import read_interaction_config
-
         return read_interaction_config(self.interaction_config).names if self.interaction_config else None
 
     def agent_kwargs(self, tool_pool, interaction_pool) -> dict:
@@ -448,8 +413,6 @@ class AgentArgs:
         (common.rewards.start_agent_pools); none without --tool-config or --interaction-config."""
         if not self.tool_config and not self.interaction_config:
             return {}
-        from common.agent import read_interaction_config, read_tool_config
-
         return {"agent": dict(
             tools=read_tool_config(self.tool_config) if self.tool_config else None, pool=tool_pool,
             interactions=read_interaction_config(self.interaction_config) if self.interaction_config else None,
@@ -554,8 +517,6 @@ class RLArgs(
 
     def samplings(self):
         """(training sampling: rollout_n per prompt, validation sampling: val_n per prompt)."""
-        from common.rollout import Sampling
-
         shared = dict(top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_response_length)
         return Sampling(self.rollout_n, self.temperature, **shared), Sampling(
             self.val_n, self.val_temperature, **shared

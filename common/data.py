@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import UsageError
+from common.errors import UsageError
 from common.parallel import all_reduce_max
 
 log = logging.getLogger(__name__)
@@ -471,7 +471,7 @@ def check_agent_rows(rows: list[dict], tools: list[dict] | None, interactions: l
                                 f"got {str(kwargs)[:80]!r}")  # fmt: skip
             if not interactions:
                 raise DataError(f"{where}: extra_info.interaction_kwargs names an interaction; pass "
-                                f"--interaction-config interactions.yaml (common/agent.py describes the file)")  # fmt: skip
+                                f"--interaction-config interactions.yaml (docs/multi-turn.md describes the file)")  # fmt: skip
             name = kwargs.get("name") or (interactions[0] if len(interactions) == 1 else None)
             if name not in interactions:
                 raise DataError(f"{where} column 'extra_info.interaction_kwargs.name': {name!r} is not in "
@@ -482,7 +482,7 @@ def check_agent_rows(rows: list[dict], tools: list[dict] | None, interactions: l
             r["interaction_kwargs"] = {**kwargs, "name": name}
         if r["agent_name"] == "tool_agent" and not tools and not interactions:
             raise DataError(f"{where} column 'agent_name': tool_agent rows need tools or interactions: pass "
-                            f"--tool-config tools.yaml and/or --interaction-config (common/agent.py describes "
+                            f"--tool-config tools.yaml and/or --interaction-config (docs/multi-turn.md describes "
                             f"both files)")  # fmt: skip
 
 

@@ -1,15 +1,23 @@
-"""Load the policy and its tokenizer from a local folder or a hub name; LoRA through peft."""
+"""Load the policy, its tokenizer, the critic and the reward model from a local folder or a hub
+name; LoRA through peft; the forward passes that give response logits and values."""
 
 import logging
 from pathlib import Path
 
 import torch
 
-from common.config import UsageError, looks_local
+from common.data import pad
+from common.errors import UsageError
+from common.parallel import is_fsdp, resolve_strategy, sharding_report, wrap_model
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def looks_local(path: str) -> bool:
+    """A path (or an existing name) rather than a hub name such as Qwen/Qwen2.5-0.5B-Instruct."""
+    return path.startswith((".", "/", "~")) or Path(path).expanduser().exists()
 
 
 def _check_source(path: str, what: str) -> None:
@@ -95,8 +103,6 @@ def load_trained_model(
 ):
     """The policy (load_policy) wrapped for DDP / FSDP2 (strategy auto|ddp|fsdp2). Returns (model,
     run_info: the layout really in effect, common.parallel.sharding_report)."""
-    from common.parallel import resolve_strategy, sharding_report, wrap_model
-
     strategy = resolve_strategy(strategy)
     model = load_policy(
         path, dtype=dtype, trust_remote_code=trust_remote_code, gradient_checkpointing=gradient_checkpointing,
@@ -125,9 +131,6 @@ def load_rl_models(
     """The trained policy (load_trained_model); with_reference a frozen copy for KL terms (with
     LoRA none: the adapter-disabled policy is the reference); the optional reward model, which
     reads text with tokenizer. Returns (policy, reference or None, reward model or None, run_info)."""
-    from common.parallel import resolve_strategy, wrap_model
-    from common.rewards import RewardModel
-
     model, run_info = load_trained_model(
         path, dist, strategy=strategy, dtype=dtype, trust_remote_code=trust_remote_code,
         mixed_precision=mixed_precision, gradient_checkpointing=gradient_checkpointing, lora_rank=lora_rank,
@@ -160,8 +163,6 @@ def load_critic(
     from transformers import AutoConfig, AutoModelForTokenClassification
     from transformers.utils import logging as hf_logging
 
-    from common.parallel import wrap_model
-
     _check_source(path, "critic model")
     source = str(Path(path).expanduser()) if Path(path).expanduser().exists() else path
     config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
@@ -181,6 +182,49 @@ def load_critic(
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return wrap_model(model, strategy, dist, mixed_precision)
+
+
+class RewardModel:
+    """An AutoModelForSequenceClassification scoring whole conversations (one logit each).
+
+    With the policy's tokenizer and chat template, the sampled token ids are scored as they are;
+    otherwise each conversation is decoded to text and re-rendered with the reward model's own
+    chat template and tokenizer (verl's return_raw_input_ids case).
+    """
+
+    def __init__(self, path: str, policy_tokenizer, device, trust_remote_code: bool = False, batch_size: int = 64):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.device, self.batch_size = device, batch_size
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.model.to(device).eval().requires_grad_(False)
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.same_tokens = (
+            self.tokenizer.get_vocab() == policy_tokenizer.get_vocab()
+            and self.tokenizer.chat_template == policy_tokenizer.chat_template
+        )
+
+    def inputs(self, messages: list[list[dict]], responses: list[str], prompt_ids, response_ids) -> list[list[int]]:
+        if self.same_tokens:
+            return [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
+        texts = [
+            self.tokenizer.apply_chat_template(m + [{"role": "assistant", "content": r}], tokenize=False)
+            for m, r in zip(messages, responses)
+        ]
+        return [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+    def score(self, messages, responses, prompt_ids, response_ids):
+        ids = self.inputs(messages, responses, prompt_ids, response_ids)
+        out = []
+        with torch.no_grad():
+            for start in range(0, len(ids), self.batch_size):
+                chunk = ids[start : start + self.batch_size]
+                input_ids = pad(chunk, self.model.config.pad_token_id).to(self.device)
+                attention = pad([[1] * len(x) for x in chunk], 0).to(self.device)
+                out.append(self.model(input_ids=input_ids, attention_mask=attention).logits[:, 0].float())
+        return torch.cat(out)
 
 
 def is_lora(model) -> bool:
@@ -211,8 +255,6 @@ def _response_outputs(model, batch: dict, share_prompts: bool, keep_logits: bool
     logits_to_keep (causal LMs), so only the needed positions reach the vocabulary head.
     """
     from transformers import DynamicCache
-
-    from common.parallel import is_fsdp
 
     T = batch["responses"].shape[1]
     P = batch["input_ids"].shape[1] - T

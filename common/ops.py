@@ -6,6 +6,8 @@ can normalise by the token count of a whole mini-batch rather than of one micro-
 
 import torch
 
+from common.parallel import all_reduce_sum
+
 # Rows of (N, V) logits processed at once in float32: bounds the temporary to CHUNK x V floats.
 CHUNK_ROWS = 1024
 
@@ -49,8 +51,6 @@ def masked_whiten_all_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e
     """masked_whiten over the masked elements of every rank together, as verl whitens the whole
     batch on its driver: (x - mean) / sqrt(var + eps), unbiased var (0 under two elements), zero
     where mask is 0. Collective: every rank calls it."""
-    from common.parallel import all_reduce_sum
-
     mask = mask.to(x.dtype)
     total, n = all_reduce_sum(torch.stack([(x * mask).sum(), mask.sum()])).tolist()
     centred = (x - total / max(n, 1)) * mask
@@ -199,8 +199,6 @@ def kl_controller_step(
     rank of each sequence's mean token KL (kl, response_mask (B, T)), and update_kl_coef moves the
     coefficient with n_steps = those sequences. Collective. Returns (next coef, metrics with the
     coefficient this step used and its KL)."""
-    from common.parallel import all_reduce_sum
-
     seq_kl = masked_mean(kl, response_mask, dim=-1)  # (B,)
     total, n_seqs = all_reduce_sum(torch.stack([seq_kl.sum(), seq_kl.new_tensor(len(seq_kl))])).tolist()
     mean_kl = total / max(n_seqs, 1)

@@ -9,6 +9,7 @@ import logging
 import os
 import random
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from common.config import UsageError
+from common.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,22 @@ class Dist:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+    for noisy in ("httpx", "urllib3", "filelock", "matplotlib"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Our own bar is the one progress display; library bars (weight loading, shard writing)
+    # would interleave with it.
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
 
 
 def init_distributed() -> Dist:
@@ -59,8 +76,6 @@ def init_distributed() -> Dist:
         # Two busy processes with two threads each on two cores ran several times slower.
         local = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    from common.tracking import setup_logging
-
     setup_logging(state.process_index)
     return Dist(
         rank=state.process_index,

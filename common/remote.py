@@ -35,9 +35,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.config import RunStopped
-from common.parallel import broadcast_object, gather_objects, scatter_objects
-from common.rollout import Completion, HFEngine, Sampling
+from common.data import batch_indices
+from common.engines import Completion, HFEngine, Sampling, VLLMEngine
+from common.errors import RunStopped
+from common.model import load_policy
+from common.parallel import Dist, broadcast_object, gather_objects, scatter_objects
+from common.weight_sync import hf_name, hf_weights, weight_manifest
 
 log = logging.getLogger(__name__)
 
@@ -56,22 +59,17 @@ class EngineDied(Exception):
 
 class EngineActor:
     """One remote engine (run as a Ray actor): an HF engine on its own copy of the model, or with
-    `vllm` (common.rollout.VLLMEngine's keyword arguments) a vLLM engine serving model_path."""
+    `vllm` (common.engines.VLLMEngine's keyword arguments) a vLLM engine serving model_path."""
 
     def __init__(self, model_path: str, *, index: int, dtype: str, trust_remote_code: bool, pad_id: int,
                  eos_ids: list[int], batch_size: int, threads: int, vllm: dict | None = None):  # fmt: skip
         torch.set_num_threads(max(1, threads))
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if vllm is None:
-            from common.model import load_policy
-
             model = load_policy(model_path, dtype=dtype, trust_remote_code=trust_remote_code)
             self.model = model.to(device).eval().requires_grad_(False)
             self.engine = HFEngine(self.model, pad_id=pad_id, eos_ids=eos_ids, device=device, batch_size=batch_size)
         else:
-            from common.parallel import Dist
-            from common.rollout import VLLMEngine
-
             self.model = None  # vLLM holds the weights; its seed is offset by the engine's index
             self.engine = VLLMEngine(None, model_path=model_path, eos_ids=eos_ids, dist=Dist(index, 1, 0, device),
                                      dtype=dtype, trust_remote_code=trust_remote_code, **vllm)  # fmt: skip
@@ -82,8 +80,6 @@ class EngineActor:
         return self.incarnation, os.getpid()
 
     def _params(self) -> dict:
-        from common.weight_sync import hf_name
-
         return {hf_name(name): p for name, p in self.model.named_parameters()}
 
     def _weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -188,8 +184,6 @@ class StepPrompts:
     sampling: Sampling
 
     def __call__(self, step: int, world_size: int) -> tuple[list[list[int]], Sampling]:
-        from common.data import batch_indices
-
         _, indices = batch_indices(step, len(self.train), self.batch_size, self.seed, self.shuffle)
         ranks = [indices[r::world_size] for r in range(world_size)]
         return [self.train[i]["prompt_ids"] for share in ranks for i in share], self.sampling
@@ -207,7 +201,7 @@ class _Request:
 
 
 class RemoteEngines:
-    """The engine interface (common.rollout) over N EngineActor processes; see the module docstring.
+    """The engine interface (common.engines) over N EngineActor processes; see the module docstring.
     Collective: every trainer rank constructs it and calls generate / update_weights together."""
 
     def __init__(self, model, dist, version: int, *, model_path: str, num_engines: int, engine_num_cpus: float,
@@ -238,8 +232,6 @@ class RemoteEngines:
         import math
 
         import ray
-
-        from common.weight_sync import weight_manifest
 
         if not ray.is_initialized():
             address = address or os.environ.get("RAY_ADDRESS")
@@ -326,8 +318,6 @@ class RemoteEngines:
     def _stream(self, targets: list[int], version: int) -> list[int] | None:
         """Every rank iterates the weights (FSDP2 gathers each); rank 0 sends each to `targets`.
         Returns, on rank 0, the engines that died on the way."""
-        from common.weight_sync import hf_weights
-
         failed = set()
         receipts = [self.actors[i].receive.remote(version) for i in targets] if self.dist.is_main else []
         for position, (_, tensor) in enumerate(hf_weights(self.model)):

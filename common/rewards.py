@@ -1,18 +1,13 @@
-"""Reward functions with verl's signature, and the worker pool that makes them hang-proof.
+"""The worker pool that makes reward functions (common.scoring), tools and interactions
+(common.tools) hang-proof.
 
-    compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
-
-A dict carries the score under "score"; its other numeric keys become metrics. `--reward-fn
-path/to/file.py:name` loads a user function (name defaults to compute_score); without it the
-built-in for each row's data_source is used. Scoring runs in worker processes with a per-sample
-timeout: a function that raises or never returns costs that sample a 0 and is counted, never the run.
+Scoring runs in worker processes with a per-sample timeout: a function that raises or never
+returns costs that sample a 0 and is counted, never the run. The same pool runs the agent loop's
+tool calls and interactions (common.agent).
 """
 
-import importlib.util
 import logging
-import math
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -25,167 +20,15 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from common.config import UsageError
+from common.errors import UsageError
+from common.scoring import builtin_scorer as builtin_scorer  # re-exported for older forks
+from common.scoring import exact_match as exact_match  # re-exported for older forks
+from common.scoring import extract_answer as extract_answer  # re-exported for older forks
+from common.scoring import finite, load_reward_fn, score_value
+from common.scoring import hit as hit  # re-exported for older forks
+from common.tools import conversation_extra_info, load_interactions, load_tool_functions
 
 log = logging.getLogger(__name__)
-
-# --- built-in scorers --------------------------------------------------------------------------
-
-BUNDLED_SOURCES = ("bundled/addition", "bundled/calculator")  # the bundled tasks: 2-digit, and 3-digit with a tool
-GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
-MATH_SOURCES = (
-    "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math",
-    "math_dapo", "aime", "aime24", "aime25", "amc", "olympiad_bench",
-)  # fmt: skip
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
-_NUMBER = re.compile(r"(\-?[0-9\.\,]+)")
-
-
-def extract_answer_tag(text: str) -> str | None:
-    """The content of the last <answer>...</answer>, stripped; None without one."""
-    found = _ANSWER.findall(text)
-    return found[-1].strip() if found else None
-
-
-def addition_score(solution_str: str, ground_truth) -> float:
-    """Bundled task: 1.0 when the last <answer> tag holds exactly the ground truth, else 0.0."""
-    return float(extract_answer_tag(solution_str) == str(ground_truth).strip())
-
-
-def gsm8k_score(
-    solution_str: str, ground_truth, method: str = "strict", format_score: float = 0.0, score: float = 1.0
-) -> float:
-    """verl's GSM8K rule: strict reads the number after '#### ', flexible the last number in the
-    text; commas and a trailing period are ignored. format_score for an answer that is wrong."""
-    if method == "strict":
-        found = _GSM8K_STRICT.findall(solution_str[-300:])
-        answer = found[-1] if found else None
-    else:
-        numbers = [n for n in _NUMBER.findall(solution_str[-300:]) if n not in ("", ".")]
-        answer = numbers[-1] if numbers else None
-    if answer is None:
-        return 0.0
-    clean = answer.replace(",", "").rstrip(".")
-    return score if clean == str(ground_truth).replace(",", "").strip() else format_score
-
-
-def math_score(solution_str: str, ground_truth) -> float:
-    """Checks the \\boxed{} (or last) answer against the ground truth with math-verify."""
-    from math_verify import parse, verify
-
-    gold = parse(str(ground_truth) if "$" in str(ground_truth) or "\\" in str(ground_truth) else f"${ground_truth}$")
-    return float(verify(gold, parse(solution_str)))
-
-
-def format_score(solution_str: str, pattern: str = r"^\s*<answer>.*?</answer>\s*$") -> float:
-    """1.0 when the whole response matches `pattern` (default: a single <answer>...</answer>)."""
-    return float(re.match(pattern, solution_str, re.DOTALL) is not None)
-
-
-def exact_match(solution_str: str, ground_truth) -> float:
-    return float(solution_str.strip() == str(ground_truth).strip())
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...} (nested braces kept), stripped; None without one."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 1, start + len("\\boxed{")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j].strip()
-    return None
-
-
-def extract_answer(data_source: str, text: str) -> str | None:
-    """The final answer a built-in reward reads from a response, as a string to vote on (maj@k in
-    recipes/evaluate.py): the <answer> tag (bundled task), the number after '#### ' (GSM8K, commas
-    dropped), the last \\boxed{} (math sources). None when there is none or no built-in."""
-    if data_source in BUNDLED_SOURCES:
-        return extract_answer_tag(text)
-    if data_source in GSM8K_SOURCES:
-        found = _GSM8K_STRICT.findall(text[-300:])
-        return found[-1].replace(",", "").rstrip(".") if found else None
-    if data_source in MATH_SOURCES or data_source.startswith(("math", "aime")):
-        return last_boxed(text)
-    return None
-
-
-def builtin_scorer(data_source: str):
-    """The built-in (solution_str, ground_truth) -> score for a data_source, or None."""
-    if data_source in BUNDLED_SOURCES:
-        return addition_score
-    if data_source in GSM8K_SOURCES:
-        return gsm8k_score
-    if data_source in MATH_SOURCES or data_source.startswith(("math", "aime")):
-        return math_score
-    if data_source == "format":
-        return lambda solution_str, ground_truth: format_score(solution_str)
-    return None
-
-
-def default_compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    scorer = builtin_scorer(data_source)
-    if scorer is None:
-        raise ValueError(
-            f"no built-in reward for data_source={data_source!r} (built-ins: {', '.join(BUNDLED_SOURCES)}, "
-            f"{', '.join(GSM8K_SOURCES)}, math sources such as {MATH_SOURCES[0]}, format); pass "
-            f"--reward-fn path/to/file.py:compute_score"
-        )
-    return scorer(solution_str, ground_truth)
-
-
-# --- user reward functions ----------------------------------------------------------------------
-
-
-def load_reward_fn(spec: str | None):
-    """`path/to/file.py[:name]` -> the function (name defaults to compute_score); None -> built-ins."""
-    return load_from_file(spec, "--reward-fn", "compute_score") if spec else default_compute_score
-
-
-def load_from_file(spec: str, flag: str, default_name: str, kind: str = "function"):
-    """`path/to/file.py[:name]` -> the function (or class: kind) the file names so, the file run
-    as a module of its own; errors name `flag`."""
-    path, _, name = spec.partition(":")
-    name = name or default_name
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise UsageError(f"{flag} {spec}: file {path!r} does not exist")
-    module_name = f"_user_code_{abs(hash(str(file.resolve())))}"
-    module_spec = importlib.util.spec_from_file_location(module_name, file)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    module_spec.loader.exec_module(module)
-    found = getattr(module, name, None)
-    if not callable(found):
-        raise UsageError(f"{flag} {spec}: {path!r} defines no {kind} {name!r}")
-    return found
-
-
-def hit(score: float, extras: dict) -> float:
-    """Whether a sample counts as correct: the result's own "acc" key when it has one, else score > 0."""
-    return float(extras.get("acc", score > 0))
-
-
-def score_value(result) -> float:
-    """The float score of a reward result (a number, or a dict with a 'score' key). It may be NaN
-    or infinite: RewardPool.score counts and zeroes those."""
-    value = result["score"] if isinstance(result, dict) else result
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"reward must be a number or a dict with a numeric 'score', got {result!r}")
-    return float(value)
-
-
-FLOAT32_MAX = 3.4028234663852886e38  # rewards train as float32: a larger score would be infinite there
-
-
-def finite(score: float) -> bool:
-    """Whether a score is a usable reward: a number that stays finite as a float32."""
-    return math.isfinite(score) and abs(score) <= FLOAT32_MAX
-
 
 # --- the worker pool ----------------------------------------------------------------------------
 
@@ -236,12 +79,8 @@ def _worker_main(fd: int, spec: str) -> None:
 def _worker(conn, spec):
     try:
         if spec and spec.startswith(TOOLS_PREFIX):  # a tool pool (common.agent): results are the tools' text
-            from common.agent import load_tool_functions
-
             fn, check = load_tool_functions(spec.removeprefix(TOOLS_PREFIX)), _check_text
         elif spec and spec.startswith(INTERACTIONS_PREFIX):  # interactions: load_interactions checks results
-            from common.agent import load_interactions
-
             fn, check = load_interactions(spec.removeprefix(INTERACTIONS_PREFIX)), lambda result: None
         else:
             fn, check = load_reward_fn(spec), score_value
@@ -354,7 +193,7 @@ class RewardPool:
             if status == "hung":
                 raise UsageError(f"{flag} {shown}: importing it did not finish in {STARTUP_TIMEOUT:.0f}s (it hangs?)")
             last = detail.strip().splitlines()[-1] if detail.strip() else "no reason given"
-            ours = "common.config.UsageError: "  # load_reward_fn's own message already names the flag
+            ours = f"{UsageError.__module__}.{UsageError.__qualname__}: "  # common.scoring's message names the flag
             raise UsageError(
                 last.removeprefix(ours) if last.startswith(ours) else f"{flag} {shown}: importing it failed: {last}"
             )
@@ -444,8 +283,6 @@ class RewardPool:
         for r in rows:
             if len(tried.setdefault(r["data_source"], [])) < per_source:
                 tried[r["data_source"]].append(r)
-        from common.agent import conversation_extra_info
-
         picked = [r for group in tried.values() for r in group]
         name = self.spec or "built-in rewards"
         extras = [r.get("extra_info") for r in picked]  # tool_agent rows: with what a conversation adds
@@ -483,55 +320,6 @@ class RewardPool:
                 proc.wait()
             conn.close()
         self.workers = []
-
-
-# --- reward model -------------------------------------------------------------------------------
-
-
-class RewardModel:
-    """An AutoModelForSequenceClassification scoring whole conversations (one logit each).
-
-    With the policy's tokenizer and chat template, the sampled token ids are scored as they are;
-    otherwise each conversation is decoded to text and re-rendered with the reward model's own
-    chat template and tokenizer (verl's return_raw_input_ids case).
-    """
-
-    def __init__(self, path: str, policy_tokenizer, device, trust_remote_code: bool = False, batch_size: int = 64):
-        import torch
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        self.torch, self.device, self.batch_size = torch, device, batch_size
-        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=trust_remote_code)
-        self.model.to(device).eval().requires_grad_(False)
-        if self.model.config.pad_token_id is None:
-            self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.same_tokens = (
-            self.tokenizer.get_vocab() == policy_tokenizer.get_vocab()
-            and self.tokenizer.chat_template == policy_tokenizer.chat_template
-        )
-
-    def inputs(self, messages: list[list[dict]], responses: list[str], prompt_ids, response_ids) -> list[list[int]]:
-        if self.same_tokens:
-            return [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
-        texts = [
-            self.tokenizer.apply_chat_template(m + [{"role": "assistant", "content": r}], tokenize=False)
-            for m, r in zip(messages, responses)
-        ]
-        return [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-
-    def score(self, messages, responses, prompt_ids, response_ids):
-        from common.data import pad
-
-        ids = self.inputs(messages, responses, prompt_ids, response_ids)
-        out = []
-        with self.torch.no_grad():
-            for start in range(0, len(ids), self.batch_size):
-                chunk = ids[start : start + self.batch_size]
-                input_ids = pad(chunk, self.model.config.pad_token_id).to(self.device)
-                attention = pad([[1] * len(x) for x in chunk], 0).to(self.device)
-                out.append(self.model(input_ids=input_ids, attention_mask=attention).logits[:, 0].float())
-        return self.torch.cat(out)
 
 
 def start_reward_pool(

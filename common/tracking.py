@@ -12,26 +12,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from common.config import RunStopped
-from common.parallel import barrier
+from common.errors import RunStopped
+from common.parallel import all_reduce_sum, barrier, gather_objects
+from common.parallel import setup_logging as setup_logging  # re-exported for older forks
+from common.scoring import hit
 
 log = logging.getLogger(__name__)
-
-
-def setup_logging(rank: int) -> None:
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
-    for noisy in ("httpx", "urllib3", "filelock", "matplotlib"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    # Our own bar is the one progress display; library bars (weight loading, shard writing)
-    # would interleave with it.
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
 
 
 # Quantities that must stay finite: a step where one is not stops the run there, naming it.
@@ -269,8 +255,6 @@ def step_metrics(batch: dict, rewards, advantages, seconds: float, old_logprobs=
     also rollout/logprob_diff_mean and _max: |trainer - engine| over response tokens, the
     mismatch between the policy trained and the one that sampled (not logged when the old
     logprobs are the engine's own, as --bypass-mode makes them)."""
-    from common.parallel import all_reduce_sum, gather_objects
-
     rows = batch["rows"]
     truncated = [c.finish_reason == "length" for _, c in rows]
     sources = [p["data_source"] for p, _ in rows]
@@ -295,8 +279,6 @@ def step_metrics(batch: dict, rewards, advantages, seconds: float, old_logprobs=
 def advantage_metrics(advantages, response_mask) -> dict:
     """critic/advantages/mean, min and max over the response tokens of every rank. torch's
     reductions keep a NaN (Python's min and max may drop it), so a NaN advantage shows."""
-    from common.parallel import gather_objects
-
     mask = response_mask.bool()
     adv = (advantages.unsqueeze(-1).expand(mask.shape) if advantages.dim() == 1 else advantages)[mask].float()
     local = (adv.sum().item(), len(adv), adv.min().item(), adv.max().item()) if len(adv) else None
@@ -313,8 +295,6 @@ def advantage_metrics(advantages, response_mask) -> dict:
 def logprob_diff_metrics(trainer, engine, response_mask) -> dict:
     """rollout/logprob_diff_mean and _max: |trainer - engine| logprob over the response tokens of
     every rank."""
-    from common.parallel import gather_objects
-
     diff = (trainer.float() - engine.float()).abs()[response_mask.bool()]
     parts = gather_objects((diff.sum().item(), len(diff), diff.max().item() if len(diff) else 0.0))
     count = sum(p[1] for p in parts)
@@ -329,8 +309,6 @@ def rollout_is_metrics(weights, response_mask, threshold: float) -> dict:
     every rank: rollout_is_mean, _max, _min, rollout_is_ratio_fraction_high (the share truncated at
     the threshold) and rollout_is_eff_sample_size ((sum w)^2 / (n sum w^2), 1 when every weight is
     equal)."""
-    from common.parallel import gather_objects
-
     w = weights[response_mask.bool()]
     high = (w >= threshold).sum().item()  # in the weights' own dtype, where a truncated one equals the cap
     w = w.double()
@@ -413,9 +391,6 @@ def rollout_metrics(rewards, lengths, truncated, sources, scored) -> dict:
     """reward/* and response/* over the samples of every rank (gathered; rank order). `rewards`
     are the final per-sample rewards; accuracy and the extra keys of dict results come from
     `scored`, the reward pool's output."""
-    from common.parallel import all_reduce_sum, gather_objects
-    from common.rewards import hit
-
     mine = list(
         zip(
             rewards,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import UsageError
+from common.errors import UsageError
 from common.model import is_lora
 from common.parallel import unwrap
 

@@ -38,7 +38,8 @@ from pathlib import Path
 
 import tyro
 
-from common.config import UsageError, check_flags, usage_errors
+from common.config import check_flags
+from common.errors import UsageError, usage_errors
 
 RECIPE = Path(__file__).stem
 
@@ -214,8 +215,9 @@ def read_added(column, n: int, file: str, i: int) -> list[dict | None]:
 def main(args: Args) -> dict:
     from tqdm.auto import tqdm
 
-    from common.rewards import Scored, extract_answer, hit, start_reward_pool
-    from common.tracking import setup_logging
+    from common.parallel import setup_logging
+    from common.rewards import Scored, start_reward_pool
+    from common.scoring import extract_answer, hit
 
     setup_logging(0)
     parsed, n = read_rows(args)

@@ -41,7 +41,8 @@ from typing import Literal
 import torch
 import tyro
 
-from common.config import BUNDLED, AgentArgs, EngineArgs, UsageError, check_flags, usage_errors
+from common.config import BUNDLED, AgentArgs, EngineArgs, check_flags
+from common.errors import UsageError, usage_errors
 from common.parallel import barrier, init_distributed
 
 RECIPE = Path(__file__).stem
@@ -185,9 +186,10 @@ def main(args: Args) -> dict:
     from tqdm.auto import tqdm
 
     from common.data import check_agent_rows, load_prompts
+    from common.engines import Sampling
     from common.model import load_policy, load_tokenizer
     from common.rewards import start_agent_pools
-    from common.rollout import Sampling, sample, start_engine
+    from common.rollout import sample, start_engine
 
     dist = init_distributed()
     out = args.output()

@@ -50,8 +50,9 @@ import torch.nn.functional as F
 import tyro
 
 from common.checkpoint import find_resume, resume, save_checkpoint
-from common.config import RLArgs, is_due, usage_errors
+from common.config import RLArgs, is_due
 from common.data import batch_indices, load_rl_data, split_rows, take_rows
+from common.errors import usage_errors
 from common.model import load_rl_models, load_tokenizer, response_logits
 from common.ops import (
     agg_loss,

@@ -27,8 +27,10 @@ import torch
 import tyro
 
 from common.checkpoint import find_resume, resume, save_checkpoint
-from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, UsageError, is_due, plan_batches, usage_errors
+from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, is_due, plan_batches
 from common.data import batch_indices, load_sft, pad
+from common.engines import hf_generate_greedy
+from common.errors import UsageError, usage_errors
 from common.model import load_tokenizer, load_trained_model
 from common.ops import logprobs_from_logits
 from common.parallel import (
@@ -41,8 +43,7 @@ from common.parallel import (
     seed_everything,
     shard_evenly,
 )
-from common.rewards import builtin_scorer, exact_match
-from common.rollout import hf_generate_greedy
+from common.scoring import builtin_scorer, exact_match
 from common.tracking import Tracker, describe_run
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment

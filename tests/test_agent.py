@@ -8,10 +8,12 @@ import math
 import pytest
 from conftest import RL_RECIPES
 
-from common.agent import AgentLoop, Conversation, check_tokenization, parse_tool_calls, read_tool_config
-from common.config import UsageError
+from common.agent import AgentLoop, Conversation, check_tokenization
+from common.engines import Completion, Sampling
+from common.errors import UsageError
 from common.rewards import TOOLS_PREFIX, RewardPool
-from common.rollout import Completion, Sampling, pack_groups
+from common.rollout import pack_groups
+from common.tools import parse_tool_calls, read_tool_config
 
 TOOLS = """
 import os, time
@@ -325,10 +327,11 @@ import json, sys
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from test_agent import Scripted, row, CALL
-from common.agent import AgentLoop, read_tool_config
+from common.agent import AgentLoop
+from common.tools import read_tool_config
 from common.model import load_tokenizer
 from common.rewards import TOOLS_PREFIX, RewardPool
-from common.rollout import Sampling
+from common.engines import Sampling
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -455,7 +458,7 @@ def interaction_pool(tmp_path):
 
 
 def interacting(tokenizer, script, pool, interaction_pool, tool_config, **kw):
-    from common.agent import read_interaction_config
+    from common.tools import read_interaction_config
 
     engine = Scripted(tokenizer, script)
     agent = AgentLoop(engine, tokenizer, tools=read_tool_config(tool_config), pool=pool, max_assistant_turns=5,
@@ -514,8 +517,8 @@ def test_a_failing_interaction_ends_its_conversation_counted(tokenizer, pool, in
 
 
 def test_interaction_rows_and_configs_are_checked(tmp_path):
-    from common.agent import read_interaction_config
     from common.data import DataError, check_agent_rows
+    from common.tools import read_interaction_config
 
     (tmp_path / "g.py").write_text("class G:\n    pass\n")
     cases = {

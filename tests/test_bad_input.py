@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import RL_RECIPES, ROOT, TASK_TEST, load_recipe_refusing_models
 
-from common.config import UsageError
+from common.errors import UsageError
 
 
 @pytest.fixture(scope="module")

@@ -322,7 +322,7 @@ def test_an_export_that_does_not_read_back_is_an_error(tmp_path, tokenizer):
 def test_resume_refuses_a_checkpoint_trained_with_other_settings(tmp_path, tokenizer):
     """--resume auto continues only the same run: changed algorithm or data flags are named, with
     the two ways out; changing how long or how often (or the memory layout) is a resume."""
-    from common.config import UsageError
+    from common.errors import UsageError
 
     model, opt, sched = make()
     flags = {"lr": 1e-3, "rollout_n": 4, "train_files": ("a.parquet",), "total_training_steps": 5, "logger": ()}

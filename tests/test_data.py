@@ -119,7 +119,7 @@ def test_sft_tool_conversations_show_the_tools_and_train_on_assistant_turns_only
     prompt of the same question, templated with --tool-config's schemas, is the same prefix."""
     from conftest import BUNDLED
 
-    from common.agent import read_tool_config
+    from common.tools import read_tool_config
 
     sft = BUNDLED / "calculator" / "sft.parquet"
     (ex, *_), _ = load_sft([sft], tokenizer, max_length=256)

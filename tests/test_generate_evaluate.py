@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import BUNDLED, SHIPPED_ACCURACY, TASK_TEST, load_recipe, load_recipe_refusing_models, run_recipe
 
-from common.config import UsageError
+from common.errors import UsageError
 
 SFT = str(BUNDLED / "tiny-qwen2-sft")
 
@@ -62,10 +62,11 @@ def test_greedy_pass_at_1_equals_the_training_validation(tmp_path, gen, ev):
     """generate --no-do-sample then evaluate on the bundled test split gives exactly the accuracy
     the RL recipes' validation (common.rollout.evaluate, same engine, same batch of 256) reports."""
     from common.data import load_prompts
+    from common.engines import HFEngine, Sampling
     from common.model import load_policy, load_tokenizer
     from common.parallel import Dist
     from common.rewards import start_reward_pool
-    from common.rollout import HFEngine, Sampling, evaluate
+    from common.rollout import evaluate
 
     out = tmp_path / "greedy.parquet"
     gen.main(gen.Args(output_path=str(out), do_sample=False, batch_size=256))

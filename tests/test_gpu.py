@@ -41,9 +41,9 @@ def test_recipe_trains_on_one_gpu(tmp_path, small_val, recipe, precision):
 
 def test_engine_logprobs_match_the_trainer_forward_on_gpu(tokenizer):
     from common.data import load_prompts, pack_sequences
+    from common.engines import HFEngine, Sampling
     from common.model import load_policy
     from common.ops import logprobs_from_logits
-    from common.rollout import HFEngine, Sampling
 
     model = load_policy(str(ROOT / "bundled" / "tiny-qwen2-sft")).cuda()
     rows, _ = load_prompts([TASK_TEST], tokenizer, max_prompt_length=64)

@@ -10,7 +10,7 @@ import torch
 from conftest import ROOT, TASK_TEST, load_recipe_refusing_models, read_metrics, run_recipe
 from safetensors.torch import load_file
 
-from common.rewards import extract_answer_tag
+from common.scoring import extract_answer_tag
 
 SFT = ROOT / "bundled" / "tiny-qwen2-sft"
 FAST = "--train-batch-size 8 --ppo-mini-batch-size 8 --rollout-n 4 --micro-batch-size-per-gpu 16 --save-freq 0 --no-val-before-train"

@@ -227,7 +227,7 @@ def test_a_cpu_config_is_read_and_passes(tmp_path):
 
 
 def test_an_fsdp_config_with_strategy_ddp_is_refused(monkeypatch):
-    from common.config import UsageError
+    from common.errors import UsageError
     from common.parallel import resolve_strategy
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
@@ -258,7 +258,7 @@ def test_every_config_loads_in_accelerate_and_a_readme_command_uses_it():
 
 
 def test_fsdp_settings_the_recipes_would_not_apply_are_refused(monkeypatch):
-    from common.config import UsageError
+    from common.errors import UsageError
     from common.parallel import fsdp_options, resolve_strategy
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")

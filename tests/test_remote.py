@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import ROOT, TASK_TRAIN, TINY
 
-from common.config import RunStopped
+from common.engines import HFEngine, Sampling
+from common.errors import RunStopped
 from common.parallel import Dist
-from common.rollout import HFEngine, Sampling
 
 SFT = ROOT / "bundled" / "tiny-qwen2-sft"
 SAMPLING = Sampling(n=4, max_tokens=8)

@@ -7,16 +7,9 @@ import pytest
 import torch
 from conftest import TINY
 
-from common.rewards import (
-    RewardModel,
-    RewardPool,
-    Scored,
-    default_compute_score,
-    gsm8k_score,
-    load_reward_fn,
-    math_score,
-    score_value,
-)
+from common.model import RewardModel
+from common.rewards import RewardPool, Scored
+from common.scoring import default_compute_score, gsm8k_score, load_reward_fn, math_score, score_value
 
 BAD_FN = """
 import os, time
@@ -168,7 +161,7 @@ def test_a_reward_file_runs_only_in_workers_and_a_hang_at_import_is_an_error(tmp
     """The user's file is imported in the worker processes, never in the trainer's; one that hangs
     while importing ends as a UsageError after the start-up timeout instead of stopping the run."""
     import common.rewards as rewards
-    from common.config import UsageError
+    from common.errors import UsageError
 
     marker = tmp_path / "imported_by"
     spy = tmp_path / "spy.py"

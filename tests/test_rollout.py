@@ -3,9 +3,9 @@ import torch
 from conftest import ROOT, TASK_TEST
 
 from common.data import load_prompts, pack_sequences
+from common.engines import HFEngine, Sampling
 from common.model import load_policy
 from common.ops import logprobs_from_logits
-from common.rollout import HFEngine, Sampling
 
 SFT = str(ROOT / "bundled" / "tiny-qwen2-sft")
 
@@ -137,7 +137,7 @@ def test_shared_prompt_forward_equals_one_pass(setup, tokenizer, rows):
 MEMORY_PROBE = """
 import resource, sys, torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
-from common.rollout import HFEngine, Sampling
+from common.engines import HFEngine, Sampling
 torch.manual_seed(0)
 config = Qwen2Config(vocab_size=32000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
@@ -169,8 +169,9 @@ def test_regroup_keeps_the_chosen_groups_in_order_and_every_parts_counts(tokeniz
     """DAPO's batch from groups picked across two generation batches: tokens, rewards, scores and
     group ids follow the chosen groups; errors, timeouts and seconds of both scoring calls stay
     counted; timing sums."""
+    from common.engines import Completion
     from common.rewards import Scored
-    from common.rollout import Completion, regroup
+    from common.rollout import regroup
 
     rows, _ = load_prompts([TASK_TEST], tokenizer, max_prompt_length=64)
 
@@ -199,7 +200,7 @@ def test_regroup_keeps_the_chosen_groups_in_order_and_every_parts_counts(tokeniz
 def test_only_the_vllm_warnings_this_engine_causes_on_purpose_are_dropped():
     import logging
 
-    from common.rollout import _ExpectedVLLMWarnings
+    from common.engines import _ExpectedVLLMWarnings
 
     def shown(filt, msg, *args):
         return filt.filter(logging.LogRecord("vllm.x", logging.WARNING, "f.py", 1, msg, args, None))

