@@ -70,12 +70,27 @@ def run_recipe(
     env: dict | None = None,
     check: bool = True,
     timeout: int = 1200,
+    fresh: bool = False,
+    cwd=ROOT,
 ):
-    """Run a recipe the way users do: `python recipes/x.py`, or torchrun with nproc processes.
+    """Run a recipe the way users do, `python recipes/x.py FLAGS` (or torchrun with nproc
+    processes), and return its exit status, stdout and stderr as a CompletedProcess.
+
+    One process runs inside this pytest process unless fresh=True: the file is executed as
+    `__main__` (runpy) with the argv, environment, working folder and output streams a real run
+    has, and an exit or an uncaught exception becomes its status as the interpreter would make it.
+    That is the recipe's own code path without a new interpreter importing torch and transformers
+    again (about 7 s a run on 2 cores). fresh=True and nproc > 1 start real processes: for a
+    recipe's own start-up, signals, and several ranks.
+
     The time limit is generous (a loaded 2-core machine runs these several times slower than a
-    quiet one); a run that hits it fails with the last output it printed, so it says how far it got."""
+    quiet one); a run that hits it fails with the last output it printed, so it says how far it got.
+    cwd: the folder it runs in, whose recipes/ holds the recipe (a fork copied elsewhere)."""
+    script = Path(cwd) / "recipes" / f"{name}.py"
+    if nproc == 1 and not fresh:
+        return _run_in_process(script, [str(f) for f in flags], cwd, env or {}, check, timeout)
     if nproc == 1:
-        cmd = [sys.executable, str(ROOT / "recipes" / f"{name}.py"), *map(str, flags)]
+        cmd = [sys.executable, str(script), *map(str, flags)]
     else:
         cmd = [
             sys.executable,
@@ -85,12 +100,12 @@ def run_recipe(
             str(nproc),
             "--master_port",
             str(29500 + os.getpid() % 1000),
-            str(ROOT / "recipes" / f"{name}.py"),
+            str(script),
             *map(str, flags),
         ]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **(env or {})}
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
         raise AssertionError(
@@ -98,6 +113,67 @@ def run_recipe(
         ) from None  # noqa: E501
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def child_pids() -> set[int]:
+    """The processes this one started that are still running."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # a process that ended while we looked
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _run_in_process(script: Path, flags: list[str], cwd, env: dict, check: bool, timeout: int):
+    import contextlib
+    import faulthandler
+    import io
+    import logging
+    import runpy
+    import traceback
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_argv, saved_cwd = dict(os.environ), sys.argv, os.getcwd()
+    root = logging.getLogger()
+    saved_logging = (root.handlers[:], root.level)
+    before = child_pids()
+    os.environ.update({"PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **{k: str(v) for k, v in env.items()}})
+    sys.argv = [str(script), *flags]
+    os.chdir(cwd)
+    # A hang inside the run cannot be interrupted from here: dump every thread's stack and end.
+    faulthandler.dump_traceback_later(timeout, exit=True, file=sys.__stderr__)
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                runpy.run_path(str(script), run_name="__main__")
+            except SystemExit as e:  # tyro's exit, usage_errors' status
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if e.code is not None and not isinstance(e.code, int):
+                    print(e.code, file=sys.stderr)
+            except BaseException:  # as the interpreter reports an uncaught exception
+                traceback.print_exc()
+                code = 1
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        os.chdir(saved_cwd)
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
+        root.handlers[:] = saved_logging[0]  # the run's basicConfig(force=True) pointed them at `err`
+        root.setLevel(saved_logging[1])
+        for pid in child_pids() - before:  # workers a failed run left behind (a process exit ends them)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+    proc = subprocess.CompletedProcess([str(script), *flags], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"{script} {' '.join(flags)} exited {code}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 

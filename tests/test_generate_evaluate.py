@@ -207,6 +207,7 @@ def test_bad_input_is_refused_before_any_model_loads_or_score(tmp_path, monkeypa
 
 
 def test_the_command_line_prints_one_line(tmp_path):
-    proc = run_recipe("evaluate", "--data-path", str(TASK_TEST), "--output-json", str(tmp_path / "m.json"), check=False)
+    proc = run_recipe("evaluate", "--data-path", str(TASK_TEST), "--output-json", str(tmp_path / "m.json"), check=False,
+                      fresh=True)  # fmt: skip
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and "no column 'responses'" in proc.stderr

@@ -27,7 +27,7 @@ def test_grpo_with_remote_engines_and_staleness_1_learns(tmp_path):
     """Every step after the first trains on samples exactly one weight version old (the engines
     sample step t+1 while the trainer trains step t), and validation accuracy still climbs."""
     run_recipe("grpo", *REMOTE, "--max-staleness", "1", "--total-training-steps", "20", "--save-freq", "0",
-               "--output-dir", tmp_path / "run")  # fmt: skip
+               "--output-dir", tmp_path / "run", fresh=True)  # fmt: skip
     metrics = read_metrics(tmp_path / "run")
     steps = [m for m in metrics if "train/loss" in m]
     assert len(steps) == 20
@@ -55,13 +55,13 @@ def test_a_resumed_run_with_synchronous_remote_engines_repeats_the_steps_exactly
     """With --max-staleness 0 every chunk is sampled under a seed fixed by (run seed, step, chunk)
     on the weights of that step, so a run resumed from step 2 repeats steps 3-4 exactly."""
     flags = [*REMOTE, "--total-training-steps", "4", "--test-freq", "0", "--save-freq", "2", "--output-dir", tmp_path]
-    run_recipe("grpo", *flags)
+    run_recipe("grpo", *flags, fresh=True)
     keys = ("train/loss", "train/grad_norm", "reward/mean", "rollout/logprob_diff_max")
     first = [[m[k] for k in keys] for m in read_metrics(tmp_path) if "train/loss" in m]
     shutil.rmtree(tmp_path / "checkpoints" / "step_4")
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "metrics.jsonl").write_text("".join(lines[:-2]))
-    proc = run_recipe("grpo", *flags)
+    proc = run_recipe("grpo", *flags, fresh=True)
     assert "resumed from" in proc.stdout + proc.stderr
     again = [[m[k] for k in keys] for m in read_metrics(tmp_path) if "train/loss" in m]
     assert len(first) == 4 and again == first

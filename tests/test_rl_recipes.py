@@ -115,7 +115,7 @@ def test_smoke_checkpoint_and_exact_resume(tmp_path, small_val, recipe):
     before its save, a resumed run repeats steps 3-4 exactly; a re-run of the finished run says so."""
     out = tmp_path / recipe
     flags = ["--total-training-steps", 4, "--save-freq", 2, "--test-freq", 2, "--max-ckpt-to-keep", 0]
-    first = run(recipe, out, small_val, *flags, "--log-interval", 2)
+    first = run(recipe, out, small_val, *flags, "--log-interval", 2, fresh=True)  # as users run it: a new process
     want = read_metrics(out)
     assert [r["step"] for r in want] == [1, 2, 3, 4] and "val/accuracy" in want[1] and "val/accuracy" in want[3]
     for key in ("train/loss", "reward/mean", "response/length_mean", "perf/step_s", "train/grad_norm"):
@@ -206,17 +206,12 @@ def test_a_copied_recipe_starts_its_own_run(tmp_path, small_val):
     shutil.copy(ROOT / "recipes" / "grpo.py", work / "recipes" / "my_algo.py")
     flags = [*FAST, "--val-files", str(small_val), "--total-training-steps", "1", "--save-freq", "1"]
 
-    def python(recipe, *extra, check=True):
-        cmd = [sys.executable, f"recipes/{recipe}.py", *flags, *extra]
-        proc = subprocess.run(
-            cmd, cwd=work, capture_output=True, text=True, env={**__import__("os").environ, "WANDB_MODE": "disabled"}
-        )
-        assert proc.returncode == 0 or not check, proc.stderr[-3000:]
-        return proc
+    def python(recipe, *extra, check=True, fresh=False):
+        return run_recipe(recipe, *flags, *extra, cwd=work, check=check, fresh=fresh)
 
     python("grpo")
     grpo_metrics = (work / "runs" / "grpo" / "metrics.jsonl").read_text()
-    python("my_algo")
+    python("my_algo", fresh=True)  # exactly the README's command, in a new process
     assert [r["step"] for r in read_metrics(work / "runs" / "my_algo")] == [1]
     state = json.loads((work / "runs" / "my_algo" / "checkpoints" / "step_1" / "trainer_state.json").read_text())
     assert state["recipe"] == "my_algo"

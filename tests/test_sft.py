@@ -64,6 +64,7 @@ def test_smoke_checkpoint_and_export_reload(tmp_path, small_val, tokenizer):
             small_val,
             "--total-training-steps 6 --save-freq 2 --test-freq 3 --max-ckpt-to-keep 2",
         ),
+        fresh=True,  # as users run it: a new process
     )
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
