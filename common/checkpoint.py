@@ -335,10 +335,8 @@ def _check_export(out_dir: Path) -> None:
 def save_checkpoint(
     output_dir,
     step: int,
+    trained,
     *,
-    model,
-    optimizer,
-    scheduler,
     tokenizer,
     dist: Dist,
     recipe: str,
@@ -348,9 +346,11 @@ def save_checkpoint(
     extra_models: dict | None = None,
     flags: dict | None = None,
 ) -> Path:
-    """Collective. `recipe` (the recipe file's stem) is recorded as the checkpoint's owner.
-    extra_models {name: (model, optimizer, scheduler)}: more trained models saved in the same state
-    (PPO's critic), each also exported to hf_<name>/."""
+    """Collective. trained: the (model, optimizer, scheduler) of the policy (common.optim.Trainable).
+    `recipe` (the recipe file's stem) is recorded as the checkpoint's owner. extra_models {name:
+    (model, optimizer, scheduler)}: more trained models saved in the same state (PPO's critic), each
+    also exported to hf_<name>/."""
+    model, optimizer, scheduler = trained
     extra_models = _check_extras(extra_models)
     root = Path(output_dir) / "checkpoints"
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
@@ -397,9 +397,10 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: Path, *, model, optimizer, scheduler, dist: Dist, extra_models: dict | None = None) -> dict:
-    """Restore model, optimizer, scheduler (and those of extra_models, as save_checkpoint took them)
-    and this rank's RNG; return the trainer state."""
+def load_checkpoint(path: Path, trained, *, dist: Dist, extra_models: dict | None = None) -> dict:
+    """Restore the (model, optimizer, scheduler) of trained (and of extra_models, as save_checkpoint
+    took them) and this rank's RNG; return the trainer state."""
+    model, optimizer, scheduler = trained
     extra_models = _check_extras(extra_models)
     path = Path(path)
     import torch.distributed.checkpoint as dcp
@@ -448,12 +449,10 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, dist: Dist, extr
     return state
 
 
-def resume(path: Path | None, *, model, optimizer, scheduler, dist: Dist, extra_models: dict | None = None) -> dict:
+def resume(path: Path | None, trained, *, dist: Dist, extra_models: dict | None = None) -> dict:
     """Load the checkpoint find_resume chose, if any; returns its trainer state ({"step": 0} when
     starting fresh): "step" is where to start, and a recipe reads back what it saved (an adaptive
     KL coefficient, a data position)."""
     if path is None:
         return {"step": 0}
-    return load_checkpoint(
-        path, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist, extra_models=extra_models
-    )
+    return load_checkpoint(path, trained, dist=dist, extra_models=extra_models)

@@ -6,7 +6,7 @@ own `Args` adds its algorithm's knobs and may override defaults.
 
 import importlib.util
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
@@ -16,7 +16,7 @@ from common.engines import Sampling
 from common.errors import UsageError
 from common.errors import usage_errors as usage_errors  # re-exported for older forks
 from common.model import looks_local
-from common.optim import build_optimizer, build_scheduler
+from common.optim import Trainable, build_optimizer, build_scheduler
 from common.remote import StepPrompts
 from common.tools import read_interaction_config, read_tool_config
 
@@ -217,6 +217,10 @@ class OptimArgs:
     grad_clip: float = 1.0
     """clip the global grad norm to this (0 disables)"""
 
+    def trainable(self, model, total_steps: int) -> Trainable:
+        """The model with its AdamW and lr schedule over total_steps (optimizer_and_scheduler)."""
+        return Trainable(model, *self.optimizer_and_scheduler(model, total_steps))
+
     def optimizer_and_scheduler(self, model, total_steps: int):
         """AdamW (common.optim.build_optimizer) and its lr schedule over total_steps."""
         optimizer = build_optimizer(model, self.lr, self.weight_decay, self.betas)
@@ -407,10 +411,11 @@ class AgentArgs:
     def interaction_names(self) -> list[str] | None:
         return read_interaction_config(self.interaction_config).names if self.interaction_config else None
 
-    def agent_kwargs(self, tool_pool, interaction_pool) -> dict:
+    def agent_kwargs(self, tool_pool, interaction_pool, lockstep: bool = True) -> dict:
         """common.rollout.start_engine's `agent`: the keyword arguments of common.agent.AgentLoop
         these flags set, its tools and interactions running in those pools
-        (common.rewards.start_agent_pools); none without --tool-config or --interaction-config."""
+        (common.rewards.start_agent_pools), and lockstep (AgentLoop's: False where each process
+        generates alone); none without --tool-config or --interaction-config."""
         if not self.tool_config and not self.interaction_config:
             return {}
         return {"agent": dict(
@@ -418,7 +423,7 @@ class AgentArgs:
             interactions=read_interaction_config(self.interaction_config) if self.interaction_config else None,
             interaction_pool=interaction_pool, max_assistant_turns=self.max_assistant_turns,
             max_user_turns=self.max_user_turns, max_response_length=self.max_response_length,
-            check_mode=self.tokenization_sanity_check_mode)}  # fmt: skip
+            check_mode=self.tokenization_sanity_check_mode, lockstep=lockstep)}  # fmt: skip
 
 
 @dataclass
@@ -502,9 +507,40 @@ class RLArgs(
         """vLLM or remote engines sample with their own copy of the policy, not the trainer's."""
         return self.rollout_name != "hf" or self.rollout_placement == "remote"
 
+    @property
+    def old_logprobs_from(self) -> Literal["engine", "pass", "when-stale"]:
+        """Where step 4's old logprobs come from: the engine's own ("engine", --bypass-mode); a
+        no-grad trainer pass ("pass") when they are needed before the update (a KL in the reward,
+        --use-kl-in-reward) or set against the engine's (its mismatch measured for an engine with
+        its own weights, or corrected by --rollout-is); else a pass only when the policy moves
+        before a sample is used ("when-stale"), the update's own logprobs being exact."""
+        if self.bypass_mode:
+            return "engine"
+        before_update = getattr(self, "use_kl_in_reward", False) or self.engine_holds_own_weights or self.rollout_is
+        return "pass" if before_update else "when-stale"
+
     def model_kwargs(self) -> dict:
-        """The keyword arguments of common.model.load_rl_models that these flags set."""
-        return {**self.policy_kwargs(), "strategy": self.strategy, "reward_model": self.reward_model}
+        """The keyword arguments of common.model.load_rl_models that these flags set, a frozen
+        reference among them when a KL term needs one (needs_ref)."""
+        return {**self.policy_kwargs(), "strategy": self.strategy, "reward_model": self.reward_model,
+                "with_reference": self.needs_ref}  # fmt: skip
+
+    @property
+    def needs_ref(self) -> bool:
+        """Whether a KL term needs the reference policy's logprobs: in the loss (--use-kl-loss) or in
+        the reward (--use-kl-in-reward), for the recipes that have those flags."""
+        return getattr(self, "use_kl_loss", False) or getattr(self, "use_kl_in_reward", False)
+
+    def total_steps(self, train_rows: int) -> int:
+        """--total-training-steps, else --total-epochs over train_rows prompts in whole batches."""
+        return self.total_training_steps or self.total_epochs * (train_rows // self.train_batch_size)
+
+    def rollout_kwargs(self) -> dict:
+        """The keyword arguments of common.rollout.Rollout that these flags set: the data order, the
+        training and validation sampling (samplings) and what validation logs."""
+        sampling, val_sampling = self.samplings()
+        return dict(sampling=sampling, val_sampling=val_sampling, batch_size=self.train_batch_size, seed=self.seed,
+                    shuffle=self.shuffle, log_val_generations=self.log_val_generations)  # fmt: skip
 
     def batch_plan(self, world_size: int) -> "BatchPlan":
         """The checked batch arithmetic (plan_batches) for this many processes."""
@@ -512,7 +548,8 @@ class RLArgs(
             world_size=world_size, train_batch_size=self.train_batch_size, rollout_n=self.rollout_n,
             mini_batch_size=self.ppo_mini_batch_size, micro_batch_size_per_gpu=self.micro_batch_size_per_gpu,
             use_dynamic_bsz=self.use_dynamic_bsz, max_token_len_per_gpu=self.ppo_max_token_len_per_gpu,
-            max_sequence_length=self.max_prompt_length + self.max_response_length,
+            max_sequence_length=self.max_prompt_length + self.max_response_length, epochs=self.ppo_epochs,
+            temperature=self.temperature, share_prompts=self.shared_prompt_forward,
         )  # fmt: skip
 
     def samplings(self):
@@ -522,12 +559,9 @@ class RLArgs(
             self.val_n, self.val_temperature, **shared
         )
 
-    def micro_batch_limits(self) -> dict:
-        """Keyword arguments of common.data.split_rows: a sequence cap, or verl's token budget."""
-        return dict(
-            max_seqs=self.micro_batch_size_per_gpu,
-            max_tokens=self.ppo_max_token_len_per_gpu if self.use_dynamic_bsz else None,
-        )
+    def rollout_is_kwargs(self) -> dict:
+        """The keyword arguments of common.ops.rollout_correction that these flags set."""
+        return dict(mode=self.rollout_is, threshold=self.rollout_is_threshold)
 
 
 @dataclass
@@ -550,6 +584,10 @@ class KLRewardArgs:
         """The keyword arguments of common.ops.kl_controller_step that these flags set."""
         return dict(kind=self.kl_ctrl, target_kl=self.target_kl, horizon=self.horizon)
 
+    def kl_reward_kwargs(self) -> dict:
+        """A recipe's apply_kl_penalty knobs: the KL estimator and the controller (kl_ctrl_kwargs)."""
+        return dict(estimator=self.kl_penalty, ctrl=self.kl_ctrl_kwargs())
+
 
 @dataclass(frozen=True)
 class BatchPlan:
@@ -562,6 +600,14 @@ class BatchPlan:
     local_mini_batch: int
     grad_accum: int
     """micro-batches per optimizer step on one process (0: packed by a token budget, as many as needed)"""
+    epochs: int = 1
+    """passes over a step's sequences (ppo_epochs), each in mini_batches_per_step optimizer steps"""
+    micro: dict = field(default_factory=dict)
+    """common.data.split_rows' limits: max_seqs sequences, or with dynamic batching max_tokens padded tokens"""
+    temperature: float = 1.0
+    """the sampling temperature, which the trainer's passes divide the logits by as the sampler did"""
+    share_prompts: bool = True
+    """the trainer's passes run each group's shared prompt once (common.model.response_logits)"""
 
 
 def _nearby_divisors(n: int, around: int, count: int = 3) -> list[int]:
@@ -579,6 +625,9 @@ def plan_batches(
     use_dynamic_bsz: bool = False,
     max_token_len_per_gpu: int | None = None,
     max_sequence_length: int | None = None,
+    epochs: int = 1,
+    temperature: float = 1.0,
+    share_prompts: bool = True,
 ) -> BatchPlan:
     """Check that the global batch splits evenly into mini-batches and ranks.
 
@@ -631,6 +680,10 @@ def plan_batches(
         mini_batches_per_step=train_batch_size // mini,
         local_mini_batch=local_mini,
         grad_accum=0 if use_dynamic_bsz else -(-local_mini // micro_batch_size_per_gpu),
+        epochs=epochs,
+        micro={"max_seqs": micro_batch_size_per_gpu, "max_tokens": max_token_len_per_gpu if use_dynamic_bsz else None},
+        temperature=temperature,
+        share_prompts=share_prompts,
     )
 
 

@@ -360,6 +360,13 @@ def batch_indices(step: int, n: int, batch_size: int, seed: int, shuffle: bool) 
     return epoch, order[k * batch_size : (k + 1) * batch_size]
 
 
+def step_rows(step: int, rows: list, batch_size: int, seed: int, shuffle: bool, world_size: int) -> tuple[int, list]:
+    """(epoch, [each rank's rows]) of training step `step`: batch_indices' global batch, rank r
+    taking every world_size-th row from r (the order every recipe trains in)."""
+    epoch, indices = batch_indices(step, len(rows), batch_size, seed, shuffle)
+    return epoch, [[rows[i] for i in indices[r::world_size]] for r in range(world_size)]
+
+
 def pad(seqs: list[list[int]], value: int, side: str = "right", width: int | None = None) -> torch.Tensor:
     width = width or max(len(s) for s in seqs)
     rows = [([value] * (width - len(s)) + s) if side == "left" else (s + [value] * (width - len(s))) for s in seqs]

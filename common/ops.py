@@ -6,7 +6,7 @@ can normalise by the token count of a whole mini-batch rather than of one micro-
 
 import torch
 
-from common.parallel import all_reduce_sum
+from common.parallel import all_reduce_sum, gather_objects
 
 # Rows of (N, V) logits processed at once in float32: bounds the temporary to CHUNK x V floats.
 CHUNK_ROWS = 1024
@@ -178,6 +178,39 @@ def rollout_is_weights(
     elif level != "token":
         raise ValueError(f"rollout_is {level!r}; use token or sequence")
     return torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0)).clamp(max=threshold) * mask
+
+
+def rollout_is_metrics(weights, response_mask, threshold: float) -> dict:
+    """verl's rollout_corr/* for the rollout correction's weights (B, T) over the response tokens of
+    every rank: rollout_is_mean, _max, _min, rollout_is_ratio_fraction_high (the share truncated at
+    the threshold) and rollout_is_eff_sample_size ((sum w)^2 / (n sum w^2), 1 when every weight is
+    equal)."""
+    w = weights[response_mask.bool()]
+    high = (w >= threshold).sum().item()  # in the weights' own dtype, where a truncated one equals the cap
+    w = w.double()
+    local = (w.sum().item(), w.square().sum().item(), len(w), high,
+             w.max().item() if len(w) else None, w.min().item() if len(w) else None)  # fmt: skip
+    parts = gather_objects(local)
+    total, squares, count, high = (sum(p[i] for p in parts) for i in range(4))
+    if not count:
+        return {}
+    return {
+        "rollout_corr/rollout_is_mean": total / count,
+        "rollout_corr/rollout_is_max": max(p[4] for p in parts if p[2]),
+        "rollout_corr/rollout_is_min": min(p[5] for p in parts if p[2]),
+        "rollout_corr/rollout_is_ratio_fraction_high": high / count,
+        "rollout_corr/rollout_is_eff_sample_size": total**2 / (count * squares) if squares else 0.0,
+    }
+
+
+def rollout_correction(
+    old_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, *,
+    mode: str | None, threshold: float,
+) -> tuple[torch.Tensor, dict]:  # fmt: skip
+    """(rollout_is_weights at `mode`, their rollout_is_metrics): the weights are 1 on every response
+    token and the metrics empty when the correction is off (mode None)."""
+    weights = rollout_is_weights(old_logprobs, rollout_logprobs, response_mask, mode, threshold)
+    return weights, rollout_is_metrics(weights, response_mask, threshold) if mode else {}
 
 
 def update_kl_coef(coef: float, kl: float, *, kind: str, target_kl: float, horizon: int, n_steps: int) -> float:

@@ -1,12 +1,22 @@
 """AdamW and the learning-rate schedules users know from verl: constant, cosine, wsd, with warmup."""
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 # wsd: the lr stays at its peak until this fraction of the steps, then decays (cosine) to min_lr.
 WSD_STABLE_RATIO = 0.9
+
+
+class Trainable(NamedTuple):
+    """A model with its optimizer and lr schedule: what an update steps together, and what a
+    checkpoint saves and a resume restores together (the policy; PPO's critic)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
 
 
 def build_optimizer(model, lr: float, weight_decay: float, betas=(0.9, 0.999)) -> torch.optim.AdamW:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.data import batch_indices
+from common.data import step_rows
 from common.engines import Completion, HFEngine, Sampling, VLLMEngine
 from common.errors import RunStopped
 from common.model import load_policy
@@ -174,8 +174,8 @@ class EngineActor:
 @dataclass
 class StepPrompts:
     """step -> (the prompt ids of every rank for that training step, in rank order, and the
-    training sampling): the order the RL recipes' rollout takes them in (common.data.batch_indices,
-    rank r taking every world_size-th from r), so a step's request can go out before the step."""
+    training sampling): the order the RL recipes' rollout takes them in (common.data.step_rows),
+    so a step's request can go out before the step."""
 
     train: list
     batch_size: int
@@ -184,9 +184,8 @@ class StepPrompts:
     sampling: Sampling
 
     def __call__(self, step: int, world_size: int) -> tuple[list[list[int]], Sampling]:
-        _, indices = batch_indices(step, len(self.train), self.batch_size, self.seed, self.shuffle)
-        ranks = [indices[r::world_size] for r in range(world_size)]
-        return [self.train[i]["prompt_ids"] for share in ranks for i in share], self.sampling
+        _, ranks = step_rows(step, self.train, self.batch_size, self.seed, self.shuffle, world_size)
+        return [row["prompt_ids"] for share in ranks for row in share], self.sampling
 
 
 @dataclass

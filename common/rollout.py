@@ -1,17 +1,19 @@
 """A step's batch, whichever engine samples it: start_engine builds the engine the flags ask for
 (common.engines, common.remote, behind common.agent's loop for tool rows); generate_and_score
-samples and scores one rank's prompts and packs them for the trainer; evaluate gives val/*.
+samples and scores one rank's prompts and packs them for the trainer; evaluate gives val/*; Rollout
+holds what steps 1-3 and validation use together.
 """
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from common.agent import AgentLoop
-from common.data import pack_sequences
+from common.data import pack_sequences, step_rows
 from common.engines import Completion, HFEngine, Sampling, VLLMEngine
 from common.engines import hf_generate_greedy as hf_generate_greedy  # re-exported for older forks
-from common.parallel import gather_objects, shard_evenly
+from common.parallel import Dist, gather_objects, shard_evenly
 from common.remote import RemoteEngines
 from common.rewards import Scored
 from common.scoring import hit
@@ -85,6 +87,7 @@ def regroup(groups: list[list[tuple]], parts: list[dict], tokenizer, device) -> 
     batch["rewards"] = torch.tensor(rewards, dtype=torch.float32, device=device)
     batch["scored"] = Scored.merge([p["scored"] for p in parts], list(scores), list(extras))
     batch["timing"] = {k: sum(p["timing"][k] for p in parts) for k in parts[0]["timing"]}
+    batch["started"] = parts[0]["started"]
     batch["weight_version"] = parts[0]["weight_version"]
     batch["engine_stats"] = parts[-1].get("engine_stats", {})
     return batch
@@ -106,14 +109,14 @@ def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, rewar
     Adds rows [(prompt row, Completion)] with group g at rows g*n .. g*n+n-1, group_ids (B,),
     rollout_logprobs (B, T), weight_version (the engine's), scored (the pool's Scored: errors,
     timeouts, nonfinite, extra keys), rewards (B,) float32, and timing
-    {perf/generate_s, perf/score_s}.
+    {perf/generate_s, perf/score_s}, and started (when the generation began: perf/step_s counts from it).
     """
     t = time.time()
     groups = sample(engine, prompts, sampling)
     rows = [(p, c) for p, group in zip(prompts, groups) for c in group]
     responses = [c.token_ids for _, c in rows]
     batch = pack_groups(rows, sampling.n, tokenizer, device)
-    batch["timing"] = {"perf/generate_s": time.time() - t}
+    batch["started"], batch["timing"] = t, {"perf/generate_s": time.time() - t}
     batch["weight_version"] = (
         engine.weight_version
     )  # the weights it holds now (a Completion's version: those that sampled it)
@@ -170,3 +173,37 @@ def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist
                 for i, row in enumerate(local[:n_real][:log_generations])]  # fmt: skip
         metrics["val/generations"] = [g for part in gather_objects(mine) for g in part][:log_generations]
     return metrics
+
+
+@dataclass
+class Rollout:
+    """Steps 1-3 and validation of every RL recipe, over what they use together: the prompts, the
+    engine, the reward pool (and reward model, when one scores), the tokenizer and the process
+    layout. step(i): this rank's share of step i's prompts (common.data.step_rows: batch_size
+    prompts a step in a seeded order per epoch), sampling.n responses each, scored
+    (generate_and_score), with the step's epoch. validate(): val/* over `val` (evaluate)."""
+
+    train: list[dict]
+    val: list[dict]
+    engine: object
+    pool: object
+    tokenizer: object
+    dist: Dist
+    sampling: Sampling
+    val_sampling: Sampling
+    batch_size: int
+    seed: int
+    shuffle: bool
+    reward_model: object = None
+    log_val_generations: int = 0
+
+    def step(self, step: int) -> dict:
+        epoch, ranks = step_rows(step, self.train, self.batch_size, self.seed, self.shuffle, self.dist.world_size)
+        batch = generate_and_score(ranks[self.dist.rank], self.engine, self.sampling, self.pool, self.tokenizer,
+                                   self.dist.device, self.reward_model)  # fmt: skip
+        batch["epoch"] = epoch
+        return batch
+
+    def validate(self) -> dict:
+        return evaluate(self.engine, self.pool, self.tokenizer, self.val, self.val_sampling, self.dist,
+                        self.log_val_generations)  # fmt: skip

@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from common.errors import RunStopped
+from common.ops import rollout_is_metrics as rollout_is_metrics  # re-exported for older forks
 from common.parallel import all_reduce_sum, barrier, gather_objects
 from common.parallel import setup_logging as setup_logging  # re-exported for older forks
 from common.scoring import hit
@@ -244,10 +245,11 @@ def console_line(record: dict, total_steps: int) -> str:
     return f"step {record['step']}/{total_steps}  " + "  ".join(shown)
 
 
-def step_metrics(batch: dict, rewards, advantages, seconds: float, old_logprobs=None) -> dict:
+def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
     """Step 7's shared part for a batch from common.rollout.generate_and_score: reward/* and
     response/* over every rank, the advantages' mean, max and min over response tokens (verl's
-    critic/advantages/*), the phase timings, train/epoch, perf/step_s and perf/tokens_per_s, the
+    critic/advantages/*), the phase timings, train/epoch, perf/step_s (since the batch's generation
+    began) and perf/tokens_per_s, the
     engine's rollout/weight_version, rollout/staleness_mean and _max (how many versions older the
     weights that sampled each response are: 0 but for remote engines sampling ahead) and the
     engine's own counters (common.remote.RemoteEngines.stats). `rewards` (B,) are the final rewards, after any shaping
@@ -272,6 +274,7 @@ def step_metrics(batch: dict, rewards, advantages, seconds: float, old_logprobs=
         metrics.update(logprob_diff_metrics(old_logprobs, batch["rollout_logprobs"], batch["response_mask"]))
     tokens = all_reduce_sum(batch["attention_mask"].sum().float()).item()
     metrics.update(batch["timing"])
+    seconds = time.time() - batch["started"]  # the step so far: since its generation began
     metrics.update({"train/epoch": batch["epoch"], "perf/step_s": seconds, "perf/tokens_per_s": tokens / seconds})
     return metrics
 
@@ -302,29 +305,6 @@ def logprob_diff_metrics(trainer, engine, response_mask) -> dict:
         return {}
     return {"rollout/logprob_diff_mean": sum(p[0] for p in parts) / count,
             "rollout/logprob_diff_max": max(p[2] for p in parts)}  # fmt: skip
-
-
-def rollout_is_metrics(weights, response_mask, threshold: float) -> dict:
-    """verl's rollout_corr/* for the rollout correction's weights (B, T) over the response tokens of
-    every rank: rollout_is_mean, _max, _min, rollout_is_ratio_fraction_high (the share truncated at
-    the threshold) and rollout_is_eff_sample_size ((sum w)^2 / (n sum w^2), 1 when every weight is
-    equal)."""
-    w = weights[response_mask.bool()]
-    high = (w >= threshold).sum().item()  # in the weights' own dtype, where a truncated one equals the cap
-    w = w.double()
-    local = (w.sum().item(), w.square().sum().item(), len(w), high,
-             w.max().item() if len(w) else None, w.min().item() if len(w) else None)  # fmt: skip
-    parts = gather_objects(local)
-    total, squares, count, high = (sum(p[i] for p in parts) for i in range(4))
-    if not count:
-        return {}
-    return {
-        "rollout_corr/rollout_is_mean": total / count,
-        "rollout_corr/rollout_is_max": max(p[4] for p in parts if p[2]),
-        "rollout_corr/rollout_is_min": min(p[5] for p in parts if p[2]),
-        "rollout_corr/rollout_is_ratio_fraction_high": high / count,
-        "rollout_corr/rollout_is_eff_sample_size": total**2 / (count * squares) if squares else 0.0,
-    }
 
 
 def _keep_until(path: Path, step: int) -> None:

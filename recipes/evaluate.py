@@ -37,9 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tyro
+from tqdm.auto import tqdm
 
 from common.config import check_flags
 from common.errors import UsageError, usage_errors
+from common.parallel import setup_logging
+from common.rewards import Scored, start_reward_pool
+from common.scoring import extract_answer, hit
 
 RECIPE = Path(__file__).stem
 
@@ -147,37 +151,35 @@ def table(results: dict, n: int) -> str:
 
 
 # --- reading -----------------------------------------------------------------------------------------
-def read_rows(args: Args) -> tuple[list[dict], int]:
+def read_rows(data_path: str, response_key: str, data_source_key: str, reward_model_key: str) -> tuple[list[dict], int]:
     """(per row {data_source, ground_truth, extra_info, extra_infos (each response's, with what its
-    conversation added), responses, lengths, reasons}, n). Every row must hold a list of the same
-    number of response strings."""
+    conversation added), responses, lengths, reasons}, n) from the --data-path parquet, its columns
+    named by the --*-key flags. Every row must hold a list of the same number of response strings."""
     from common.data import DataError, get_field, has_column, read_parquet
 
-    (file, rows), = read_parquet([args.data_path], "data_path")  # fmt: skip
-    if not has_column(rows, args.response_key):
+    (file, rows), = read_parquet([data_path], "data_path")  # fmt: skip
+    if not has_column(rows, response_key):
         raise DataError(
-            f"{file}: no column {args.response_key!r} (it has {sorted(rows[0])}); generate responses with "
+            f"{file}: no column {response_key!r} (it has {sorted(rows[0])}); generate responses with "
             f"recipes/generate.py, or set --response-key"
         )
     n = None
     parsed = []
     for i, row in enumerate(rows):
-        responses = get_field(row, args.response_key, file, i, "response_key")
+        responses = get_field(row, response_key, file, i, "response_key")
         if not isinstance(responses, list) or not all(isinstance(x, str) for x in responses) or not responses:
-            raise DataError(f"{file} row {i}: {args.response_key!r} must be a non-empty list of strings")
+            raise DataError(f"{file} row {i}: {response_key!r} must be a non-empty list of strings")
         n = len(responses) if n is None else n
         if len(responses) != n:
             raise DataError(
                 f"{file} row {i}: {len(responses)} responses where row 0 has {n}; pass@k needs the same n for "
                 f"every prompt (regenerate, or split the file by n)"
             )
-        reward = (
-            get_field(row, args.reward_model_key, file, i, "reward_model_key") if args.reward_model_key in row else None
-        )
+        reward = get_field(row, reward_model_key, file, i, "reward_model_key") if reward_model_key in row else None
         ids, reasons = row.get("response_ids"), row.get("finish_reasons")
         added = read_added(row.get("response_extra_info"), n, file, i)
         parsed.append({
-            "data_source": str(get_field(row, args.data_source_key, file, i, "data_source_key")),
+            "data_source": str(get_field(row, data_source_key, file, i, "data_source_key")),
             "ground_truth": reward.get("ground_truth") if isinstance(reward, dict) else None,
             "extra_infos": [row.get("extra_info") if x is None else {**(row.get("extra_info") or {}), **x}
                             for x in added],
@@ -213,14 +215,8 @@ def read_added(column, n: int, file: str, i: int) -> list[dict | None]:
 
 # --- main ---------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
-    from tqdm.auto import tqdm
-
-    from common.parallel import setup_logging
-    from common.rewards import Scored, start_reward_pool
-    from common.scoring import extract_answer, hit
-
     setup_logging(0)
-    parsed, n = read_rows(args)
+    parsed, n = read_rows(args.data_path, args.response_key, args.data_source_key, args.reward_model_key)
     out_json = args.json_path()
     pool = start_reward_pool(args.reward_fn, workers=args.reward_workers, timeout=args.reward_timeout,
                              dry_run_rows=parsed, log_path=out_json.with_suffix(".reward_workers.log"))  # fmt: skip

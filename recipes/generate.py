@@ -209,13 +209,10 @@ def main(args: Args) -> dict:
         print(stats.summary("data_path"))
         if done:
             print(f"resuming: {len(done)} of {len(chunks)} chunks already in {parts}")
-    model = None
-    if args.rollout_name == "hf":  # vLLM loads the checkpoint itself
-        model = load_policy(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code).to(dist.device)
+    model = None if args.rollout_name != "hf" else load_policy(  # vLLM loads the checkpoint itself
+        args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code).to(dist.device)  # fmt: skip
     pools = start_agent_pools(args.tool_config, args.interaction_config, workers=2, timeout=args.tool_timeout)
-    agent = args.agent_kwargs(*pools)
-    for kwargs in agent.values():
-        kwargs["lockstep"] = False  # each process generates its own chunks, as many as it has
+    agent = args.agent_kwargs(*pools, lockstep=False)  # each process generates its own chunks, as many as it has
     engine = start_engine(model, tokenizer, dist, **args.engine_kwargs(args.batch_size), **agent)
     temperature = args.temperature if args.do_sample else 0.0  # 0: greedy
     sampling = Sampling(args.n_samples, temperature, args.top_p, args.top_k, args.max_response_length)

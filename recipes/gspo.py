@@ -51,7 +51,7 @@ import tyro
 
 from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import RLArgs, is_due
-from common.data import batch_indices, load_rl_data, split_rows, take_rows
+from common.data import load_rl_data, split_rows, take_rows
 from common.errors import usage_errors
 from common.model import load_rl_models, load_tokenizer, response_logits
 from common.ops import (
@@ -60,7 +60,7 @@ from common.ops import (
     kl_penalty,
     logprobs_from_logits,
     masked_mean,
-    rollout_is_weights,
+    rollout_correction,
 )
 from common.parallel import (
     StopSignal,
@@ -72,8 +72,8 @@ from common.parallel import (
     unwrap,
 )
 from common.rewards import start_reward_pool
-from common.rollout import evaluate, generate_and_score, start_engine
-from common.tracking import Tracker, describe_run, rollout_is_metrics, step_metrics
+from common.rollout import Rollout, start_engine
+from common.tracking import Tracker, describe_run, step_metrics
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
 PLOTS = ("val/accuracy", "reward/mean", "response/length_mean", "policy/*", "train/grad_norm")  # panels of curves.png
@@ -109,6 +109,20 @@ class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and rewa
         super().__post_init__()  # the shared flags (common.config.check_flags)
         if self.clip_ratio_c <= 1:
             raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound)")
+
+    def update_kwargs(self) -> dict:
+        """update's knobs: the grad clip, the rollout correction, compute_loss's (the clip range, each side
+        defaulting to clip_ratio, dual-clip, the aggregation and its constant, the entropy and KL weights) and
+        whether the KL to the reference is in the loss."""
+        loss = dict(
+            clip_ratio_low=self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low,
+            clip_ratio_high=self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high,
+            clip_ratio_c=self.clip_ratio_c, loss_agg_mode=self.loss_agg_mode, norm_constant=self.max_response_length,
+            entropy_coeff=self.entropy_coeff, kl_loss_coef=self.kl_loss_coef, kl_loss_type=self.kl_loss_type,
+        )  # fmt: skip
+        return dict(
+            grad_clip=self.grad_clip, rollout_is=self.rollout_is_kwargs(), loss=loss, use_kl_loss=self.use_kl_loss
+        )
 
 
 # --- the algorithm ------------------------------------------------------------------------------------
@@ -170,80 +184,69 @@ def compute_loss(
 
 
 # --- the steps of the loop ------------------------------------------------------------------------
-def forward_logprobs(model, batch, rows, args, with_entropy=False):
+def forward_logprobs(model, batch, rows, plan, with_entropy=False):
     """Logprobs (and entropy) of the response tokens of batch[rows] under the model, (b, T).
     The logits are divided by the sampling temperature, as the sampler did."""
     mb = take_rows(batch, rows)  # padding columns trimmed; widened back to T below
-    logits = response_logits(model, mb, share_prompts=args.shared_prompt_forward) / args.temperature
+    logits = response_logits(model, mb, share_prompts=plan.share_prompts) / plan.temperature
     widen = (0, batch["responses"].shape[1] - logits.shape[1])
     logprobs = F.pad(logprobs_from_logits(logits, mb["responses"]), widen)
     return logprobs, (F.pad(entropy_from_logits(logits), widen) if with_entropy else None)
 
 
-def rollout(step, args, train, engine, sampling, pool, reward_model, tokenizer, dist):
-    """Steps 1-3 for this rank: sample prompts, generate rollout_n responses each, score them."""
-    # 1. sample prompts: this rank's share of the global batch
-    epoch, indices = batch_indices(step, len(train), args.train_batch_size, args.seed, args.shuffle)
-    prompts = [train[i] for i in indices[dist.rank :: dist.world_size]]
-    # 2-3. generate with the live policy; score with verl's compute_score (or the reward model)
-    batch = generate_and_score(prompts, engine, sampling, pool, tokenizer, dist.device, reward_model)
-    batch["epoch"] = epoch
-    return batch
-
-
 @torch.no_grad()
-def old_and_ref_logprobs(args, plan, model, ref, batch):
-    """Step 4, in micro-batches. Old logprobs only when the policy moves before a sample is used
-    (several mini-batches or epochs), when vLLM sampled with its own copy of the weights (they
-    measure the mismatch) or when the rollout correction weighs them against the engine's;
-    otherwise the update pass's detached logprobs are exact. --bypass-mode takes the engine's
-    logprobs as the old ones, with no pass."""
+def old_ref_logprobs(model, ref, batch, plan, source, with_ref):
+    """Step 4, in micro-batches. Old logprobs (source: RLArgs.old_logprobs_from) from a pass when
+    they are needed before the update or set against the engine's ("pass"), or when the policy
+    moves before a sample is used (several mini-batches or epochs); otherwise the update pass's
+    detached logprobs are exact. "engine" (--bypass-mode) takes the engine's logprobs as the old
+    ones, with no pass. Reference logprobs when a KL term needs them (with_ref)."""
     t, old_logprobs, ref_logprobs = time.time(), None, None
-    micro = split_rows(batch, 0, len(batch["rows"]), **args.micro_batch_limits())
+    micro = split_rows(batch, 0, len(batch["rows"]), **plan.micro)
     order = torch.cat(micro).argsort()  # micro-batches may be length-sorted: back to row order
-    engine_compared = args.engine_holds_own_weights or args.rollout_is  # the mismatch is measured or corrected
-    if args.bypass_mode:  # the engine's logprobs are the old policy: no pass
+    if source == "engine":  # the engine's logprobs are the old policy: no pass
         old_logprobs = batch["rollout_logprobs"]
-    elif plan.mini_batches_per_step > 1 or args.ppo_epochs > 1 or engine_compared:
-        old_logprobs = torch.cat([forward_logprobs(model, batch, rows, args)[0] for rows in micro])[order]
-    if args.use_kl_loss:  # with LoRA the reference is the base model: the adapter switched off
+    elif source == "pass" or plan.mini_batches_per_step > 1 or plan.epochs > 1:
+        old_logprobs = torch.cat([forward_logprobs(model, batch, rows, plan)[0] for rows in micro])[order]
+    if with_ref:  # with LoRA the reference is the base model: the adapter switched off
         with unwrap(model).disable_adapter() if ref is None else contextlib.nullcontext():
-            ref_logprobs = torch.cat([forward_logprobs(ref or model, batch, rows, args)[0] for rows in micro])[order]
+            ref_logprobs = torch.cat([forward_logprobs(ref or model, batch, rows, plan)[0] for rows in micro])[order]
     batch["timing"]["perf/logprobs_s"] = time.time() - t
     return old_logprobs, ref_logprobs
 
 
-def update(args, plan, model, optimizer, scheduler, batch, advantages, loss_mask, old_logprobs, ref_logprobs, dist):
-    """Step 6: ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch; then
-    one lr-schedule step."""
-    clip_low = args.clip_ratio if args.clip_ratio_low is None else args.clip_ratio_low
-    clip_high = args.clip_ratio if args.clip_ratio_high is None else args.clip_ratio_high
+def update(
+    policy, plan, batch, advantages, loss_mask, old_logprobs, ref_logprobs, *, grad_clip, loss, rollout_is, use_kl_loss
+):
+    """Step 6: plan.epochs x mini-batches x micro-batches, one optimizer step per mini-batch; then
+    one lr-schedule step (knobs: Args.update_kwargs). The rollout correction (rollout_is, off by
+    default) weighs each token's advantage by the truncated pi_old / pi_rollout."""
+    model, optimizer, scheduler = policy
+    is_weights, is_metrics = rollout_correction(old_logprobs, batch["rollout_logprobs"], loss_mask, **rollout_is)
+    advantages = advantages * is_weights  # the advantages themselves when the correction is off
     t, stats, grad_norms, loss_sum = time.time(), [], [], 0.0
-    for _ in range(args.ppo_epochs):
+    for _ in range(plan.epochs):
         for m in range(plan.mini_batches_per_step):
             start, stop = m * plan.local_mini_batch, (m + 1) * plan.local_mini_batch
             # Normalise by the whole mini-batch (every micro-batch, every rank), not per micro-batch.
             num_tokens = all_reduce_sum(loss_mask[start:stop].sum())
             num_seqs = all_reduce_sum((loss_mask[start:stop].sum(-1) > 0).sum().float())
-            micro = split_rows(batch, start, stop, **args.micro_batch_limits())
+            micro = split_rows(batch, start, stop, **plan.micro)
             for k, rows in enumerate(micro):
                 with grad_sync(model, enabled=k == len(micro) - 1):
-                    new_logprobs, entropy = forward_logprobs(model, batch, rows, args, with_entropy=True)
+                    new_logprobs, entropy = forward_logprobs(model, batch, rows, plan, with_entropy=True)
                     # On-policy (one mini-batch, one epoch): old = new at unchanged weights, ratio 1.
                     old = old_logprobs[rows] if old_logprobs is not None else new_logprobs.detach()
-                    loss, metrics = compute_loss(
-                        new_logprobs, old, advantages[rows], loss_mask[rows], clip_ratio_low=clip_low,
-                        clip_ratio_high=clip_high, clip_ratio_c=args.clip_ratio_c,
-                        loss_agg_mode=args.loss_agg_mode, entropy=entropy, entropy_coeff=args.entropy_coeff,
-                        ref_logprobs=ref_logprobs[rows] if args.use_kl_loss else None,
-                        kl_loss_coef=args.kl_loss_coef, kl_loss_type=args.kl_loss_type,
-                        num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=args.max_response_length,
+                    loss_mb, metrics = compute_loss(
+                        new_logprobs, old, advantages[rows], loss_mask[rows], entropy=entropy,
+                        ref_logprobs=ref_logprobs[rows] if use_kl_loss else None,
+                        num_tokens=num_tokens, num_seqs=num_seqs, **loss,
                     )  # fmt: skip
                     # DDP and FSDP2 average gradients over ranks; the loss is already a global mean.
-                    (loss * dist.world_size).backward()
+                    (loss_mb * plan.world_size).backward()
                 stats.append((batch["response_mask"][rows].sum().item(), {k: float(v) for k, v in metrics.items()}))
-                loss_sum += loss.item()
-            grad_norms.append(clip_grad_norm(model, args.grad_clip))
+                loss_sum += loss_mb.item()
+            grad_norms.append(clip_grad_norm(model, grad_clip))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     weight = sum(w for w, _ in stats) or 1.0
@@ -251,6 +254,7 @@ def update(args, plan, model, optimizer, scheduler, batch, advantages, loss_mask
     metrics["train/loss"] = all_reduce_sum(torch.tensor(loss_sum)).item() / len(grad_norms)
     metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics["train/lr"] = scheduler.get_last_lr()[0]
+    metrics.update(is_metrics)
     scheduler.step()
     batch["timing"]["perf/update_s"] = time.time() - t
     return metrics
@@ -260,66 +264,50 @@ def update(args, plan, model, optimizer, scheduler, batch, advantages, loss_mask
 def main(args: Args) -> dict:
     # Setup: process group; batch arithmetic and flags checked before anything loads.
     dist = init_distributed()
-    plan = args.batch_plan(dist.world_size)
-    run_dir = args.run_dir(RECIPE)
+    plan, run_dir = args.batch_plan(dist.world_size), args.run_dir(RECIPE)
     seed_everything(args.seed + dist.rank)  # ranks sample different responses
 
     # Data, the run to resume and rewards (a reward dry run), then the models, engine and optimizer.
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     train, stats, val = load_rl_data(args.train_files, args.val_files, tokenizer, **args.data_kwargs())
-    total_steps = args.total_training_steps or args.total_epochs * (len(train) // args.train_batch_size)
+    total_steps = args.total_steps(len(train))
     checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps, flags=dataclasses.asdict(args))
     pool = start_reward_pool(**args.reward_kwargs(run_dir), dry_run_rows=[] if args.reward_model else train + val)
-    model, ref, reward_model, run_info = load_rl_models(
-        args.model, dist, tokenizer, with_reference=args.use_kl_loss, **args.model_kwargs()
-    )
-    sampling, val_sampling = args.samplings()
-    optimizer, scheduler = args.optimizer_and_scheduler(model, total_steps)
-    start_step = resume(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)["step"]
+    model, ref, reward_model, run_info = load_rl_models(args.model, dist, tokenizer, **args.model_kwargs())
+    policy = args.trainable(model, total_steps)  # the policy with its AdamW and lr schedule
+    start_step = resume(checkpoint, policy, dist=dist)["step"]
     engine = start_engine(model, tokenizer, dist, start_step, **args.engine_kwargs(train, total_steps, pool))
+    rollout = Rollout(train, val, engine, pool, tokenizer, dist, reward_model=reward_model, **args.rollout_kwargs())
     tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
-
     if start_step == 0 and val and args.val_before_train:
-        tracker.log(evaluate(engine, pool, tokenizer, val, val_sampling, dist, args.log_val_generations), step=0)
+        tracker.log(rollout.validate(), step=0)
     stop = StopSignal(dist)  # SIGUSR1 / SIGTERM (Slurm, before the time limit): save after this step, exit 0
     for step in range(start_step, total_steps):
-        t0 = time.time()
-        # 1-3. sample prompts, generate, score
-        batch = rollout(step, args, train, engine, sampling, pool, reward_model, tokenizer, dist)
+        # 1-3. sample prompts (this rank's share), generate rollout_n responses each, score them
+        batch = rollout.step(step)
         rewards, group_ids, mask = batch["rewards"], batch["group_ids"], batch["response_mask"].float()  # B, B, B x T
 
         # 4. old / ref logprobs
-        old_logprobs, ref_logprobs = old_and_ref_logprobs(args, plan, model, ref, batch)
+        old_logprobs, ref_logprobs = old_ref_logprobs(model, ref, batch, plan, args.old_logprobs_from, args.needs_ref)
 
         # 5. advantages: standardised within each prompt's group
         advantages = compute_advantages(rewards, group_ids, mask, norm_by_std=args.norm_adv_by_std_in_grpo)
 
-        # rollout correction (--rollout-is): each token's advantage times the truncated pi_old / pi_rollout
-        is_weights = rollout_is_weights(old_logprobs, batch["rollout_logprobs"], mask, args.rollout_is,
-                                        args.rollout_is_threshold)  # fmt: skip
-        adv_weighted = advantages * is_weights  # the advantages themselves when the correction is off
-
-        # 6. update, then hand the new weights to the engine
-        metrics = update(
-            args, plan, model, optimizer, scheduler, batch, adv_weighted, mask, old_logprobs, ref_logprobs, dist
-        )
+        # 6. update (with the rollout correction, if asked), then hand the new weights to the engine
+        metrics = update(policy, plan, batch, advantages, mask, old_logprobs, ref_logprobs, **args.update_kwargs())
         engine.update_weights(step + 1)
 
         # 7. log
-        metrics.update(step_metrics(batch, rewards, advantages, time.time() - t0, old_logprobs))
-        if args.rollout_is:
-            metrics.update(rollout_is_metrics(is_weights, mask, args.rollout_is_threshold))
+        metrics.update(step_metrics(batch, rewards, advantages, old_logprobs))
 
         # 8. validate / save (and, after a stop signal, save and end the run here)
         if val and is_due(step + 1, args.test_freq, total_steps):
-            metrics.update(evaluate(engine, pool, tokenizer, val, val_sampling, dist, args.log_val_generations))
+            metrics.update(rollout.validate())
         tracker.log(metrics, step=step + 1)
-        stopping = stop.requested()  # collective: every rank stops after the same step
-        if is_due(step + 1, args.save_freq, total_steps) or stopping:
-            save_checkpoint(run_dir, step + 1, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist,
-                            tokenizer=tokenizer, trainer_state={"epoch": batch["epoch"]},
-                            **args.save_kwargs(RECIPE))  # fmt: skip
+        if (stopping := stop.requested()) or is_due(step + 1, args.save_freq, total_steps):  # every rank stops together
+            save_checkpoint(run_dir, step + 1, policy, dist=dist, tokenizer=tokenizer,
+                            trainer_state={"epoch": batch["epoch"]}, **args.save_kwargs(RECIPE))  # fmt: skip
         if stopping:
             break
     pool.close()

@@ -28,7 +28,7 @@ import tyro
 
 from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, is_due, plan_batches
-from common.data import batch_indices, load_sft, pad
+from common.data import load_sft, pad, step_rows
 from common.engines import hf_generate_greedy
 from common.errors import UsageError, usage_errors
 from common.model import load_tokenizer, load_trained_model
@@ -104,16 +104,17 @@ def collate(examples, pad_id, device):
 
 
 # --- validation ---------------------------------------------------------------------------------------
-def validate(model, tokenizer, val, args, dist):
-    """Token-mean loss over all val examples; greedy accuracy over those with a ground truth."""
+def validate(model, tokenizer, val, dist, *, batch_size, max_new_tokens):
+    """Token-mean loss over all val examples; greedy accuracy over those with a ground truth
+    (max_new_tokens generated); batch_size examples per forward / generate call."""
     local, n_real = shard_evenly(val, dist)
     # Padding copies count no tokens: their loss mask is zeroed.
     local = local[:n_real] + [dict(e, loss_mask=[0] * len(e["loss_mask"])) for e in local[n_real:]]
     nll, tokens = torch.zeros((), device=dist.device), torch.zeros((), device=dist.device)
     model.eval()
     with torch.no_grad():
-        for start in range(0, len(local), args.val_batch_size):
-            batch = local[start : start + args.val_batch_size]
+        for start in range(0, len(local), batch_size):
+            batch = local[start : start + batch_size]
             ids, attention, loss_mask = collate(batch, tokenizer.pad_token_id, dist.device)
             logits = model(input_ids=ids, attention_mask=attention).logits
             nll += compute_loss(logits, ids, loss_mask, 1.0)[1]
@@ -125,8 +126,8 @@ def validate(model, tokenizer, val, args, dist):
         local, n_real = shard_evenly(scored, dist)
         completions = hf_generate_greedy(
             model, [e["prompt_ids"] for e in local], pad_id=tokenizer.pad_token_id,
-            eos_id=tokenizer.eos_token_id, max_new_tokens=args.max_new_tokens,
-            batch_size=args.val_batch_size, device=dist.device, world_size=dist.world_size,
+            eos_id=tokenizer.eos_token_id, max_new_tokens=max_new_tokens,
+            batch_size=batch_size, device=dist.device, world_size=dist.world_size,
         )  # fmt: skip
         texts = tokenizer.batch_decode(completions[:n_real], skip_special_tokens=True)
         # Rows whose data_source has no built-in reward are scored by exact match.
@@ -144,20 +145,19 @@ def validate(model, tokenizer, val, args, dist):
 
 
 # --- one step ---------------------------------------------------------------------------------------
-def train_step(step, args, train, model, optimizer, scheduler, tokenizer, dist) -> dict:
-    t0 = time.time()
-    # 1. this rank's slice of the global batch
-    epoch, indices = batch_indices(step, len(train), args.train_batch_size, args.seed, args.shuffle)
-    mine = [train[i] for i in indices[dist.rank :: dist.world_size]]
+def train_step(policy, mine, epoch, pad_id, dist, *, micro_batch_size, grad_clip) -> dict:
+    """Steps 2-3 on this rank's examples of the global batch (`mine`, of `epoch`): forward / backward
+    over micro-batches of micro_batch_size, then one clipped optimizer step of policy (model,
+    optimizer, scheduler)."""
+    t0, (model, optimizer, scheduler) = time.time(), policy
     # The loss divides by the token count of the whole global batch, not of one micro-batch.
     num_tokens = all_reduce_sum(torch.tensor(float(sum(sum(e["loss_mask"][1:]) for e in mine)), device=dist.device))
 
     # 2. forward / backward over micro-batches; gradients sync on the last one only
     nll_total = torch.zeros((), device=dist.device)
-    micro = args.micro_batch_size_per_gpu
-    micro_batches = [mine[k : k + micro] for k in range(0, len(mine), micro)]
+    micro_batches = [mine[k : k + micro_batch_size] for k in range(0, len(mine), micro_batch_size)]
     for k, examples in enumerate(micro_batches):
-        ids, attention, loss_mask = collate(examples, tokenizer.pad_token_id, dist.device)
+        ids, attention, loss_mask = collate(examples, pad_id, dist.device)
         with grad_sync(model, enabled=k == len(micro_batches) - 1):
             logits = model(input_ids=ids, attention_mask=attention).logits
             loss, nll_sum = compute_loss(logits, ids, loss_mask, num_tokens)
@@ -166,7 +166,7 @@ def train_step(step, args, train, model, optimizer, scheduler, tokenizer, dist) 
         nll_total += nll_sum
 
     # 3. optimizer step
-    grad_norm = clip_grad_norm(model, args.grad_clip)
+    grad_norm = clip_grad_norm(model, grad_clip)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
     scheduler.step()
@@ -203,30 +203,34 @@ def main(args: Args) -> dict:
 
     # Model, optimizer, schedule; then resume.
     model, run_info = load_trained_model(args.model, dist, strategy=args.strategy, **args.policy_kwargs())
-    optimizer, scheduler = args.optimizer_and_scheduler(model, total_steps)
-    start_step = resume(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist)["step"]
+    policy = args.trainable(model, total_steps)  # the model with its AdamW and lr schedule
+    start_step = resume(checkpoint, policy, dist=dist)["step"]
     tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, bar_keys=("train/loss", "val/accuracy"),
                       **args.tracker_kwargs(RECIPE, run_info))  # fmt: skip
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
 
+    validation = dict(batch_size=args.val_batch_size, max_new_tokens=args.max_new_tokens)
     if val and args.val_before_train and start_step == 0:
-        tracker.log(validate(model, tokenizer, val, args, dist), step=0)
+        tracker.log(validate(model, tokenizer, val, dist, **validation), step=0)
     model.train()
     stop = StopSignal(dist)  # SIGUSR1 / SIGTERM (Slurm, before the time limit): save after this step, exit 0
     for step in range(start_step, total_steps):
-        # 1-3. this rank's slice of the batch, forward / backward, optimizer step
-        metrics = train_step(step, args, train, model, optimizer, scheduler, tokenizer, dist)
+        # 1. this rank's slice of the global batch (a seeded order per epoch)
+        epoch, ranks = step_rows(step, train, args.train_batch_size, args.seed, args.shuffle, dist.world_size)
+
+        # 2-3. forward / backward over micro-batches, optimizer step
+        metrics = train_step(policy, ranks[dist.rank], epoch, tokenizer.pad_token_id, dist,
+                             micro_batch_size=args.micro_batch_size_per_gpu, grad_clip=args.grad_clip)  # fmt: skip
 
         # 4. validate / save (and, after a stop signal, save and end the run here)
         done = step + 1
         if val and is_due(done, args.test_freq, total_steps):
-            metrics.update(validate(model, tokenizer, val, args, dist))
+            metrics.update(validate(model, tokenizer, val, dist, **validation))
         tracker.log(metrics, step=done)
-        stopping = stop.requested()  # collective: every rank stops after the same step
-        if is_due(done, args.save_freq, total_steps) or stopping:
+        if (stopping := stop.requested()) or is_due(done, args.save_freq, total_steps):  # every rank stops together
             position = {"epoch": done // steps_per_epoch, "batch_in_epoch": done % steps_per_epoch}
-            save_checkpoint(run_dir, done, model=model, optimizer=optimizer, scheduler=scheduler, dist=dist,
-                            tokenizer=tokenizer, trainer_state=position, **args.save_kwargs(RECIPE))  # fmt: skip
+            save_checkpoint(run_dir, done, policy, dist=dist, tokenizer=tokenizer, trainer_state=position,
+                            **args.save_kwargs(RECIPE))  # fmt: skip
         if stopping:
             break
     return tracker.finish(PLOTS, saved=args.save_freq != 0, stopped=stop.stopping)

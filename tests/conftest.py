@@ -7,7 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Each xdist worker (and every process it starts) computes on one thread: two workers whose
+    # torch each spin up a thread per core on a 2-core machine ran several times slower.
+    os.environ["OMP_NUM_THREADS"] = "1"
+import torch  # noqa: E402  (after OMP_NUM_THREADS)
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "bundled"

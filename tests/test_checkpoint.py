@@ -38,9 +38,7 @@ def test_roundtrip_continues_exactly(tmp_path, tokenizer):
     save_checkpoint(
         tmp_path,
         1,
-        model=model,
-        optimizer=opt,
-        scheduler=sched,
+        (model, opt, sched),
         tokenizer=tokenizer,
         dist=DIST,
         recipe="grpo",
@@ -53,13 +51,13 @@ def test_roundtrip_continues_exactly(tmp_path, tokenizer):
 
     ckpt = tmp_path / "checkpoints" / "step_1"
     fresh, fresh_opt, fresh_sched = make()
-    state = load_checkpoint(ckpt, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched, dist=DIST)
+    state = load_checkpoint(ckpt, (fresh, fresh_opt, fresh_sched), dist=DIST)
     assert state["step"] == 1 and state["epoch"] == 0 and fresh_sched.last_epoch == 1
     train_step(fresh, fresh_opt, fresh_sched)  # same weights, moments, lr and random batch
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, want[k]), k
 
-    load_checkpoint(ckpt, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched, dist=DIST)
+    load_checkpoint(ckpt, (fresh, fresh_opt, fresh_sched), dist=DIST)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected_rng
 
 
@@ -69,9 +67,7 @@ def test_keep_last_k_and_tmp_folders_are_not_checkpoints(tmp_path, tokenizer):
         save_checkpoint(
             tmp_path,
             step,
-            model=model,
-            optimizer=opt,
-            scheduler=sched,
+            (model, opt, sched),
             tokenizer=tokenizer,
             dist=DIST,
             recipe="grpo",
@@ -131,7 +127,7 @@ def test_extra_models_roundtrip_with_the_policy(tmp_path, tokenizer):
     policy, critic = make(), make_critic()
     train_step(*policy), critic_step(*critic), critic_step(*critic)
     save_checkpoint(
-        tmp_path, 1, model=policy[0], optimizer=policy[1], scheduler=policy[2], tokenizer=tokenizer, dist=DIST,
+        tmp_path, 1, policy, tokenizer=tokenizer, dist=DIST,
         recipe="ppo", trainer_state={"kl_coef": 0.25}, extra_models={"critic": critic},
     )  # fmt: skip
     torch.manual_seed(7)
@@ -145,7 +141,7 @@ def test_extra_models_roundtrip_with_the_policy(tmp_path, tokenizer):
     fresh, fresh_critic = make(), make_critic()
     assert not torch.equal(fresh_critic[0].score.weight, critic[0].score.weight)
     state = resume(
-        ckpt, model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], dist=DIST,
+        ckpt, fresh, dist=DIST,
         extra_models={"critic": fresh_critic},
     )  # fmt: skip
     assert state["step"] == 1 and state["kl_coef"] == 0.25
@@ -158,12 +154,12 @@ def test_extra_models_roundtrip_with_the_policy(tmp_path, tokenizer):
 
     # a checkpoint saved without the critic cannot silently resume a run that has one
     save_checkpoint(
-        tmp_path, 2, model=policy[0], optimizer=policy[1], scheduler=policy[2], tokenizer=tokenizer, dist=DIST,
+        tmp_path, 2, policy, tokenizer=tokenizer, dist=DIST,
         recipe="ppo", trainer_state={},
     )  # fmt: skip
     with pytest.raises(ValueError, match="saved without critic"):
         resume(
-            tmp_path / "checkpoints" / "step_2", model=fresh[0], optimizer=fresh[1], scheduler=fresh[2],
+            tmp_path / "checkpoints" / "step_2", fresh,
             dist=DIST, extra_models={"critic": fresh_critic},
         )  # fmt: skip
 
@@ -217,7 +213,7 @@ def test_a_malicious_checkpoint_is_refused_and_runs_nothing(tmp_path, tokenizer,
     model, opt, sched = make()
     train_step(model, opt, sched)
     save_checkpoint(
-        tmp_path, 1, model=model, optimizer=opt, scheduler=sched, tokenizer=tokenizer, dist=DIST, recipe="grpo",
+        tmp_path, 1, (model, opt, sched), tokenizer=tokenizer, dist=DIST, recipe="grpo",
         trainer_state={},
     )  # fmt: skip
     ckpt = tmp_path / "checkpoints" / "step_1"
@@ -229,7 +225,7 @@ def test_a_malicious_checkpoint_is_refused_and_runs_nothing(tmp_path, tokenizer,
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
     fresh = make()
     with pytest.raises(UnsafeCheckpoint, match=name) as refusal:
-        resume(find_resume("auto", tmp_path, "grpo"), model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], dist=DIST)
+        resume(find_resume("auto", tmp_path, "grpo"), fresh, dist=DIST)
     assert "refusing to load it" in str(refusal.value) and "--resume disable" in str(refusal.value)
     assert not marker.exists(), "the planted code ran"
 
@@ -238,7 +234,7 @@ def _save(tmp_path, tokenizer, steps, keep=0, model=None):
     model, opt, sched = model or make()
     for step in steps:
         save_checkpoint(
-            tmp_path, step, model=model, optimizer=opt, scheduler=sched, tokenizer=tokenizer, dist=DIST,
+            tmp_path, step, (model, opt, sched), tokenizer=tokenizer, dist=DIST,
             recipe="grpo", trainer_state={}, keep=keep,
         )  # fmt: skip
     return tmp_path / "checkpoints"
@@ -277,7 +273,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one(tmp_path, token
     with pytest.raises(DamagedCheckpoint, match=bad_file):
         find_resume(str(root / "step_2"), tmp_path, "grpo")
     fresh = make()  # the older one loads
-    assert resume(root / "step_1", model=fresh[0], optimizer=fresh[1], scheduler=fresh[2], dist=DIST)["step"] == 1
+    assert resume(root / "step_1", fresh, dist=DIST)["step"] == 1
     harm(root / "step_1")
     with pytest.raises(DamagedCheckpoint, match=r"no checkpoint .* validates.*--resume disable"):
         find_resume("auto", tmp_path, "grpo")
@@ -327,7 +323,7 @@ def test_resume_refuses_a_checkpoint_trained_with_other_settings(tmp_path, token
     model, opt, sched = make()
     flags = {"lr": 1e-3, "rollout_n": 4, "train_files": ("a.parquet",), "total_training_steps": 5, "logger": ()}
     save_checkpoint(
-        tmp_path, 1, model=model, optimizer=opt, scheduler=sched, tokenizer=tokenizer, dist=DIST, recipe="grpo",
+        tmp_path, 1, (model, opt, sched), tokenizer=tokenizer, dist=DIST, recipe="grpo",
         trainer_state={}, flags=flags,
     )  # fmt: skip
     assert find_resume("auto", tmp_path, "grpo", flags=flags).name == "step_1"

@@ -65,3 +65,39 @@ def test_suggestions_are_valid():
         plan_batches(world_size=1, train_batch_size=48, micro_batch_size_per_gpu=1, mini_batch_size=32)
     suggested = [int(s) for s in str(err.value).split("ppo_mini_batch_size=")[-1].split(" or ")]
     assert suggested and all(48 % s == 0 for s in suggested)
+
+
+def test_the_plan_carries_how_the_trainer_passes_run():
+    """epochs x mini-batches x micro-batches: the micro-batch limits are split_rows' (a sequence cap,
+    or with dynamic batching a token budget too), with the temperature and prompt sharing."""
+    plan = plan_batches(world_size=1, train_batch_size=8, micro_batch_size_per_gpu=12, rollout_n=4, epochs=2,
+                        temperature=0.7, share_prompts=False)  # fmt: skip
+    assert (plan.epochs, plan.micro, plan.temperature, plan.share_prompts) == (
+        2, {"max_seqs": 12, "max_tokens": None}, 0.7, False,
+    )  # fmt: skip
+    packed = plan_batches(world_size=1, train_batch_size=8, micro_batch_size_per_gpu=12, use_dynamic_bsz=True,
+                          max_token_len_per_gpu=300, max_sequence_length=80)  # fmt: skip
+    assert packed.micro == {"max_seqs": 12, "max_tokens": 300} and packed.grad_accum == 0
+
+
+def test_where_old_logprobs_come_from():
+    """The engine's own with --bypass-mode; a trainer pass whenever they are set against the
+    engine's (remote engines hold their own weights; --rollout-is weighs them); else only when the
+    policy moves before a sample is used."""
+    from common.config import RLArgs
+
+    assert RLArgs().old_logprobs_from == "when-stale"
+    assert RLArgs(rollout_is="token").old_logprobs_from == "pass"
+    assert RLArgs(rollout_placement="remote").old_logprobs_from == "pass"
+    assert RLArgs(bypass_mode=True).old_logprobs_from == "engine"
+    assert RLArgs(bypass_mode=True, rollout_placement="remote").old_logprobs_from == "engine"
+
+
+def test_a_kl_in_the_reward_needs_the_reference_and_old_logprobs_before_the_update():
+    from conftest import load_recipe
+
+    grpo, rloo = load_recipe("grpo").Args, load_recipe("rloo").Args
+    assert not grpo().needs_ref and grpo(use_kl_loss=True).needs_ref
+    assert (rloo().needs_ref, rloo().old_logprobs_from) == (False, "when-stale")
+    assert (rloo(use_kl_in_reward=True).needs_ref, rloo(use_kl_in_reward=True).old_logprobs_from) == (True, "pass")
+    assert rloo(use_kl_in_reward=True, bypass_mode=True).old_logprobs_from == "engine"

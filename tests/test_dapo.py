@@ -50,12 +50,15 @@ def test_the_overlong_penalty_counts_a_conversations_tool_tokens(monkeypatch):
     mask = torch.tensor([[1] * 4 + [0] * 8 + [1] * 4, [1] * 8 + [0] * 8])  # holes; a short single-turn row
     attention = torch.cat([torch.ones(2, 3), torch.tensor([[1] * 16, [1] * 8 + [0] * 8])], 1)  # prompt 3
     batch = {"responses": torch.zeros(2, 16, dtype=torch.long), "response_mask": mask, "attention_mask": attention,
-             "rewards": torch.ones(2)}  # fmt: skip
-    monkeypatch.setattr(dapo, "generate_and_score", lambda *a, **k: batch)
-    args = dapo.Args(max_response_length=16, train_batch_size=2)  # overlong buffer 4: the ramp starts at 12
+             "rewards": torch.ones(2), "rows": [None, None], "epoch": 0,
+             "scored": SimpleNamespace(scores=[1.0, 1.0], extras=[{}, {}])}  # fmt: skip
+    kept = {}
+    monkeypatch.setattr(dapo, "regroup", lambda groups, *rest: kept.update(groups=groups) or {})
     dist = SimpleNamespace(rank=0, world_size=1, device="cpu")
-    out = dapo.rollout(0, args, [{}] * 2, None, None, None, None, None, dist)
-    assert out["rewards"].tolist() == [0.0, 1.0]  # 16 tokens: -1; 8 sampled would have been no penalty
+    rollout = SimpleNamespace(step=lambda i: batch, sampling=SimpleNamespace(n=1, max_tokens=16), dist=dist,
+                              batch_size=2, tokenizer=None)  # fmt: skip
+    dapo.dynamic_sampling(rollout, 0, 1, 4, 1.0)  # overlong buffer 4: the ramp starts at 12
+    assert [reward for group in kept["groups"] for _, reward, _, _ in group] == [0.0, 1.0]  # 16 tokens: -1
 
 
 def test_select_groups_takes_the_first_groups_with_a_reward_spread():

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import TASK_TEST, TASK_TRAIN
 
-from common.data import DataError, batch_indices, load_prompts, load_sft, pack_sequences, pad, truncate
+from common.data import DataError, batch_indices, load_prompts, load_sft, pack_sequences, pad, step_rows, truncate
 
 
 def write(path, rows):
@@ -214,3 +214,15 @@ def test_take_rows_trims_shared_padding_and_keeps_positions():
     assert mb["input_ids"].tolist() == [[0, 5, 9, 10, 11], [6, 7, 12, 13, 0]]
     assert mb["position_ids"].tolist() == [[0, 0, 1, 2, 3], [0, 1, 2, 3, 3]]
     assert mb["responses"].tolist() == [[9, 10, 11], [12, 13, 0]] and mb["group_ids"].tolist() == [1, 2]
+
+
+def test_step_rows_shards_the_global_batch_by_rank():
+    """Rank r takes every world_size-th row of batch_indices' global batch, from r: together the
+    ranks hold the batch exactly once, and the epoch is batch_indices'."""
+    rows = [{"i": i} for i in range(50)]
+    for step in (0, 7, 12):
+        epoch, indices = batch_indices(step, 50, 8, seed=3, shuffle=True)
+        got_epoch, ranks = step_rows(step, rows, 8, 3, True, world_size=2)
+        assert got_epoch == epoch and len(ranks) == 2
+        assert [r["i"] for r in ranks[0]] == indices[0::2] and [r["i"] for r in ranks[1]] == indices[1::2]
+    assert step_rows(0, rows, 8, 3, True, world_size=1)[1][0] == [rows[i] for i in batch_indices(0, 50, 8, 3, True)[1]]

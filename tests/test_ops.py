@@ -125,3 +125,13 @@ def test_rollout_is_weights_stay_finite_and_keep_small_weights():
     assert ops.rollout_is_weights(old, rollout, mask, "sequence", 2.0).tolist()[0] == pytest.approx([1.0] * 3)
     with pytest.raises(ValueError, match="token or sequence"):
         ops.rollout_is_weights(old, rollout, mask, "geometric", 2.0)
+
+
+def test_rollout_correction_gives_the_weights_and_their_metrics_only_when_on():
+    old, rollout = torch.tensor([[-1.0, -0.2, 0.0]]), torch.tensor([[-2.0, -0.1, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    weights, metrics = ops.rollout_correction(old, rollout, mask, mode="token", threshold=2.0)
+    assert torch.equal(weights, ops.rollout_is_weights(old, rollout, mask, "token", 2.0))
+    assert metrics == ops.rollout_is_metrics(weights, mask, 2.0) and metrics["rollout_corr/rollout_is_max"] == 2.0
+    weights, metrics = ops.rollout_correction(None, rollout, mask, mode=None, threshold=2.0)
+    assert torch.equal(weights, mask) and metrics == {}

@@ -100,25 +100,31 @@ def kl_args(**over):
     return KLArgs(**{"kl_penalty": "kl", "kl_ctrl": "fixed", "target_kl": 0.1, "horizon": 100, **over})
 
 
+def penalty(args, scores, old_logprobs, ref_logprobs, mask, kl_coef):
+    """apply_kl_penalty with the knobs of args, as the recipe's main passes them."""
+    return apply_kl_penalty(scores, old_logprobs, ref_logprobs, mask, kl_coef, args.use_kl_in_reward,
+                            **args.kl_reward_kwargs())  # fmt: skip
+
+
 def test_token_rewards_score_on_the_last_token_minus_the_kl():
     scores = torch.tensor([1.0, 0.0])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]).float()
     old = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-1.0, -1.0, 0.0, 0.0]])
     ref = torch.tensor([[-1.5, -2.0, -1.0, -9.0], [-0.5, -1.0, -9.0, -9.0]])
-    rewards, coef, metrics = apply_kl_penalty(kl_args(use_kl_in_reward=False), scores, old, ref, mask, 0.1)
+    rewards, coef, metrics = penalty(kl_args(use_kl_in_reward=False), scores, old, ref, mask, 0.1)
     assert rewards.tolist() == [[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]] and coef == 0.1 and metrics == {}
-    rewards, coef, metrics = apply_kl_penalty(kl_args(), scores, old, ref, mask, 0.1)
+    rewards, coef, metrics = penalty(kl_args(), scores, old, ref, mask, 0.1)
     # k1 = old - ref per valid token: row 0 [0.5, 0, 0.5], row 1 [-0.5, 0]; padding gets no penalty
     close(rewards, [[-0.05, 0.0, 1.0 - 0.05, 0.0], [0.05, 0.0, 0.0, 0.0]])
     seq_kl = (1.0 / 3 + -0.5 / 2) / 2  # the mean over sequences of each sequence's mean KL
     assert metrics["reward/kl_penalty"] == pytest.approx(seq_kl) and metrics["policy/kl_coef"] == 0.1
     assert coef == 0.1  # fixed
     # adaptive: coef * (1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon), n = sequences in the step
-    _, coef, _ = apply_kl_penalty(kl_args(kl_ctrl="adaptive", target_kl=0.04), scores, old, ref, mask, 0.1)
+    _, coef, _ = penalty(kl_args(kl_ctrl="adaptive", target_kl=0.04), scores, old, ref, mask, 0.1)
     assert coef == pytest.approx(0.1 * (1 + (seq_kl / 0.04 - 1) * 2 / 100))  # kl / target - 1 = 0.042
-    _, coef, _ = apply_kl_penalty(kl_args(kl_ctrl="adaptive", target_kl=0.01), scores, old, ref, mask, 0.1)
+    _, coef, _ = penalty(kl_args(kl_ctrl="adaptive", target_kl=0.01), scores, old, ref, mask, 0.1)
     assert coef == pytest.approx(0.1 * (1 + 0.2 * 2 / 100))  # clipped at +0.2
-    _, coef, _ = apply_kl_penalty(kl_args(kl_ctrl="adaptive", target_kl=1.0), scores, old, ref, mask, 0.1)
+    _, coef, _ = penalty(kl_args(kl_ctrl="adaptive", target_kl=1.0), scores, old, ref, mask, 0.1)
     assert coef == pytest.approx(0.1 * (1 - 0.2 * 2 / 100))  # clipped at -0.2
 
 
@@ -127,7 +133,7 @@ def test_the_score_lands_on_the_last_sampled_token_of_a_multi_turn_mask():
     last token (index 5), not at the mask's length (index 3, a tool token GAE passes over)."""
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]]).float()
     zeros = torch.zeros_like(mask)
-    rewards, _, _ = apply_kl_penalty(kl_args(use_kl_in_reward=False), torch.tensor([2.0]), zeros, zeros, mask, 0.1)
+    rewards, _, _ = penalty(kl_args(use_kl_in_reward=False), torch.tensor([2.0]), zeros, zeros, mask, 0.1)
     assert rewards.tolist() == [[0.0, 0.0, 0.0, 0.0, 0.0, 2.0, 0.0]]
     _, returns = compute_gae(rewards, zeros, mask, gamma=1.0, lam=1.0)
     assert returns.tolist() == [[2.0, 2.0, 0.0, 0.0, 2.0, 2.0, 0.0]]  # every sampled token sees the score

@@ -116,6 +116,12 @@ def kl_args(**over):
     return KLArgs(**{"kl_penalty": "kl", "kl_ctrl": "fixed", "target_kl": 0.1, "horizon": 10000, **over})
 
 
+def penalty(args, scores, old_logprobs, ref_logprobs, mask, kl_coef):
+    """apply_kl_penalty with the knobs of args, as the recipe's main passes them."""
+    return apply_kl_penalty(scores, old_logprobs, ref_logprobs, mask, kl_coef, args.use_kl_in_reward,
+                            **args.kl_reward_kwargs())  # fmt: skip
+
+
 OLD = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.0, 0.0], [-1.0, -1.0, -1.0]])
 REF = torch.tensor([[-1.5, -1.0, -9.0], [-1.0, -1.0, -7.0], [0.0, 0.0, 0.0]])
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # the last response is empty
@@ -123,14 +129,14 @@ MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # the 
 
 def test_token_rewards_score_on_the_last_valid_token():
     scores = torch.tensor([1.0, 2.0, 7.0])
-    rewards, coef, metrics = apply_kl_penalty(kl_args(use_kl_in_reward=False), scores, None, None, MASK, 0.1)
+    rewards, coef, metrics = penalty(kl_args(use_kl_in_reward=False), scores, None, None, MASK, 0.1)
     assert rewards.tolist() == [[0.0, 1.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
     assert coef == 0.1 and metrics == {}
 
 
 def test_token_level_kl_in_the_reward_and_the_controller():
     scores = torch.tensor([1.0, 2.0, 7.0])
-    rewards, coef, metrics = apply_kl_penalty(kl_args(), scores, OLD, REF, MASK, kl_coef=0.1)
+    rewards, coef, metrics = penalty(kl_args(), scores, OLD, REF, MASK, kl_coef=0.1)
     # k1 = old - ref: row 0 [0.5, -1.0, pad], row 1 [0.5, pad, pad]; the score sits on the last valid token
     expected = [[-0.05, 1.0 + 0.1, 0.0], [2.0 - 0.05, 0.0, 0.0], [0.0, 0.0, 0.0]]
     torch.testing.assert_close(rewards, torch.tensor(expected))
@@ -138,10 +144,10 @@ def test_token_level_kl_in_the_reward_and_the_controller():
     assert metrics["reward/kl_penalty"] == pytest.approx(0.25 / 3) and metrics["policy/kl_coef"] == 0.1
     assert coef == 0.1
     # k3 estimator on row 1's one token: exp(-0.5) + 0.5 - 1
-    rewards, _, _ = apply_kl_penalty(kl_args(kl_penalty="low_var_kl"), scores, OLD, REF, MASK, kl_coef=0.1)
+    rewards, _, _ = penalty(kl_args(kl_penalty="low_var_kl"), scores, OLD, REF, MASK, kl_coef=0.1)
     assert rewards[1, 0].item() == pytest.approx(2.0 - 0.1 * (math.exp(-0.5) + 0.5 - 1))
     # adaptive: kl 0.0833 against target 0.1 -> error -0.1667, 3 sequences over horizon 10
-    _, coef, _ = apply_kl_penalty(kl_args(kl_ctrl="adaptive", horizon=10), scores, OLD, REF, MASK, kl_coef=0.1)
+    _, coef, _ = penalty(kl_args(kl_ctrl="adaptive", horizon=10), scores, OLD, REF, MASK, kl_coef=0.1)
     assert coef == pytest.approx(0.1 * (1 + (0.25 / 3 / 0.1 - 1) * 3 / 10))
 
 

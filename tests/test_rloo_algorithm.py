@@ -46,6 +46,12 @@ def kl_args(**over):
     return KLArgs(**{"kl_penalty": "kl", "kl_ctrl": "fixed", "target_kl": 0.1, "horizon": 10000, **over})
 
 
+def penalty(args, scores, old_logprobs, ref_logprobs, mask, kl_coef):
+    """apply_kl_penalty with the knobs of args, as the recipe's main passes them."""
+    return apply_kl_penalty(scores, old_logprobs, ref_logprobs, mask, kl_coef, args.use_kl_in_reward,
+                            **args.kl_reward_kwargs())  # fmt: skip
+
+
 OLD = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.0, 0.0]])
 REF = torch.tensor([[-1.5, -1.0, -9.0], [-1.0, -1.0, -7.0]])
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
@@ -53,7 +59,7 @@ MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
 
 def test_kl_in_reward_sums_the_valid_tokens():
     scores = torch.tensor([1.0, 0.0])
-    rewards, coef, metrics = apply_kl_penalty(kl_args(), scores, OLD, REF, MASK, kl_coef=0.1)
+    rewards, coef, metrics = penalty(kl_args(), scores, OLD, REF, MASK, kl_coef=0.1)
     # k1 = old - ref on valid tokens: row 0 [0.5, -1.0] (sum -0.5), row 1 [0.5] (sum 0.5); padding ignored
     assert rewards.tolist() == pytest.approx([1.0 - 0.1 * -0.5, 0.0 - 0.1 * 0.5])
     assert coef == 0.1  # fixed controller
@@ -61,26 +67,26 @@ def test_kl_in_reward_sums_the_valid_tokens():
     assert metrics["reward/kl_penalty"] == pytest.approx(0.125)
     assert metrics["policy/kl_coef"] == 0.1
     # other estimators: abs gives row sums 1.5 and 0.5
-    rewards, _, _ = apply_kl_penalty(kl_args(kl_penalty="abs"), scores, OLD, REF, MASK, kl_coef=0.1)
+    rewards, _, _ = penalty(kl_args(kl_penalty="abs"), scores, OLD, REF, MASK, kl_coef=0.1)
     assert rewards.tolist() == pytest.approx([1.0 - 0.15, 0.0 - 0.05])
 
 
 def test_adaptive_controller_moves_the_coefficient_after_the_step():
     scores = torch.tensor([1.0, 0.0])
     args = kl_args(kl_ctrl="adaptive", target_kl=0.1, horizon=10)
-    rewards, coef, metrics = apply_kl_penalty(args, scores, OLD, REF, MASK, kl_coef=0.1)
+    rewards, coef, metrics = penalty(args, scores, OLD, REF, MASK, kl_coef=0.1)
     # kl 0.125 over target 0.1: error 0.25 clipped to 0.2; 2 sequences over horizon 10 -> * 1.04
     assert coef == pytest.approx(0.1 * (1 + 0.2 * 2 / 10))
     assert metrics["policy/kl_coef"] == 0.1  # the coefficient this step used
     assert rewards.tolist() == pytest.approx([1.05, -0.05])
     low = kl_args(kl_ctrl="adaptive", target_kl=1.0, horizon=10)
-    _, coef, _ = apply_kl_penalty(low, scores, OLD, REF, MASK, kl_coef=0.1)
+    _, coef, _ = penalty(low, scores, OLD, REF, MASK, kl_coef=0.1)
     assert coef == pytest.approx(0.1 * (1 - 0.2 * 2 / 10))  # kl far below target: error clipped to -0.2
 
 
 def test_kl_off_leaves_the_scores_alone():
     scores = torch.tensor([1.0, 0.0])
-    rewards, coef, metrics = apply_kl_penalty(kl_args(use_kl_in_reward=False), scores, None, None, MASK, 0.1)
+    rewards, coef, metrics = penalty(kl_args(use_kl_in_reward=False), scores, None, None, MASK, 0.1)
     assert rewards is scores and coef == 0.1 and metrics == {}
 
 

@@ -180,9 +180,9 @@ def test_regroup_keeps_the_chosen_groups_in_order_and_every_parts_counts(tokeniz
         return ((prompt, Completion([5 + i, 6 + i], [-0.1, -0.2], "length")), reward, reward, {"acc": reward})
 
     parts = [  # two generation batches of one step: the same weights sampled both
-        {"scored": Scored([0.0] * 4, [{}] * 4, errors=1, seconds=1.0), "timing": {"perf/generate_s": 2.0},
+        {"scored": Scored([0.0] * 4, [{}] * 4, errors=1, seconds=1.0), "timing": {"perf/generate_s": 2.0}, "started": 5.0,
          "weight_version": 7},
-        {"scored": Scored([1.0] * 4, [{}] * 4, timeouts=2, seconds=0.5), "timing": {"perf/generate_s": 3.0},
+        {"scored": Scored([1.0] * 4, [{}] * 4, timeouts=2, seconds=0.5), "timing": {"perf/generate_s": 3.0}, "started": 9.0,
          "weight_version": 7},
     ]  # fmt: skip
     groups = [[member(3, 1.0), member(3, 0.0)], [member(0, 0.0), member(0, 1.0)]]
@@ -193,6 +193,7 @@ def test_regroup_keeps_the_chosen_groups_in_order_and_every_parts_counts(tokeniz
     scored = batch["scored"]
     assert (scored.scores, scored.errors, scored.timeouts, scored.seconds) == ([1.0, 0.0, 0.0, 1.0], 1, 2, 1.5)
     assert [e["acc"] for e in scored.extras] == [1.0, 0.0, 0.0, 1.0] and batch["timing"] == {"perf/generate_s": 5.0}
+    assert batch["started"] == 5.0  # the step began with its first generation batch
     assert batch["weight_version"] == 7
     assert batch["rollout_logprobs"][0].tolist() == pytest.approx([-0.1, -0.2]), "the engine's logprobs, packed"
 

@@ -97,7 +97,7 @@ def test_smoke_checkpoint_and_export_reload(tmp_path, small_val, tokenizer):
     opt = build_optimizer(restored, 1e-3, 0.0)
     sched = build_scheduler(opt, kind="constant", total_steps=6, warmup_ratio=0)
     dist = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    load_checkpoint(ckpt, model=restored, optimizer=opt, scheduler=sched, dist=dist)
+    load_checkpoint(ckpt, (restored, opt, sched), dist=dist)
     with torch.no_grad():
         assert torch.allclose(restored(input_ids=ids, attention_mask=attention).logits, logits, atol=1e-5)
     assert sched.last_epoch == 6 and len(opt.state) > 0
