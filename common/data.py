@@ -171,6 +171,20 @@ def _too_long(file, index, n, limit, limit_flag, extra=""):
     )
 
 
+def _prompt_text(tokenizer, row: dict, file: str, index: int, prompt_key: str, tools) -> tuple[str, tuple]:
+    """A prompt row's chat-template text (tool_agent rows list `tools`), with (messages, agent_name)."""
+    messages = as_messages(get_field(row, prompt_key, file, index, "prompt_key"), file, index, prompt_key)
+    agent = row.get("agent_name") or "single_turn_agent"
+    if agent not in AGENTS:
+        raise DataError(
+            f"{file} row {index} column 'agent_name': {agent!r} is not an agent here; use single_turn_agent "
+            f"(the default) or tool_agent"
+        )
+    tools = tools if agent == "tool_agent" else None
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    return text, (messages, agent)
+
+
 def load_prompts(
     files,
     tokenizer,
@@ -189,16 +203,20 @@ def load_prompts(
     out = []
     for file, rows in read_parquet(files, what):
         stats.per_file[file] = len(rows)
+        # Template every row, then tokenize them in one batched call (about twice as fast as row by
+        # row). A row that fails to template is raised after the rows before it are checked, so
+        # the first bad row in the file is the one named, as when each row was done in turn.
+        texts, failed = [], None
         for i, row in enumerate(rows):
+            try:
+                texts.append(_prompt_text(tokenizer, row, file, i, prompt_key, tools))
+            except DataError as e:
+                failed = e
+                break
+        ids_per_row = tokenizer([t for t, _ in texts], add_special_tokens=False)["input_ids"] if texts else []
+        for i, ((_, (messages, agent)), ids) in enumerate(zip(texts, ids_per_row)):
+            row = rows[i]
             stats.rows += 1
-            messages = as_messages(get_field(row, prompt_key, file, i, "prompt_key"), file, i, prompt_key)
-            agent = row.get("agent_name") or "single_turn_agent"
-            if agent not in AGENTS:
-                raise DataError(
-                    f"{file} row {i} column 'agent_name': {agent!r} is not an agent here; use single_turn_agent "
-                    f"(the default) or tool_agent"
-                )
-            ids = render_chat(tokenizer, messages, True, tools=tools if agent == "tool_agent" else None)
             if len(ids) > max_prompt_length:
                 if filter_overlong_prompts:
                     stats.filtered_overlong += 1
@@ -221,6 +239,8 @@ def load_prompts(
                 }
             )
             stats.kept += 1
+        if failed is not None:
+            raise failed
     if not out:
         raise DataError(f"{what}: no rows left after filtering ({stats.summary(what)})")
     return out, stats

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,26 @@ def run_recipe(
     return proc
 
 
+def run_recipes_together(runs: list[tuple[str, list]], folder, nproc: int = 2, timeout: int = 1200) -> list[int]:
+    """Each (recipe, flags) of `runs` in turn inside one torchrun launch of nproc processes
+    (tests/run_together.py: its processes and imports start once for all the runs). Returns each
+    run's exit status, the same on every rank; a launch that fails raises with its output."""
+    plan = Path(folder) / "runs.json"
+    plan.write_text(
+        json.dumps([[str(ROOT / "recipes" / f"{name}.py"), [str(f) for f in flags]] for name, flags in runs])
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(29500 + os.getpid() % 1000), str(ROOT / "tests" / "run_together.py"), str(plan)]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    ranks = [Path(f"{plan}.rank{r}") for r in range(nproc)]
+    codes = [json.loads(r.read_text()) if r.is_file() else None for r in ranks]
+    if proc.returncode != 0 or any(c != codes[0] for c in codes):
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode} (statuses {codes})\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")  # fmt: skip
+    return codes[0]
+
+
 def child_pids() -> set[int]:
     """The processes this one started that are still running."""
     found = set()
@@ -135,6 +156,7 @@ def child_pids() -> set[int]:
 
 
 def _run_in_process(script: Path, flags: list[str], cwd, env: dict, check: bool, timeout: int):
+    import atexit
     import contextlib
     import faulthandler
     import io
@@ -147,6 +169,17 @@ def _run_in_process(script: Path, flags: list[str], cwd, env: dict, check: bool,
     root = logging.getLogger()
     saved_logging = (root.handlers[:], root.level)
     before = child_pids()
+    # The project's own exit handlers (a Ray the run started is stopped by one) run when the run
+    # ends, as they would when its process exits; a library's go to pytest's exit as before.
+    at_exit, register = [], atexit.register
+
+    def register_for_the_run(func, *args, **kwargs):
+        if not getattr(func, "__module__", "").startswith(("common.", "recipes.", "__main__")):
+            return register(func, *args, **kwargs)
+        at_exit.append((func, args, kwargs))
+        return func
+
+    atexit.register = register_for_the_run
     os.environ.update({"PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **{k: str(v) for k, v in env.items()}})
     sys.argv = [str(script), *flags]
     os.chdir(cwd)
@@ -164,7 +197,14 @@ def _run_in_process(script: Path, flags: list[str], cwd, env: dict, check: bool,
             except BaseException:  # as the interpreter reports an uncaught exception
                 traceback.print_exc()
                 code = 1
+            atexit.register = register
+            for func, args, kwargs in reversed(at_exit):
+                try:
+                    func(*args, **kwargs)
+                except Exception:  # as the interpreter reports a failing exit handler
+                    traceback.print_exc()
     finally:
+        atexit.register = register
         faulthandler.cancel_dump_traceback_later()
         os.chdir(saved_cwd)
         sys.argv = saved_argv
@@ -191,3 +231,48 @@ def tokenizer():
     from common.model import load_tokenizer
 
     return load_tokenizer(str(TINY))
+
+
+SHARED_RAY: set[int] = set()  # the shared Ray's own processes (gcs_server, raylet), while it runs
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for every remote-engine test (each start costs ~10 s on 2 cores). Its head runs
+    in this process, and every Ray process it makes descends from one in SHARED_RAY (which is how
+    tests/test_remote.py's ray_processes tells it from a Ray a recipe run starts); the in-process tests
+    use it as it is and recipe runs join it with --ray-address. At the end of the session it stops,
+    with every process it made."""
+    import ray
+
+    from common.remote import _descendants
+
+    before = child_pids()
+    context = ray.init(include_dashboard=False, num_cpus=4, object_store_memory=256 * 1024**2, log_to_driver=False,
+                       configure_logging=False)  # fmt: skip
+    SHARED_RAY.update(child_pids() - before)
+    yield context.address_info["gcs_address"]
+    started = _descendants(os.getpid(), "ray")
+    ray.shutdown()
+    for pid in started:  # as RemoteEngines.close does for a Ray it started: the agents linger otherwise
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.time() + 30
+    while (left := [pid for pid in started if running(pid)]) and time.time() < deadline:
+        time.sleep(0.5)
+    SHARED_RAY.clear()
+    assert not left, f"the shared Ray's processes outlived it: {left}"
+
+
+def running(pid: int) -> bool:
+    """Whether a process still runs (a zombie does not; one of ours is reaped here)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:  # not our child: its parent reaps it
+        pass
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import RL_RECIPES, ROOT, TASK_TEST, load_recipe_refusing_models
+from conftest import RL_RECIPES, ROOT, TASK_TEST, TASK_TRAIN, load_recipe_refusing_models
 
 from common.errors import UsageError
 
@@ -27,6 +27,9 @@ def files(tmp_path_factory):
     (d / "not_parquet.parquet").write_text("these are not parquet bytes")
     (d / "a_file").write_text("")
     (d / "syntax.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None)\n")
+    # The cases' default training file: 256 rows of the bundled task (the full 7,600 take a second
+    # to template per case; only the cases that name their own file need more or fewer).
+    pq.write_table(pq.read_table(TASK_TRAIN).slice(0, 256), d / "train256.parquet")
     rows = pq.read_table(TASK_TEST).slice(0, 16).to_pylist()
     pq.write_table(pa.Table.from_pylist([dict(r, data_source="my/task") for r in rows]), d / "unknown_source.parquet")
     rows[5] = dict(rows[5], reward_model=dict(rows[5]["reward_model"], ground_truth=None))
@@ -180,6 +183,7 @@ def raises_before_any_model_loads(tmp_path, monkeypatch, files, recipe, table, c
     fill = lambda v: v.format(d=files) if isinstance(v, str) else v  # noqa: E731
     kwargs = {k: tuple(map(fill, v)) if isinstance(v, tuple) else fill(v) for k, v in kwargs.items()}
     kwargs.setdefault("output_dir", str(tmp_path / "run"))
+    kwargs.setdefault("train_files", (str(files / "train256.parquet"),))
     with pytest.raises(UsageError) as error:
         module.main(module.Args(**kwargs))
     assert words.format(d=files) in str(error.value)

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ROOT, TASK_TEST, load_recipe_refusing_models, read_metrics, run_recipe
+from conftest import ROOT, TASK_TEST, load_recipe_refusing_models, read_metrics, run_recipe, run_recipes_together
 from safetensors.torch import load_file
 
 from common.scoring import extract_answer_tag
@@ -37,18 +37,38 @@ def test_every_trainable_parameter_changes(tmp_path, small_val):
     assert not unchanged, unchanged
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_processes(tmp_path, small_val, strategy):
-    out, plain = tmp_path / strategy, tmp_path / f"{strategy}-plain"
-    flags = f"{FAST} --strategy {strategy} --use-kl-loss"
+def two_process_flags(strategy: str) -> str:
+    flags = f"{FAST} --strategy {strategy} --use-kl-loss --resume disable"
     if strategy == "fsdp2":  # ranks must agree on the micro-batch count and on the forward calls in each
         flags += " --use-dynamic-bsz --ppo-max-token-len-per-gpu 150"
-    grpo(
+    return flags
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory, small_val):
+    """Under DDP and FSDP2 with 2 processes: 2 steps with validation, generations logged and a
+    checkpoint, and 1 step with one forward pass per sequence; the four runs made one after
+    another in a single torchrun launch (tests/run_together.py). {name: (folder, exit status)}."""
+    out = tmp_path_factory.mktemp("two")
+    runs = {}
+    for strategy in ("ddp", "fsdp2"):
+        flags = two_process_flags(strategy)
+        runs[strategy] = f"{flags} --total-training-steps 2 --test-freq 2 --save-freq 2 --log-val-generations 40"
+        runs[f"{strategy}-plain"] = f"{flags} --total-training-steps 1 --test-freq 0 --no-shared-prompt-forward"
+    codes = run_recipes_together(
+        [
+            ("grpo", ["--output-dir", out / name, "--val-files", small_val, *flags.split()])
+            for name, flags in runs.items()
+        ],
         out,
-        small_val,
-        flags + " --total-training-steps 2 --test-freq 2 --save-freq 2 --log-val-generations 40",
-        nproc=2,
     )
+    return {name: (out / name, code) for name, code in zip(runs, codes)}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes(two_process_runs, small_val, strategy):
+    (out, code), (plain, plain_code) = two_process_runs[strategy], two_process_runs[f"{strategy}-plain"]
+    assert code == 0 and plain_code == 0, (code, plain_code)
     run = json.loads((out / "config.json").read_text())["run"]
     assert run["world_size"] == 2 and run["strategy"] == strategy
     if strategy == "fsdp2":
@@ -64,7 +84,6 @@ def test_two_processes(tmp_path, small_val, strategy):
     assert all(g["score"] == float(extract_answer_tag(g["response"]) == g["ground_truth"]) for g in logged)
     # The shared-prompt forward calls the wrapped model twice per micro-batch; gradient sync must
     # still give what one pass per sequence gives (same seed, so the same samples at step 1).
-    grpo(plain, small_val, flags + " --total-training-steps 1 --test-freq 0 --no-shared-prompt-forward", nproc=2)
     a, b = read_metrics(out)[0], read_metrics(plain)[0]
     assert a["reward/mean"] == b["reward/mean"]
     assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)

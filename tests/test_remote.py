@@ -22,11 +22,17 @@ SAMPLING = Sampling(n=4, max_tokens=8)
 BATCH = 8  # prompts per step
 
 
-def ray_processes() -> list[str]:
-    """Ray's own processes (raylet, gcs_server, workers) that belong to this user."""
+def ray_processes(include_shared: bool = False) -> list[str]:
+    """Ray's own processes (raylet, gcs_server, workers) that belong to this user, but for those of
+    the shared cluster (conftest's ray_cluster) unless include_shared."""
+    from conftest import SHARED_RAY
+
+    from common.remote import _descendants
+
+    shared = set() if include_shared else {*SHARED_RAY, *(p for root in SHARED_RAY for p in _descendants(root, ""))}
     found = []
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
+        if not proc.name.isdigit() or int(proc.name) in shared:
             continue
         try:
             if proc.stat().st_uid != os.getuid():
@@ -68,24 +74,27 @@ def start(model, tokenizer, *, model_path=SFT, engines=2, staleness=0, timeout=1
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    """One local Ray for the module's in-process tests; shut down (and checked gone) at the end."""
-    import ray
+@pytest.fixture
+def ray_session(ray_cluster):
+    """The module's in-process tests drive the session's shared Ray (conftest's ray_cluster)."""
+    yield ray_cluster
 
-    ray.init(include_dashboard=False, num_cpus=4, object_store_memory=256 * 1024**2, log_to_driver=False,
-             configure_logging=False)  # fmt: skip
-    yield
-    from common.remote import _descendants
 
-    started = _descendants(os.getpid(), "ray")
-    ray.shutdown()
-    for pid in started:  # as RemoteEngines.close does for a Ray it started: the agents linger otherwise
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except OSError:
-            pass
-    assert not wait_until_no_ray(), f"Ray processes left: {ray_processes()}"
+def test_the_shared_ray_is_this_process_and_leaves_nothing_of_a_run_behind(ray_session, tokenizer):
+    """The shared cluster's processes all descend from its own (so ray_processes can tell them
+    from a Ray a run starts itself), and engines closed on it leave no process of theirs."""
+    from common.model import load_policy
+
+    shared = ray_processes(include_shared=True)
+    assert shared and not ray_processes(), shared
+    engines = start(load_policy(str(SFT)), tokenizer, engines=1)
+    actors = [p for p in ray_processes(include_shared=True) if "EngineActor" in p]
+    assert actors, "the engine actor runs in the shared cluster"
+    engines.close()
+    deadline = time.time() + 30
+    while any(p.split(":")[0] in {a.split(":")[0] for a in actors} for p in ray_processes(include_shared=True)):
+        assert time.time() < deadline, "the engine's process outlived close()"
+        time.sleep(0.5)
 
 
 def checksums(model) -> dict[str, float]:

@@ -1,5 +1,7 @@
 """grpo.py with --rollout-placement remote: it learns with --max-staleness 1, runs under two trainer
-processes, and a trainer that stops (the stop signal, Ctrl-C) leaves no Ray process behind."""
+processes, and a trainer that stops (the stop signal, Ctrl-C) leaves no Ray process behind. The runs
+join the session's shared Ray (conftest's ray_cluster) but for the stopped trainers, which start
+their own: what they must leave behind is nothing of it."""
 
 import os
 import shutil
@@ -23,11 +25,11 @@ def no_ray_before_or_after():
 
 
 @pytest.mark.slow
-def test_grpo_with_remote_engines_and_staleness_1_learns(tmp_path):
+def test_grpo_with_remote_engines_and_staleness_1_learns(tmp_path, ray_cluster):
     """Every step after the first trains on samples exactly one weight version old (the engines
     sample step t+1 while the trainer trains step t), and validation accuracy still climbs."""
     run_recipe("grpo", *REMOTE, "--max-staleness", "1", "--total-training-steps", "20", "--save-freq", "0",
-               "--output-dir", tmp_path / "run", fresh=True)  # fmt: skip
+               "--output-dir", tmp_path / "run", "--ray-address", ray_cluster, fresh=True)  # fmt: skip
     metrics = read_metrics(tmp_path / "run")
     steps = [m for m in metrics if "train/loss" in m]
     assert len(steps) == 20
@@ -41,20 +43,22 @@ def test_grpo_with_remote_engines_and_staleness_1_learns(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_trainer_processes_share_the_remote_engines(tmp_path):
+def test_two_trainer_processes_share_the_remote_engines(tmp_path, ray_cluster):
     """torchrun with 2 FSDP2 processes: rank 0 serves both ranks' prompts through the engines,
     and every sync gathers the sharded weights on all ranks; the staleness bound holds."""
     run_recipe("grpo", *REMOTE, "--max-staleness", "1", "--strategy", "fsdp2", "--total-training-steps", "4",
-               "--test-freq", "0", "--save-freq", "0", "--output-dir", tmp_path / "run", nproc=2)  # fmt: skip
+               "--test-freq", "0", "--save-freq", "0", "--output-dir", tmp_path / "run", "--ray-address", ray_cluster,
+               nproc=2)  # fmt: skip
     steps = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
     assert len(steps) == 4 and [m["rollout/staleness_max"] for m in steps] == [0, 1, 1, 1]
 
 
 @pytest.mark.slow
-def test_a_resumed_run_with_synchronous_remote_engines_repeats_the_steps_exactly(tmp_path):
+def test_a_resumed_run_with_synchronous_remote_engines_repeats_the_steps_exactly(tmp_path, ray_cluster):
     """With --max-staleness 0 every chunk is sampled under a seed fixed by (run seed, step, chunk)
     on the weights of that step, so a run resumed from step 2 repeats steps 3-4 exactly."""
-    flags = [*REMOTE, "--total-training-steps", "4", "--test-freq", "0", "--save-freq", "2", "--output-dir", tmp_path]
+    flags = [*REMOTE, "--total-training-steps", "4", "--test-freq", "0", "--save-freq", "2", "--output-dir", tmp_path,
+             "--ray-address", ray_cluster]  # fmt: skip
     run_recipe("grpo", *flags, fresh=True)
     keys = ("train/loss", "train/grad_norm", "reward/mean", "rollout/logprob_diff_max")
     first = [[m[k] for k in keys] for m in read_metrics(tmp_path) if "train/loss" in m]
@@ -73,8 +77,8 @@ def test_a_stopped_trainer_leaves_no_ray_process(tmp_path, how):
     the Ray the run started are gone (the fixture checks)."""
     cmd = [sys.executable, str(ROOT / "recipes" / "grpo.py"), *REMOTE, "--max-staleness", "1",
            "--total-training-steps", "200", "--test-freq", "0", "--save-freq", "0", "--output-dir", str(tmp_path / "run")]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None:
@@ -84,7 +88,11 @@ def test_a_stopped_trainer_leaves_no_ray_process(tmp_path, how):
             time.sleep(0.5)
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         proc.send_signal(getattr(signal, how))
-        out, _ = proc.communicate(timeout=120)
+        try:
+            out, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # where it hangs: faulthandler prints every thread's stack on SIGABRT
+            proc.send_signal(signal.SIGABRT)
+            raise AssertionError(f"still running 120 s after {how}:\n{proc.communicate()[0][-6000:]}") from None
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -20,6 +20,7 @@ from conftest import (
     load_recipe_refusing_models,
     read_metrics,
     run_recipe,
+    run_recipes_together,
 )
 from safetensors.torch import load_file
 
@@ -173,18 +174,23 @@ def test_micro_batch_and_checkpointing_invariance(tmp_path, small_val, single_pr
     assert losses(out, "train/grad_norm") == pytest.approx(losses(single_process_run, "train/grad_norm"), rel=1e-4)
 
 
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory, odd_val):
+    """sft.py with 2 processes, made one after another in a single torchrun launch
+    (tests/run_together.py): DDP and FSDP2 in float32, and FSDP2 under bf16 mixed precision with
+    the float32 reference's micro-batch layout. {name: (folder, exit status)}."""
+    out = tmp_path_factory.mktemp("two")
+    runs = {strategy: f"{STEPS3} --micro-batch-size-per-gpu 16 --strategy {strategy} --save-freq 3"
+            for strategy in ("ddp", "fsdp2")}  # fmt: skip
+    runs["bf16-fsdp2"] = f"{STEPS3} --micro-batch-size-per-gpu 32 --save-freq 3 --mixed-precision bf16 --strategy fsdp2"
+    codes = run_recipes_together([("sft", base_flags(out / name, odd_val, flags)) for name, flags in runs.items()], out)
+    return {name: (out / name, code) for name, code in zip(runs, codes)}
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_processes_match_one(tmp_path, odd_val, single_process_run, strategy):
-    out = tmp_path / strategy
-    run_recipe(
-        "sft",
-        *base_flags(
-            out,
-            odd_val,
-            f"{STEPS3} --micro-batch-size-per-gpu 16 --strategy {strategy} --save-freq 3",
-        ),
-        nproc=2,
-    )
+def test_two_processes_match_one(two_process_runs, single_process_run, strategy):
+    out, code = two_process_runs[strategy]
+    assert code == 0, f"sft.py exited {code}"
     run = json.loads((out / "config.json").read_text())["run"]
     assert run["world_size"] == 2 and run["strategy"] == strategy
     local = run["params_local_per_rank"]
@@ -354,13 +360,17 @@ def test_rerun_of_a_finished_run_says_so(tmp_path, small_val):
 
 
 @pytest.mark.parametrize("nproc, strategy", [(1, "ddp"), (2, "fsdp2")])
-def test_bf16_mixed_precision_keeps_float32_master_weights(tmp_path, odd_val, single_process_run, nproc, strategy):
+def test_bf16_mixed_precision_keeps_float32_master_weights(tmp_path, odd_val, single_process_run, two_process_runs,
+                                                           nproc, strategy):  # fmt: skip
     """bf16 compute (autocast, or FSDP2's param_dtype) tracks the float32 run closely, and the
     weights that are trained and exported stay float32."""
-    out = tmp_path / f"bf16-{strategy}"
-    micro = 64 // nproc  # the float32 reference's layout on one process
-    flags = f"{STEPS3} --micro-batch-size-per-gpu {micro} --save-freq 3 --mixed-precision bf16 --strategy {strategy}"
-    run_recipe("sft", *base_flags(out, odd_val, flags), nproc=nproc)
+    if nproc == 1:  # the float32 reference's layout on one process
+        out = tmp_path / f"bf16-{strategy}"
+        flags = f"{STEPS3} --micro-batch-size-per-gpu 64 --save-freq 3 --mixed-precision bf16 --strategy {strategy}"
+        run_recipe("sft", *base_flags(out, odd_val, flags))
+    else:
+        out, code = two_process_runs["bf16-fsdp2"]  # micro-batches of 32 per process: that layout again
+        assert code == 0, f"sft.py exited {code}"
     assert losses(out) == pytest.approx(losses(single_process_run), rel=1e-2)
     if nproc == 1:  # same layout as the float32 run: any difference comes from bf16 compute
         assert losses(out) != losses(single_process_run)
