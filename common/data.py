@@ -249,14 +249,27 @@ def load_prompts(
 # --- SFT examples ----------------------------------------------------------------------------------
 
 
-def _assistant_spans(tokenizer, messages, file, index, tools=None) -> tuple[list[int], list[int]]:
-    full = render_chat(tokenizer, messages, add_generation_prompt=False, tools=tools)
+def _chat_texts(tokenizer, messages: list[dict], tools) -> tuple[list[str], list[int]]:
+    """The template texts an SFT conversation is cut by (the whole conversation, then for each
+    assistant turn the prompt before it and the conversation up to its end) and those turns."""
+
+    def render(upto, add_generation_prompt):
+        return tokenizer.apply_chat_template(messages[:upto], tools=tools, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)  # fmt: skip
+
+    turns = [t for t, message in enumerate(messages) if message["role"] == "assistant"]
+    return [
+        render(len(messages), False),
+        *(text for t in turns for text in (render(t, True), render(t + 1, False))),
+    ], turns
+
+
+def _assistant_spans(pieces: list[list[int]], turns: list[int], file, index) -> tuple[list, list, list]:
+    """Token ids, loss mask and the last assistant turn's prompt from _chat_texts' texts, tokenized."""
+    full, spans = pieces[0], pieces[1:]
     mask = [0] * len(full)
-    for turn, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        start = render_chat(tokenizer, messages[:turn], add_generation_prompt=True, tools=tools)
-        end = render_chat(tokenizer, messages[: turn + 1], add_generation_prompt=False, tools=tools)
+    for k, turn in enumerate(turns):
+        start, end = spans[2 * k], spans[2 * k + 1]
         if full[: len(start)] != start or full[: len(end)] != end:
             raise DataError(
                 f"{file} row {index}: the chat template does not render turn {turn} as a prefix "
@@ -264,7 +277,27 @@ def _assistant_spans(tokenizer, messages, file, index, tools=None) -> tuple[list
                 f"prompt/response columns or a template that renders history unchanged"
             )
         mask[len(start) : len(end)] = [1] * (len(end) - len(start))
-    return full, mask
+    return full, mask, spans[-2]
+
+
+def _sft_texts(tokenizer, row, file, i, chat, with_tools, keys) -> tuple[list[str], list[int]]:
+    """The texts one SFT row is tokenized from: _chat_texts' for a conversation, or the templated
+    prompt and the response (and no turns)."""
+    messages_key, prompt_key, response_key, tools_key = keys
+    if chat:
+        messages = as_messages(get_field(row, messages_key, file, i, "messages_key"), file, i, messages_key)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{file} row {i} column {messages_key!r}: no assistant message to train on")
+        tools = as_tools(get_field(row, tools_key, file, i), file, i, tools_key) if with_tools else None
+        return _chat_texts(tokenizer, messages, tools)
+    messages = as_messages(get_field(row, prompt_key, file, i, "prompt_key"), file, i, prompt_key)
+    response = get_field(row, response_key, file, i, "response_key")
+    if not isinstance(response, str):
+        raise DataError(
+            f"{file} row {i} column {response_key!r}: expected a string response, "
+            f"got {type(response).__name__}: {str(response)[:80]!r}"
+        )
+    return [tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), response], []
 
 
 def load_sft(
@@ -291,6 +324,7 @@ def load_sft(
     stats = LoadStats()
     out = []
     eos = tokenizer.eos_token_id
+    keys = (messages_key, prompt_key, response_key, tools_key)
     for file, rows in read_parquet(files, what):
         stats.per_file[file] = len(rows)
         chat = has_column(rows, messages_key)
@@ -301,26 +335,27 @@ def load_sft(
                 f"(prompt/response) found; columns are {sorted(rows[0])}; set --messages-key or "
                 f"--prompt-key/--response-key"
             )
+        # As in load_prompts: template every row, tokenize all the texts in one batched call (about
+        # three times as fast as call by call), and raise a row that failed to template only after
+        # the rows before it are checked, so the first bad row in the file is the one named.
+        texts, failed = [], None
         for i, row in enumerate(rows):
+            try:
+                texts.append(_sft_texts(tokenizer, row, file, i, chat, with_tools, keys))
+            except DataError as e:
+                failed = e
+                break
+        flat = [t for row_texts, _ in texts for t in row_texts]
+        flat = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
+        at = 0
+        for i, (row_texts, turns) in enumerate(texts):
+            pieces, at = flat[at : at + len(row_texts)], at + len(row_texts)
+            row = rows[i]
             stats.rows += 1
             if chat:
-                messages = as_messages(get_field(row, messages_key, file, i, "messages_key"), file, i, messages_key)
-                last = max((t for t, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-                if last is None:
-                    raise DataError(f"{file} row {i} column {messages_key!r}: no assistant message to train on")
-                tools = as_tools(get_field(row, tools_key, file, i), file, i, tools_key) if with_tools else None
-                ids, mask = _assistant_spans(tokenizer, messages, file, i, tools)
-                prompt_ids = render_chat(tokenizer, messages[:last], add_generation_prompt=True, tools=tools)
+                ids, mask, prompt_ids = _assistant_spans(pieces, turns, file, i)
             else:
-                messages = as_messages(get_field(row, prompt_key, file, i, "prompt_key"), file, i, prompt_key)
-                response = get_field(row, response_key, file, i, "response_key")
-                if not isinstance(response, str):
-                    raise DataError(
-                        f"{file} row {i} column {response_key!r}: expected a string response, "
-                        f"got {type(response).__name__}: {str(response)[:80]!r}"
-                    )
-                prompt_ids = render_chat(tokenizer, messages, add_generation_prompt=True)
-                response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [eos]
+                prompt_ids, response_ids = pieces[0], pieces[1] + [eos]
                 ids = prompt_ids + response_ids
                 mask = [0] * len(prompt_ids) + [1] * len(response_ids)
             if len(ids) > max_length:
@@ -345,6 +380,8 @@ def load_sft(
                 }
             )
             stats.kept += 1
+        if failed is not None:
+            raise failed
     if stats.no_loss_tokens:
         log.warning(
             "%s: %d example(s) had no response token left after truncation=%s and were left out",

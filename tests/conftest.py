@@ -122,14 +122,16 @@ def run_recipe(
     return proc
 
 
-def run_recipes_together(runs: list[tuple[str, list]], folder, nproc: int = 2, timeout: int = 1200) -> list[int]:
-    """Each (recipe, flags) of `runs` in turn inside one torchrun launch of nproc processes
-    (tests/run_together.py: its processes and imports start once for all the runs). Returns each
-    run's exit status, the same on every rank; a launch that fails raises with its output."""
+def run_recipes_together(runs: list[tuple], folder, nproc: int = 2, timeout: int = 1200) -> list[int]:
+    """Each (recipe, flags) or (recipe, flags, environment) of `runs` in turn inside one torchrun
+    launch of nproc processes (tests/run_together.py: its processes and imports start once for all
+    the runs). Returns each run's exit status, the same on every rank; a launch that fails raises
+    with its output."""
     plan = Path(folder) / "runs.json"
-    plan.write_text(
-        json.dumps([[str(ROOT / "recipes" / f"{name}.py"), [str(f) for f in flags]] for name, flags in runs])
-    )
+    plan.write_text(json.dumps([
+        [str(ROOT / "recipes" / f"{name}.py"), [str(f) for f in flags], {k: str(v) for k, v in (env or {}).items()}]
+        for name, flags, env in ((*run, None)[:3] for run in runs)
+    ]))  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(29500 + os.getpid() % 1000), str(ROOT / "tests" / "run_together.py"), str(plan)]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}

@@ -1,6 +1,7 @@
 """Run several recipes one after another in the same processes: `torchrun --nproc_per_node N
-tests/run_together.py RUNS.json`, RUNS.json holding [[recipe script, [flags]], ...]. Each rank
-executes every recipe as __main__ with its flags, as `python recipe.py FLAGS` would, and writes
+tests/run_together.py RUNS.json`, RUNS.json holding [[recipe script, [flags], {environment}], ...].
+Each rank executes every recipe as __main__ with its flags and those environment variables set, as
+`ENV=... python recipe.py FLAGS` would, and writes
 RUNS.json.rank<R> with each run's exit status. The tests use it so that torchrun and its ranks'
 imports start once for all the runs a test module makes (each start costs seconds on 2 cores)."""
 
@@ -14,8 +15,9 @@ import traceback
 
 plan = sys.argv[1]
 codes = []
-for script, flags in json.loads(open(plan).read()):
-    sys.argv = [script, *flags]
+for script, flags, env in json.loads(open(plan).read()):
+    sys.argv, saved_env = [script, *flags], dict(os.environ)
+    os.environ.update(env)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}  # StopSignal sets its own
     print(f"=== {os.path.basename(script)} {' '.join(flags)}", flush=True)
     try:
@@ -29,6 +31,8 @@ for script, flags in json.loads(open(plan).read()):
     for s, handler in handlers.items():
         signal.signal(s, handler)
     logging.getLogger().handlers.clear()  # the next run's setup_logging installs its own
+    os.environ.clear()
+    os.environ.update(saved_env)
     codes.append(code)
     sys.stdout.flush()
 with open(f"{plan}.rank{os.environ.get('RANK', '0')}", "w") as f:

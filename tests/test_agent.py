@@ -617,10 +617,11 @@ def test_a_killed_multi_turn_run_resumes_exactly(tmp_path):
 def test_grpo_learns_to_call_the_calculator(tmp_path, capsys):
     """The bundled tool task (docs/multi-turn.md): bundled/tiny-qwen2-tools calls its calculator on
     about half its sampled answers but, greedy, answers at once (and its own products are wrong).
-    3 seeded GRPO steps teach it to call: greedy, it calls on (nearly) every one of the first 128
-    test prompts, and its accuracy rises by a wide margin (the bar is 30 points; the bench measured
-    2.3% -> 86.3% on 256 prompts after 20 steps). The margin, measured with seeds 1-3: after 1, 2,
-    4 and 6 steps alike, accuracy 2.3% -> 89.1% and greedy calls 0.02 -> 1.00 per conversation; 3
+    3 seeded GRPO steps of 16 prompts x 4 samples teach it to call: greedy, it calls on (nearly)
+    every one of the first 128 test prompts, and its accuracy rises by a wide margin (the bar is 30
+    points; the bench measured 2.3% -> 86.3% on 256 prompts after 20 steps). The margin, measured
+    with seeds 1-3: with 16 samples per prompt after 1, 2, 4 and 6 steps, and with 4 or 8 after 1
+    and 3 steps, alike, accuracy 2.3% -> 89.1% and greedy calls 0.02 -> 1.00 per conversation; 3
     steps is three times what the flip needs."""
     import pyarrow.parquet as pq
     from conftest import BUNDLED, read_metrics, run_recipe
@@ -630,7 +631,7 @@ def test_grpo_learns_to_call_the_calculator(tmp_path, capsys):
     out = tmp_path / "run"
     run_recipe("grpo", "--model", BUNDLED / "tiny-qwen2-tools", "--train-files", task / "train.parquet",
                "--val-files", tmp_path / "val.parquet", "--tool-config", task / "tools.yaml", "--max-prompt-length",
-               "128", "--max-response-length", "128", "--max-assistant-turns", "3", "--lr", "5e-5",
+               "128", "--max-response-length", "128", "--max-assistant-turns", "3", "--lr", "5e-5", "--rollout-n", "4",
                "--total-training-steps", "3", "--test-freq", "3", "--save-freq", "0", "--output-dir", out)  # fmt: skip
     metrics = read_metrics(out)
     before, after = metrics[0], metrics[-1]

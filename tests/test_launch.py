@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, read_metrics, run_recipe
+from conftest import ROOT, read_metrics, run_recipe, run_recipes_together
 
 LAUNCH = ROOT / "launch"
 FAKES = ROOT / "tests" / "fake_slurm"
@@ -188,8 +188,10 @@ def test_ray_script_stops_the_cluster_on_a_signal_and_on_a_missing_node(tmp_path
     assert not fakes_left()
 
     (tmp_path / "missing").mkdir()
-    proc = run_ray(tmp_path / "missing", hosts, "python", "driver.py", FAKE_RAY_MISSING="1", RAY_START_TIMEOUT="1")
-    assert proc.returncode == 1 and "the Ray cluster has 1 of 2 nodes after 1s" in proc.stderr
+    # 3 s, not 1: bash's SECONDS counts whole seconds, so a 1 s limit can run out at the first look,
+    # before the head's `ray start` has even been called
+    proc = run_ray(tmp_path / "missing", hosts, "python", "driver.py", FAKE_RAY_MISSING="1", RAY_START_TIMEOUT="3")
+    assert proc.returncode == 1 and "the Ray cluster has 1 of 2 nodes after 3s" in proc.stderr, proc.stderr
     lines = (tmp_path / "missing" / "calls.log").read_text().splitlines()
     assert not [x for x in lines if x.startswith("driver")] and [x for x in lines if x.startswith("ray stop")]
     assert not fakes_left()
@@ -286,9 +288,10 @@ def test_cpu_offload_trains_and_resumes_exactly_as_plain_fsdp2(tmp_path):
     norms equal plain FSDP2's, also after a resume from an offloaded checkpoint. (On a CPU the
     offload is a no-op for memory; the code path is the one GPUs run.)"""
     flags = ["--total-training-steps", "4", "--test-freq", "0", "--save-freq", "2", "--log-interval", "0"]
-    run_recipe("grpo", *flags, "--strategy", "fsdp2", "--output-dir", tmp_path / "plain", nproc=2)
     offload = {"FSDP_OFFLOAD_PARAMS": "true"}
-    run_recipe("grpo", *flags, "--output-dir", tmp_path / "offload", nproc=2, env=offload)
+    codes = run_recipes_together([("grpo", [*flags, "--strategy", "fsdp2", "--output-dir", tmp_path / "plain"]),
+                                  ("grpo", [*flags, "--output-dir", tmp_path / "offload"], offload)], tmp_path)  # fmt: skip
+    assert codes == [0, 0]
     layout = json.loads((tmp_path / "offload" / "config.json").read_text())["run"]
     assert layout["strategy"] == "fsdp2" and layout["param_offload"] is True and layout["world_size"] == 2
     assert json.loads((tmp_path / "plain" / "config.json").read_text())["run"]["param_offload"] is False

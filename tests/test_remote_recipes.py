@@ -1,7 +1,7 @@
 """grpo.py with --rollout-placement remote: it learns with --max-staleness 1, runs under two trainer
 processes, and a trainer that stops (the stop signal, Ctrl-C) leaves no Ray process behind. The runs
-join the session's shared Ray (conftest's ray_cluster) but for the stopped trainers, which start
-their own: what they must leave behind is nothing of it."""
+join the session's shared Ray (conftest's ray_cluster), one process of them inside this one, but for
+the stopped trainers, which start their own: what they must leave behind is nothing of it."""
 
 import os
 import shutil
@@ -29,7 +29,7 @@ def test_grpo_with_remote_engines_and_staleness_1_learns(tmp_path, ray_cluster):
     """Every step after the first trains on samples exactly one weight version old (the engines
     sample step t+1 while the trainer trains step t), and validation accuracy still climbs."""
     run_recipe("grpo", *REMOTE, "--max-staleness", "1", "--total-training-steps", "20", "--save-freq", "0",
-               "--output-dir", tmp_path / "run", "--ray-address", ray_cluster, fresh=True)  # fmt: skip
+               "--output-dir", tmp_path / "run", "--ray-address", ray_cluster)  # fmt: skip
     metrics = read_metrics(tmp_path / "run")
     steps = [m for m in metrics if "train/loss" in m]
     assert len(steps) == 20
@@ -59,13 +59,13 @@ def test_a_resumed_run_with_synchronous_remote_engines_repeats_the_steps_exactly
     on the weights of that step, so a run resumed from step 2 repeats steps 3-4 exactly."""
     flags = [*REMOTE, "--total-training-steps", "4", "--test-freq", "0", "--save-freq", "2", "--output-dir", tmp_path,
              "--ray-address", ray_cluster]  # fmt: skip
-    run_recipe("grpo", *flags, fresh=True)
+    run_recipe("grpo", *flags)
     keys = ("train/loss", "train/grad_norm", "reward/mean", "rollout/logprob_diff_max")
     first = [[m[k] for k in keys] for m in read_metrics(tmp_path) if "train/loss" in m]
     shutil.rmtree(tmp_path / "checkpoints" / "step_4")
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "metrics.jsonl").write_text("".join(lines[:-2]))
-    proc = run_recipe("grpo", *flags, fresh=True)
+    proc = run_recipe("grpo", *flags)
     assert "resumed from" in proc.stdout + proc.stderr
     again = [[m[k] for k in keys] for m in read_metrics(tmp_path) if "train/loss" in m]
     assert len(first) == 4 and again == first

@@ -12,6 +12,7 @@ import math
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -96,25 +97,45 @@ def test_same_flag_same_words_across_recipes():
     assert not differing, differing
 
 
+HELP_PAGES = """
+import contextlib, io, json, runpy, sys
+HEAVY = ("transformers", "accelerate", "peft", "torch.distributed.checkpoint", "pyarrow")
+pages = {}
+for script in sys.argv[1:]:
+    sys.argv, out = [script, "--help"], io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        runpy.run_path(script, run_name="__main__")
+    heavy = [m for m in HEAVY if m in sys.modules]
+    pages[script] = [out.getvalue(), heavy]
+    if heavy:  # the next recipe's --help could no longer show what it loads
+        break
+print(json.dumps(pages))
+"""
+
+
+@pytest.fixture(scope="module")
+def help_pages():
+    """Each recipe's --help output and the heavy modules loaded by then, every recipe in one new
+    interpreter (one torch import for all); a recipe that loads one ends that interpreter, and the
+    recipes after it start again in a fresh one, so each one is judged by what it loads itself."""
+    todo, pages = [str(ROOT / "recipes" / f"{r}.py") for r in RECIPES], {}
+    while todo:
+        proc = subprocess.run([sys.executable, "-c", HELP_PAGES, *todo], capture_output=True, text=True, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        pages.update(json.loads(proc.stdout.splitlines()[-1]))
+        todo = [t for t in todo if t not in pages]
+    return {Path(script).stem: page for script, page in pages.items()}
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_help_renders_without_loading_the_libraries(recipe):
+def test_help_renders_without_loading_the_libraries(help_pages, recipe):
     """--help lists the flags; it answers before transformers, accelerate or the checkpoint code
     load (they made it take 10-30 s), so only torch's own import remains."""
-    code = (
-        "import sys, runpy; sys.argv = [sys.argv[1], '--help']\n"
-        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-        "except SystemExit:\n    pass\n"
-        "heavy = [m for m in ('transformers', 'accelerate', 'peft', 'torch.distributed.checkpoint', 'pyarrow') "
-        "if m in sys.modules]\nprint('HEAVY', heavy)\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(ROOT / "recipes" / f"{recipe}.py")], capture_output=True, text=True, cwd=ROOT
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    page, heavy = help_pages[recipe]
     expected = {"generate": ("--model", "--data-path", "--output-path"), "evaluate": ("--data-path", "--output-json")}
     for flag in expected.get(recipe, ("--lr", "--model", "--output-dir")):
-        assert flag in proc.stdout, flag
-    assert "HEAVY []" in proc.stdout, proc.stdout[-300:]
+        assert flag in page, flag
+    assert heavy == [], f"{recipe} --help loads {heavy}"
 
 
 # --- running -----------------------------------------------------------------------------------------
@@ -124,7 +145,9 @@ def test_smoke_checkpoint_and_exact_resume(tmp_path, small_val, recipe):
     before its save, a resumed run repeats steps 3-4 exactly; a re-run of the finished run says so."""
     out = tmp_path / recipe
     flags = ["--total-training-steps", 4, "--save-freq", 2, "--test-freq", 2, "--max-ckpt-to-keep", 0]
-    first = run(recipe, out, small_val, *flags, "--log-interval", 2, fresh=True)  # as users run it: a new process
+    # grpo as users run it, in a new process; the others in this one (the same code path, without
+    # a start-up of several seconds each)
+    first = run(recipe, out, small_val, *flags, "--log-interval", 2, fresh=recipe == "grpo")
     want = read_metrics(out)
     assert [r["step"] for r in want] == [1, 2, 3, 4] and "val/accuracy" in want[1] and "val/accuracy" in want[3]
     for key in ("train/loss", "reward/mean", "response/length_mean", "perf/step_s", "train/grad_norm"):
