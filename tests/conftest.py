@@ -243,8 +243,9 @@ def ray_cluster():
     """One local Ray for every remote-engine test (each start costs ~10 s on 2 cores). Its head runs
     in this process, and every Ray process it makes descends from one in SHARED_RAY (which is how
     tests/test_remote.py's ray_processes tells it from a Ray a recipe run starts); the in-process tests
-    use it as it is and recipe runs join it with --ray-address. At the end of the session it stops,
-    with every process it made."""
+    use it as it is and recipe runs join it with --ray-address (one run inside this process while it
+    is up joins it whatever its flags: ray.init was called here). At the end of the session it
+    stops, with every process it made."""
     import ray
 
     from common.remote import _descendants

@@ -1,9 +1,9 @@
 """Run several recipes one after another in the same processes: `torchrun --nproc_per_node N
 tests/run_together.py RUNS.json`, RUNS.json holding [[recipe script, [flags], {environment}], ...].
 Each rank executes every recipe as __main__ with its flags and those environment variables set, as
-`ENV=... python recipe.py FLAGS` would, and writes
-RUNS.json.rank<R> with each run's exit status. The tests use it so that torchrun and its ranks'
-imports start once for all the runs a test module makes (each start costs seconds on 2 cores)."""
+`ENV=... python recipe.py FLAGS` would, and writes RUNS.json.rank<R> with each run's exit status.
+The tests use it so that torchrun and its ranks' imports start once for all the runs a test module
+makes (each start costs seconds on 2 cores)."""
 
 import json
 import logging
