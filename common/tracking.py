@@ -249,11 +249,11 @@ def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
     """Step 7's shared part for a batch from common.rollout.generate_and_score: reward/* and
     response/* over every rank, the advantages' mean, max and min over response tokens (verl's
     critic/advantages/*), the phase timings, train/epoch, perf/step_s (since the batch's generation
-    began) and perf/tokens_per_s, the
-    engine's rollout/weight_version, rollout/staleness_mean and _max (how many versions older the
-    weights that sampled each response are: 0 but for remote engines sampling ahead) and the
-    engine's own counters (common.remote.RemoteEngines.stats). `rewards` (B,) are the final rewards, after any shaping
-    the recipe did; `advantages` are (B,) or (B, T). With the trainer's `old_logprobs` (B, T),
+    began) and perf/tokens_per_s, the engine's rollout/weight_version, rollout/staleness_mean and
+    _max (how many versions older the weights that sampled each response are: 0 but for remote
+    engines sampling ahead) and the engine's own counters (common.remote.RemoteEngines.stats).
+    `rewards` (B,) are the final rewards, after any shaping the recipe did; `advantages` are (B,)
+    or (B, T). With the trainer's `old_logprobs` (B, T),
     also rollout/logprob_diff_mean and _max: |trainer - engine| over response tokens, the
     mismatch between the policy trained and the one that sampled (not logged when the old
     logprobs are the engine's own, as --bypass-mode makes them)."""
