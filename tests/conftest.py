@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -226,6 +227,30 @@ def _run_in_process(script: Path, flags: list[str], cwd, env: dict, check: bool,
 
 def read_metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+@pytest.fixture(scope="session")
+def small_val(tmp_path_factory):
+    """64 rows of the bundled test split: enough for a validation accuracy, fast to generate."""
+    path = tmp_path_factory.mktemp("data") / "val64.parquet"
+    pq.write_table(pq.read_table(TASK_TEST).slice(0, 64), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def small_train(tmp_path_factory):
+    """512 rows of the bundled train split, for runs of a few steps: every run templates and
+    tokenizes all its train rows before step 1, and the full 7,600 take about a second a run
+    (the suite makes about 70 such runs)."""
+    path = tmp_path_factory.mktemp("data") / "train512.parquet"
+    pq.write_table(pq.read_table(TASK_TRAIN).slice(0, 512), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def small_files(small_train, small_val) -> list[str]:
+    """The flags that point a run at small_train and small_val."""
+    return ["--train-files", str(small_train), "--val-files", str(small_val)]
 
 
 @pytest.fixture(scope="session")

@@ -215,16 +215,16 @@ def test_bad_tool_configs_are_refused(tmp_path):
 
 
 def tool_task(tmp_path, tool_config_text=None, interaction=None):
-    """The bundled addition task with every row a tool_agent row, and a calculator tool; with
-    `interaction`, each row's extra_info names it with the row's ground truth (as verl's GSM8K
-    interaction data does)."""
+    """The bundled addition task (512 train and 64 test rows: enough for runs of a few steps) with
+    every row a tool_agent row, and a calculator tool; with `interaction`, each row's extra_info
+    names it with the row's ground truth (as verl's GSM8K interaction data does)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from conftest import TASK_TEST, TASK_TRAIN
 
     out = {}
-    for name, source in (("train", TASK_TRAIN), ("test", TASK_TEST)):
-        rows = pq.read_table(source).to_pylist()
+    for name, source, size in (("train", TASK_TRAIN, 512), ("test", TASK_TEST, 64)):
+        rows = pq.read_table(source).slice(0, size).to_pylist()
         for r in rows:
             r["agent_name"] = "tool_agent"
             if interaction:

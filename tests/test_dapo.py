@@ -5,24 +5,16 @@ batches run out, and a resume that repeats the uninterrupted steps and their dat
 import json
 import shutil
 
-import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import TASK_TEST, load_recipe, read_metrics, run_recipe
+from conftest import load_recipe, read_metrics, run_recipe
 
 dapo = load_recipe("dapo")
 FAST = "--train-batch-size 8 --ppo-mini-batch-size 8 --rollout-n 4 --save-freq 0 --no-val-before-train --test-freq 0"
 
 
-@pytest.fixture(scope="module")
-def small_val(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "val64.parquet"
-    pq.write_table(pq.read_table(TASK_TEST).slice(0, 64), path)
-    return path
-
-
-def run(out, val, flags, **kw):
-    return run_recipe("dapo", "--output-dir", out, "--val-files", val, *flags.split(), **kw)
+def run(out, files, flags, **kw):
+    return run_recipe("dapo", "--output-dir", out, *files, *flags.split(), **kw)
 
 
 def test_defaults_are_dapos():
@@ -75,13 +67,13 @@ def test_select_groups_fills_up_with_zero_variance_groups_in_order():
     assert dapo.select_groups([[0, 0], [1, 1]], 2) == ([0, 1], [False, False])
 
 
-def test_resampling_and_exact_resume(tmp_path, small_val):
+def test_resampling_and_exact_resume(tmp_path, small_files):
     """With 4 samples per prompt some groups are all right or all wrong, so steps need a second
     generation batch; the checkpoint keeps the generation-batch count, so a run killed after step 4's
     log (before its save) and resumed from step 2 reads the same prompts and repeats steps 3-4."""
     out = tmp_path / "run"
     flags = f"{FAST} --total-training-steps 4 --save-freq 2 --max-ckpt-to-keep 0"
-    run(out, small_val, flags + " --resume disable")
+    run(out, small_files, flags + " --resume disable")
     want = read_metrics(out)
     assert max(r["dapo/gen_batches"] for r in want) > 1, "dynamic sampling re-sampled"
     assert all(r["dapo/kept_groups"] == 8 and r["dapo/filler_groups"] == 0 for r in want)
@@ -89,7 +81,7 @@ def test_resampling_and_exact_resume(tmp_path, small_val):
     assert state["gen_batches"] == want[0]["dapo/gen_batches"] + want[1]["dapo/gen_batches"]
 
     shutil.rmtree(out / "checkpoints" / "step_4")
-    run(out, small_val, flags + " --resume auto")
+    run(out, small_files, flags + " --resume auto")
     got = read_metrics(out)
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     for a, b in zip(got[2:], want[2:]):
@@ -97,11 +89,11 @@ def test_resampling_and_exact_resume(tmp_path, small_val):
             assert a[key] == pytest.approx(b[key], rel=1e-6), (key, a["step"])
 
 
-def test_out_of_generation_batches_trains_on_the_groups_found(tmp_path, small_val):
+def test_out_of_generation_batches_trains_on_the_groups_found(tmp_path, small_files):
     """--max-num-gen-batches 1 with pairs: fewer than 8 groups have a spread, so the batch is filled
     with zero-variance groups (kept out of the loss) and the step still trains."""
     out = tmp_path / "short"
-    run(out, small_val, f"{FAST} --rollout-n 2 --max-num-gen-batches 1 --total-training-steps 1 --resume disable")
+    run(out, small_files, f"{FAST} --rollout-n 2 --max-num-gen-batches 1 --total-training-steps 1 --resume disable")
     (record,) = read_metrics(out)
     assert record["dapo/gen_batches"] == 1
     assert record["dapo/filler_groups"] > 0 and record["dapo/kept_groups"] + record["dapo/filler_groups"] == 8

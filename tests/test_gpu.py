@@ -5,7 +5,6 @@ sampled logprobs equal the trainer's forward there, as they do on CPU."""
 import json
 import math
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import RL_RECIPES, ROOT, TASK_TEST, read_metrics, run_recipe
@@ -15,20 +14,11 @@ STEPS = "--total-training-steps 3 --save-freq 3 --test-freq 3 --no-val-before-tr
 RL_SHAPE = "--train-batch-size 8 --rollout-n 4".split()
 
 
-@pytest.fixture(scope="module")
-def small_val(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "val64.parquet"
-    pq.write_table(pq.read_table(TASK_TEST).slice(0, 64), path)
-    return path
-
-
 @pytest.mark.parametrize("precision", ["no", "bf16"])
 @pytest.mark.parametrize("recipe", RL_RECIPES + ["sft"])
-def test_recipe_trains_on_one_gpu(tmp_path, small_val, recipe, precision):
+def test_recipe_trains_on_one_gpu(tmp_path, small_files, recipe, precision):
     shape = [] if recipe == "sft" else RL_SHAPE
-    run_recipe(
-        recipe, "--output-dir", tmp_path, "--val-files", small_val, "--mixed-precision", precision, *STEPS, *shape
-    )
+    run_recipe(recipe, "--output-dir", tmp_path, *small_files, "--mixed-precision", precision, *STEPS, *shape)
     run = json.loads((tmp_path / "config.json").read_text())["run"]
     assert str(run["device"]).startswith("cuda"), run
     records = read_metrics(tmp_path)

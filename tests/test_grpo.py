@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ROOT, TASK_TEST, load_recipe_refusing_models, read_metrics, run_recipe, run_recipes_together
+from conftest import ROOT, load_recipe_refusing_models, read_metrics, run_recipe, run_recipes_together
 from safetensors.torch import load_file
 
 from common.scoring import extract_answer_tag
@@ -16,20 +16,13 @@ SFT = ROOT / "bundled" / "tiny-qwen2-sft"
 FAST = "--train-batch-size 8 --ppo-mini-batch-size 8 --rollout-n 4 --micro-batch-size-per-gpu 16 --save-freq 0 --no-val-before-train"
 
 
-@pytest.fixture(scope="module")
-def small_val(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "val64.parquet"
-    pq.write_table(pq.read_table(TASK_TEST).slice(0, 64), path)
-    return path
+def grpo(out, small_files, flags="", **kw):
+    return run_recipe("grpo", "--output-dir", out, *small_files, "--resume", "disable", *flags.split(), **kw)
 
 
-def grpo(out, val, flags="", **kw):
-    return run_recipe("grpo", "--output-dir", out, "--val-files", val, "--resume", "disable", *flags.split(), **kw)
-
-
-def test_every_trainable_parameter_changes(tmp_path, small_val):
+def test_every_trainable_parameter_changes(tmp_path, small_files):
     out = tmp_path / "params"
-    grpo(out, small_val, f"{FAST} --total-training-steps 2 --test-freq 0 --save-freq 2 --weight-decay 0 --lr 1e-3")
+    grpo(out, small_files, f"{FAST} --total-training-steps 2 --test-freq 0 --save-freq 2 --weight-decay 0 --lr 1e-3")
     before = load_file(SFT / "model.safetensors")
     after = load_file(out / "checkpoints" / "step_2" / "hf" / "model.safetensors")
     assert set(before) == set(after)
@@ -45,7 +38,7 @@ def two_process_flags(strategy: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def two_process_runs(tmp_path_factory, small_val):
+def two_process_runs(tmp_path_factory, small_files):
     """Under DDP and FSDP2 with 2 processes: 2 steps with validation, generations logged and a
     checkpoint, and 1 step with one forward pass per sequence; the four runs made one after
     another in a single torchrun launch (tests/run_together.py). {name: (folder, exit status)}."""
@@ -56,10 +49,7 @@ def two_process_runs(tmp_path_factory, small_val):
         runs[strategy] = f"{flags} --total-training-steps 2 --test-freq 2 --save-freq 2 --log-val-generations 40"
         runs[f"{strategy}-plain"] = f"{flags} --total-training-steps 1 --test-freq 0 --no-shared-prompt-forward"
     codes = run_recipes_together(
-        [
-            ("grpo", ["--output-dir", out / name, "--val-files", small_val, *flags.split()])
-            for name, flags in runs.items()
-        ],
+        [("grpo", ["--output-dir", out / name, *small_files, *flags.split()]) for name, flags in runs.items()],
         out,
     )
     return {name: (out / name, code) for name, code in zip(runs, codes)}
@@ -90,7 +80,7 @@ def test_two_processes(two_process_runs, small_val, strategy):
     assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-7)
 
 
-def test_verl_style_reward_file_and_failures_are_counted(tmp_path, small_val):
+def test_verl_style_reward_file_and_failures_are_counted(tmp_path, small_files):
     reward = tmp_path / "verl_reward.py"
     reward.write_text(
         "import re\n"
@@ -104,7 +94,7 @@ def test_verl_style_reward_file_and_failures_are_counted(tmp_path, small_val):
         "    return {'score': float(ok), 'acc': float(ok), 'formatted': float(bool(m))}\n"
     )
     out = tmp_path / "custom"
-    proc = grpo(out, small_val, f"{FAST} --total-training-steps 2 --test-freq 2 --reward-fn {reward}:my_score")
+    proc = grpo(out, small_files, f"{FAST} --total-training-steps 2 --test-freq 2 --reward-fn {reward}:my_score")
     last = read_metrics(out)[-1]
     assert last["reward/errors"] > 0, "rows with index % 4 == 0 raised and must be counted"
     assert last["reward/nonfinite"] > 0 and last["val/reward/nonfinite"] > 0, "index % 4 == 1 gave NaN"
@@ -117,7 +107,7 @@ def test_verl_style_reward_file_and_failures_are_counted(tmp_path, small_val):
     assert last["val/reward/errors"] > 0 and last["val/reward/timeouts"] == 0, "validation counts them too"
 
 
-def test_a_nan_reward_stops_the_run_when_asked(tmp_path, small_val):
+def test_a_nan_reward_stops_the_run_when_asked(tmp_path, small_files):
     reward = tmp_path / "nan_reward.py"
     reward.write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -125,12 +115,12 @@ def test_a_nan_reward_stops_the_run_when_asked(tmp_path, small_val):
     )
     out = tmp_path / "stops"
     flags = f"{FAST} --total-training-steps 2 --test-freq 0 --reward-fn {reward} --stop-on-nonfinite-reward"
-    proc = grpo(out, small_val, flags.replace("--save-freq 0", "--save-freq 1"), check=False)
+    proc = grpo(out, small_files, flags.replace("--save-freq 0", "--save-freq 1"), check=False)
     assert proc.returncode == 1 and "error: step 1: reward/nonfinite = " in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not (out / "checkpoints").exists(), "stopped before saving step 1"
 
 
-def test_reward_timeouts_do_not_hang_the_run(tmp_path, small_val):
+def test_reward_timeouts_do_not_hang_the_run(tmp_path, small_files):
     reward = tmp_path / "slow.py"
     reward.write_text(
         "import time\n"
@@ -142,7 +132,7 @@ def test_reward_timeouts_do_not_hang_the_run(tmp_path, small_val):
     out = tmp_path / "slow"
     grpo(
         out,
-        small_val,
+        small_files,
         f"{FAST} --total-training-steps 1 --test-freq 0 --reward-fn {reward} --reward-timeout 0.5",
         timeout=120,
     )
@@ -171,7 +161,7 @@ def test_unknown_data_source_fails_before_model_loads(tmp_path, grpo_no_model):
         grpo_no_model.main(grpo_no_model.Args(train_files=(str(f),), val_files=(), output_dir=str(tmp_path)))
 
 
-def test_options_and_lora_reference_run(tmp_path, small_val):
+def test_options_and_lora_reference_run(tmp_path, small_files):
     """Every optional branch once: clip-higher, Dr.GRPO, seq-mean-token-sum-norm, several
     mini-batches and epochs (separate old-logprob pass), dynamic batching, and the KL loss against
     the LoRA adapter-disabled base."""
@@ -182,14 +172,14 @@ def test_options_and_lora_reference_run(tmp_path, small_val):
         "--use-kl-loss --kl-loss-type k3 --entropy-coeff 0.01 --use-dynamic-bsz --ppo-max-token-len-per-gpu 300 "
         "--lora-rank 4 --lora-alpha 8 --lr 5e-3 --total-training-steps 2 --test-freq 2 --save-freq 2 --no-val-before-train"
     )
-    grpo(out, small_val, flags)
+    grpo(out, small_files, flags)
     last = read_metrics(out)[-1]
     assert last["policy/kl_ref"] > 0, "the adapter moved the policy away from the adapter-disabled base"
     assert last["policy/approx_kl"] != 0, "second epoch / mini-batch ran on moved weights"
     assert (out / "checkpoints" / "step_2" / "hf" / "adapter_model.safetensors").is_file()
 
 
-def test_reward_model_and_sampled_validation(tmp_path, small_val, tokenizer):
+def test_reward_model_and_sampled_validation(tmp_path, small_files, tokenizer):
     """A sequence-classification reward model replaces the rule score; validation samples 2 per prompt."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -201,7 +191,7 @@ def test_reward_model_and_sampled_validation(tmp_path, small_val, tokenizer):
     out = tmp_path / "rm_run"
     grpo(
         out,
-        small_val,
+        small_files,
         f"{FAST} --total-training-steps 1 --test-freq 1 --reward-model {rm_dir} --val-n 2 --val-temperature 1.0",
     )
     last = read_metrics(out)[-1]

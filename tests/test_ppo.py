@@ -3,33 +3,25 @@ tests of test_rl_recipes.py (smoke, resume, micro-batches, 2 processes, learning
 
 import shutil
 
-import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ROOT, TASK_TEST, read_metrics, run_recipe
+from conftest import ROOT, read_metrics, run_recipe
 from safetensors.torch import load_file
 
 SFT = ROOT / "bundled" / "tiny-qwen2-sft"
 FAST = "--train-batch-size 8 --ppo-mini-batch-size 8 --rollout-n 4 --save-freq 0 --no-val-before-train".split()
 
 
-@pytest.fixture(scope="module")
-def small_val(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "val64.parquet"
-    pq.write_table(pq.read_table(TASK_TEST).slice(0, 64), path)
-    return path
-
-
 def weights(path):
     return {k: v.float() for k, v in load_file(path / "model.safetensors").items()}
 
 
-def test_critic_warmup_keeps_the_policy_and_resume_restores_the_critic(tmp_path, small_val):
+def test_critic_warmup_keeps_the_policy_and_resume_restores_the_critic(tmp_path, small_files):
     """Two warmup steps train only the critic: the policy exported after them is the starting
     model, the critic moved. Killed after step 4's log and before its save, the run resumes from
     step 2 and repeats steps 3-4, the critic's numbers and the adaptive KL coefficient included."""
     out = tmp_path / "run"
-    flags = [*FAST, "--val-files", small_val, "--output-dir", out, "--total-training-steps", 4, "--test-freq", 0]
+    flags = [*FAST, *small_files, "--output-dir", out, "--total-training-steps", 4, "--test-freq", 0]
     flags += ["--critic-warmup", 2, "--save-freq", 2, "--max-ckpt-to-keep", 0, "--kl-ctrl", "adaptive"]
     run_recipe("ppo", *flags, "--resume", "disable")
     want = read_metrics(out)

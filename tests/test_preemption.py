@@ -91,30 +91,30 @@ def stop_then_resume(tmp_path, recipe, flags, nproc=1, **signal_kw):
     return code, output
 
 
-def test_one_process_grpo_stops_saved_and_resumes_exactly(tmp_path):
-    code, _ = stop_then_resume(tmp_path, "grpo", RL)
+def test_one_process_grpo_stops_saved_and_resumes_exactly(tmp_path, small_files):
+    code, _ = stop_then_resume(tmp_path, "grpo", [*RL, *small_files])
     assert code == 0
 
 
-def test_one_process_sft_stops_on_sigterm(tmp_path):
-    code, _ = stop_then_resume(tmp_path, "sft", SFT, sig=signal.SIGTERM)
+def test_one_process_sft_stops_on_sigterm(tmp_path, small_files):
+    code, _ = stop_then_resume(tmp_path, "sft", [*SFT, *small_files], sig=signal.SIGTERM)
     assert code == 0
 
 
-def test_two_processes_stop_together_when_one_rank_is_signalled(tmp_path):
+def test_two_processes_stop_together_when_one_rank_is_signalled(tmp_path, small_files):
     """Only one rank gets SIGUSR1; both stop after the same step (else one would wait forever in
     the next step's collectives and the run would hit the time limit), and torchrun exits 0."""
-    code, _ = stop_then_resume(tmp_path, "grpo", RL, nproc=2, target="rank")
+    code, _ = stop_then_resume(tmp_path, "grpo", [*RL, *small_files], nproc=2, target="rank")
     assert code == 0
 
 
-def test_torchrun_forwards_the_signal_when_told_to(tmp_path):
+def test_torchrun_forwards_the_signal_when_told_to(tmp_path, small_files):
     """launch/ starts torchrun with PET_SIGNALS_TO_HANDLE including SIGUSR1: torchrun passes the
     signal to its ranks (and exits non-zero itself, a SignalException: the Slurm script decides on
     requeueing from the signal it trapped, not from this status); the ranks save and stop."""
     env = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
     out = tmp_path / "forwarded"
-    code, output = run(command("grpo", out, RL, 2), env=env, signal_after=2)
+    code, output = run(command("grpo", out, [*RL, *small_files], 2), env=env, signal_after=2)
     k = read_metrics(out)[-1]["step"]
     assert code != 0 and "SignalException" in output
     assert f"stopped by a signal after step {k} of {STEPS}" in output and k < STEPS

@@ -43,22 +43,22 @@ def test_grpo_with_remote_engines_and_staleness_1_learns(tmp_path, ray_cluster):
 
 
 @pytest.mark.slow
-def test_two_trainer_processes_share_the_remote_engines(tmp_path, ray_cluster):
+def test_two_trainer_processes_share_the_remote_engines(tmp_path, ray_cluster, small_files):
     """torchrun with 2 FSDP2 processes: rank 0 serves both ranks' prompts through the engines,
     and every sync gathers the sharded weights on all ranks; the staleness bound holds."""
     run_recipe("grpo", *REMOTE, "--max-staleness", "1", "--strategy", "fsdp2", "--total-training-steps", "4",
                "--test-freq", "0", "--save-freq", "0", "--output-dir", tmp_path / "run", "--ray-address", ray_cluster,
-               nproc=2)  # fmt: skip
+               *small_files, nproc=2)  # fmt: skip
     steps = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
     assert len(steps) == 4 and [m["rollout/staleness_max"] for m in steps] == [0, 1, 1, 1]
 
 
 @pytest.mark.slow
-def test_a_resumed_run_with_synchronous_remote_engines_repeats_the_steps_exactly(tmp_path, ray_cluster):
+def test_a_resumed_run_with_synchronous_remote_engines_repeats_the_steps_exactly(tmp_path, ray_cluster, small_files):
     """With --max-staleness 0 every chunk is sampled under a seed fixed by (run seed, step, chunk)
     on the weights of that step, so a run resumed from step 2 repeats steps 3-4 exactly."""
     flags = [*REMOTE, "--total-training-steps", "4", "--test-freq", "0", "--save-freq", "2", "--output-dir", tmp_path,
-             "--ray-address", ray_cluster]  # fmt: skip
+             "--ray-address", ray_cluster, *small_files]  # fmt: skip
     run_recipe("grpo", *flags)
     keys = ("train/loss", "train/grad_norm", "reward/mean", "rollout/logprob_diff_max")
     first = [[m[k] for k in keys] for m in read_metrics(tmp_path) if "train/loss" in m]
@@ -72,11 +72,12 @@ def test_a_resumed_run_with_synchronous_remote_engines_repeats_the_steps_exactly
 
 
 @pytest.mark.parametrize("how", ["SIGUSR1", "SIGINT"])
-def test_a_stopped_trainer_leaves_no_ray_process(tmp_path, how):
+def test_a_stopped_trainer_leaves_no_ray_process(tmp_path, small_files, how):
     """The stop signal saves and exits 0; Ctrl-C ends the run at once. Either way the engines and
     the Ray the run started are gone (the fixture checks)."""
     cmd = [sys.executable, str(ROOT / "recipes" / "grpo.py"), *REMOTE, "--max-staleness", "1",
-           "--total-training-steps", "200", "--test-freq", "0", "--save-freq", "0", "--output-dir", str(tmp_path / "run")]  # fmt: skip
+           "--total-training-steps", "200", "--test-freq", "0", "--save-freq", "0", "--output-dir", str(tmp_path / "run"),
+           *small_files]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:

@@ -14,13 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 from conftest import (
     RL_RECIPES,
     ROOT,
     SHIPPED_ACCURACY,
-    TASK_TEST,
     load_recipe,
     read_metrics,
     run_recipe,
@@ -34,15 +32,8 @@ FAST = (
 ).split()
 
 
-@pytest.fixture(scope="module")
-def small_val(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "val64.parquet"
-    pq.write_table(pq.read_table(TASK_TEST).slice(0, 64), path)
-    return path
-
-
-def run(recipe, out, val, *flags, **kw):
-    return run_recipe(recipe, "--output-dir", out, "--val-files", val, *FAST, *map(str, flags), **kw)
+def run(recipe, out, small_files, *flags, **kw):
+    return run_recipe(recipe, "--output-dir", out, *small_files, *FAST, *map(str, flags), **kw)
 
 
 def test_every_rl_recipe_is_found():
@@ -140,14 +131,14 @@ def test_help_renders_without_loading_the_libraries(help_pages, recipe):
 
 # --- running -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("recipe", RL_RECIPES)
-def test_smoke_checkpoint_and_exact_resume(tmp_path, small_val, recipe):
+def test_smoke_checkpoint_and_exact_resume(tmp_path, small_files, small_train, small_val, recipe):
     """Four steps with validation and checkpoints; then, as if killed after step 4's log and
     before its save, a resumed run repeats steps 3-4 exactly; a re-run of the finished run says so."""
     out = tmp_path / recipe
     flags = ["--total-training-steps", 4, "--save-freq", 2, "--test-freq", 2, "--max-ckpt-to-keep", 0]
     # grpo as users run it, in a new process; the others in this one (the same code path, without
     # a start-up of several seconds each)
-    first = run(recipe, out, small_val, *flags, "--log-interval", 2, fresh=recipe == "grpo")
+    first = run(recipe, out, small_files, *flags, "--log-interval", 2, fresh=recipe == "grpo")
     want = read_metrics(out)
     assert [r["step"] for r in want] == [1, 2, 3, 4] and "val/accuracy" in want[1] and "val/accuracy" in want[3]
     for key in ("train/loss", "reward/mean", "response/length_mean", "perf/step_s", "train/grad_norm"):
@@ -163,6 +154,7 @@ def test_smoke_checkpoint_and_exact_resume(tmp_path, small_val, recipe):
     module.main(
         module.Args(
             output_dir=str(out),
+            train_files=(str(small_train),),
             val_files=(str(small_val),),
             train_batch_size=8,
             ppo_mini_batch_size=8,
@@ -184,18 +176,18 @@ def test_smoke_checkpoint_and_exact_resume(tmp_path, small_val, recipe):
         for key in ("reward/mean", "train/loss", "train/grad_norm", "response/length_mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-6), (key, a["step"])
     if recipe == "grpo":  # the same code path for every recipe (common.checkpoint.resume)
-        again = run(recipe, out, small_val, *flags)  # exits 0 (check) before any model loads
+        again = run(recipe, out, small_files, *flags)  # exits 0 (check) before any model loads
         assert "already completed all 4 steps" in again.stderr and "M params" not in again.stdout
 
 
 @pytest.mark.parametrize("recipe", RL_RECIPES)
-def test_micro_batches_never_change_the_update(tmp_path, small_val, recipe):
+def test_micro_batches_never_change_the_update(tmp_path, small_train, small_val, recipe):
     """One step of 32 sequences: a single micro-batch; micro-batches of up to 12 (12 + 12 + 8,
     the last one smaller); and dynamic batching by a token budget (length-sorted, uneven) give
     the same loss and gradient norm. Several mini-batches and 2 epochs run the old-logprob pass."""
     module = load_recipe(recipe)
     base = dict(
-        output_dir="", val_files=(str(small_val),), train_batch_size=8, ppo_mini_batch_size=4, rollout_n=4,
+        output_dir="", train_files=(str(small_train),), val_files=(str(small_val),), train_batch_size=8, ppo_mini_batch_size=4, rollout_n=4,
         ppo_epochs=2, total_training_steps=1, test_freq=0, save_freq=0, val_before_train=False, resume="disable",
         logger=(),
     )  # fmt: skip
@@ -216,13 +208,13 @@ TWO_PROCESS = [r for r in RL_RECIPES if r != "grpo"]  # grpo: tests/test_grpo.py
 
 
 @pytest.fixture(scope="module")
-def two_process_runs(tmp_path_factory, small_val):
+def two_process_runs(tmp_path_factory, small_files):
     """Each recipe (but grpo) under torchrun with 2 CPU processes and FSDP2, the runs made one after
     another in a single launch (tests/run_together.py): {recipe: (run folder, exit status)}."""
     out = tmp_path_factory.mktemp("fsdp2")
     flags = ["--total-training-steps", 2, "--test-freq", 2, "--save-freq", 2, "--strategy", "fsdp2",
              "--use-dynamic-bsz", "--ppo-max-token-len-per-gpu", 150]  # fmt: skip
-    runs = [(r, ["--output-dir", out / r, "--val-files", small_val, *FAST, *flags]) for r in TWO_PROCESS]
+    runs = [(r, ["--output-dir", out / r, *small_files, *FAST, *flags]) for r in TWO_PROCESS]
     return {r: (out / r, code) for r, code in zip(TWO_PROCESS, run_recipes_together(runs, out))}
 
 
@@ -241,7 +233,7 @@ def test_two_processes_fsdp2(two_process_runs, recipe):
 
 
 # --- forking ------------------------------------------------------------------------------------------
-def test_a_copied_recipe_starts_its_own_run(tmp_path, small_val):
+def test_a_copied_recipe_starts_its_own_run(tmp_path, small_files):
     """README "Fork a recipe": cp recipes/grpo.py recipes/my_algo.py && python recipes/my_algo.py
     after a GRPO run in the same folder starts its own run in runs/my_algo and leaves GRPO's alone;
     pointed at GRPO's folder it refuses to continue GRPO's checkpoint."""
@@ -249,7 +241,7 @@ def test_a_copied_recipe_starts_its_own_run(tmp_path, small_val):
     (work / "recipes").mkdir(parents=True)
     shutil.copy(ROOT / "recipes" / "grpo.py", work / "recipes" / "grpo.py")
     shutil.copy(ROOT / "recipes" / "grpo.py", work / "recipes" / "my_algo.py")
-    flags = [*FAST, "--val-files", str(small_val), "--total-training-steps", "1", "--save-freq", "1"]
+    flags = [*FAST, *small_files, "--total-training-steps", "1", "--save-freq", "1"]
 
     def python(recipe, *extra, check=True, fresh=False):
         return run_recipe(recipe, *flags, *extra, cwd=work, check=check, fresh=fresh)
@@ -285,10 +277,10 @@ def engine_lagging_by(monkeypatch, shift):
     monkeypatch.setattr(common.rollout, "pack_groups", lagging)
 
 
-def one_step(module, out, small_val, **flags):
+def one_step(module, out, files, **flags):
     args = dict(
         output_dir=str(out),
-        val_files=(str(small_val),),
+        **files,
         train_batch_size=4,
         rollout_n=4,
         total_training_steps=1,
@@ -303,26 +295,27 @@ def one_step(module, out, small_val, **flags):
 
 
 @pytest.mark.parametrize("recipe", RL_RECIPES)
-def test_rollout_correction_and_bypass_mode(tmp_path, small_val, monkeypatch, recipe):
+def test_rollout_correction_and_bypass_mode(tmp_path, small_train, small_val, monkeypatch, recipe):
     """--rollout-is token weights every token by min(pi_old / pi_rollout, threshold) and logs
     verl's rollout_corr/*; --bypass-mode makes the engine's logprobs the old policy (the PPO
     ratio moves off 1 by the engine's lag, and there is no trainer-engine gap left to log)."""
     module, shift = load_recipe(recipe), 0.1
+    files = dict(train_files=(str(small_train),), val_files=(str(small_val),))
     engine_lagging_by(monkeypatch, shift)
-    weighted = one_step(module, tmp_path / "is", small_val, rollout_is="token")
+    weighted = one_step(module, tmp_path / "is", files, rollout_is="token")
     assert weighted["rollout/logprob_diff_mean"] == pytest.approx(shift, rel=1e-3)
     assert weighted["rollout_corr/rollout_is_mean"] == pytest.approx(math.exp(shift), rel=1e-3)
     assert weighted["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0
     assert weighted["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(1.0, abs=1e-4)
 
-    bypass = one_step(module, tmp_path / "bypass", small_val, bypass_mode=True)
+    bypass = one_step(module, tmp_path / "bypass", files, bypass_mode=True)
     assert bypass["policy/approx_kl"] == pytest.approx(-shift, abs=1e-3)  # mean(old - new) = -shift
     assert "rollout/logprob_diff_mean" not in bypass and "rollout_corr/rollout_is_mean" not in bypass
     if recipe != "grpo":
         return
     # Truncated everywhere (exp(0.1) > 1.05), every token's loss, so the gradient, is 1.05 times the plain one.
-    plain = one_step(module, tmp_path / "plain", small_val)
-    capped = one_step(module, tmp_path / "capped", small_val, rollout_is="token", rollout_is_threshold=1.05)
+    plain = one_step(module, tmp_path / "plain", files)
+    capped = one_step(module, tmp_path / "capped", files, rollout_is="token", rollout_is_threshold=1.05)
     assert capped["rollout_corr/rollout_is_ratio_fraction_high"] == 1.0
     assert capped["rollout_corr/rollout_is_mean"] == pytest.approx(1.05)
     assert capped["reward/mean"] == plain["reward/mean"]  # the same samples
