@@ -15,6 +15,8 @@ from conftest import ROOT, SHIPPED_ACCURACY, read_metrics, run_recipe
 from test_remote import ray_processes, wait_until_no_ray
 
 REMOTE = ["--rollout-placement", "remote", "--num-rollout-engines", "2"]
+# Runs that need not learn: 8 prompts x 4 samples a step.
+SMALL_STEPS = ["--train-batch-size", "8", "--ppo-mini-batch-size", "8", "--rollout-n", "4"]
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +50,7 @@ def test_two_trainer_processes_share_the_remote_engines(tmp_path, ray_cluster, s
     and every sync gathers the sharded weights on all ranks; the staleness bound holds."""
     run_recipe("grpo", *REMOTE, "--max-staleness", "1", "--strategy", "fsdp2", "--total-training-steps", "4",
                "--test-freq", "0", "--save-freq", "0", "--output-dir", tmp_path / "run", "--ray-address", ray_cluster,
-               *small_files, nproc=2)  # fmt: skip
+               *small_files, *SMALL_STEPS, nproc=2)  # fmt: skip
     steps = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
     assert len(steps) == 4 and [m["rollout/staleness_max"] for m in steps] == [0, 1, 1, 1]
 
@@ -58,7 +60,7 @@ def test_a_resumed_run_with_synchronous_remote_engines_repeats_the_steps_exactly
     """With --max-staleness 0 every chunk is sampled under a seed fixed by (run seed, step, chunk)
     on the weights of that step, so a run resumed from step 2 repeats steps 3-4 exactly."""
     flags = [*REMOTE, "--total-training-steps", "4", "--test-freq", "0", "--save-freq", "2", "--output-dir", tmp_path,
-             "--ray-address", ray_cluster, *small_files]  # fmt: skip
+             "--ray-address", ray_cluster, *small_files, *SMALL_STEPS]  # fmt: skip
     run_recipe("grpo", *flags)
     keys = ("train/loss", "train/grad_norm", "reward/mean", "rollout/logprob_diff_max")
     first = [[m[k] for k in keys] for m in read_metrics(tmp_path) if "train/loss" in m]
@@ -77,7 +79,7 @@ def test_a_stopped_trainer_leaves_no_ray_process(tmp_path, small_files, how):
     the Ray the run started are gone (the fixture checks)."""
     cmd = [sys.executable, str(ROOT / "recipes" / "grpo.py"), *REMOTE, "--max-staleness", "1",
            "--total-training-steps", "200", "--test-freq", "0", "--save-freq", "0", "--output-dir", str(tmp_path / "run"),
-           *small_files]  # fmt: skip
+           *small_files, *SMALL_STEPS]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:

@@ -1,4 +1,5 @@
-"""sft.py end to end: run as users run it (subprocess), plus in-process bad-input checks."""
+"""sft.py end to end: runs as users make them (in this process through the `python recipes/sft.py`
+code path, and in a new process where a kill or a start-up matters), plus bad-input checks."""
 
 import json
 import signal
@@ -58,8 +59,7 @@ def test_smoke_checkpoint_and_export_reload(tmp_path, small_files, small_val, to
             small_files,
             "--total-training-steps 6 --save-freq 2 --test-freq 3 --max-ckpt-to-keep 2",
         ),
-        fresh=True,  # as users run it: a new process
-    )
+    )  # in this process: kill_and_resume below and test_preemption.py start sft.py as a new process
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert "val/accuracy" in records[2] and "val/loss" in records[5]

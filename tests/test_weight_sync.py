@@ -81,17 +81,17 @@ def test_a_weight_the_engine_does_not_know_is_an_error():
 
 FSDP2_SCRIPT = """
 import sys, torch
-sys.path.insert(0, sys.argv[4])
+sys.path.insert(0, sys.argv[3])
 from test_weight_sync import trained_adapter
 from common.model import load_policy
 from common.parallel import init_distributed, wrap_model
 from common.weight_sync import hf_weights
 dist = init_distributed()
-lora_rank = int(sys.argv[3])
-model = wrap_model(load_policy(sys.argv[1], lora_rank=lora_rank, lora_alpha=8), "fsdp2", dist)
-sent = dict(hf_weights(trained_adapter(model) if lora_rank else model))
-if dist.rank == 0:
-    torch.save(sent, sys.argv[2])
+for lora_rank in (0, 4):
+    model = wrap_model(load_policy(sys.argv[1], lora_rank=lora_rank, lora_alpha=8), "fsdp2", dist)
+    sent = dict(hf_weights(trained_adapter(model) if lora_rank else model))
+    if dist.rank == 0:
+        torch.save(sent, f"{sys.argv[2]}/sent{lora_rank}.pt")
 torch.distributed.barrier()  # neither rank exits while the other still uses the group
 torch.distributed.destroy_process_group()
 """
@@ -104,14 +104,13 @@ def test_fsdp2_ranks_gather_what_one_process_sends(tmp_path):
 
     script = tmp_path / "sync.py"
     script.write_text(FSDP2_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(29600 + os.getpid() % 300), str(script), str(SFT), str(tmp_path), str(ROOT / "tests")]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     for lora_rank in (0, 4):
-        out = tmp_path / f"sent{lora_rank}.pt"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(29600 + os.getpid() % 300), str(script), str(SFT), str(out), str(lora_rank), str(ROOT / "tests")]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        sent = torch.load(out, weights_only=True)
+        sent = torch.load(tmp_path / f"sent{lora_rank}.pt", weights_only=True)
         model = load_policy(str(SFT), lora_rank=lora_rank, lora_alpha=8)
         want = dict(hf_weights(trained_adapter(model) if lora_rank else model))
         assert list(sent) == list(want), "the same names in the same (layer) order"
