@@ -304,7 +304,7 @@ def test_cpu_offload_trains_and_resumes_exactly_as_plain_fsdp2(tmp_path, small_f
     the offloaded run's step-2 checkpoint. (On a CPU the offload is a no-op for memory; the code
     path is the one GPUs run.)"""
     flags = ["--total-training-steps", "4", "--test-freq", "0", "--save-freq", "2", "--log-interval", "0", *small_files,
-             "--train-batch-size", "8", "--ppo-mini-batch-size", "8", "--rollout-n", "4"]  # fmt: skip
+             "--train-batch-size", "8", "--ppo-mini-batch-size", "8", "--rollout-n", "4", "--no-val-before-train"]  # fmt: skip
     offload = {"FSDP_OFFLOAD_PARAMS": "true"}
     step_2 = tmp_path / "offload" / "checkpoints" / "step_2"
     codes = run_recipes_together([("grpo", [*flags, "--strategy", "fsdp2", "--output-dir", tmp_path / "plain"]),

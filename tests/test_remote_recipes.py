@@ -15,8 +15,8 @@ from conftest import ROOT, SHIPPED_ACCURACY, read_metrics, run_recipe
 from test_remote import ray_processes, wait_until_no_ray
 
 REMOTE = ["--rollout-placement", "remote", "--num-rollout-engines", "2"]
-# Runs that need not learn: 8 prompts x 4 samples a step.
-SMALL_STEPS = ["--train-batch-size", "8", "--ppo-mini-batch-size", "8", "--rollout-n", "4"]
+# Runs that need not learn: 8 prompts x 4 samples a step, no validation.
+SMALL_STEPS = ["--train-batch-size", "8", "--ppo-mini-batch-size", "8", "--rollout-n", "4", "--no-val-before-train"]
 
 
 @pytest.fixture(autouse=True)
