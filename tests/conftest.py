@@ -126,8 +126,8 @@ def run_recipe(
 def run_recipes_together(runs: list[tuple], folder, nproc: int = 2, timeout: int = 1200) -> list[int]:
     """Each (recipe, flags) or (recipe, flags, environment) of `runs` in turn inside one torchrun
     launch of nproc processes (tests/run_together.py: its processes and imports start once for all
-    the runs). Returns each run's exit status, the same on every rank; a launch that fails raises
-    with its output."""
+    the runs). Returns each run's exit status, the same on every rank, and keeps the launch's
+    output in FOLDER/runs.out; a launch that fails raises with its output."""
     plan = Path(folder) / "runs.json"
     plan.write_text(json.dumps([
         [str(ROOT / "recipes" / f"{name}.py"), [str(f) for f in flags], {k: str(v) for k, v in (env or {}).items()}]
@@ -137,6 +137,7 @@ def run_recipes_together(runs: list[tuple], folder, nproc: int = 2, timeout: int
            str(29500 + os.getpid() % 1000), str(ROOT / "tests" / "run_together.py"), str(plan)]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    (Path(folder) / "runs.out").write_text(proc.stdout + proc.stderr)
     ranks = [Path(f"{plan}.rank{r}") for r in range(nproc)]
     codes = [json.loads(r.read_text()) if r.is_file() else None for r in ranks]
     if proc.returncode != 0 or any(c != codes[0] for c in codes):

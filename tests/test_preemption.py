@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, read_metrics, run_recipe
+from conftest import ROOT, read_metrics, run_recipe, run_recipes_together
 
 RL = ["--train-batch-size", "8", "--rollout-n", "4", "--test-freq", "0", "--no-val-before-train"]
 SFT = ["--train-batch-size", "16", "--micro-batch-size-per-gpu", "16", "--test-freq", "0"]
@@ -57,20 +57,14 @@ def run(cmd, env=None, signal_after=None, sig=signal.SIGUSR1, target="launcher",
     return proc.returncode, output
 
 
-def again(recipe, out, flags, nproc) -> tuple[int, str]:
-    """The command run to the end: in this process when it is one (the same code path as a new
-    process, without its start-up), else with torchrun."""
-    if nproc > 1:
-        return run(command(recipe, out, flags, nproc))
-    done = run_recipe(recipe, *command(recipe, out, flags, 1)[2:], check=False)
-    return done.returncode, done.stdout + done.stderr
-
-
 def stop_then_resume(tmp_path, recipe, flags, nproc=1, **signal_kw):
     """An uninterrupted run, then one stopped by a signal (a process of its own) and the same command
-    again: the stop saved the step it ended on, and the resumed steps equal the uninterrupted run's."""
+    again: the stop saved the step it ended on, and the resumed steps equal the uninterrupted run's.
+    The runs but the stopped one are made in this process when they are one process (the same code
+    path as a new process, without its start-up), else in one torchrun launch (tests/run_together.py)."""
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    assert again(recipe, whole, flags, nproc)[0] == 0
+    if nproc == 1:
+        run_recipe(recipe, *command(recipe, whole, flags, 1)[2:])
     code, output = run(command(recipe, stopped, flags, nproc), signal_after=2, **signal_kw)
     logged = [r["step"] for r in read_metrics(stopped)]
     k = logged[-1]
@@ -79,7 +73,14 @@ def stop_then_resume(tmp_path, recipe, flags, nproc=1, **signal_kw):
     assert sorted(p.name for p in (stopped / "checkpoints").iterdir()) == [f"step_{k}"]  # saved, --save-freq 0
     assert (stopped / "checkpoints" / f"step_{k}" / "hf" / "model.safetensors").is_file()
 
-    code_again, output = again(recipe, stopped, flags, nproc)
+    if nproc == 1:
+        done = run_recipe(recipe, *command(recipe, stopped, flags, 1)[2:], check=False)
+        code_again, output = done.returncode, done.stdout + done.stderr
+    else:
+        codes = run_recipes_together([(recipe, command(recipe, out, flags, 1)[2:]) for out in (whole, stopped)],
+                                     tmp_path, nproc)  # fmt: skip
+        assert codes[0] == 0, "the uninterrupted run"
+        code_again, output = codes[1], (tmp_path / "runs.out").read_text()
     assert code_again == 0, output[-3000:]
     assert f"resumed from {stopped / 'checkpoints' / f'step_{k}'}" in output
     want, got = read_metrics(whole), read_metrics(stopped)
