@@ -242,7 +242,7 @@ def small_val(tmp_path_factory):
 def small_train(tmp_path_factory):
     """512 rows of the bundled train split, for runs of a few steps: every run templates and
     tokenizes all its train rows before step 1, and the full 7,600 take about a second a run
-    (the suite makes about 70 such runs)."""
+    (77 s of the suite when every run read them)."""
     path = tmp_path_factory.mktemp("data") / "train512.parquet"
     pq.write_table(pq.read_table(TASK_TRAIN).slice(0, 512), path)
     return path
