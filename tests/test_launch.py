@@ -303,14 +303,15 @@ def test_cpu_offload_trains_and_resumes_exactly_as_plain_fsdp2(tmp_path, small_f
     norms equal plain FSDP2's, also in a run resumed (--resume PATH, into a folder of its own) from
     the offloaded run's step-2 checkpoint. (On a CPU the offload is a no-op for memory; the code
     path is the one GPUs run.)"""
-    flags = ["--total-training-steps", "4", "--test-freq", "0", "--save-freq", "2", "--log-interval", "0", *small_files,
-             "--train-batch-size", "8", "--ppo-mini-batch-size", "8", "--rollout-n", "4", "--no-val-before-train"]  # fmt: skip
+    flags = ["--total-training-steps", "4", "--test-freq", "0", "--save-freq", "2", "--log-interval", "0",
+             "--train-batch-size", "8", "--ppo-mini-batch-size", "8", "--rollout-n", "4", "--no-val-before-train",
+             *small_files]  # fmt: skip
     offload = {"FSDP_OFFLOAD_PARAMS": "true"}
     step_2 = tmp_path / "offload" / "checkpoints" / "step_2"
-    codes = run_recipes_together([("grpo", [*flags, "--strategy", "fsdp2", "--output-dir", tmp_path / "plain"]),
-                                  ("grpo", [*flags, "--output-dir", tmp_path / "offload"], offload),
-                                  ("grpo", [*flags, "--output-dir", tmp_path / "resumed", "--resume", step_2], offload)],
-                                 tmp_path)  # fmt: skip
+    runs = [("grpo", [*flags, "--strategy", "fsdp2", "--output-dir", tmp_path / "plain"]),
+            ("grpo", [*flags, "--output-dir", tmp_path / "offload"], offload),
+            ("grpo", [*flags, "--output-dir", tmp_path / "resumed", "--resume", step_2], offload)]  # fmt: skip
+    codes = run_recipes_together(runs, tmp_path)
     assert codes == [0, 0, 0]
     layout = json.loads((tmp_path / "offload" / "config.json").read_text())["run"]
     assert layout["strategy"] == "fsdp2" and layout["param_offload"] is True and layout["world_size"] == 2

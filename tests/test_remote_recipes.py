@@ -78,8 +78,8 @@ def test_a_stopped_trainer_leaves_no_ray_process(tmp_path, small_files, how):
     """The stop signal saves and exits 0; Ctrl-C ends the run at once. Either way the engines and
     the Ray the run started are gone (the fixture checks)."""
     cmd = [sys.executable, str(ROOT / "recipes" / "grpo.py"), *REMOTE, "--max-staleness", "1",
-           "--total-training-steps", "200", "--test-freq", "0", "--save-freq", "0", "--output-dir", str(tmp_path / "run"),
-           *small_files, *SMALL_STEPS]  # fmt: skip
+           "--total-training-steps", "200", "--test-freq", "0", "--save-freq", "0",
+           "--output-dir", str(tmp_path / "run"), *small_files, *SMALL_STEPS]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:

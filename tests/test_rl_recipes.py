@@ -32,6 +32,12 @@ FAST = (
 ).split()
 
 
+@pytest.fixture(scope="module")
+def small_args(small_train, small_val) -> dict:
+    """conftest's small train and validation files as Args fields, for runs made with module.main."""
+    return dict(train_files=(str(small_train),), val_files=(str(small_val),))
+
+
 def run(recipe, out, small_files, *flags, **kw):
     return run_recipe(recipe, "--output-dir", out, *small_files, *FAST, *map(str, flags), **kw)
 
@@ -131,7 +137,7 @@ def test_help_renders_without_loading_the_libraries(help_pages, recipe):
 
 # --- running -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("recipe", RL_RECIPES)
-def test_smoke_checkpoint_and_exact_resume(tmp_path, small_files, small_train, small_val, recipe):
+def test_smoke_checkpoint_and_exact_resume(tmp_path, small_files, small_args, recipe):
     """Four steps with validation and checkpoints; then, as if killed after step 4's log and
     before its save, a resumed run repeats steps 3-4 exactly; a re-run of the finished run says so."""
     out = tmp_path / recipe
@@ -154,8 +160,7 @@ def test_smoke_checkpoint_and_exact_resume(tmp_path, small_files, small_train, s
     module.main(
         module.Args(
             output_dir=str(out),
-            train_files=(str(small_train),),
-            val_files=(str(small_val),),
+            **small_args,
             train_batch_size=8,
             ppo_mini_batch_size=8,
             rollout_n=4,
@@ -181,15 +186,14 @@ def test_smoke_checkpoint_and_exact_resume(tmp_path, small_files, small_train, s
 
 
 @pytest.mark.parametrize("recipe", RL_RECIPES)
-def test_micro_batches_never_change_the_update(tmp_path, small_train, small_val, recipe):
+def test_micro_batches_never_change_the_update(tmp_path, small_args, recipe):
     """One step of 32 sequences: a single micro-batch; micro-batches of up to 12 (12 + 12 + 8,
     the last one smaller); and dynamic batching by a token budget (length-sorted, uneven) give
     the same loss and gradient norm. Several mini-batches and 2 epochs run the old-logprob pass."""
     module = load_recipe(recipe)
     base = dict(
-        output_dir="", train_files=(str(small_train),), val_files=(str(small_val),), train_batch_size=8, ppo_mini_batch_size=4, rollout_n=4,
-        ppo_epochs=2, total_training_steps=1, test_freq=0, save_freq=0, val_before_train=False, resume="disable",
-        logger=(),
+        output_dir="", **small_args, train_batch_size=8, ppo_mini_batch_size=4, rollout_n=4, ppo_epochs=2,
+        total_training_steps=1, test_freq=0, save_freq=0, val_before_train=False, resume="disable", logger=(),
     )  # fmt: skip
     results = []
     for i, split in enumerate(
@@ -295,27 +299,26 @@ def one_step(module, out, files, **flags):
 
 
 @pytest.mark.parametrize("recipe", RL_RECIPES)
-def test_rollout_correction_and_bypass_mode(tmp_path, small_train, small_val, monkeypatch, recipe):
+def test_rollout_correction_and_bypass_mode(tmp_path, small_args, monkeypatch, recipe):
     """--rollout-is token weights every token by min(pi_old / pi_rollout, threshold) and logs
     verl's rollout_corr/*; --bypass-mode makes the engine's logprobs the old policy (the PPO
     ratio moves off 1 by the engine's lag, and there is no trainer-engine gap left to log)."""
     module, shift = load_recipe(recipe), 0.1
-    files = dict(train_files=(str(small_train),), val_files=(str(small_val),))
     engine_lagging_by(monkeypatch, shift)
-    weighted = one_step(module, tmp_path / "is", files, rollout_is="token")
+    weighted = one_step(module, tmp_path / "is", small_args, rollout_is="token")
     assert weighted["rollout/logprob_diff_mean"] == pytest.approx(shift, rel=1e-3)
     assert weighted["rollout_corr/rollout_is_mean"] == pytest.approx(math.exp(shift), rel=1e-3)
     assert weighted["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0
     assert weighted["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(1.0, abs=1e-4)
 
-    bypass = one_step(module, tmp_path / "bypass", files, bypass_mode=True)
+    bypass = one_step(module, tmp_path / "bypass", small_args, bypass_mode=True)
     assert bypass["policy/approx_kl"] == pytest.approx(-shift, abs=1e-3)  # mean(old - new) = -shift
     assert "rollout/logprob_diff_mean" not in bypass and "rollout_corr/rollout_is_mean" not in bypass
     if recipe != "grpo":
         return
     # Truncated everywhere (exp(0.1) > 1.05), every token's loss, so the gradient, is 1.05 times the plain one.
-    plain = one_step(module, tmp_path / "plain", files)
-    capped = one_step(module, tmp_path / "capped", files, rollout_is="token", rollout_is_threshold=1.05)
+    plain = one_step(module, tmp_path / "plain", small_args)
+    capped = one_step(module, tmp_path / "capped", small_args, rollout_is="token", rollout_is_threshold=1.05)
     assert capped["rollout_corr/rollout_is_ratio_fraction_high"] == 1.0
     assert capped["rollout_corr/rollout_is_mean"] == pytest.approx(1.05)
     assert capped["reward/mean"] == plain["reward/mean"]  # the same samples

@@ -98,7 +98,8 @@ def test_smoke_checkpoint_and_export_reload(tmp_path, small_files, small_val, to
 
 
 def test_kill_and_resume_continues_exactly(tmp_path, small_files):
-    flags = "--total-training-steps 20 --train-batch-size 16 --save-freq 5 --test-freq 0 --max-ckpt-to-keep 0 --lr-scheduler cosine"
+    flags = "--total-training-steps 20 --train-batch-size 16 --save-freq 5 --test-freq 0 --max-ckpt-to-keep 0 "
+    flags += "--lr-scheduler cosine"
     ref = tmp_path / "ref"
     run_recipe("sft", *base_flags(ref, small_files, flags))
 
@@ -166,7 +167,8 @@ def test_micro_batch_and_checkpointing_invariance(tmp_path, small_files, single_
         *base_flags(
             out,
             small_files,
-            "--total-training-steps 3 --train-batch-size 16 --micro-batch-size-per-gpu 4 --gradient-checkpointing --test-freq 0 --save-freq 0",
+            "--total-training-steps 3 --train-batch-size 16 --micro-batch-size-per-gpu 4 --gradient-checkpointing "
+            "--test-freq 0 --save-freq 0",
         ),
     )
     assert losses(out) == pytest.approx(losses(single_process_run), rel=1e-5)
