@@ -146,6 +146,42 @@ def run_recipes_together(runs: list[tuple], folder, nproc: int = 2, timeout: int
     return codes[0]
 
 
+# Each test module that reads runs under torchrun declares them at import with @torchrun_plan; the
+# torchrun_runs fixture makes every selected module's runs in one launch for the session, since a
+# launch's start-up (torchrun, then each process importing torch and transformers) costs about 7 s
+# on 2 cores, once instead of once per module.
+TORCHRUN_PLANS: dict = {}  # test module name -> its plan
+
+
+def torchrun_plan(plan):
+    """Declares a test module's runs under torchrun with 2 processes: plan(folder, fixture) returns
+    {key: (recipe, flags) or (recipe, flags, environment)}, the runs writing under folder (made by
+    the plan's runs only) and fixture(name) giving a session fixture's value (small_files, ...).
+    The module's tests read them through the torchrun_runs fixture."""
+    TORCHRUN_PLANS[plan.__module__] = plan
+    return plan
+
+
+@pytest.fixture(scope="session")
+def torchrun_runs(request, tmp_path_factory) -> dict:
+    """Every plan of a module with a selected test, made one after another in a single torchrun
+    launch of 2 processes (run_recipes_together) the first time a test asks: {module name: (the
+    plan's folder, {key: exit status})}. A launch that fails fails every test that reads it."""
+    out = tmp_path_factory.mktemp("torchrun")
+    selected = {item.module.__name__ for item in request.session.items if getattr(item, "module", None)}
+    keys, runs = [], []
+    for module, plan in TORCHRUN_PLANS.items():
+        if module in selected:
+            (out / module).mkdir()
+            for key, run in plan(out / module, request.getfixturevalue).items():
+                keys.append((module, key))
+                runs.append(run)
+    found: dict = {}
+    for (module, key), code in zip(keys, run_recipes_together(runs, out)):
+        found.setdefault(module, (out / module, {}))[1][key] = code
+    return found
+
+
 def child_pids() -> set[int]:
     """The processes this one started that are still running."""
     found = set()
@@ -245,6 +281,23 @@ def small_train(tmp_path_factory):
     (77 s of the suite when every run read them)."""
     path = tmp_path_factory.mktemp("data") / "train512.parquet"
     pq.write_table(pq.read_table(TASK_TRAIN).slice(0, 512), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def odd_val(tmp_path_factory):
+    """63 rows of the bundled test split: two ranks get 32 and 31, so the shorter share is padded
+    for FSDP2's collectives."""
+    path = tmp_path_factory.mktemp("data") / "val63.parquet"
+    pq.write_table(pq.read_table(TASK_TEST).slice(0, 63), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def val200(tmp_path_factory):
+    """200 rows of the bundled test split: several chunks of generation."""
+    path = tmp_path_factory.mktemp("data") / "val200.parquet"
+    pq.write_table(pq.read_table(TASK_TEST).slice(0, 200), path)
     return path
 
 

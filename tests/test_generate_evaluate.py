@@ -9,7 +9,15 @@ import re
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import BUNDLED, SHIPPED_ACCURACY, TASK_TEST, load_recipe, load_recipe_refusing_models, run_recipe
+from conftest import (
+    BUNDLED,
+    SHIPPED_ACCURACY,
+    TASK_TEST,
+    load_recipe,
+    load_recipe_refusing_models,
+    run_recipe,
+    torchrun_plan,
+)
 
 from common.errors import UsageError
 
@@ -24,13 +32,6 @@ def gen():
 @pytest.fixture(scope="module")
 def ev():
     return load_recipe("evaluate")
-
-
-@pytest.fixture(scope="module")
-def val200(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "val200.parquet"
-    pq.write_table(pq.read_table(TASK_TEST).slice(0, 200), path)
-    return path
 
 
 # --- the estimators -------------------------------------------------------------------------------------
@@ -87,22 +88,31 @@ def test_greedy_pass_at_1_equals_the_training_validation(tmp_path, gen, ev):
     assert results["all"]["mean_score"] == validation["val/reward/mean"]
 
 
-def test_sampled_generation_two_processes_equal_one_and_evaluate(tmp_path, gen, ev, val200, capsys):
+SAMPLED = dict(n_samples=4, batch_size=48, temperature=1.0)  # 5 chunks of 48 for 200 rows x 4 samples
+
+
+@torchrun_plan
+def two_process_plan(folder, fixture):
+    """generate.py under torchrun with 2 processes, sampling SAMPLED."""
+    flags = {**SAMPLED, "data_path": fixture("val200"), "output_path": folder / "two.parquet"}
+    return {"two": ("generate", [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()])}
+
+
+def test_sampled_generation_two_processes_equal_one_and_evaluate(tmp_path, gen, ev, val200, torchrun_runs, capsys):
     """n=4 sampled responses in chunks of 48 (5 chunks, 3 for one process and 2 for the other):
-    torchrun with 2 processes writes the rows, responses, ids and finish reasons one process
-    writes, in input order; evaluate then reports pass@1..4 and maj@1..4 per data_source."""
-    one, two = tmp_path / "one.parquet", tmp_path / "two.parquet"
-    flags = dict(data_path=str(val200), n_samples=4, batch_size=48, temperature=1.0)
-    gen.main(gen.Args(output_path=str(one), **flags))
-    cli = [f"--{k.replace('_', '-')}={v}" for k, v in {**flags, "output_path": two}.items()]
-    run_recipe("generate", *cli, nproc=2)
+    torchrun with 2 processes (two_process_plan) writes the rows, responses, ids and finish reasons
+    one process writes, in input order; evaluate then reports pass@1..4 and maj@1..4 per data_source."""
+    folder, codes = torchrun_runs[__name__]
+    assert codes == {"two": 0}
+    one, two = tmp_path / "one.parquet", folder / "two.parquet"
+    gen.main(gen.Args(data_path=str(val200), output_path=str(one), **SAMPLED))
     a, b = pq.read_table(one).to_pylist(), pq.read_table(two).to_pylist()
     source = pq.read_table(val200).to_pylist()
     assert a == b and len(a) == 200
     assert [{k: r[k] for k in source[0]} for r in a] == source  # every input column kept, rows in order
     assert all(len(r["responses"]) == len(r["response_ids"]) == len(r["finish_reasons"]) == 4 for r in a)
     assert len({tuple(r["responses"]) for r in a}) > 100 and any(len(set(r["responses"])) > 1 for r in a)
-    assert not (tmp_path / "one.parquet.parts").exists()
+    assert not (tmp_path / "one.parquet.parts").exists() and not (folder / "two.parquet.parts").exists()
 
     capsys.readouterr()
     results = ev.main(ev.Args(data_path=str(one), output_scores=str(tmp_path / "scores.parquet")))

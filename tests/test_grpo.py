@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ROOT, load_recipe_refusing_models, read_metrics, run_recipe, run_recipes_together
+from conftest import ROOT, load_recipe_refusing_models, read_metrics, run_recipe, torchrun_plan
 from safetensors.torch import load_file
 
 from common.scoring import extract_answer_tag
@@ -37,22 +37,24 @@ def two_process_flags(strategy: str) -> str:
     return flags
 
 
-@pytest.fixture(scope="module")
-def two_process_runs(tmp_path_factory, small_files):
+@torchrun_plan
+def two_process_plan(folder, fixture):
     """Under DDP and FSDP2 with 2 processes: 2 steps with validation, generations logged and a
-    checkpoint, and 1 step with one forward pass per sequence; the four runs made one after
-    another in a single torchrun launch (tests/run_together.py). {name: (folder, exit status)}."""
-    out = tmp_path_factory.mktemp("two")
+    checkpoint, and 1 step with one forward pass per sequence."""
     runs = {}
     for strategy in ("ddp", "fsdp2"):
         flags = two_process_flags(strategy)
         runs[strategy] = f"{flags} --total-training-steps 2 --test-freq 2 --save-freq 2 --log-val-generations 40"
         runs[f"{strategy}-plain"] = f"{flags} --total-training-steps 1 --test-freq 0 --no-shared-prompt-forward"
-    codes = run_recipes_together(
-        [("grpo", ["--output-dir", out / name, *small_files, *flags.split()]) for name, flags in runs.items()],
-        out,
-    )
-    return {name: (out / name, code) for name, code in zip(runs, codes)}
+    return {name: ("grpo", ["--output-dir", folder / name, *fixture("small_files"), *flags.split()])
+            for name, flags in runs.items()}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(torchrun_runs):
+    """{name: (run folder, exit status)} of two_process_plan's runs."""
+    folder, codes = torchrun_runs[__name__]
+    return {name: (folder / name, code) for name, code in codes.items()}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])

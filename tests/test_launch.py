@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, read_metrics, run_recipes_together
+from conftest import ROOT, read_metrics, torchrun_plan
 
 LAUNCH = ROOT / "launch"
 FAKES = ROOT / "tests" / "fake_slurm"
@@ -297,29 +297,34 @@ def test_fsdp_settings_the_recipes_would_not_apply_are_refused(monkeypatch):
         resolve_strategy("auto")
 
 
-def test_cpu_offload_trains_and_resumes_exactly_as_plain_fsdp2(tmp_path, small_files):
-    """FSDP_OFFLOAD_PARAMS=true (what configs/fsdp2_offload.yaml exports) under 2 processes: the
-    parameters really live in CPU memory as FSDP2 offloaded shards, and the losses and gradient
-    norms equal plain FSDP2's, also in a run resumed (--resume PATH, into a folder of its own) from
-    the offloaded run's step-2 checkpoint. (On a CPU the offload is a no-op for memory; the code
-    path is the one GPUs run.)"""
+@torchrun_plan
+def offload_plan(folder, fixture):
+    """grpo.py under 2 processes: plain FSDP2, FSDP2 with FSDP_OFFLOAD_PARAMS=true (what
+    configs/fsdp2_offload.yaml exports), and a run resumed from the offloaded run's step 2."""
     flags = ["--total-training-steps", "4", "--test-freq", "0", "--save-freq", "2", "--log-interval", "0",
              "--train-batch-size", "8", "--ppo-mini-batch-size", "8", "--rollout-n", "4", "--no-val-before-train",
-             *small_files]  # fmt: skip
+             *fixture("small_files")]  # fmt: skip
     offload = {"FSDP_OFFLOAD_PARAMS": "true"}
-    step_2 = tmp_path / "offload" / "checkpoints" / "step_2"
-    runs = [("grpo", [*flags, "--strategy", "fsdp2", "--output-dir", tmp_path / "plain"]),
-            ("grpo", [*flags, "--output-dir", tmp_path / "offload"], offload),
-            ("grpo", [*flags, "--output-dir", tmp_path / "resumed", "--resume", step_2], offload)]  # fmt: skip
-    codes = run_recipes_together(runs, tmp_path)
-    assert codes == [0, 0, 0]
-    layout = json.loads((tmp_path / "offload" / "config.json").read_text())["run"]
+    step_2 = folder / "offload" / "checkpoints" / "step_2"
+    return {"plain": ("grpo", [*flags, "--strategy", "fsdp2", "--output-dir", folder / "plain"]),
+            "offload": ("grpo", [*flags, "--output-dir", folder / "offload"], offload),
+            "resumed": ("grpo", [*flags, "--output-dir", folder / "resumed", "--resume", step_2], offload)}  # fmt: skip
+
+
+def test_cpu_offload_trains_and_resumes_exactly_as_plain_fsdp2(torchrun_runs):
+    """FSDP_OFFLOAD_PARAMS=true under 2 processes (offload_plan): the parameters really live in CPU
+    memory as FSDP2 offloaded shards, and the losses and gradient norms equal plain FSDP2's, also
+    in a run resumed (--resume PATH, into a folder of its own) from the offloaded run's step-2
+    checkpoint. (On a CPU the offload is a no-op for memory; the code path is the one GPUs run.)"""
+    folder, codes = torchrun_runs[__name__]
+    assert codes == {"plain": 0, "offload": 0, "resumed": 0}
+    layout = json.loads((folder / "offload" / "config.json").read_text())["run"]
     assert layout["strategy"] == "fsdp2" and layout["param_offload"] is True and layout["world_size"] == 2
-    assert json.loads((tmp_path / "plain" / "config.json").read_text())["run"]["param_offload"] is False
+    assert json.loads((folder / "plain" / "config.json").read_text())["run"]["param_offload"] is False
 
     def curve(run):
-        return [(m["train/loss"], m["train/grad_norm"]) for m in read_metrics(tmp_path / run) if "train/loss" in m]
+        return [(m["train/loss"], m["train/grad_norm"]) for m in read_metrics(folder / run) if "train/loss" in m]
 
     assert len(curve("plain")) == 4 and curve("offload") == curve("plain")
-    assert [m["step"] for m in read_metrics(tmp_path / "resumed")] == [3, 4], "the resumed run starts after step 2"
+    assert [m["step"] for m in read_metrics(folder / "resumed")] == [3, 4], "the resumed run starts after step 2"
     assert curve("resumed") == curve("plain")[2:]

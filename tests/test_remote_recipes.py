@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, SHIPPED_ACCURACY, read_metrics, run_recipe
+from conftest import ROOT, SHIPPED_ACCURACY, read_metrics, run_recipe, running
 from test_remote import ray_processes, wait_until_no_ray
 
 REMOTE = ["--rollout-placement", "remote", "--num-rollout-engines", "2"]
@@ -73,34 +73,75 @@ def test_a_resumed_run_with_synchronous_remote_engines_repeats_the_steps_exactly
     assert len(first) == 4 and again == first
 
 
-@pytest.mark.parametrize("how", ["SIGUSR1", "SIGINT"])
-def test_a_stopped_trainer_leaves_no_ray_process(tmp_path, small_files, how):
-    """The stop signal saves and exits 0; Ctrl-C ends the run at once. Either way the engines and
-    the Ray the run started are gone (the fixture checks)."""
-    cmd = [sys.executable, str(ROOT / "recipes" / "grpo.py"), *REMOTE, "--max-staleness", "1",
-           "--total-training-steps", "200", "--test-freq", "0", "--save-freq", "0",
-           "--output-dir", str(tmp_path / "run"), *small_files, *SMALL_STEPS]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+STOPS = ("SIGUSR1", "SIGINT")
+
+
+@pytest.fixture(scope="module")
+def stopped_runs(tmp_path_factory, small_files):
+    """A trainer stopped by each of STOPS once 2 steps are logged, the two runs side by side (each
+    starts its own Ray and engines, about 13 s to its first step on 2 cores, much of it waiting on
+    start-ups that overlap). {signal: (exit status or None if it hung, output, run folder,
+    {pid: command line} of the processes below the trainer just before the signal, or None if it
+    was never sent)}."""
+    from common.remote import _cmdline, _descendants
+
+    assert not wait_until_no_ray(), f"Ray processes from before this test: {ray_processes()}"
+    started = {}
+    for how in STOPS:
+        folder = tmp_path_factory.mktemp(how)
+        cmd = [sys.executable, str(ROOT / "recipes" / "grpo.py"), *REMOTE, "--max-staleness", "1",
+               "--total-training-steps", "200", "--test-freq", "0", "--save-freq", "0",
+               "--output-dir", str(folder / "run"), *small_files, *SMALL_STEPS]  # fmt: skip
+        log = open(folder / "output.txt", "w")  # a file, not a pipe: nothing reads while the runs go on
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+        started[how] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), folder, log)
+    below = dict.fromkeys(STOPS)
     try:
         deadline = time.time() + 300
-        while time.time() < deadline and proc.poll() is None:
-            metrics = tmp_path / "run" / "metrics.jsonl"
-            if metrics.exists() and sum(1 for line in metrics.read_text().splitlines() if '"train/loss"' in line) >= 2:
-                break
+        waiting = set(STOPS)
+        while waiting and time.time() < deadline:
+            for how in sorted(waiting):
+                proc, folder, _ = started[how]
+                metrics = folder / "run" / "metrics.jsonl"
+                if proc.poll() is not None:  # ended before its signal: the test says so
+                    waiting.discard(how)
+                elif metrics.exists() and metrics.read_text().count('"train/loss"') >= 2:
+                    below[how] = {pid: _cmdline(pid) for pid in _descendants(proc.pid, "")}
+                    proc.send_signal(getattr(signal, how))
+                    waiting.discard(how)
             time.sleep(0.5)
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        proc.send_signal(getattr(signal, how))
-        try:
-            out, _ = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:  # where it hangs: faulthandler prints every thread's stack on SIGABRT
-            proc.send_signal(signal.SIGABRT)
-            raise AssertionError(f"still running 120 s after {how}:\n{proc.communicate()[0][-6000:]}") from None
+        codes = {}
+        for how, (proc, _, _) in started.items():
+            try:
+                codes[how] = proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:  # where it hangs: faulthandler prints every thread's stack on SIGABRT
+                proc.send_signal(signal.SIGABRT)
+                proc.wait()
+                codes[how] = None
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        for proc, _, log in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    wait_until_no_ray()  # each test checks its own run's processes; the autouse fixture, all of Ray
+    return {how: (codes[how], (folder / "output.txt").read_text(), folder / "run", below[how])
+            for how, (_, folder, _) in started.items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("how", STOPS)
+def test_a_stopped_trainer_leaves_no_ray_process(stopped_runs, how):
+    """The stop signal saves and exits 0; Ctrl-C ends the run at once. Either way the engines and
+    the Ray the run started are gone (every process below the trainer when it was signalled, and,
+    the fixture checks, every Ray process)."""
+    code, output, run, below = stopped_runs[how]
+    assert below is not None, f"the run ended before 2 steps were logged:\n{output[-3000:]}"
+    assert code is not None, f"still running 120 s after {how}:\n{output[-6000:]}"
+    assert any("raylet" in cmd for cmd in below.values()), f"the run started no Ray of its own: {below}"
+    left = [f"{pid}: {cmd[:120]}" for pid, cmd in below.items() if running(pid)]
+    assert not left, f"processes the run started outlived it: {left}"
     if how == "SIGUSR1":
-        assert proc.returncode == 0, out[-3000:]
-        assert list((tmp_path / "run" / "checkpoints").glob("step_*"))
+        assert code == 0, output[-3000:]
+        assert list((run / "checkpoints").glob("step_*"))
     else:
-        assert proc.returncode != 0
+        assert code != 0

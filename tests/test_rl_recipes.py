@@ -22,7 +22,7 @@ from conftest import (
     load_recipe,
     read_metrics,
     run_recipe,
-    run_recipes_together,
+    torchrun_plan,
 )
 
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
@@ -142,9 +142,9 @@ def test_smoke_checkpoint_and_exact_resume(tmp_path, small_files, small_args, re
     before its save, a resumed run repeats steps 3-4 exactly; a re-run of the finished run says so."""
     out = tmp_path / recipe
     flags = ["--total-training-steps", 4, "--save-freq", 2, "--test-freq", 2, "--max-ckpt-to-keep", 0]
-    # grpo as users run it, in a new process; the others in this one (the same code path, without
-    # a start-up of several seconds each)
-    first = run(recipe, out, small_files, *flags, "--log-interval", 2, fresh=recipe == "grpo")
+    # In this process: the `python recipes/x.py` code path without a start-up of several seconds
+    # (grpo.py's start in a new process: test_a_copied_recipe_starts_its_own_run, test_preemption.py)
+    first = run(recipe, out, small_files, *flags, "--log-interval", 2)
     want = read_metrics(out)
     assert [r["step"] for r in want] == [1, 2, 3, 4] and "val/accuracy" in want[1] and "val/accuracy" in want[3]
     for key in ("train/loss", "reward/mean", "response/length_mean", "perf/step_s", "train/grad_norm"):
@@ -211,15 +211,19 @@ def test_micro_batches_never_change_the_update(tmp_path, small_args, recipe):
 TWO_PROCESS = [r for r in RL_RECIPES if r != "grpo"]  # grpo: tests/test_grpo.py
 
 
-@pytest.fixture(scope="module")
-def two_process_runs(tmp_path_factory, small_files):
-    """Each recipe (but grpo) under torchrun with 2 CPU processes and FSDP2, the runs made one after
-    another in a single launch (tests/run_together.py): {recipe: (run folder, exit status)}."""
-    out = tmp_path_factory.mktemp("fsdp2")
+@torchrun_plan
+def two_process_plan(folder, fixture):
+    """Each recipe (but grpo) under torchrun with 2 CPU processes and FSDP2."""
     flags = ["--total-training-steps", 2, "--test-freq", 2, "--save-freq", 2, "--strategy", "fsdp2",
              "--use-dynamic-bsz", "--ppo-max-token-len-per-gpu", 150]  # fmt: skip
-    runs = [(r, ["--output-dir", out / r, *small_files, *FAST, *flags]) for r in TWO_PROCESS]
-    return {r: (out / r, code) for r, code in zip(TWO_PROCESS, run_recipes_together(runs, out))}
+    return {r: (r, ["--output-dir", folder / r, *fixture("small_files"), *FAST, *flags]) for r in TWO_PROCESS}
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(torchrun_runs):
+    """{recipe: (run folder, exit status)} of two_process_plan's runs."""
+    folder, codes = torchrun_runs[__name__]
+    return {r: (folder / r, code) for r, code in codes.items()}
 
 
 @pytest.mark.parametrize("recipe", TWO_PROCESS)

@@ -21,7 +21,7 @@ from conftest import (
     load_recipe_refusing_models,
     read_metrics,
     run_recipe,
-    run_recipes_together,
+    torchrun_plan,
 )
 from safetensors.torch import load_file
 
@@ -134,14 +134,6 @@ def test_kill_and_resume_continues_exactly(tmp_path, small_files):
 
 
 @pytest.fixture(scope="module")
-def odd_val(tmp_path_factory):
-    """63 rows: two ranks get 32 and 31, so the shorter share is padded for FSDP2's collectives."""
-    path = tmp_path_factory.mktemp("data") / "val63.parquet"
-    pq.write_table(pq.read_table(TASK_TEST).slice(0, 63), path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def odd_files(small_train, odd_val):
     return ["--train-files", str(small_train), "--val-files", str(odd_val)]
 
@@ -175,19 +167,22 @@ def test_micro_batch_and_checkpointing_invariance(tmp_path, small_files, single_
     assert losses(out, "train/grad_norm") == pytest.approx(losses(single_process_run, "train/grad_norm"), rel=1e-4)
 
 
-@pytest.fixture(scope="module")
-def two_process_runs(tmp_path_factory, odd_files):
-    """sft.py with 2 processes, made one after another in a single torchrun launch
-    (tests/run_together.py): DDP and FSDP2 in float32, and FSDP2 under bf16 mixed precision with
-    the float32 reference's micro-batch layout. {name: (folder, exit status)}."""
-    out = tmp_path_factory.mktemp("two")
+@torchrun_plan
+def two_process_plan(folder, fixture):
+    """sft.py with 2 processes: DDP and FSDP2 in float32, and FSDP2 under bf16 mixed precision with
+    the float32 reference's micro-batch layout."""
     runs = {strategy: f"{STEPS3} --micro-batch-size-per-gpu 4 --strategy {strategy} --save-freq 3"
             for strategy in ("ddp", "fsdp2")}  # fmt: skip
     runs["bf16-fsdp2"] = f"{STEPS3} --micro-batch-size-per-gpu 8 --save-freq 3 --mixed-precision bf16 --strategy fsdp2"
-    codes = run_recipes_together(
-        [("sft", base_flags(out / name, odd_files, flags)) for name, flags in runs.items()], out
-    )
-    return {name: (out / name, code) for name, code in zip(runs, codes)}
+    files = ["--train-files", fixture("small_train"), "--val-files", fixture("odd_val")]  # as odd_files
+    return {name: ("sft", base_flags(folder / name, files, flags)) for name, flags in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(torchrun_runs):
+    """{name: (run folder, exit status)} of two_process_plan's runs."""
+    folder, codes = torchrun_runs[__name__]
+    return {name: (folder / name, code) for name, code in codes.items()}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
