@@ -126,11 +126,13 @@ def run_recipe(
 def run_recipes_together(runs: list[tuple], folder, nproc: int = 2, timeout: int = 1200) -> list[int]:
     """Each (recipe, flags) or (recipe, flags, environment) of `runs` in turn inside one torchrun
     launch of nproc processes (tests/run_together.py: its processes and imports start once for all
-    the runs). Returns each run's exit status, the same on every rank, and keeps the launch's
-    output in FOLDER/runs.out; a launch that fails raises with its output."""
+    the runs); a recipe is a name in recipes/ or a Path to a script of a test's own. Returns each
+    run's exit status, the same on every rank, and keeps the launch's output in FOLDER/runs.out; a
+    launch that fails raises with its output."""
     plan = Path(folder) / "runs.json"
     plan.write_text(json.dumps([
-        [str(ROOT / "recipes" / f"{name}.py"), [str(f) for f in flags], {k: str(v) for k, v in (env or {}).items()}]
+        [str(name if isinstance(name, Path) else ROOT / "recipes" / f"{name}.py"), [str(f) for f in flags],
+         {k: str(v) for k, v in (env or {}).items()}]
         for name, flags, env in ((*run, None)[:3] for run in runs)
     ]))  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
@@ -155,8 +157,10 @@ TORCHRUN_PLANS: dict = {}  # test module name -> its plan
 
 def torchrun_plan(plan):
     """Declares a test module's runs under torchrun with 2 processes: plan(folder, fixture) returns
-    {key: (recipe, flags) or (recipe, flags, environment)}, the runs writing under folder (made by
-    the plan's runs only) and fixture(name) giving a session fixture's value (small_files, ...).
+    {key: (recipe, flags) or (recipe, flags, environment)} (a recipe as run_recipes_together takes
+    it), the runs writing under folder (made for the plan) and fixture(name) giving a session
+    fixture's value (small_files, ...). A script of the test's own must leave the process group
+    as it found it: the runs after it share the processes (accelerate's PartialState keeps one).
     The module's tests read them through the torchrun_runs fixture."""
     TORCHRUN_PLANS[plan.__module__] = plan
     return plan

@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from conftest import RL_RECIPES
+from conftest import RL_RECIPES, torchrun_plan
 
 from common.agent import AgentLoop, Conversation, check_tokenization
 from common.engines import Completion, Sampling
@@ -39,12 +39,17 @@ def schema(name):
     return {"type": "function", "function": {"name": name, "description": name, "parameters": {"type": "object"}}}
 
 
+def write_tool_config(folder) -> str:
+    """TOOLS and a tool config naming each of them, written in folder; returns the config's path."""
+    (folder / "tools.py").write_text(TOOLS)
+    tools = [{"function": f"tools.py:{n}", "tool_schema": schema(n)} for n in TOOL_NAMES]
+    (folder / "tools.yaml").write_text(json.dumps({"tools": tools}))  # JSON is YAML
+    return str(folder / "tools.yaml")
+
+
 @pytest.fixture
 def tool_config(tmp_path):
-    (tmp_path / "tools.py").write_text(TOOLS)
-    tools = [{"function": f"tools.py:{n}", "tool_schema": schema(n)} for n in TOOL_NAMES]
-    (tmp_path / "tools.yaml").write_text(json.dumps({"tools": tools}))  # JSON is YAML
-    return str(tmp_path / "tools.yaml")
+    return write_tool_config(tmp_path)
 
 
 @pytest.fixture
@@ -333,7 +338,8 @@ from common.model import load_tokenizer
 from common.rewards import TOOLS_PREFIX, RewardPool
 from common.engines import Sampling
 
-dist.init_process_group("gloo")
+if not dist.is_initialized():  # a run before it in the same launch may have started the group
+    dist.init_process_group("gloo")
 rank = dist.get_rank()
 
 
@@ -365,21 +371,21 @@ with open(f"{sys.argv[4]}/rank{rank}.json", "w") as f:
 """
 
 
-def test_two_processes_sample_in_step_when_their_conversations_differ(tmp_path, tool_config):
-    """Rank 0's conversations take three turns, rank 1's one: rank 1 keeps sampling (fillers,
-    dropped) so that a collective engine sees both ranks call it as often with as many prompts."""
-    import subprocess
-    import sys
-
+@torchrun_plan
+def collective_plan(folder, fixture):
+    """COLLECTIVE under 2 processes, each writing its rank's counts in folder."""
     from conftest import ROOT, TINY
 
-    (tmp_path / "probe.py").write_text(COLLECTIVE)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29731",
-         str(tmp_path / "probe.py"), str(ROOT / "tests"), str(TINY), tool_config, str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    (folder / "probe.py").write_text(COLLECTIVE)
+    return {"probe": (folder / "probe.py", [ROOT / "tests", TINY, write_tool_config(folder), folder])}
+
+
+def test_two_processes_sample_in_step_when_their_conversations_differ(torchrun_runs):
+    """Rank 0's conversations take three turns, rank 1's one: rank 1 keeps sampling (fillers,
+    dropped) so that a collective engine sees both ranks call it as often with as many prompts
+    (collective_plan)."""
+    tmp_path, codes = torchrun_runs[__name__]
+    assert codes == {"probe": 0}
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["calls"] for r in results] == [3, 3]  # rank 1: its one turn, then two rounds of fillers
     assert [r["turns"] for r in results] == [3, 1] and [r["n"] for r in results] == [[2], [2]]

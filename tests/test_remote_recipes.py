@@ -29,9 +29,11 @@ def no_ray_before_or_after():
 @pytest.mark.slow
 def test_grpo_with_remote_engines_and_staleness_1_learns(tmp_path, ray_cluster):
     """Every step after the first trains on samples exactly one weight version old (the engines
-    sample step t+1 while the trainer trains step t), and validation accuracy still climbs."""
+    sample step t+1 while the trainer trains step t), and validation accuracy still climbs: by
+    +8.8 / +14.6 / +7.0 points with seeds 1-3 at 12 samples per prompt (at 8, seed 1 gained +5.0),
+    against a bar of 4."""
     run_recipe("grpo", *REMOTE, "--max-staleness", "1", "--total-training-steps", "20", "--save-freq", "0",
-               "--output-dir", tmp_path / "run", "--ray-address", ray_cluster)  # fmt: skip
+               "--rollout-n", "12", "--output-dir", tmp_path / "run", "--ray-address", ray_cluster)  # fmt: skip
     metrics = read_metrics(tmp_path / "run")
     steps = [m for m in metrics if "train/loss" in m]
     assert len(steps) == 20

@@ -2,12 +2,10 @@
 LoRA merged without touching the trainer, tied weights once, FSDP2 gathered to the same values."""
 
 import copy
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, torchrun_plan
 from safetensors.torch import load_file
 
 from common.model import load_policy
@@ -92,23 +90,22 @@ for lora_rank in (0, 4):
     sent = dict(hf_weights(trained_adapter(model) if lora_rank else model))
     if dist.rank == 0:
         torch.save(sent, f"{sys.argv[2]}/sent{lora_rank}.pt")
-torch.distributed.barrier()  # neither rank exits while the other still uses the group
-torch.distributed.destroy_process_group()
+torch.distributed.barrier()  # neither rank goes on while the other still gathers
 """
 
 
-def test_fsdp2_ranks_gather_what_one_process_sends(tmp_path):
-    """Two gloo processes, the model sharded, plain and with a trained LoRA adapter: rank 0's
-    stream equals one process's, name for name and bit for bit (every rank runs the gathers)."""
-    import os
+@torchrun_plan
+def fsdp2_plan(folder, fixture):
+    """FSDP2_SCRIPT under 2 processes, saving what rank 0 sends in folder."""
+    (folder / "sync.py").write_text(FSDP2_SCRIPT)
+    return {"sync": (folder / "sync.py", [SFT, folder, ROOT / "tests"])}
 
-    script = tmp_path / "sync.py"
-    script.write_text(FSDP2_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(29600 + os.getpid() % 300), str(script), str(SFT), str(tmp_path), str(ROOT / "tests")]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+
+def test_fsdp2_ranks_gather_what_one_process_sends(torchrun_runs):
+    """Two gloo processes (fsdp2_plan), the model sharded, plain and with a trained LoRA adapter:
+    rank 0's stream equals one process's, name for name and bit for bit (every rank runs the gathers)."""
+    tmp_path, codes = torchrun_runs[__name__]
+    assert codes == {"sync": 0}
     for lora_rank in (0, 4):
         sent = torch.load(tmp_path / f"sent{lora_rank}.pt", weights_only=True)
         model = load_policy(str(SFT), lora_rank=lora_rank, lora_alpha=8)
