@@ -76,6 +76,12 @@ def test_a_resumed_run_with_synchronous_remote_engines_repeats_the_steps_exactly
 
 
 STOPS = ("SIGUSR1", "SIGINT")
+# Runs the command in argv as a terminal would, Ctrl-C included: a shell's background job (CI
+# started with `&`) ignores SIGINT, and a process started so ignores it too unless it is reset.
+AS_FROM_A_TERMINAL = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +97,7 @@ def stopped_runs(tmp_path_factory, small_files):
     started = {}
     for how in STOPS:
         folder = tmp_path_factory.mktemp(how)
-        cmd = [sys.executable, str(ROOT / "recipes" / "grpo.py"), *REMOTE, "--max-staleness", "1",
+        cmd = [sys.executable, "-c", AS_FROM_A_TERMINAL, str(ROOT / "recipes" / "grpo.py"), *REMOTE, "--max-staleness", "1",
                "--total-training-steps", "200", "--test-freq", "0", "--save-freq", "0",
                "--output-dir", str(folder / "run"), *small_files, *SMALL_STEPS]  # fmt: skip
         log = open(folder / "output.txt", "w")  # a file, not a pipe: nothing reads while the runs go on
