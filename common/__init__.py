@@ -12,6 +12,7 @@ LAYERS = (
     "errors",  # UsageError, RunStopped and usage_errors: what every layer raises and how recipes report it
     "optim",  # AdamW and the lr schedules
     "parallel",  # the process group, DDP / FSDP2 wrapping, collectives, the stop signal, logging setup
+    "runlock",  # one live run per run folder (and per generate / evaluate output): the lock and its holder
     "data",  # parquet rows, chat templating, truncation, padding, micro-batches
     "ops",  # masked maths, logprobs and entropy from logits, KL estimators, loss aggregation
     "scoring",  # verl's compute_score built-ins and the loaders of user code (no processes)

@@ -233,7 +233,10 @@ class OptimArgs:
 @dataclass
 class TrainerArgs:
     output_dir: str = ""
-    """run folder (default: runs/<experiment_name>)"""
+    """run folder (default: runs/<experiment_name>); one live run at a time (run.lock names it)"""
+    force_unlock: bool = False
+    """take the lock of the run folder (or output file) even when a run on another host holds it: only when that
+    run is known to be gone (its job ended, its node died); two live runs on one folder corrupt each other's files"""
     project_name: str = "recipes"
     """wandb / tensorboard project"""
     experiment_name: str = ""

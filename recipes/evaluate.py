@@ -43,6 +43,7 @@ from common.config import check_flags
 from common.errors import UsageError, usage_errors
 from common.parallel import setup_logging
 from common.rewards import Scored, start_reward_pool
+from common.runlock import claim_output
 from common.scoring import extract_answer, hit
 
 RECIPE = Path(__file__).stem
@@ -69,6 +70,9 @@ class Args:
     """metrics file (default: beside the input, <input name>.eval.json)"""
     output_scores: str = ""
     """also write the input rows with per-response scores and correctness to this parquet (default: no)"""
+    force_unlock: bool = False
+    """take the lock of the run folder (or output file) even when a run on another host holds it: only when that
+    run is known to be gone (its job ended, its node died); two live runs on one folder corrupt each other's files"""
 
     def __post_init__(self):  # checked as the flags are parsed, before anything is read
         check_flags(self)
@@ -217,7 +221,7 @@ def read_added(column, n: int, file: str, i: int) -> list[dict | None]:
 def main(args: Args) -> dict:
     setup_logging(0)
     parsed, n = read_rows(args.data_path, args.response_key, args.data_source_key, args.reward_model_key)
-    out_json = args.json_path()
+    out_json = claim_output(args.json_path(), force_unlock=args.force_unlock, flag="--output-json")
     pool = start_reward_pool(args.reward_fn, workers=args.reward_workers, timeout=args.reward_timeout,
                              dry_run_rows=parsed, log_path=out_json.with_suffix(".reward_workers.log"))  # fmt: skip
 

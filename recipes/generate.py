@@ -44,6 +44,7 @@ import tyro
 from common.config import BUNDLED, AgentArgs, EngineArgs, check_flags
 from common.errors import UsageError, usage_errors
 from common.parallel import barrier, init_distributed
+from common.runlock import claim_output
 
 RECIPE = Path(__file__).stem
 # The flags that decide what a chunk holds: a parts folder made with other values is not reused.
@@ -62,6 +63,9 @@ class Args(AgentArgs, EngineArgs):  # rollout_name, the vLLM engine's and the ag
     """column holding the prompt: a chat list of {role, content} or a plain string"""
     output_path: str = ""
     """output parquet (default: runs/generate/<input name>_n<n_samples>.parquet)"""
+    force_unlock: bool = False
+    """take the lock of the run folder (or output file) even when a run on another host holds it: only when that
+    run is known to be gone (its job ended, its node died); two live runs on one folder corrupt each other's files"""
     n_samples: int = 1
     """responses sampled per prompt"""
     batch_size: int = 128
@@ -192,7 +196,7 @@ def main(args: Args) -> dict:
     from common.rollout import sample, start_engine
 
     dist = init_distributed()
-    out = args.output()
+    out = claim_output(args.output(), dist, args.force_unlock)  # one live run per output file
     parts = out.with_name(out.name + ".parts")
 
     # Prompts (checked and templated as training does), the chunks already done, then the model.

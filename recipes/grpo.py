@@ -63,6 +63,7 @@ from common.parallel import (
 )
 from common.rewards import start_reward_pool
 from common.rollout import Rollout, start_engine
+from common.runlock import claim_run_dir
 from common.tracking import Tracker, describe_run, step_metrics
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
@@ -253,7 +254,7 @@ def update(
 def main(args: Args) -> dict:
     # Setup: process group; batch arithmetic and flags checked before anything loads.
     dist = init_distributed()
-    plan, run_dir = args.batch_plan(dist.world_size), args.run_dir(RECIPE)
+    plan, run_dir = args.batch_plan(dist.world_size), claim_run_dir(args.run_dir(RECIPE), dist, args.force_unlock)
     seed_everything(args.seed + dist.rank)  # ranks sample different responses
 
     # Data, the run to resume and rewards (a reward dry run), then the models, engine and optimizer.

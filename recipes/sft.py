@@ -43,6 +43,7 @@ from common.parallel import (
     seed_everything,
     shard_evenly,
 )
+from common.runlock import claim_run_dir
 from common.scoring import builtin_scorer, exact_match
 from common.tracking import Tracker, describe_run
 
@@ -185,7 +186,7 @@ def main(args: Args) -> dict:
     dist = init_distributed()
     plan = plan_batches(world_size=dist.world_size, train_batch_size=args.train_batch_size,
                         micro_batch_size_per_gpu=args.micro_batch_size_per_gpu)  # fmt: skip
-    run_dir = args.run_dir(RECIPE)
+    run_dir = claim_run_dir(args.run_dir(RECIPE), dist, args.force_unlock)
     seed_everything(args.seed + dist.rank)
 
     # Data, read and checked before the model so bad rows fail in seconds; then the run to resume.

@@ -4,6 +4,7 @@ short message, exit status 2 from the command line) containing the words the tab
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import torch
 from conftest import RL_RECIPES, ROOT, TASK_TEST, TASK_TRAIN, load_recipe_refusing_models
 
 from common.errors import UsageError
+from common.runlock import holder, process_start_of
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +37,10 @@ def files(tmp_path_factory):
     rows[5] = dict(rows[5], reward_model=dict(rows[5]["reward_model"], ground_truth=None))
     pq.write_table(pa.Table.from_pylist(rows), d / "no_truth.parquet")
     (d / "no_config").mkdir()
+    (d / "live").mkdir()  # a run folder a live process (this one's parent) holds
+    (d / "live" / "run.lock").write_text(
+        json.dumps({**holder(), "pid": os.getppid(), "process_start": process_start_of(os.getppid())})
+    )
     for name, state in (("foreign", {"recipe": "some_other_recipe", "step": 3}), ("torn", None)):
         ckpt = d / name / "checkpoints" / "step_3"
         (ckpt / "state").mkdir(parents=True)
@@ -94,6 +100,7 @@ CASES = [
     ("top_p zero", dict(top_p=0.0), "--top-p 0.0: must be in (0, 1]"),
     ("no reward workers", dict(reward_workers=0), "--reward-workers 0: must be >= 1"),
     ("output dir is a file", dict(output_dir="{d}/a_file"), "--output-dir {d}/a_file: is a file"),
+    ("output dir in use by a live run", dict(output_dir="{d}/live"), "run folder {d}/live is in use by a live run"),
     ("output dir under a file", dict(output_dir="{d}/a_file/run"), "{d}/a_file is a file, so the folder cannot"),
     (
         "reward model folder missing",
@@ -145,6 +152,7 @@ SFT_CASES = [
     ("another recipe's checkpoint", dict(output_dir="{d}/foreign"), "written by recipes/some_other_recipe.py"),
     ("a damaged checkpoint named", dict(resume="{d}/torn/checkpoints/step_3"), "trainer_state.json is not valid JSON"),
     ("output dir is a file", dict(output_dir="{d}/a_file"), "is a file"),
+    ("output dir in use by a live run", dict(output_dir="{d}/live"), "run folder {d}/live is in use by a live run"),
     ("negative lr", dict(lr=-1.0), "--lr -1.0: must be > 0"),
     ("zero length", dict(max_length=0), "--max-length 0: must be >= 1"),
     ("zero steps", dict(total_training_steps=0), "--total-training-steps 0: must be >= 1"),

@@ -55,8 +55,10 @@ STOPPED = {
 def stopped(tmp_path_factory, small_files):
     """Every run of STOPPED started side by side (their start-ups overlap; each gets its own port)
     and sent its signal once 2 steps are logged. {name: (run folder, exit status, output)}; the
-    status is None for a run that ended before its signal or did not exit 10 minutes after it."""
-    started = {}
+    status is None for a run that ended before its signal or did not exit 10 minutes after it.
+    Before grpo's signal its command is run again (in this process) on its live folder: "again"
+    holds that run's CompletedProcess, its seconds and the live run's pid."""
+    started, again = {}, None
     for port, (name, (recipe, flags, nproc, _, _, env)) in enumerate(STOPPED.items()):
         out = tmp_path_factory.mktemp(name) / "stopped"
         log = open(out.parent / "output.txt", "w")  # a file, not a pipe: nothing reads while the runs go on
@@ -72,6 +74,10 @@ def stopped(tmp_path_factory, small_files):
                 if name in signalled or proc.poll() is not None:
                     continue
                 if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                    if name == "grpo":  # the same command again while the run goes on: refused
+                        t = time.time()
+                        second = run_recipe("grpo", *proc.args[2:], check=False)
+                        again = (second, time.time() - t, proc.pid)
                     _, _, _, sig, target, _ = STOPPED[name]
                     os.kill(proc.pid if target == "launcher" else children(proc.pid)[-1], sig)
                     signalled.add(name)
@@ -88,8 +94,11 @@ def stopped(tmp_path_factory, small_files):
                 proc.wait()
             log.close()
     return {
-        name: (out, proc.returncode if name in signalled else None, (out.parent / "output.txt").read_text())
-        for name, (proc, out, _) in started.items()
+        "again": again,
+        **{
+            name: (out, proc.returncode if name in signalled else None, (out.parent / "output.txt").read_text())
+            for name, (proc, out, _) in started.items()
+        },
     }
 
 
@@ -112,6 +121,7 @@ def stop_then_resume(stopped, tmp_path, name, small_files):
     assert f"stopped by a signal after step {k} of {STEPS}" in output
     assert sorted(p.name for p in (stopped_dir / "checkpoints").iterdir()) == [f"step_{k}"]  # saved, --save-freq 0
     assert (stopped_dir / "checkpoints" / f"step_{k}" / "hf" / "model.safetensors").is_file()
+    assert not (stopped_dir / "run.lock").exists(), "the run's lock goes with it"
 
     if nproc == 1:
         done = run_recipe(recipe, *command(recipe, stopped_dir, flags, 1)[2:], check=False)
@@ -134,6 +144,16 @@ def stop_then_resume(stopped, tmp_path, name, small_files):
 
 def test_one_process_grpo_stops_saved_and_resumes_exactly(stopped, tmp_path, small_files):
     assert stop_then_resume(stopped, tmp_path, "grpo", small_files) == 0
+
+
+def test_a_second_run_on_a_live_runs_folder_is_refused_and_changes_nothing(stopped):
+    """The same command started again while grpo's run goes on stops at once, before any model
+    loads, naming the live run; the live run's metrics and checkpoints stay exactly those of an
+    uninterrupted run (test_one_process_grpo_stops_saved_and_resumes_exactly compares them)."""
+    second, seconds, pid = stopped["again"]
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert f"is in use by a live run: pid {pid} on " in second.stderr and f"kill {pid}" in second.stderr
+    assert "M params" not in second.stdout and seconds < 10  # no model loaded
 
 
 def test_one_process_sft_stops_on_sigterm(stopped, tmp_path, small_files):
