@@ -83,7 +83,12 @@ def take_lock(path: Path, what: str, flag: str, force: bool = False) -> None:
             raise UsageError(_refusal(what, flag, held, me))
         if _take_over(path, seen, me):
             if held is None or held.get("pid") != me["pid"] or held.get("host") != me["host"]:
-                log.warning("%s: taking over the lock of %s: %s", what, describe(held or {}), reason)
+                log.warning(
+                    "%s: taking over %s: %s",
+                    what,
+                    f"the lock of {describe(held)}" if held else "an unreadable lock",
+                    reason,
+                )
             atexit.register(release, path, me)
             return
         time.sleep(0.05)
