@@ -25,8 +25,13 @@ class DataError(UsageError):
 # --- reading -----------------------------------------------------------------------------------
 
 
+# verl's multimodal columns (its image_key and video_key): refused, never silently dropped.
+MULTIMODAL_COLUMNS = ("images", "videos")
+
+
 def read_parquet(files, what: str = "train_files") -> list[tuple[str, list[dict]]]:
-    """[(file, rows)] for one or many parquet files; rows are plain dicts (structs become dicts)."""
+    """[(file, rows)] for one or many parquet files; rows are plain dicts (structs become dicts).
+    Rows with images or videos (MULTIMODAL_COLUMNS) are refused: a text-only run would drop them."""
     if isinstance(files, str | Path):
         files = [files]
     if not files:
@@ -44,7 +49,15 @@ def read_parquet(files, what: str = "train_files") -> list[tuple[str, list[dict]
             raise DataError(f"{what}: {str(file)!r} is not a readable parquet file ({e})") from e
         if table.num_rows == 0:
             raise DataError(f"{what}: {str(file)!r} has no rows")
-        out.append((str(file), table.to_pylist()))
+        rows = table.to_pylist()
+        for column in MULTIMODAL_COLUMNS:
+            if held := sum(1 for row in rows if row.get(column)):
+                raise DataError(
+                    f"{what}: {str(file)!r} column {column!r} holds {column} in {held} of {len(rows)} rows; the "
+                    f"recipes train text-only models, so those rows would be trained without them. Drop the "
+                    f"column (or empty it) to use the text alone"
+                )
+        out.append((str(file), rows))
     return out
 
 

@@ -37,6 +37,8 @@ def files(tmp_path_factory):
     rows[5] = dict(rows[5], reward_model=dict(rows[5]["reward_model"], ground_truth=None))
     pq.write_table(pa.Table.from_pylist(rows), d / "no_truth.parquet")
     (d / "no_config").mkdir()
+    with_images = [dict(r, images=[{"bytes": b"\x89PNG", "path": None}] if i % 2 else []) for i, r in enumerate(rows)]
+    pq.write_table(pa.Table.from_pylist(with_images), d / "images.parquet")
     (d / "live").mkdir()  # a run folder a live process (this one's parent) holds
     (d / "live" / "run.lock").write_text(
         json.dumps({**holder(), "pid": os.getppid(), "process_start": process_start_of(os.getppid())})
@@ -66,6 +68,7 @@ CASES = [
     ("zero train batch", dict(train_batch_size=0), "train_batch_size=0 must be at least 1"),
     ("missing train file", dict(train_files=("{d}/missing.parquet",)), "does not exist"),
     ("missing val file", dict(val_files=("{d}/missing.parquet",)), "does not exist"),
+    ("multimodal rows", dict(val_files=("{d}/images.parquet",)), "column 'images' holds images in 8 of 16 rows"),
     ("train file not parquet", dict(train_files=("{d}/not_parquet.parquet",)), "not a readable parquet file"),
     ("no train files", dict(train_files=()), "train_files is empty"),
     ("fewer rows than a batch", dict(train_files=("{d}/few.parquet",), val_files=()), "fewer than train_batch_size"),
@@ -145,6 +148,7 @@ SFT_CASES = [
     ("missing train file", dict(train_files=("{d}/missing.parquet",)), "does not exist"),
     ("train file not parquet", dict(train_files=("{d}/not_parquet.parquet",)), "not a readable parquet file"),
     ("no train files", dict(train_files=()), "train_files is empty"),
+    ("multimodal rows", dict(train_files=("{d}/images.parquet",)), "column 'images' holds images in 8 of 16 rows"),
     ("response column missing", dict(response_key="extra_info.nope"), "not found"),
     ("model folder missing", dict(model="./no/such/model"), "folder does not exist"),
     ("model folder without config", dict(model="{d}/no_config"), "no config.json in that folder"),
