@@ -150,6 +150,7 @@ def test_a_second_run_on_a_live_runs_folder_is_refused_and_changes_nothing(stopp
     """The same command started again while grpo's run goes on stops at once, before any model
     loads, naming the live run; the live run's metrics and checkpoints stay exactly those of an
     uninterrupted run (test_one_process_grpo_stops_saved_and_resumes_exactly compares them)."""
+    assert stopped["again"] is not None, "grpo's run ended before 2 steps were logged"
     second, seconds, pid = stopped["again"]
     assert second.returncode == 2, second.stderr[-3000:]
     assert f"is in use by a live run: pid {pid} on " in second.stderr and f"kill {pid}" in second.stderr
