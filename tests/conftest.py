@@ -186,6 +186,48 @@ def torchrun_runs(request, tmp_path_factory) -> dict:
     return found
 
 
+def stop_side_by_side(runs: dict, *, before=None, timeout: int = 600) -> dict:
+    """Start every run of `runs`, {name: (command, environment, run folder, signal, target)}, at
+    once (their start-ups overlap), each writing its output to <run folder>.out (a file: nothing
+    reads a pipe while they go on), and send each its signal once 2 steps are in its metrics.jsonl:
+    to the process started, or to target(process) -> pid. before(name, process), if given, runs
+    just before a run's signal. Returns {name: (exit status, output, before's value)}: the status
+    is None for a run that ended before its signal or did not exit within 120 s of it (then
+    SIGABRT, so that a faulthandler prints every thread's stack)."""
+    started = {}
+    for name, (cmd, env, folder, _, _) in runs.items():
+        log = open(f"{folder}.out", "w")
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        started[name] = proc, log
+    seen, codes = {}, {}
+    try:
+        deadline = time.time() + timeout
+        while len(seen) < len(runs) and time.time() < deadline:
+            for name, (_, _, folder, sig, target) in runs.items():
+                proc, metrics = started[name][0], Path(folder) / "metrics.jsonl"
+                if name in seen or proc.poll() is not None:
+                    continue
+                if metrics.is_file() and metrics.read_text().count('"train/loss"') >= 2:
+                    seen[name] = before(name, proc) if before else None
+                    os.kill(target(proc) if target else proc.pid, sig)
+            time.sleep(0.05)
+        for name, (proc, _) in started.items():
+            try:
+                codes[name] = proc.wait(timeout=120) if name in seen else None
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGABRT)
+                proc.wait()
+                codes[name] = None
+    finally:
+        for proc, log in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    return {name: (codes.get(name), Path(f"{folder}.out").read_text(), seen.get(name))
+            for name, (_, _, folder, _, _) in runs.items()}  # fmt: skip
+
+
 def child_pids() -> set[int]:
     """The processes this one started that are still running."""
     found = set()

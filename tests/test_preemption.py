@@ -6,13 +6,12 @@ to forward SIGUSR1, as launch/ does)."""
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, read_metrics, run_recipe, run_recipes_together
+from conftest import ROOT, read_metrics, run_recipe, run_recipes_together, stop_side_by_side
 
 RL = ["--train-batch-size", "8", "--rollout-n", "4", "--test-freq", "0", "--no-val-before-train"]
 SFT = ["--train-batch-size", "16", "--micro-batch-size-per-gpu", "16", "--test-freq", "0"]
@@ -53,52 +52,28 @@ STOPPED = {
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory, small_files):
-    """Every run of STOPPED started side by side (their start-ups overlap; each gets its own port)
-    and sent its signal once 2 steps are logged. {name: (run folder, exit status, output)}; the
-    status is None for a run that ended before its signal or did not exit 10 minutes after it.
-    Before grpo's signal its command is run again (in this process) on its live folder: "again"
-    holds that run's CompletedProcess, its seconds and the live run's pid."""
-    started, again = {}, None
-    for port, (name, (recipe, flags, nproc, _, _, env)) in enumerate(STOPPED.items()):
+    """Every run of STOPPED started side by side (conftest's stop_side_by_side; each gets its own
+    port) and sent its signal once 2 steps are logged. {name: (run folder, exit status, output)};
+    the status is None for a run that ended before its signal or did not exit after it. Before
+    grpo's signal its command is run again (in this process) on its live folder: "again" holds
+    that run's CompletedProcess, its seconds and the live run's pid."""
+    runs = {}
+    for port, (name, (recipe, flags, nproc, sig, target, env)) in enumerate(STOPPED.items()):
         out = tmp_path_factory.mktemp(name) / "stopped"
-        log = open(out.parent / "output.txt", "w")  # a file, not a pipe: nothing reads while the runs go on
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled", **env}
         cmd = command(recipe, out, [*flags, *small_files], nproc, port)
-        started[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), out, log
-    signalled = set()
-    try:
-        deadline = time.time() + 600
-        while len(signalled) < len(started) and time.time() < deadline:
-            for name, (proc, out, _) in started.items():
-                metrics = out / "metrics.jsonl"
-                if name in signalled or proc.poll() is not None:
-                    continue
-                if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
-                    if name == "grpo":  # the same command again while the run goes on: refused
-                        t = time.time()
-                        second = run_recipe("grpo", *proc.args[2:], check=False)
-                        again = (second, time.time() - t, proc.pid)
-                    _, _, _, sig, target, _ = STOPPED[name]
-                    os.kill(proc.pid if target == "launcher" else children(proc.pid)[-1], sig)
-                    signalled.add(name)
-            time.sleep(0.02)
-        for proc, _, _ in started.values():
-            try:
-                proc.wait(timeout=max(1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                pass
-    finally:
-        for proc, _, log in started.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
+        runs[name] = (cmd, env, out, sig, None if target == "launcher" else lambda proc: children(proc.pid)[-1])
+
+    def again(name, proc):  # the same command again while the run goes on: refused
+        if name == "grpo":
+            t = time.time()
+            second = run_recipe("grpo", *proc.args[2:], check=False)
+            return second, time.time() - t, proc.pid
+
+    done = stop_side_by_side(runs, before=again)
     return {
-        "again": again,
-        **{
-            name: (out, proc.returncode if name in signalled else None, (out.parent / "output.txt").read_text())
-            for name, (proc, out, _) in started.items()
-        },
+        "again": done["grpo"][2],
+        **{name: (runs[name][2], code, output) for name, (code, output, _) in done.items()},
     }
 
 

@@ -6,12 +6,10 @@ the stopped trainers, which start their own: what they must leave behind is noth
 import os
 import shutil
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
-from conftest import ROOT, SHIPPED_ACCURACY, read_metrics, run_recipe, running
+from conftest import ROOT, SHIPPED_ACCURACY, read_metrics, run_recipe, running, stop_side_by_side
 from test_remote import ray_processes, wait_until_no_ray
 
 REMOTE = ["--rollout-placement", "remote", "--num-rollout-engines", "2"]
@@ -86,55 +84,27 @@ AS_FROM_A_TERMINAL = (
 
 @pytest.fixture(scope="module")
 def stopped_runs(tmp_path_factory, small_files):
-    """A trainer stopped by each of STOPS once 2 steps are logged, the two runs side by side (each
-    starts its own Ray and engines, about 13 s to its first step on 2 cores, much of it waiting on
-    start-ups that overlap). {signal: (exit status or None if it hung, output, run folder,
-    {pid: command line} of the processes below the trainer just before the signal, or None if it
-    was never sent)}."""
+    """A trainer stopped by each of STOPS once 2 steps are logged, the two runs side by side
+    (conftest's stop_side_by_side: each starts its own Ray and engines, about 13 s to its first
+    step on 2 cores, much of it waiting on start-ups that overlap). {signal: (exit status or None,
+    output, run folder, {pid: command line} of the processes below the trainer just before the
+    signal, or None if it was never sent)}."""
     from common.remote import _cmdline, _descendants
 
     assert not wait_until_no_ray(), f"Ray processes from before this test: {ray_processes()}"
-    started = {}
+    runs = {}
     for how in STOPS:
         folder = tmp_path_factory.mktemp(how)
         cmd = [sys.executable, "-c", AS_FROM_A_TERMINAL, str(ROOT / "recipes" / "grpo.py"), *REMOTE, "--max-staleness", "1",
                "--total-training-steps", "200", "--test-freq", "0", "--save-freq", "0",
                "--output-dir", str(folder / "run"), *small_files, *SMALL_STEPS]  # fmt: skip
-        log = open(folder / "output.txt", "w")  # a file, not a pipe: nothing reads while the runs go on
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-        started[how] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), folder, log)
-    below = dict.fromkeys(STOPS)
-    try:
-        deadline = time.time() + 300
-        waiting = set(STOPS)
-        while waiting and time.time() < deadline:
-            for how in sorted(waiting):
-                proc, folder, _ = started[how]
-                metrics = folder / "run" / "metrics.jsonl"
-                if proc.poll() is not None:  # ended before its signal: the test says so
-                    waiting.discard(how)
-                elif metrics.exists() and metrics.read_text().count('"train/loss"') >= 2:
-                    below[how] = {pid: _cmdline(pid) for pid in _descendants(proc.pid, "")}
-                    proc.send_signal(getattr(signal, how))
-                    waiting.discard(how)
-            time.sleep(0.5)
-        codes = {}
-        for how, (proc, _, _) in started.items():
-            try:
-                codes[how] = proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:  # where it hangs: faulthandler prints every thread's stack on SIGABRT
-                proc.send_signal(signal.SIGABRT)
-                proc.wait()
-                codes[how] = None
-    finally:
-        for proc, _, log in started.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
+        runs[how] = (cmd, env, folder / "run", getattr(signal, how), None)
+    done = stop_side_by_side(
+        runs, before=lambda how, proc: {pid: _cmdline(pid) for pid in _descendants(proc.pid, "")}, timeout=300
+    )
     wait_until_no_ray()  # each test checks its own run's processes; the autouse fixture, all of Ray
-    return {how: (codes[how], (folder / "output.txt").read_text(), folder / "run", below[how])
-            for how, (_, folder, _) in started.items()}  # fmt: skip
+    return {how: (code, output, runs[how][2], below) for how, (code, output, below) in done.items()}
 
 
 @pytest.mark.parametrize("how", STOPS)
