@@ -5,6 +5,8 @@ own `Args` adds its algorithm's knobs and may override defaults.
 """
 
 import importlib.util
+import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -49,11 +51,7 @@ FLAG_RULES = [
     ("max_new_tokens", lambda v: v >= 1, ">= 1"),
     ("ppo_epochs", lambda v: v >= 1, ">= 1"),
     ("ppo_max_token_len_per_gpu", lambda v: v >= 1, ">= 1"),
-    (
-        "temperature",
-        lambda v: v > 0,
-        "> 0 (greedy decoding: --val-temperature 0 in training, --no-do-sample in generate.py)",
-    ),
+    ("temperature", lambda v: v >= 0, ">= 0 (0 is greedy decoding)"),
     ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("top_k", lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"),
     ("val_temperature", lambda v: v >= 0, ">= 0 (0 is greedy)"),
@@ -80,6 +78,22 @@ FLAG_RULES = [
     ("kl_coef", lambda v: v >= 0, ">= 0"),
     ("target_kl", lambda v: v > 0, "> 0"),
     ("horizon", lambda v: v >= 1, ">= 1"),
+    ("seed", lambda v: v >= 0, ">= 0"),
+    # the algorithms' knobs: one meaning, so one rule, in every recipe that has them
+    ("clip_ratio", lambda v: v > 0, "> 0"),
+    ("clip_ratio_low", lambda v: v is None or 0 < v <= 1, "in (0, 1]: the ratio is kept above 1 - clip_ratio_low"),
+    ("clip_ratio_high", lambda v: v is None or v > 0, "> 0"),
+    ("clip_ratio_c", lambda v: v > 1, "> 1 (the dual-clip bound, 3 in verl)"),
+    ("kl_loss_coef", lambda v: v >= 0, ">= 0 (a negative weight would push the policy away from the reference)"),
+    ("entropy_coeff", lambda v: v >= 0, ">= 0 (a negative bonus would reward collapsing the entropy)"),
+    ("gamma", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("lam", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("critic_lr", lambda v: v > 0, "> 0"),
+    ("cliprange_value", lambda v: v > 0, "> 0"),
+    ("critic_warmup", lambda v: v >= 0, ">= 0 (steps that train the critic alone)"),
+    ("max_num_gen_batches", lambda v: v >= 0, ">= 0 (0: no limit)"),
+    ("overlong_buffer_len", lambda v: v >= 0, ">= 0 (0: off)"),
+    ("overlong_penalty_factor", lambda v: v >= 0, ">= 0"),
 ]
 
 
@@ -87,9 +101,18 @@ def check_flags(args) -> None:
     """Every flag's range (FLAG_RULES, for the flags `args` has) and the paths that can be checked
     without loading anything: a local model or reward-model folder must exist and hold a
     config.json, and the output folder must not be a file. Raises UsageError naming the flag."""
+    for f in fields(args):  # NaN passes every comparison's negation, and no flag here means infinity
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{_flag(f.name)} {value}: must be a finite number")
     for name, ok, must in FLAG_RULES:
         if hasattr(args, name) and not ok(getattr(args, name)):
             raise UsageError(f"{_flag(name)} {getattr(args, name)!r}: must be {must}")
+    if hasattr(args, "rollout_n") and args.temperature == 0:
+        raise UsageError(
+            "--temperature 0: greedy rollouts give every response of a group the same text, so there is nothing to "
+            "compare; training samples (e.g. 1.0). Greedy validation is --val-temperature 0 (the default)"
+        )
     for name in ("model", "reward_model", "critic_model"):
         path = getattr(args, name, None)
         if not path or not looks_local(path):
@@ -102,6 +125,14 @@ def check_flags(args) -> None:
             )
         if not (folder / "config.json").is_file():
             raise UsageError(f"{_flag(name)} {path}: no config.json in that folder, so it is not a Hugging Face model")
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UsageError(f"{_flag(name)} {path}: {folder / 'config.json'} cannot be read as JSON ({e}); the "
+                             f"folder's copy is damaged, so copy or save the model again") from None  # fmt: skip
+        if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+            raise UsageError(f"{_flag(name)} {path}: {folder / 'config.json'} has no model_type, so transformers "
+                             f"cannot tell the architecture; save the model with save_pretrained")  # fmt: skip
     if hasattr(args, "rollout_placement"):
         _check_placement(args)
     if getattr(args, "tool_config", None):

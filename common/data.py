@@ -3,8 +3,10 @@
 Every error names the file, the row and the column, and says what to change.
 """
 
+import functools
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,20 +89,66 @@ def get_field(row: dict, key: str, file: str, index: int, flag: str | None = Non
     return value
 
 
-def as_messages(value, file: str, index: int, key: str) -> list[dict]:
-    """A prompt cell as a chat list: a plain string becomes one user message."""
+# Message fields a chat template reads besides role and content (OpenAI's and verl's multi-turn
+# rows); they are kept, and any other field that holds a value is refused rather than dropped.
+MESSAGE_FIELDS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def template_reads(tokenizer) -> tuple[set[str], set[str]]:
+    """What a chat template knows: the roles (OpenAI's four, and any other it names as a quoted
+    string, e.g. Llama 3.1's ipython) and which of MESSAGE_FIELDS its source reads."""
+    source = getattr(tokenizer, "chat_template", None)
+    return _template_facts(source if isinstance(source, str) else "")
+
+
+@functools.cache
+def _template_facts(template: str) -> tuple[set[str], set[str]]:
+    roles = set(ROLES) | set(re.findall(r"""role\W{1,12}['"](\w+)['"]""", template))
+    return roles, {f for f in MESSAGE_FIELDS if f in template}
+
+
+def as_messages(value, file: str, index: int, key: str, template: tuple | None = None) -> list[dict]:
+    """A prompt cell as a chat list: a plain string becomes one user message. With `template`
+    (template_reads), a message whose role the template does not know, or with a field it does not
+    read, is an error: the template would skip or garble it, and the model not see what the row meant."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    if isinstance(value, list | tuple) and value:
-        for m in value:
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+    where = f"{file} row {index} column {key!r}"
+    if isinstance(value, list | tuple) and value and all(isinstance(m, dict) for m in value):
+        messages = []
+        for n, m in enumerate(value):
+            content = m.get("content")
+            if content is None and m.get("tool_calls"):
+                content = ""  # OpenAI's form of an assistant turn that only calls tools
+            if not (isinstance(m.get("role"), str) and isinstance(content, str)):
                 break
-            if not isinstance(m.get("content"), str):
-                break
+            roles, reads = template or (None, MESSAGE_FIELDS)
+            if roles is not None and m["role"] not in roles:
+                hint = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}.get(m["role"])
+                raise DataError(
+                    f"{where}: message {n} has role {m['role']!r}, which the chat template does not know (it knows "
+                    f"{', '.join(sorted(roles))}); "
+                    + (f"rename it to {hint!r} (ShareGPT's names)" if hint else "rename it to one of those")
+                )
+            extra = sorted(k for k, v in m.items() if k not in ("role", "content", *MESSAGE_FIELDS) and v is not None)
+            if extra:
+                raise DataError(
+                    f"{where}: message {n} has the field(s) {', '.join(map(repr, extra))}, which no chat template "
+                    f"here reads (kept: role, content, {', '.join(MESSAGE_FIELDS)}); drop them from the data"
+                )
+            kept = {k: m[k] for k in MESSAGE_FIELDS if m.get(k) is not None}
+            if unread := sorted(set(kept) - set(reads)):
+                raise DataError(
+                    f"{where}: message {n} has {', '.join(unread)}, which the chat template never reads, so it would "
+                    f"be left out of the text; use a tokenizer whose template renders it (e.g. --tokenizer), or "
+                    f"write it into the content"
+                )
+            messages.append({"role": m["role"], "content": content, **kept})
         else:
-            return [{"role": m["role"], "content": m["content"]} for m in value]
+            return messages
     raise DataError(
-        f"{file} row {index} column {key!r}: expected a string or a non-empty list of "
+        f"{where}: expected a string or a non-empty list of "
         f"{{'role': str, 'content': str}} messages, got {type(value).__name__}: {str(value)[:80]!r}"
     )
 
@@ -186,7 +234,8 @@ def _too_long(file, index, n, limit, limit_flag, extra=""):
 
 def _prompt_text(tokenizer, row: dict, file: str, index: int, prompt_key: str, tools) -> tuple[str, tuple]:
     """A prompt row's chat-template text (tool_agent rows list `tools`), with (messages, agent_name)."""
-    messages = as_messages(get_field(row, prompt_key, file, index, "prompt_key"), file, index, prompt_key)
+    value = get_field(row, prompt_key, file, index, "prompt_key")
+    messages = as_messages(value, file, index, prompt_key, template_reads(tokenizer))
     agent = row.get("agent_name") or "single_turn_agent"
     if agent not in AGENTS:
         raise DataError(
@@ -208,10 +257,13 @@ def load_prompts(
     filter_overlong_prompts: bool = False,
     tools: list[dict] | None = None,
     what: str = "train_files",
+    scored: bool = False,
 ) -> tuple[list[dict], LoadStats]:
     """verl parquet rows as dicts with templated `prompt_ids` plus data_source, ground_truth,
     extra_info, agent_name and the raw `messages`. ground_truth is None when reward_model is
-    absent. tool_agent rows are templated with `tools` (the --tool-config schemas) listed."""
+    absent. tool_agent rows are templated with `tools` (the --tool-config schemas) listed.
+    scored: a reward function will score the rows, so each needs the data_source that picks it
+    (verl's reward managers require one too); otherwise a missing one reads "unknown"."""
     stats = LoadStats()
     out = []
     for file, rows in read_parquet(files, what):
@@ -238,13 +290,20 @@ def load_prompts(
                     raise _too_long(file, i, len(ids), max_prompt_length, "max_prompt_length")
                 ids = truncate(ids, max_prompt_length, truncation)
                 stats.truncated += 1
+            source = row.get("data_source")
+            if scored and not (isinstance(source, str) and source):
+                raise DataError(f"{file} row {i} column 'data_source': expected the task's name, a string such as "
+                                f"openai/gsm8k that picks the reward function, got {source!r}")  # fmt: skip
             reward_model = row.get("reward_model") or {}
+            if not isinstance(reward_model, dict):
+                raise DataError(f"{file} row {i} column 'reward_model': expected verl's struct {{style, ground_truth}}, "
+                                f"got {type(reward_model).__name__}: {str(reward_model)[:80]!r}")  # fmt: skip
             out.append(
                 {
                     "prompt_ids": ids,
                     "messages": messages,
-                    "data_source": row.get("data_source") or "unknown",
-                    "ground_truth": reward_model.get("ground_truth") if isinstance(reward_model, dict) else None,
+                    "data_source": source or "unknown",
+                    "ground_truth": reward_model.get("ground_truth"),
                     "extra_info": row.get("extra_info"),
                     "agent_name": agent,
                     "file": file,
@@ -298,12 +357,14 @@ def _sft_texts(tokenizer, row, file, i, chat, with_tools, keys) -> tuple[list[st
     prompt and the response (and no turns)."""
     messages_key, prompt_key, response_key, tools_key = keys
     if chat:
-        messages = as_messages(get_field(row, messages_key, file, i, "messages_key"), file, i, messages_key)
+        value = get_field(row, messages_key, file, i, "messages_key")
+        messages = as_messages(value, file, i, messages_key, template_reads(tokenizer))
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{file} row {i} column {messages_key!r}: no assistant message to train on")
         tools = as_tools(get_field(row, tools_key, file, i), file, i, tools_key) if with_tools else None
         return _chat_texts(tokenizer, messages, tools)
-    messages = as_messages(get_field(row, prompt_key, file, i, "prompt_key"), file, i, prompt_key)
+    value = get_field(row, prompt_key, file, i, "prompt_key")
+    messages = as_messages(value, file, i, prompt_key, template_reads(tokenizer))
     response = get_field(row, response_key, file, i, "response_key")
     if not isinstance(response, str):
         raise DataError(
@@ -536,10 +597,21 @@ def check_agent_rows(rows: list[dict], tools: list[dict] | None, interactions: l
     """What the agent loop (common.agent) needs of prompt rows: a tool_agent row needs tools or
     interactions to act on; a row whose extra_info holds interaction_kwargs (verl's) must be a
     tool_agent row naming an interaction of --interaction-config (the name may be left out when
-    there is one). Sets each row's interaction_kwargs (None without), its name filled in."""
+    there is one). Sets each row's interaction_kwargs (None without), its name filled in.
+    extra_info.tools_kwargs (verl's per-row arguments to a tool class's create / execute) cannot
+    reach the function tools here: on a tool_agent row it is refused, and rows that run no tools
+    (as in verl, which reads it only in its tool agent) are counted in a warning."""
+    idle_tools_kwargs = 0
     for r in rows:
         where = f"{r['file']} row {r['row']}"
         extra = r["extra_info"] if isinstance(r["extra_info"], dict) else {}
+        if extra.get("tools_kwargs") and r["agent_name"] == "tool_agent":
+            raise DataError(
+                f"{where} column 'extra_info.tools_kwargs': per-row tool arguments (verl's create_kwargs / "
+                f"execute_kwargs for tool classes) are not supported yet; the function tools of --tool-config take only "
+                f"the arguments the model writes. Empty tools_kwargs, or move what the tool needs into its function"
+            )
+        idle_tools_kwargs += bool(extra.get("tools_kwargs"))
         kwargs = extra.get("interaction_kwargs")
         r["interaction_kwargs"] = None
         if kwargs is not None:
@@ -561,6 +633,9 @@ def check_agent_rows(rows: list[dict], tools: list[dict] | None, interactions: l
             raise DataError(f"{where} column 'agent_name': tool_agent rows need tools or interactions: pass "
                             f"--tool-config tools.yaml and/or --interaction-config (docs/multi-turn.md describes "
                             f"both files)")  # fmt: skip
+    if idle_tools_kwargs:
+        log.warning("%d rows carry extra_info.tools_kwargs but are not tool_agent rows, so no tool runs for them and it "
+                    "is unused (as in verl); set agent_name tool_agent to run tools", idle_tools_kwargs)  # fmt: skip
 
 
 def load_rl_data(
@@ -584,12 +659,19 @@ def load_rl_data(
     or "unused" (a reward model scores). tools: the --tool-config schemas, which tool_agent rows
     are templated with; interactions: the --interaction-config names (check_agent_rows)."""
     kwargs = dict(prompt_key=prompt_key, max_prompt_length=max_prompt_length, truncation=truncation, tools=tools)
-    kwargs["filter_overlong_prompts"] = filter_overlong_prompts
+    kwargs.update(filter_overlong_prompts=filter_overlong_prompts, scored=ground_truth != "unused")
     train, stats = load_prompts(train_files, tokenizer, **kwargs, what="train_files")
     if len(train) < train_batch_size:
         raise DataError(f"train_files hold {len(train)} prompts, fewer than train_batch_size={train_batch_size}")
     val = load_prompts(val_files, tokenizer, **kwargs, what="val_files")[0] if val_files else []
     check_agent_rows(train + val, tools, interactions)
+    for r in train + val if ground_truth == "required" else ():  # the built-ins compare against one answer
+        if not isinstance(r["ground_truth"], str | int | float | None):
+            raise DataError(
+                f"{r['file']} row {r['row']} column 'reward_model.ground_truth': the built-in rewards compare against "
+                f"one answer, got {type(r['ground_truth']).__name__}: {str(r['ground_truth'])[:60]!r} (as text it "
+                f"would never match); store one answer, or pass --reward-fn with a function that reads this form"
+            )
     missing = [r for r in train + val if r["ground_truth"] is None]
     if missing and ground_truth == "required":
         raise DataError(

@@ -26,7 +26,7 @@ How it runs:
 Run:
     python recipes/generate.py --n-samples 8                       # bundled test split, shipped checkpoint
     torchrun --nproc_per_node 2 recipes/generate.py --n-samples 8  # 2 processes, the same output
-    python recipes/generate.py --model runs/grpo/checkpoints/step_80/hf --no-do-sample \
+    python recipes/generate.py --model runs/grpo/checkpoints/step_80/hf --temperature 0 \
         --data-path ~/data/gsm8k/test.parquet --output-path ~/gen/gsm8k_step80.parquet --rollout-name vllm
 """
 
@@ -79,9 +79,9 @@ class Args(AgentArgs, EngineArgs):  # rollout_name, the vLLM engine's and the ag
     trust_remote_code: bool = False
     """allow model code from the model folder / hub (off: only transformers' own architectures)"""
     do_sample: bool = True
-    """sample (off: greedy decoding, and --temperature / --top-p / --top-k are unused)"""
+    """sample (off: greedy decoding, as --temperature 0; --top-p / --top-k are then unused)"""
     temperature: float = 1.0
-    """sampling temperature"""
+    """sampling temperature; 0 is greedy decoding, as --val-temperature 0 is in training"""
     top_p: float = 1.0
     """nucleus sampling: keep the smallest token set with this much probability (1.0: off)"""
     top_k: int = -1
@@ -218,7 +218,7 @@ def main(args: Args) -> dict:
     pools = start_agent_pools(args.tool_config, args.interaction_config, workers=2, timeout=args.tool_timeout)
     agent = args.agent_kwargs(*pools, lockstep=False)  # each process generates its own chunks, as many as it has
     engine = start_engine(model, tokenizer, dist, **args.engine_kwargs(args.batch_size), **agent)
-    temperature = args.temperature if args.do_sample else 0.0  # 0: greedy
+    temperature = args.temperature if args.do_sample else 0.0  # 0 is greedy, however it was asked for
     sampling = Sampling(args.n_samples, temperature, args.top_p, args.top_k, args.max_response_length)
 
     # Generate this process's missing chunks, each written as soon as it is done.

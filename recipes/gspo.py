@@ -106,11 +106,6 @@ class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and rewa
     entropy_coeff: float = 0.0
     """entropy bonus weight"""
 
-    def __post_init__(self):  # checked as the flags are parsed, before anything loads
-        super().__post_init__()  # the shared flags (common.config.check_flags)
-        if self.clip_ratio_c <= 1:
-            raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound)")
-
     def update_kwargs(self) -> dict:
         """update's knobs: the grad clip, the rollout correction, compute_loss's (the clip range, each side
         defaulting to clip_ratio, dual-clip, the aggregation and its constant, the entropy and KL weights) and

@@ -41,7 +41,7 @@ import tyro
 from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import KLRewardArgs, RLArgs, is_due
 from common.data import load_rl_data, split_rows, take_rows
-from common.errors import usage_errors
+from common.errors import UsageError, usage_errors
 from common.model import load_rl_models, load_tokenizer, response_logits
 from common.ops import (
     agg_loss,
@@ -103,10 +103,8 @@ class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL contr
 
     def __post_init__(self):  # checked as the flags are parsed, before anything loads
         super().__post_init__()  # the shared flags (common.config.check_flags)
-        if self.clip_ratio_c <= 1:
-            raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound)")
         if self.use_kl_in_reward and self.use_kl_loss:  # REINFORCE++: the KL goes in one place
-            raise ValueError("--use-kl-loss: the KL is in the reward by default here; add --no-use-kl-in-reward")
+            raise UsageError("--use-kl-loss: the KL is in the reward by default here; add --no-use-kl-in-reward")
 
     def update_kwargs(self) -> dict:
         """update's knobs: the grad clip, the rollout correction, compute_loss's (the clip range, each side

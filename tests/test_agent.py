@@ -646,3 +646,24 @@ def test_grpo_learns_to_call_the_calculator(tmp_path, capsys):
               f"{before['val/agent/tool_calls_mean']:.2f} -> {after['val/agent/tool_calls_mean']:.2f}")  # fmt: skip
     assert before["val/agent/tool_calls_mean"] <= 0.2 and after["val/agent/tool_calls_mean"] >= 0.9
     assert after["val/accuracy"] >= before["val/accuracy"] + 0.3
+
+
+def test_per_row_tools_kwargs_are_refused_on_tool_rows_and_counted_elsewhere(caplog):
+    """verl's extra_info.tools_kwargs cannot reach a function tool: on a tool_agent row it is an
+    error naming the row; on rows that run no tools it is unused (as in verl) and counted aloud."""
+    from common.data import DataError, check_agent_rows
+
+    kwargs = {"add": {"create_kwargs": {"ground_truth": "7"}}}
+
+    def rows(agent, n=1):
+        return [{"file": "f.parquet", "row": i, "agent_name": agent, "extra_info": {"tools_kwargs": kwargs}}
+                for i in range(n)]  # fmt: skip
+
+    with pytest.raises(DataError, match="f.parquet row 0 column 'extra_info.tools_kwargs': per-row tool arguments"):
+        check_agent_rows(rows("tool_agent"), [schema("add")], None)
+    with caplog.at_level("WARNING", logger="common.data"):
+        check_agent_rows(rows("single_turn_agent", 3), None, None)
+    assert "3 rows carry extra_info.tools_kwargs but are not tool_agent rows" in caplog.text
+    caplog.clear()
+    check_agent_rows([{**rows("tool_agent")[0], "extra_info": {"tools_kwargs": {}}}], [schema("add")], None)
+    assert "tools_kwargs" not in caplog.text  # an empty one (verl's preprocessing writes {}) is nothing dropped

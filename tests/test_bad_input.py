@@ -39,6 +39,23 @@ def files(tmp_path_factory):
     (d / "no_config").mkdir()
     with_images = [dict(r, images=[{"bytes": b"\x89PNG", "path": None}] if i % 2 else []) for i, r in enumerate(rows)]
     pq.write_table(pa.Table.from_pylist(with_images), d / "images.parquet")
+    rows = pq.read_table(TASK_TEST).slice(0, 16).to_pylist()
+    odd = {
+        "human_role": {5: dict(prompt=[{"role": "human", "content": "1+1=?"}])},
+        "no_source": {2: dict(data_source=None)},
+        "truth_list": {i: dict(reward_model={"style": "rule", "ground_truth": ["4", "04"]}) for i in range(16)},
+    }
+    for name, changes in odd.items():
+        pq.write_table(pa.Table.from_pylist([dict(r, **changes.get(i, {})) for i, r in enumerate(rows)]),
+                       d / f"{name}.parquet")  # fmt: skip
+    sft = pq.read_table(TASK_TRAIN).slice(0, 16).to_pylist()
+    chats = [{"messages": [{"role": "user", "content": r["extra_info"]["question"]},
+                           {"role": "gpt" if i == 4 else "assistant", "content": r["extra_info"]["answer"]}]}
+             for i, r in enumerate(sft)]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(chats), d / "sharegpt_roles.parquet")
+    for name, text in (("broken_config", '{"model_type": "qwen2",'), ("no_model_type", '{"hidden_size": 8}')):
+        (d / name).mkdir()
+        (d / name / "config.json").write_text(text)
     (d / "live").mkdir()  # a run folder a live process (this one's parent) holds
     (d / "live" / "run.lock").write_text(
         json.dumps({**holder(), "pid": os.getppid(), "process_start": process_start_of(os.getppid())})
@@ -94,7 +111,8 @@ CASES = [
     ("only damaged checkpoints", dict(output_dir="{d}/torn"), "no checkpoint in"),
     ("negative lr", dict(lr=-1e-5), "--lr -1e-05: must be > 0"),
     ("zero response length", dict(max_response_length=0), "--max-response-length 0: must be >= 1"),
-    ("zero sampling temperature", dict(temperature=0.0), "--temperature 0.0: must be > 0"),
+    ("greedy rollouts", dict(temperature=0.0), "--temperature 0: greedy rollouts give every response"),
+    ("negative temperature", dict(temperature=-0.5), "--temperature -0.5: must be >= 0"),
     ("zero epochs", dict(total_training_steps=None, total_epochs=0), "--total-epochs 0: must be >= 1"),
     ("zero steps", dict(total_training_steps=0), "--total-training-steps 0: must be >= 1"),
     ("negative steps", dict(total_training_steps=-1), "--total-training-steps -1: must be >= 1"),
@@ -133,6 +151,26 @@ CASES = [
         "--num-rollout-engines 0: must be >= 1",
     ),
     ("negative staleness", dict(rollout_placement="remote", max_staleness=-1), "--max-staleness -1: must be >= 0"),
+    (
+        "an unknown message role",
+        dict(train_files=("{d}/human_role.parquet",)),
+        "row 5 column 'prompt': message 0 has role 'human', which the chat template does not know",
+    ),
+    ("a row without data_source", dict(train_files=("{d}/no_source.parquet",)), "row 2 column 'data_source'"),
+    (
+        "a list as the ground truth",
+        dict(train_files=("{d}/truth_list.parquet",)),
+        "compare against one answer, got list",
+    ),
+    ("model config not JSON", dict(model="{d}/broken_config"), "config.json cannot be read as JSON"),
+    ("model config without model_type", dict(model="{d}/no_model_type"), "config.json has no model_type"),
+    ("negative clip ratio", dict(clip_ratio=-0.2), "--clip-ratio -0.2: must be > 0"),
+    ("lower clip above 1", dict(clip_ratio_low=1.5), "--clip-ratio-low 1.5: must be in (0, 1]"),
+    ("dual-clip bound below 1", dict(clip_ratio_c=0.5), "--clip-ratio-c 0.5: must be > 1"),
+    ("negative KL loss weight", dict(kl_loss_coef=-0.1), "--kl-loss-coef -0.1: must be >= 0"),
+    ("negative entropy bonus", dict(entropy_coeff=-0.01), "--entropy-coeff -0.01: must be >= 0"),
+    ("NaN learning rate", dict(lr=float("nan")), "--lr nan: must be a finite number"),
+    ("negative seed", dict(seed=-1), "--seed -1: must be >= 0"),
 ]
 if not torch.cuda.is_available():  # what a CPU machine cannot do with vLLM
     CASES += [
@@ -186,6 +224,14 @@ SFT_CASES = [
     ("output dir under a file", dict(output_dir="{d}/a_file/run"), "{d}/a_file is a file, so the folder cannot"),
     ("negative epochs", dict(total_training_steps=None, total_epochs=-3), "--total-epochs -3: must be >= 1"),
     ("negative warmup ratio", dict(lr_warmup_steps_ratio=-0.1), "--lr-warmup-steps-ratio -0.1: must be in [0, 1]"),
+    (
+        "ShareGPT's role names",
+        dict(train_files=("{d}/sharegpt_roles.parquet",)),
+        "message 1 has role 'gpt', which the "
+        "chat template does not know (it knows assistant, system, tool, user); rename it to 'assistant'",
+    ),
+    ("model config not JSON", dict(model="{d}/broken_config"), "config.json cannot be read as JSON"),
+    ("infinite grad clip", dict(grad_clip=float("inf")), "--grad-clip inf: must be a finite number"),
 ]
 
 

@@ -1,3 +1,6 @@
+import copy
+import re
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -227,3 +230,34 @@ def test_step_rows_shards_the_global_batch_by_rank():
         assert got_epoch == epoch and len(ranks) == 2
         assert [r["i"] for r in ranks[0]] == indices[0::2] and [r["i"] for r in ranks[1]] == indices[1::2]
     assert step_rows(0, rows, 8, 3, True, world_size=1)[1][0] == [rows[i] for i in batch_indices(0, 50, 8, 3, True)[1]]
+
+
+def test_messages_keep_tool_calls_and_refuse_what_a_template_would_drop(tmp_path, tokenizer):
+    """A message's tool_calls / tool_call_id / name reach a chat template that renders them (an
+    assistant turn that only calls a tool has content None in OpenAI's form); a role the template
+    does not know, a field it never reads (the bundled template has no tool_calls) or a field no
+    template reads is an error naming the row, not a message silently left out or reduced."""
+    call = [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]
+    chat = [{"role": "user", "content": "1+2?", "tool_calls": None},
+            {"role": "assistant", "content": None, "tool_calls": call},
+            {"role": "tool", "content": "3", "tool_calls": None}]  # fmt: skip
+    f = write(tmp_path / "c.parquet", [{"prompt": chat}])
+    with pytest.raises(
+        DataError, match="row 0 column 'prompt': message 1 has tool_calls, which the chat template never"
+    ):
+        load_prompts([f], tokenizer, max_prompt_length=200)
+    renders = copy.deepcopy(tokenizer)
+    renders.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% for c in m.tool_calls or [] %}"
+        "<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    rows, _ = load_prompts([f], renders, max_prompt_length=200)
+    assert rows[0]["messages"][1] == {"role": "assistant", "content": "", "tool_calls": call}
+    assert "tool_calls" not in rows[0]["messages"][0]  # parquet's null for the rows without
+    assert '"name": "add"' in renders.decode(rows[0]["prompt_ids"])
+    for bad, words in (({"role": "bot"}, "message 0 has role 'bot', which the chat template does not know"),
+                       ({"weight": 0.5}, "message 0 has the field(s) 'weight', which no chat template here reads")):  # fmt: skip
+        f = write(tmp_path / "bad.parquet", [{"prompt": [{"role": "user", "content": "hi", **bad}]}])
+        with pytest.raises(DataError, match=re.escape(f"bad.parquet row 0 column 'prompt': {words}")):
+            load_prompts([f], tokenizer, max_prompt_length=64)

@@ -60,8 +60,9 @@ def test_maj_at_k_votes_among_the_first_k_answers(ev):
 
 # --- generate, then evaluate ------------------------------------------------------------------------------
 def test_greedy_pass_at_1_equals_the_training_validation(tmp_path, gen, ev):
-    """generate --no-do-sample then evaluate on the bundled test split gives exactly the accuracy
-    the RL recipes' validation (common.rollout.evaluate, same engine, same batch of 256) reports."""
+    """generate --temperature 0 then evaluate on the bundled test split gives exactly the accuracy
+    the RL recipes' validation (--val-temperature 0: common.rollout.evaluate, same engine, same batch
+    of 256) reports; --no-do-sample is the same greedy decoding."""
     from common.data import load_prompts
     from common.engines import HFEngine, Sampling
     from common.model import load_policy, load_tokenizer
@@ -70,7 +71,7 @@ def test_greedy_pass_at_1_equals_the_training_validation(tmp_path, gen, ev):
     from common.rollout import evaluate
 
     out = tmp_path / "greedy.parquet"
-    gen.main(gen.Args(output_path=str(out), do_sample=False, batch_size=256))
+    gen.main(gen.Args(output_path=str(out), temperature=0.0, batch_size=256))
     results = ev.main(ev.Args(data_path=str(out)))
     written = json.loads(out.with_name("greedy.eval.json").read_text())
     assert written == results and set(written) == {"all", "bundled/addition"}
@@ -86,6 +87,14 @@ def test_greedy_pass_at_1_equals_the_training_validation(tmp_path, gen, ev):
     assert results["all"]["pass@1"] == validation["val/accuracy"] == SHIPPED_ACCURACY
     assert results["bundled/addition"]["maj@1"] == results["all"]["pass@1"]  # one answer each: the vote is it
     assert results["all"]["mean_score"] == validation["val/reward/mean"]
+    pq.write_table(pq.read_table(TASK_TEST).slice(0, 24), tmp_path / "first.parquet")
+    greedy = {}
+    for name, flags in (("zero", dict(temperature=0.0)), ("off", dict(do_sample=False))):
+        gen.main(
+            gen.Args(data_path=str(tmp_path / "first.parquet"), output_path=str(tmp_path / f"{name}.parquet"), **flags)
+        )
+        greedy[name] = pq.read_table(tmp_path / f"{name}.parquet").column("responses").to_pylist()
+    assert greedy["zero"] == greedy["off"] and len(greedy["zero"]) == 24
 
 
 SAMPLED = dict(n_samples=4, batch_size=48, temperature=1.0)  # 5 chunks of 48 for 200 rows x 4 samples
