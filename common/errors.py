@@ -3,6 +3,9 @@
 import contextlib
 import os
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 
 class UsageError(ValueError):
@@ -18,11 +21,54 @@ class RunStopped(RuntimeError):
 @contextlib.contextmanager
 def usage_errors():
     """Wraps a recipe's `main(tyro.cli(Args))`: a UsageError is printed as `error: <message>` on
-    stderr (once, by rank 0) and the process exits with status 2, as tyro does for a bad flag; a
-    RunStopped is printed the same way, with status 1. Any other exception keeps its traceback."""
+    stderr (once per launch: report_once) and the process exits with status 2, as tyro does for a
+    bad flag; a RunStopped is printed the same way, with status 1. Any other exception keeps its
+    traceback."""
     try:
         yield
     except (UsageError, RunStopped) as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        report_once(f"error: {e}")
         raise SystemExit(2 if isinstance(e, UsageError) else 1) from None
+
+
+def report_once(line: str, wait: float = 10.0) -> None:
+    """Print `line` on stderr once for all the processes of one launch on this machine, whichever
+    of them gets here first. Every rank usually meets the same bad input; if only rank 0 printed,
+    a rank that exits first gets rank 0 killed by the launcher before it prints, and the user sees
+    no message. So the first to create a marker file prints; the others wait (up to `wait`
+    seconds) until it has printed before they exit, so their exit cannot cut it off."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        print(line, file=sys.stderr, flush=True)
+        return
+    folder = Path(tempfile.gettempdir()) / f"recipes-reported-{os.getuid()}"
+    marker = folder / _launch_id()
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and marker.stat().st_size == 0:
+            time.sleep(0.02)
+        return
+    except OSError:  # no temporary folder to agree in: each rank prints
+        print(line, file=sys.stderr, flush=True)
+        return
+    print(line, file=sys.stderr, flush=True)
+    os.write(fd, b"printed\n")
+    os.close(fd)
+    for old in folder.iterdir():  # earlier launches' markers: no later launch shares their names
+        with contextlib.suppress(OSError):
+            if time.time() - old.stat().st_mtime > 86400:
+                old.unlink()
+
+
+def _launch_id() -> str:
+    """What the processes of one launch on one machine share and no other launch does: their
+    launcher (the parent process, with its start time, as pids are reused) and its run id and port."""
+    parent = os.getppid()
+    try:  # field 22 of /proc/<pid>/stat, after the parenthesised command name
+        started = Path(f"/proc/{parent}/stat").read_text().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        started = "?"
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return f"{run}-{parent}-{started}-{os.environ.get('MASTER_PORT', '')}"

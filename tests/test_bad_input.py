@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -267,3 +268,29 @@ def test_the_command_line_prints_one_line_and_exits_2(tmp_path):
     assert done.returncode == 2, done.stderr
     assert "error: train_files: file" in done.stderr and "does not exist" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("delays", [(1.0, 0.0), (0.0, 1.0), (0.0, 0.0)], ids=["rank1-first", "rank0-first", "together"])
+def test_a_usage_error_under_a_launch_is_printed_once_whichever_rank_exits_first(tmp_path, delays):
+    """Two ranks of one launch meet the same bad input, one after the other or together; as torchrun
+    and accelerate do, the other rank is killed as soon as one exits. The message reaches the user
+    exactly once in every order (printed by rank 0 only, it was lost when rank 1 exited first)."""
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, sys, time\nfrom common.errors import UsageError, usage_errors\n"
+        "with usage_errors():\n"
+        "    time.sleep(float(sys.argv[1]))\n"
+        "    raise UsageError(f'--lr -1: must be > 0 (rank {os.environ[\"RANK\"]})')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": tmp_path.name}
+    ranks = [subprocess.Popen([sys.executable, str(script), str(delay)], env={**env, "RANK": str(rank)},
+                              stderr=subprocess.PIPE, text=True) for rank, delay in enumerate(delays)]  # fmt: skip
+    while all(p.poll() is None for p in ranks):
+        time.sleep(0.01)
+    for p in ranks:  # the launcher's part: the first exit stops the rest
+        if p.poll() is None:
+            p.terminate()
+    outputs = [p.communicate(timeout=30)[1] for p in ranks]
+    errors = [line for out in outputs for line in out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: --lr -1: must be > 0"), outputs
+    assert ranks[delays.index(min(delays))].returncode == 2 and "Traceback" not in "".join(outputs)
