@@ -305,7 +305,8 @@ class RemoteEngines:
                 self._recover(failed)
             targets = failed
         else:
-            raise RunStopped(f"rollout engines {targets} kept dying while taking the weights; see the Ray logs")
+            raise RunStopped(f"rollout engines {targets} kept dying while taking the weights (see the Ray logs); the same "
+                             f"command resumes from the last checkpoint")  # fmt: skip
         if engines is None:
             self.weight_version = version
             if self.dist.is_main:
@@ -372,7 +373,9 @@ class RemoteEngines:
                 except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                     if time.time() > deadline:
                         raise RunStopped(
-                            f"rollout engine {i} died and did not come back within {self.timeout:g}s"
+                            f"rollout engine {i} died and Ray did not restart it within --engine-timeout "
+                            f"{self.timeout:g}s (see the Ray logs for why); the run stops, and the same command "
+                            f"resumes it from its last checkpoint once the cluster can place the engine again"
                         ) from None
                     time.sleep(0.5)
             if incarnation != self.incarnations[i]:
@@ -464,7 +467,8 @@ class RemoteEngines:
             if not broadcast_object(self._send(request) if self.dist.is_main else None):
                 break
         else:
-            raise RunStopped("rollout engines kept dying while generating; see the Ray logs")
+            raise RunStopped("rollout engines kept dying while generating (see the Ray logs); the same command resumes "
+                             "from the last checkpoint")  # fmt: skip
         parts = None
         if self.dist.is_main:
             groups = []

@@ -7,6 +7,8 @@ import os
 import shutil
 import signal
 import sys
+import threading
+import time
 
 import pytest
 from conftest import ROOT, SHIPPED_ACCURACY, read_metrics, run_recipe, running, stop_side_by_side
@@ -55,15 +57,43 @@ def test_two_trainer_processes_share_the_remote_engines(tmp_path, ray_cluster, s
     assert len(steps) == 4 and [m["rollout/staleness_max"] for m in steps] == [0, 1, 1, 1]
 
 
+def kill_an_engine_after(folder, steps: int, killed: list) -> None:
+    """Once `steps` training steps are logged in folder, SIGKILL one rollout engine's process (a
+    Ray actor of the shared Ray, found by the process title Ray gives it); its pid goes in killed."""
+    from common.remote import _descendants
+
+    deadline = time.time() + 600
+    while time.time() < deadline and len([m for m in read_metrics_if_any(folder) if "train/loss" in m]) < steps:
+        time.sleep(0.1)
+    engines = _descendants(os.getpid(), "ray::EngineActor")
+    if engines:
+        os.kill(engines[0], signal.SIGKILL)
+        killed.append(engines[0])
+
+
+def read_metrics_if_any(folder) -> list[dict]:
+    return read_metrics(folder) if (folder / "metrics.jsonl").is_file() else []
+
+
 @pytest.mark.slow
 def test_a_resumed_run_with_synchronous_remote_engines_repeats_the_steps_exactly(tmp_path, ray_cluster, small_files):
     """With --max-staleness 0 every chunk is sampled under a seed fixed by (run seed, step, chunk)
-    on the weights of that step, so a run resumed from step 2 repeats steps 3-4 exactly."""
+    on the weights of that step, so a run resumed from step 2 repeats steps 3-4 exactly. In the
+    first run one engine's process is killed after step 2: Ray restarts it, it is given the weights
+    again and its prompts are sampled again, so steps 3-4 still equal the resumed run's, which
+    lost no engine (a prompt lost or sampled twice would change the loss), and the run says so."""
     flags = [*REMOTE, "--total-training-steps", "4", "--test-freq", "0", "--save-freq", "2", "--output-dir", tmp_path,
              "--ray-address", ray_cluster, *small_files, *SMALL_STEPS]  # fmt: skip
-    run_recipe("grpo", *flags)
+    killed = []
+    killer = threading.Thread(target=kill_an_engine_after, args=(tmp_path, 2, killed), daemon=True)
+    killer.start()
+    proc = run_recipe("grpo", *flags)
+    killer.join(timeout=5)
+    assert killed, "no engine process was found to kill"
+    assert "rollout engine" in proc.stderr and "died and was restarted" in proc.stderr
     keys = ("train/loss", "train/grad_norm", "reward/mean", "rollout/logprob_diff_max")
     first = [[m[k] for k in keys] for m in read_metrics(tmp_path) if "train/loss" in m]
+    assert [m["rollout/engine_restarts"] for m in read_metrics(tmp_path) if "train/loss" in m][-1] == 1
     shutil.rmtree(tmp_path / "checkpoints" / "step_4")
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "metrics.jsonl").write_text("".join(lines[:-2]))
