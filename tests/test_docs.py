@@ -424,3 +424,23 @@ def test_a_made_up_flag_a_wrong_choice_and_a_launcher_flag_are_told_apart():
         "line 11": ["configs/missing.yaml does not exist"],
         "line 13": ["--lr-scheduler steep: 'steep' is not one of constant, cosine, wsd"],  # a prose span over two lines
     }, text
+
+
+def test_every_test_the_trust_table_names_exists():
+    """The README's Trust section cites tests as `tests/file.py::name` (or `::name` for the file
+    named before it in the row): each must be a test function of that file, so a renamed or
+    deleted test cannot leave a guarantee pointing at nothing."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Trust\n", 1)[1].split("\n## ", 1)[0]
+    cited = []
+    for line in section.splitlines():
+        file = None
+        for path, name in re.findall(r"`(tests/[\w/]+\.py)?(?:::(\w+))?`", line):
+            file = path or file
+            if file:
+                cited.append((file, name))
+    assert len({f for f, _ in cited}) >= 8
+    for file, name in cited:
+        assert (ROOT / file).is_file(), file
+        if name:
+            assert re.search(rf"^def {name}\(", (ROOT / file).read_text(), re.M), f"{file}::{name} does not exist"
