@@ -79,7 +79,15 @@ def _yaml_list(path: str, flag: str, key: str, what: str) -> tuple[Path, list]:
     items = config.get(key) if isinstance(config, dict) else None
     if not isinstance(items, list) or not items:
         raise UsageError(f"{flag} {path}: expected a top-level `{key}:` list with at least one {what}")
+    if other := sorted(set(config) - {key}):
+        raise UsageError(f"{flag} {path}: unknown top-level key(s) {', '.join(other)}; only `{key}:` is read")
     return file, items
+
+
+def _only_keys(item, allowed: tuple[str, ...], where: str) -> None:
+    """An entry's keys that nothing reads are an error, not silently ignored."""
+    if isinstance(item, dict) and (other := sorted(set(item) - set(allowed))):
+        raise UsageError(f"{where}: unknown key(s) {', '.join(map(str, other))}; an entry has {', '.join(allowed)}")
 
 
 def read_tool_config(path: str) -> ToolConfig:
@@ -88,6 +96,10 @@ def read_tool_config(path: str) -> ToolConfig:
     schemas, functions = [], {}
     for i, tool in enumerate(tools):
         where = f"--tool-config {path}: tools[{i}]"
+        if isinstance(tool, dict) and "class_name" in tool and "function" not in tool:
+            raise UsageError(f"{where}: verl's tool classes (class_name) are not loaded here; give the tool as "
+                             f"function: path/to/file.py:function_name (docs/multi-turn.md)")  # fmt: skip
+        _only_keys(tool, ("function", "tool_schema"), where)
         schema = tool.get("tool_schema") if isinstance(tool, dict) else None
         name = ((schema or {}).get("function") or {}).get("name") if isinstance(schema, dict) else None
         if not isinstance(name, str) or not name:
@@ -143,6 +155,7 @@ def read_interaction_config(path: str) -> InteractionConfig:
     classes = {}
     for i, item in enumerate(items):
         where = f"--interaction-config {path}: interaction[{i}]"
+        _only_keys(item, ("name", "class_name", "config"), where)
         name = item.get("name") if isinstance(item, dict) else None
         target = item.get("class_name") if isinstance(item, dict) else None
         if not isinstance(name, str) or not name or not isinstance(target, str) or not target:

@@ -212,6 +212,9 @@ def test_bad_tool_configs_are_refused(tmp_path):
         "tools: [{tool_schema: {type: function, function: {name: f}}}]": "needs function: path/to/file.py",
         "tools: [{function: 'nope.py:f', tool_schema: {type: function, function: {name: f}}}]": "does not exist",
         "tools: [: bad": "not valid YAML",
+        "tools: [{class_name: pkg.Tool, config: {}, tool_schema: {type: function, function: {name: f}}}]": "verl's tool classes \\(class_name\\) are not loaded here",
+        "tools: [{function: 't.py:f', config: {type: native}, tool_schema: {type: function, function: {name: f}}}]": r"tools\[0\]: unknown key\(s\) config; an entry has function, tool_schema",
+        "tools: [{function: 't.py:f', tool_schema: {type: function, function: {name: f}}}]\nmax_turns: 3": r"unknown top-level key\(s\) max_turns; only `tools:` is read",
     }
     for text, words in cases.items():
         (tmp_path / "c.yaml").write_text(text)
@@ -533,6 +536,7 @@ def test_interaction_rows_and_configs_are_checked(tmp_path):
         "interaction: [{name: g, class_name: nope.py:G}]": "does not exist",
         "interaction: [{name: g, class_name: G}]": "neither file.py:Class nor package.module.Class",
         "interaction: [{name: g, class_name: g.py:G}, {name: g, class_name: g.py:G}]": "a second interaction",
+        "interaction: [{name: g, class_name: g.py:G, kwargs: {}}]": r"unknown key\(s\) kwargs; an entry has name",
     }
     for text, words in cases.items():
         (tmp_path / "i.yaml").write_text(text)
