@@ -222,6 +222,8 @@ def main(args: Args) -> dict:
     setup_logging(0)
     parsed, n = read_rows(args.data_path, args.response_key, args.data_source_key, args.reward_model_key)
     out_json = claim_output(args.json_path(), force_unlock=args.force_unlock, flag="--output-json")
+    if args.output_scores:  # one live run per output file, this one too
+        claim_output(args.output_scores, force_unlock=args.force_unlock, flag="--output-scores")
     pool = start_reward_pool(args.reward_fn, workers=args.reward_workers, timeout=args.reward_timeout,
                              dry_run_rows=parsed, log_path=out_json.with_suffix(".reward_workers.log"))  # fmt: skip
 

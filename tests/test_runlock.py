@@ -167,3 +167,20 @@ def test_a_takeover_spares_a_lock_that_changed_since_it_was_judged(tmp_path, cap
     os.utime(turn, (0, 0))
     take_lock(lock, "run folder x", "--output-dir")
     assert json.loads(lock.read_text())["pid"] == os.getpid() and not turn.exists()
+
+
+def test_evaluate_refuses_an_output_another_run_writes(tmp_path, sleeper):
+    """evaluate.py locks each file it writes: its JSON and, with --output-scores, the scores too."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import load_recipe
+
+    ev = load_recipe("evaluate")
+    data = tmp_path / "gen.parquet"
+    row = {"data_source": "bundled/addition", "reward_model": {"ground_truth": "3"}, "responses": ["<answer>3</answer>"]}
+    pq.write_table(pa.Table.from_pylist([row]), data)
+    scores = tmp_path / "scores.parquet"
+    lock_of(scores.with_name("scores.parquet.lock"), pid=sleeper.pid, process_start=process_start_of(sleeper.pid))
+    with pytest.raises(UsageError, match=r"output .*scores.parquet is in use by a live run: .* another --output-scores"):
+        ev.main(ev.Args(data_path=str(data), output_scores=str(scores)))
+    assert not scores.exists() and not (tmp_path / "gen.eval.json").exists()
