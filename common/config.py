@@ -8,7 +8,7 @@ import importlib.util
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
@@ -97,6 +97,42 @@ FLAG_RULES = [
 ]
 
 
+# (flags, the flag that decides, whether they are used, what to add): a flag given a value of its
+# own that nothing in the run reads is an error, not a silent no-op (checked only for flags the
+# recipe has, and only when the flag differs from its default).
+USED_ONLY_WITH = [
+    (("kl_loss_coef", "kl_loss_type"), "use_kl_loss", lambda a: a.use_kl_loss, "add --use-kl-loss"),
+    (("kl_coef", "kl_penalty", "kl_ctrl"), "use_kl_in_reward", lambda a: a.use_kl_in_reward,
+     "add --use-kl-in-reward"),
+    (("target_kl", "horizon"), "kl_ctrl", lambda a: a.kl_ctrl == "adaptive", "add --kl-ctrl adaptive"),
+    (("lora_alpha", "target_modules", "export_merged_lora"), "lora_rank", lambda a: a.lora_rank > 0,
+     "set --lora-rank (LoRA is off at 0)"),
+    (("rollout_is_threshold",), "rollout_is", lambda a: a.rollout_is is not None, "add --rollout-is token|sequence"),
+    (("gpu_memory_utilization", "enforce_eager", "max_num_seqs", "max_num_batched_tokens", "enable_sleep_mode"),
+     "rollout_name", lambda a: a.rollout_name == "vllm", "add --rollout-name vllm"),
+    (("max_assistant_turns", "tool_timeout", "tokenization_sanity_check_mode"), "tool_config",
+     lambda a: a.tool_config or a.interaction_config, "add --tool-config or --interaction-config"),
+    (("max_user_turns",), "interaction_config", lambda a: a.interaction_config, "add --interaction-config"),
+    (("overlong_penalty_factor",), "overlong_buffer_len", lambda a: a.overlong_buffer_len > 0,
+     "set --overlong-buffer-len above 0"),
+    (("min_lr_ratio",), "lr_scheduler", lambda a: a.lr_scheduler != "constant", "add --lr-scheduler cosine or wsd"),
+    (("temperature", "top_p", "top_k"), "do_sample", lambda a: a.do_sample, "drop --no-do-sample (greedy decoding)"),
+]  # fmt: skip
+
+
+def check_used(args) -> None:
+    """USED_ONLY_WITH: a flag set to a value of its own that this run would not read."""
+    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(args)
+                if f.default is not MISSING or f.default_factory is not MISSING}  # fmt: skip
+    for names, decider, used, add in USED_ONLY_WITH:
+        if not hasattr(args, decider) or used(args):
+            continue
+        for name in names:
+            if name in defaults and getattr(args, name) != defaults[name]:
+                raise UsageError(f"{_flag(name)} {getattr(args, name)!r} would change nothing in this run: {add}, "
+                                 f"or drop the flag")  # fmt: skip
+
+
 def check_flags(args) -> None:
     """Every flag's range (FLAG_RULES, for the flags `args` has) and the paths that can be checked
     without loading anything: a local model or reward-model folder must exist and hold a
@@ -108,6 +144,7 @@ def check_flags(args) -> None:
     for name, ok, must in FLAG_RULES:
         if hasattr(args, name) and not ok(getattr(args, name)):
             raise UsageError(f"{_flag(name)} {getattr(args, name)!r}: must be {must}")
+    check_used(args)
     if hasattr(args, "rollout_n") and args.temperature == 0:
         raise UsageError(
             "--temperature 0: greedy rollouts give every response of a group the same text, so there is nothing to "
@@ -135,6 +172,12 @@ def check_flags(args) -> None:
                              f"cannot tell the architecture; save the model with save_pretrained")  # fmt: skip
     if hasattr(args, "rollout_placement"):
         _check_placement(args)
+    if hasattr(args, "overlong_buffer_len") and args.overlong_buffer_len > args.max_response_length:  # dapo
+        raise UsageError(f"--overlong-buffer-len {args.overlong_buffer_len}: must be <= --max-response-length "
+                         f"({args.max_response_length}), the window the penalty ramps over")  # fmt: skip
+    if hasattr(args, "max_num_gen_batches") and getattr(args, "max_staleness", 0) > 0:  # dapo's dynamic sampling
+        raise UsageError("--max-staleness: dynamic sampling draws generation batches as its filter asks, none ahead; "
+                         "use 0")  # fmt: skip
     if getattr(args, "tool_config", None):
         read_tool_config(args.tool_config)  # its YAML and files; the functions are imported in the tool workers
     if getattr(args, "interaction_config", None):

@@ -44,7 +44,7 @@ import tyro
 from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import RLArgs, is_due
 from common.data import load_rl_data, split_rows, take_rows
-from common.errors import UsageError, usage_errors
+from common.errors import usage_errors
 from common.model import load_rl_models, load_tokenizer, response_logits
 from common.ops import (
     agg_loss,
@@ -104,14 +104,6 @@ class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and rewa
     """overlong penalty: the last N tokens before max_response_length, where it ramps up (0: off)"""
     overlong_penalty_factor: float = 1.0  # DAPO
     """overlong penalty at max_response_length"""
-
-    def __post_init__(self):  # checked as the flags are parsed, before anything loads
-        super().__post_init__()  # the shared flags (common.config.check_flags)
-        if self.overlong_buffer_len > self.max_response_length:  # DAPO
-            raise UsageError(f"--overlong-buffer-len {self.overlong_buffer_len}: must be <= --max-response-length "
-                             f"({self.max_response_length}), the window it ramps over")  # fmt: skip
-        if self.max_staleness > 0:  # DAPO: the filter decides how many generation batches a step draws
-            raise UsageError("--max-staleness: dapo draws generation batches as its filter asks, none ahead; use 0")
 
     def update_kwargs(self) -> dict:
         """update's knobs: the grad clip, the rollout correction, compute_loss's (the clip range, each side

@@ -172,6 +172,22 @@ CASES = [
     ("negative entropy bonus", dict(entropy_coeff=-0.01), "--entropy-coeff -0.01: must be >= 0"),
     ("NaN learning rate", dict(lr=float("nan")), "--lr nan: must be a finite number"),
     ("negative seed", dict(seed=-1), "--seed -1: must be >= 0"),
+    (
+        "a KL weight without the KL loss",
+        dict(kl_loss_coef=0.05),
+        "--kl-loss-coef 0.05 would change nothing in this run: add --use-kl-loss",
+    ),
+    (
+        "a LoRA alpha without LoRA",
+        dict(lora_alpha=32),
+        "--lora-alpha 32 would change nothing in this run: set --lora-rank",
+    ),
+    (
+        "a vLLM knob with the HF engine",
+        dict(max_num_seqs=64),
+        "--max-num-seqs 64 would change nothing in this run: add --rollout-name vllm",
+    ),
+    ("tool turns without tools", dict(max_assistant_turns=3), "add --tool-config or --interaction-config"),
 ]
 if not torch.cuda.is_available():  # what a CPU machine cannot do with vLLM
     CASES += [
@@ -233,6 +249,16 @@ SFT_CASES = [
     ),
     ("model config not JSON", dict(model="{d}/broken_config"), "config.json cannot be read as JSON"),
     ("infinite grad clip", dict(grad_clip=float("inf")), "--grad-clip inf: must be a finite number"),
+    (
+        "a LoRA alpha without LoRA",
+        dict(lora_alpha=32),
+        "--lora-alpha 32 would change nothing in this run: set --lora-rank",
+    ),
+    (
+        "a floor for a constant learning rate",
+        dict(lr_scheduler="constant", min_lr_ratio=0.1),
+        "--min-lr-ratio 0.1 would change nothing in this run: add --lr-scheduler cosine or wsd",
+    ),
 ]
 
 
@@ -287,10 +313,11 @@ def test_a_usage_error_under_a_launch_is_printed_once_whichever_rank_exits_first
                               stderr=subprocess.PIPE, text=True) for rank, delay in enumerate(delays)]  # fmt: skip
     while all(p.poll() is None for p in ranks):
         time.sleep(0.01)
+    first = next(p for p in ranks if p.poll() is not None)
     for p in ranks:  # the launcher's part: the first exit stops the rest
         if p.poll() is None:
             p.terminate()
     outputs = [p.communicate(timeout=30)[1] for p in ranks]
     errors = [line for out in outputs for line in out.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: --lr -1: must be > 0"), outputs
-    assert ranks[delays.index(min(delays))].returncode == 2 and "Traceback" not in "".join(outputs)
+    assert first.returncode == 2 and "Traceback" not in "".join(outputs)

@@ -98,3 +98,14 @@ def test_out_of_generation_batches_trains_on_the_groups_found(tmp_path, small_fi
     assert record["dapo/gen_batches"] == 1
     assert record["dapo/filler_groups"] > 0 and record["dapo/kept_groups"] + record["dapo/filler_groups"] == 8
     assert record["train/grad_norm"] > 0 and record["train/loss"] == record["train/loss"]  # not NaN
+
+
+def test_dapos_own_flags_are_checked_as_they_are_parsed():
+    from common.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"--overlong-buffer-len 17: must be <= --max-response-length \(16\)"):
+        dapo.Args(overlong_buffer_len=17)
+    with pytest.raises(UsageError, match="dynamic sampling draws generation batches as its filter asks"):
+        dapo.Args(rollout_placement="remote", max_staleness=1)
+    with pytest.raises(UsageError, match=r"--overlong-penalty-factor 2.0 would change nothing in this run"):
+        dapo.Args(overlong_buffer_len=0, overlong_penalty_factor=2.0)

@@ -177,10 +177,16 @@ def test_evaluate_refuses_an_output_another_run_writes(tmp_path, sleeper):
 
     ev = load_recipe("evaluate")
     data = tmp_path / "gen.parquet"
-    row = {"data_source": "bundled/addition", "reward_model": {"ground_truth": "3"}, "responses": ["<answer>3</answer>"]}
+    row = {
+        "data_source": "bundled/addition",
+        "reward_model": {"ground_truth": "3"},
+        "responses": ["<answer>3</answer>"],
+    }
     pq.write_table(pa.Table.from_pylist([row]), data)
     scores = tmp_path / "scores.parquet"
     lock_of(scores.with_name("scores.parquet.lock"), pid=sleeper.pid, process_start=process_start_of(sleeper.pid))
-    with pytest.raises(UsageError, match=r"output .*scores.parquet is in use by a live run: .* another --output-scores"):
+    with pytest.raises(
+        UsageError, match=r"output .*scores.parquet is in use by a live run: .* another --output-scores"
+    ):
         ev.main(ev.Args(data_path=str(data), output_scores=str(scores)))
     assert not scores.exists() and not (tmp_path / "gen.eval.json").exists()
