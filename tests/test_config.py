@@ -1,6 +1,12 @@
+import dataclasses
+import math
+import typing
+
 import pytest
+from conftest import ROOT, load_recipe
 
 from common.config import plan_batches
+from common.errors import UsageError
 
 
 def test_plan_derives_local_sizes():
@@ -94,10 +100,28 @@ def test_where_old_logprobs_come_from():
 
 
 def test_a_kl_in_the_reward_needs_the_reference_and_old_logprobs_before_the_update():
-    from conftest import load_recipe
-
     grpo, rloo = load_recipe("grpo").Args, load_recipe("rloo").Args
     assert not grpo().needs_ref and grpo(use_kl_loss=True).needs_ref
     assert (rloo().needs_ref, rloo().old_logprobs_from) == (False, "when-stale")
     assert (rloo(use_kl_in_reward=True).needs_ref, rloo(use_kl_in_reward=True).old_logprobs_from) == (True, "pass")
     assert rloo(use_kl_in_reward=True, bypass_mode=True).old_logprobs_from == "engine"
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in (ROOT / "recipes").glob("*.py")))
+def test_every_numeric_flag_has_a_range(recipe):
+    """Each int and float flag of every script, set to a negative number (and each float to NaN),
+    is a usage error as the flags are parsed: no numeric flag is left without its check (the
+    sentinel -1 of --save-freq, --test-freq and --top-k still passes; -5 does not)."""
+    module = load_recipe(recipe)
+    hints = typing.get_type_hints(module.Args)
+    checked = []
+    for f in dataclasses.fields(module.Args):
+        kinds = set(typing.get_args(hints[f.name]) or (hints[f.name],))
+        if bool in kinds or not kinds & {int, float}:
+            continue
+        values = [-5] if float not in kinds else [-0.5, math.nan]
+        for value in [(v, 0.9) for v in values] if typing.get_origin(hints[f.name]) is tuple else values:
+            with pytest.raises(UsageError, match=f"--{f.name.replace('_', '-')}"):
+                module.Args(**{f.name: value})
+        checked.append(f.name)
+    assert len(checked) >= {"generate": 5, "evaluate": 2}.get(recipe, 20), checked

@@ -294,16 +294,15 @@ def write(path, rows):
         (
             [{"prompt": "a", "extra_info": {"answer": "b"}}] * 10,
             {"train_batch_size": 10, "micro_batch_size_per_gpu": 0},
-            "micro_batch_size_per_gpu=0 must be at least 1",
+            "--micro-batch-size-per-gpu 0: must be >= 1",
         ),
     ],
     ids=["missing-column", "wrong-type", "too-long", "zero-micro-batch"],
 )
 def test_bad_input_fails_before_model_loads(tmp_path, sft_no_model, rows, flags, expected):
     f = write(tmp_path / "bad.parquet", rows)
-    args = sft_no_model.Args(train_files=(f,), val_files=(), output_dir=str(tmp_path / "o"), **flags)
-    with pytest.raises((DataError, ValueError)) as err:
-        sft_no_model.main(args)
+    with pytest.raises((DataError, ValueError)) as err:  # a flag's range is checked as Args parses it
+        sft_no_model.main(sft_no_model.Args(train_files=(f,), val_files=(), output_dir=str(tmp_path / "o"), **flags))
     assert expected in str(err.value)
     if "row" in expected or "column" in expected:
         assert "bad.parquet" in str(err.value)
