@@ -259,7 +259,7 @@ class RewardPool:
                             code = worker[0].wait(timeout=5)
                         except subprocess.TimeoutExpired:
                             code = None
-                        status, payload = "error", f"reward worker exited with code {code}"
+                        status, payload = "error", f"the worker process exited with code {code} (replaced)"
                         self._replace(worker)
                     del busy[slot]
                     if status == "ok":

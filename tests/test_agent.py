@@ -154,7 +154,7 @@ def test_single_turn_rows_are_sampled_once(tokenizer, pool, tool_config):
         ("hang", "did not answer within 2s", "agent/tool_timeouts"),
         ("fail", "failed: RuntimeError: the calculator is on fire", "agent/tool_errors"),
         ("garbage", "a tool must return a str", "agent/tool_errors"),
-        ("crash", "failed: reward worker exited with code 3", "agent/tool_errors"),
+        ("crash", "failed: the worker process exited with code 3 (replaced)", "agent/tool_errors"),
         ("missing", "no tool named 'missing'", "agent/tool_errors"),
     ],
 )
