@@ -1,10 +1,10 @@
 """Rebuild the bundled offline assets: tiny chat tokenizer, random-init tiny Qwen2, addition task.
 
-    python bundled/build.py            # writes bundled/tiny-qwen2, bundled/addition and calculator's data
+    python bundled/build.py            # writes bundled/tiny-qwen2, bundled/addition, calculator's and the games' data
 
 Deterministic: the same torch version gives the same weights, and any Python gives the same data.
-The shipped SFT checkpoints (bundled/tiny-qwen2-sft, bundled/tiny-qwen2-tools) are made from these
-by recipes/sft.py; the commands are in bundled/README.md.
+The shipped SFT checkpoints (bundled/tiny-qwen2-sft, bundled/tiny-qwen2-tools, bundled/tiny-qwen2-games)
+are made from these by recipes/sft.py; the commands are in bundled/README.md.
 """
 
 import json
@@ -155,6 +155,77 @@ def build_tool_task(out: Path) -> None:
         pq.write_table(pa.Table.from_pylist(records), out / f"{split}.parquet")
 
 
+GAME_SFT_SEEDS = range(2 * 10**8, 2 * 10**8 + 4000)  # lakes for SFT: apart from RL's 0.. and validation's 10^9..
+
+
+def _load_env(path: Path, name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def lake_plan(desc: list[str], start: int, actions: tuple[str, ...]) -> list[str]:
+    """A shortest path from cell `start` to G avoiding holes (breadth-first, trying actions in
+    order), as action names; FrozenLake's (row, col) moves: left, down, right, up."""
+    size = len(desc)
+    moves = {"left": (0, -1), "down": (1, 0), "right": (0, 1), "up": (-1, 0)}
+    previous, frontier = {start: None}, [start]
+    while frontier:
+        nxt = []
+        for cell in frontier:
+            if desc[cell // size][cell % size] == "G":
+                path = []
+                while previous[cell] is not None:
+                    cell, action = previous[cell]
+                    path.append(action)
+                return path[::-1]
+            for action in actions:
+                dr, dc = moves[action]
+                r, c = cell // size + dr, cell % size + dc
+                if 0 <= r < size and 0 <= c < size and desc[r][c] != "H" and r * size + c not in previous:
+                    previous[r * size + c] = (cell, action)
+                    nxt.append(r * size + c)
+        frontier = nxt
+    raise ValueError(f"no path to G in {desc}")
+
+
+def play(env, seed: int, actions: list[str]) -> list[dict]:
+    """The SFT conversation of `actions` played from seed, as the text environment shows it: the
+    observation, then <answer>action</answer>, turn by turn (the last observation left out)."""
+    observation, _ = env.reset(seed=seed)
+    messages = [{"role": "user", "content": observation}]
+    for action in actions:
+        observation, *_ = env.step(action)
+        messages += [{"role": "assistant", "content": f"<answer>{action}</answer>"},
+                     {"role": "user", "content": observation}]  # fmt: skip
+    return messages[:-1]
+
+
+def build_games(out: Path) -> None:
+    """SFT conversations for the bundled games, played by shortest-path players: FrozenLake
+    (breadth-first over the lake) and Sokoban (breadth-first over the player's and box's cells)."""
+    lake = _load_env(out / "frozen_lake.py", "TextFrozenLake")(size=4, p=0.8, is_slippery=False)
+    sokoban = _load_env(out / "sokoban.py", "SimpleSokoban")()
+    solve = _load_env(out / "sokoban.py", "solve")
+    for name, tag, env, plan in [
+        ("frozen_lake", "FrozenLake", lake, lambda: lake_plan(lake.desc, 0, ("down", "right", "left", "up"))),
+        (
+            "sokoban",
+            "SimpleSokoban",
+            sokoban,
+            lambda: solve(sokoban.walls, sokoban.target, sokoban.box, sokoban.player),
+        ),
+    ]:
+        records = []
+        for seed in GAME_SFT_SEEDS:
+            env.reset(seed=seed)
+            records.append({"data_source": tag, "messages": play(env, seed, plan()), "extra_info": {"seed": seed}})
+        pq.write_table(pa.Table.from_pylist(records), out / f"{name}_sft.parquet")
+
+
 def main() -> None:
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)
@@ -163,6 +234,7 @@ def main() -> None:
     tokenizer.save_pretrained(model_dir)
     build_task(HERE / "addition")
     build_tool_task(HERE / "calculator")
+    build_games(HERE / "envs")
     n = sum(p.numel() for p in model.parameters())
     print(json.dumps({"model": str(model_dir), "params": n, "vocab": len(tokenizer)}))
 

@@ -17,6 +17,7 @@ LAYERS = (
     "ops",  # masked maths, logprobs and entropy from logits, KL estimators, loss aggregation
     "scoring",  # verl's compute_score built-ins and the loaders of user code (no processes)
     "tools",  # --tool-config / --interaction-config read without running them; tool calls in text
+    "envs",  # --env-config read without running it; the text adapter, the action of a reply, a worker's host
     "model",  # policy, critic, reward model and tokenizer loading; response logits and values
     "tracking",  # metrics.jsonl, the console, wandb / tensorboard, curves
     "checkpoint",  # save, check, resume, hf/ export
@@ -25,6 +26,7 @@ LAYERS = (
     "engines",  # Sampling, Completion, the HF and vLLM engines
     "remote",  # engines in Ray actors, the weight stream to them, bounded staleness
     "agent",  # the multi-turn loop with tools and interactions over any engine
+    "env_manager",  # ROLL's environment manager: groups of Gymnasium environments played over any engine
     "rollout",  # start_engine, a step's sampled and scored batch, validation
     "config",  # the flag dataclasses every recipe builds on, and their checks
 )

@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 
 from common.engines import Sampling
+from common.envs import read_env_config
 from common.errors import UsageError
 from common.errors import usage_errors as usage_errors  # re-exported for older forks
 from common.model import looks_local
@@ -83,6 +84,15 @@ FLAG_RULES = [
     ("target_kl", lambda v: v > 0, "> 0"),
     ("horizon", lambda v: v >= 1, ">= 1"),
     ("seed", lambda v: v >= 0, ">= 0"),
+    ("env_n_groups", lambda v: all(n >= 1 for n in v), "numbers >= 1"),
+    ("env_train_seeds", lambda v: v >= 1, ">= 1"),
+    ("env_val_seeds", lambda v: v >= 0, ">= 0 (0: no validation)"),
+    ("max_env_steps", lambda v: v >= 1, ">= 1"),
+    ("format_penalty", lambda v: v <= 0, "<= 0 (a penalty: ROLL's is negative)"),
+    ("max_traj_per_env", lambda v: v == -1 or v >= 1, "-1 (no limit) or >= 1"),
+    ("env_gamma", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("env_timeout", lambda v: v > 0, "> 0 seconds"),
+    ("env_workers", lambda v: v >= 1, ">= 1"),
     # the algorithms' knobs: one meaning, so one rule, in every recipe that has them
     ("clip_ratio", lambda v: v > 0, "> 0"),
     ("clip_ratio_low", lambda v: v is None or 0 < v <= 1, "in (0, 1]: the ratio is kept above 1 - clip_ratio_low"),
@@ -121,6 +131,11 @@ USED_ONLY_WITH = [
      "set --overlong-buffer-len above 0"),
     (("min_lr_ratio",), "lr_scheduler", lambda a: a.lr_scheduler != "constant", "add --lr-scheduler cosine or wsd"),
     (("temperature", "top_p", "top_k"), "do_sample", lambda a: a.do_sample, "drop --no-do-sample (greedy decoding)"),
+    (("reward_normalization_grouping",), "reward_normalization_method",
+     lambda a: a.reward_normalization_method != "identity", "add --reward-normalization-method mean_std or asym_clip"),
+    (("env_tags", "env_n_groups", "env_train_seeds", "env_val_seeds", "max_env_steps", "format_penalty",
+      "max_traj_per_env", "env_manager", "env_gamma", "env_timeout", "env_workers"), "env_config",
+     lambda a: a.env_config, "add --env-config"),
 ]  # fmt: skip
 
 
@@ -186,6 +201,8 @@ def check_flags(args) -> None:
         read_tool_config(args.tool_config)  # its YAML and files; the functions are imported in the tool workers
     if getattr(args, "interaction_config", None):
         read_interaction_config(args.interaction_config)  # likewise: the classes are imported in a worker
+    if getattr(args, "env_config", None):
+        _check_env(args)  # likewise: the environments are made in their workers
     if getattr(args, "rollout_name", "hf") == "vllm":
         _check_vllm(args)
     if getattr(args, "bypass_mode", False) and getattr(args, "rollout_is", None):
@@ -414,7 +431,11 @@ class PlacementArgs:
             return {}
         names = ("num_rollout_engines", "engine_num_cpus", "engine_num_gpus", "ray_address", "max_staleness",
                  "engine_timeout")  # fmt: skip
-        schedule = StepPrompts(train, self.train_batch_size, self.seed, self.shuffle, self.samplings()[0])
+        schedule = (
+            None
+            if getattr(self, "env_config", None)  # an environment's prompts come as it plays
+            else StepPrompts(train, self.train_batch_size, self.seed, self.shuffle, self.samplings()[0])
+        )
         return {"remote": {**{k: getattr(self, k) for k in names}, "schedule": schedule, "total_steps": total_steps}}
 
 
@@ -468,6 +489,15 @@ class RewardArgs:
     """AutoModelForSequenceClassification folder / hub name; replaces the rule-based score"""
     stop_on_nonfinite_reward: bool = False
     """stop the run at a NaN or infinite reward (default: it scores 0, counted in reward/nonfinite)"""
+    reward_normalization_grouping: Literal["state", "batch", "inductive"] = "state"
+    """ROLL's reward_normalization.grouping: normalise rewards within a prompt's (seed's) group, the whole
+    step, or each data_source (environment tag)"""
+    reward_normalization_method: Literal["identity", "mean_std", "asym_clip"] = "identity"
+    """ROLL's reward_normalization.method: identity (off), mean_std, or mean_std clipped to [-1, 3]"""
+
+    def reward_normalization_kwargs(self) -> dict:
+        """The keyword arguments of common.rollout.normalize_rewards that these flags set."""
+        return dict(grouping=self.reward_normalization_grouping, method=self.reward_normalization_method)
 
 
 @dataclass
@@ -508,6 +538,124 @@ class AgentArgs:
 
 
 @dataclass
+class EnvPlayArgs:
+    """How environments are played: a run's, and generate.py's."""
+
+    env_config: str | None = None
+    """YAML naming Gymnasium environments to play instead of prompts: tag -> path/to/file.py:Class or a Gymnasium
+    id (ROLL's custom_envs; docs/environments.md)"""
+    env_tags: tuple[str, ...] = ()
+    """environment: the tags of --env-config to play (default: all; ROLL's tags)"""
+    env_val_seeds: int = 64
+    """environment: held-out seeds of each tag played in each validation (generate.py: played in all)"""
+    max_env_steps: int = 10
+    """environment: most turns (actions) of a trajectory (ROLL's max_actions_per_traj)"""
+    format_penalty: float = 0.0
+    """environment: reward added to a turn whose action does not parse, <= 0 (ROLL's format_penalty)"""
+    max_traj_per_env: int = -1
+    """environment: trajectories one environment plays (reset with the next seed) before it is made anew; -1: no
+    limit (ROLL's max_traj_per_env)"""
+    env_manager: str | None = None
+    """environment: path/to/file.py:Class, a subclass of common.env_manager.EnvLoop that plays instead (ROLL's
+    worker_cls)"""
+    env_gamma: float = 1.0
+    """environment: discount of the per-turn rewards in a trajectory's return"""
+    env_timeout: float = 10.0
+    """environment: seconds a reset or step may take before its trajectory ends, counted in env/<tag>/timeouts"""
+    env_workers: int = 2
+    """environment: worker processes per rank that run the environments"""
+
+    def env_tag_list(self) -> list[str]:
+        return list(self.env_tags) or read_env_config(self.env_config).tags
+
+    def env_kwargs(self, pool, lockstep: bool = True) -> dict:
+        """common.rollout.start_engine's `env`: the keyword arguments of common.env_manager.EnvLoop these flags
+        set, its environments running in `pool` (a RewardPool's .envs, or an environment pool itself); none
+        without --env-config."""
+        if not self.env_config:
+            return {}
+        return {"env": dict(
+            config=read_env_config(self.env_config), pool=getattr(pool, "envs", None) or pool,
+            max_env_steps=self.max_env_steps, format_penalty=self.format_penalty, gamma=self.env_gamma,
+            max_response_length=self.max_response_length, manager=self.env_manager, lockstep=lockstep)}  # fmt: skip
+
+    def env_pool_kwargs(self) -> dict | None:
+        """common.rewards.start_env_pool's keyword arguments (none without --env-config)."""
+        if not self.env_config:
+            return None
+        return dict(config=self.env_config, workers=self.env_workers, timeout=self.env_timeout,
+                    max_traj_per_env=self.max_traj_per_env, max_prompt_length=self.max_prompt_length)  # fmt: skip
+
+
+@dataclass
+class EnvArgs(EnvPlayArgs):
+    """A training run's environment flags: the groups of a step and the seeds of an epoch."""
+
+    env_n_groups: tuple[int, ...] = ()
+    """environment: groups a step of each tag, summing to --train-batch-size (default: an even split; ROLL's n_groups)"""
+    env_train_seeds: int = 10000
+    """environment: training seeds 0..N-1, each played once an epoch"""
+
+    def env_groups(self) -> tuple[list[str], list[int]]:
+        """(tags, groups a step of each): --env-tags / --env-n-groups, or every tag of --env-config with
+        --train-batch-size split evenly."""
+        tags = self.env_tag_list()
+        if self.env_n_groups:
+            return tags, list(self.env_n_groups)
+        return tags, [self.train_batch_size // len(tags)] * len(tags)
+
+
+# Flags an --env-config run has no use for: its rows are environment seeds and its rewards the returns.
+ENV_UNUSED = ("train_files", "val_files", "data_path", "prompt_key", "truncation", "filter_overlong_prompts",
+              "reward_fn", "reward_model", "tool_config", "interaction_config")  # fmt: skip
+
+
+def _check_env(args) -> None:
+    """--env-config: the file, the tags and their groups (summing to the train batch), and no flag the
+    run would not read."""
+    config = read_env_config(args.env_config)
+    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(args)
+                if f.default is not MISSING or f.default_factory is not MISSING}  # fmt: skip
+    for name in ENV_UNUSED:
+        if name in defaults and getattr(args, name) != defaults[name]:
+            raise UsageError(f"{_flag(name)} does nothing in an --env-config run (its rows are environment seeds, "
+                             f"its rewards their returns); drop it")  # fmt: skip
+    if getattr(args, "max_staleness", 0) > 0:
+        raise UsageError("--max-staleness: an environment's next prompt is known only once it has stepped, so "
+                         "nothing can be sampled ahead; use 0 with --env-config")  # fmt: skip
+    unknown = [t for t in args.env_tags if t not in config.specs]
+    if unknown:
+        raise UsageError(f"--env-tags {' '.join(unknown)}: not in --env-config {args.env_config} "
+                         f"(its tags: {', '.join(config.tags)})")  # fmt: skip
+    tags = list(args.env_tags) or config.tags
+    if len(set(tags)) < len(tags):
+        raise UsageError(f"--env-tags {' '.join(tags)}: a tag is named twice")
+    if hasattr(args, "env_n_groups"):  # a training run (generate.py plays every tag's held-out seeds)
+        _check_env_groups(args, tags)
+    if getattr(args, "env_train_seeds", 0) >= 10**9:
+        raise UsageError(f"--env-train-seeds {args.env_train_seeds}: must be below 10^9, where validation seeds begin")
+    if args.env_manager:
+        file = args.env_manager.partition(":")[0]
+        if not Path(file).expanduser().is_file() or not args.env_manager.partition(":")[2]:
+            raise UsageError(f"--env-manager {args.env_manager}: expected path/to/file.py:Class of an existing file")
+
+
+def _check_env_groups(args, tags: list[str]) -> None:
+    """--env-n-groups: one number per tag, summing to the train batch; without it, an even split."""
+    if args.env_n_groups:
+        if len(args.env_n_groups) != len(tags):
+            raise UsageError(f"--env-n-groups {' '.join(map(str, args.env_n_groups))}: one number per tag "
+                             f"({', '.join(tags)})")  # fmt: skip
+        if sum(args.env_n_groups) != args.train_batch_size:
+            raise UsageError(f"--env-n-groups {' '.join(map(str, args.env_n_groups))}: sums to "
+                             f"{sum(args.env_n_groups)}, not --train-batch-size {args.train_batch_size} (groups a "
+                             f"step)")  # fmt: skip
+    elif args.train_batch_size % len(tags):
+        raise UsageError(f"--train-batch-size {args.train_batch_size} groups cannot be split evenly over the "
+                         f"{len(tags)} tags {', '.join(tags)}; pass --env-n-groups with one number per tag")  # fmt: skip
+
+
+@dataclass
 class ValidationArgs:
     val_temperature: float = 0.0
     """validation sampling temperature; 0 is greedy"""
@@ -521,6 +669,7 @@ class ValidationArgs:
 
 @dataclass
 class RLArgs(
+    EnvArgs,
     RewardArgs,
     ValidationArgs,
     AgentArgs,
@@ -561,16 +710,21 @@ class RLArgs(
             "ground_truth": needs,
             "tools": self.tool_schemas(),
             "interactions": self.interaction_names(),
-        }
+            "env": dict(zip(("tags", "n_groups"), self.env_groups()), config=self.env_config,
+                        train_seeds=self.env_train_seeds, val_seeds=self.env_val_seeds) if self.env_config else None,
+        }  # fmt: skip
 
-    def reward_kwargs(self, run_dir: Path) -> dict:
-        """The keyword arguments of common.rewards.start_reward_pool that these flags set; what
-        the reward workers print goes to <run_dir>/reward_workers.log (.rank<N> beyond rank 0)."""
+    def reward_kwargs(self, run_dir: Path, tokenizer=None, rows: list[dict] = ()) -> dict:
+        """The keyword arguments of common.rewards.start_reward_pool that these flags set, with the
+        rows of its dry run (none when a reward model scores) and the tokenizer it checks an
+        environment's prompts with; what the reward workers print goes to
+        <run_dir>/reward_workers.log (.rank<N> beyond rank 0)."""
         rank = os.environ.get("RANK", "0")
         name = "reward_workers.log" if rank == "0" else f"reward_workers.rank{rank}.log"
         return dict(reward_fn=self.reward_fn, workers=self.reward_workers, timeout=self.reward_timeout,
                     log_path=Path(run_dir) / name, tool_config=self.tool_config, tool_timeout=self.tool_timeout,
-                    interaction_config=self.interaction_config)  # fmt: skip
+                    interaction_config=self.interaction_config, env=self.env_pool_kwargs(), tokenizer=tokenizer,
+                    dry_run_rows=[] if self.reward_model else list(rows))  # fmt: skip
 
     def tracker_kwargs(self, recipe: str, run_info: dict) -> dict:
         """TrainerArgs.tracker_kwargs, plus whether a NaN or infinite reward stops the run."""
@@ -581,7 +735,7 @@ class RLArgs(
         placement's (PlacementArgs.placement_kwargs) and the agent loop's, whose tools run in the
         reward pool's tool workers (common.rewards.start_reward_pool)."""
         return {**super().engine_kwargs(self.val_batch_size), **self.placement_kwargs(train, total_steps),
-                **self.agent_kwargs(pool.tools, pool.interactions)}  # fmt: skip
+                **self.agent_kwargs(pool.tools, pool.interactions), **self.env_kwargs(pool)}  # fmt: skip
 
     @property
     def engine_holds_own_weights(self) -> bool:
@@ -618,10 +772,17 @@ class RLArgs(
 
     def rollout_kwargs(self) -> dict:
         """The keyword arguments of common.rollout.Rollout that these flags set: the data order, the
-        training and validation sampling (samplings) and what validation logs."""
+        training and validation sampling (samplings) and what validation logs. Environment seeds are
+        played in order (common.data.env_rows: each batch holds every tag's share; the seeds are the randomness)."""
         sampling, val_sampling = self.samplings()
-        return dict(sampling=sampling, val_sampling=val_sampling, batch_size=self.train_batch_size, seed=self.seed,
-                    shuffle=self.shuffle, log_val_generations=self.log_val_generations)  # fmt: skip
+        return dict(
+            sampling=sampling,
+            val_sampling=val_sampling,
+            batch_size=self.train_batch_size,
+            seed=self.seed,
+            shuffle=self.shuffle and not self.env_config,
+            log_val_generations=self.log_val_generations,
+        )
 
     def batch_plan(self, world_size: int) -> "BatchPlan":
         """The checked batch arithmetic (plan_batches) for this many processes."""

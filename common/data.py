@@ -212,8 +212,11 @@ class LoadStats:
     truncated: int = 0
     no_loss_tokens: int = 0
     per_file: dict = field(default_factory=dict)
+    described: str | None = None  # rows that come from no file (environment seeds): what they are
 
     def summary(self, what: str) -> str:
+        if self.described:
+            return f"{what}: {self.described}"
         parts = [f"{what}: {self.kept}/{self.rows} rows from {len(self.per_file)} file(s)"]
         if self.filtered_overlong:
             parts.append(f"{self.filtered_overlong} over-long rows filtered out")
@@ -638,6 +641,39 @@ def check_agent_rows(rows: list[dict], tools: list[dict] | None, interactions: l
                     "is unused (as in verl); set agent_name tool_agent to run tools", idle_tools_kwargs)  # fmt: skip
 
 
+VAL_SEED_OFFSET = 10**9  # an environment run's validation seeds start here; training seeds stay below
+
+
+def env_rows(config: str, tags: list[str], n_groups: list[int], train_seeds: int, val_seeds: int) -> tuple:
+    """(training rows, LoadStats, validation rows) of an --env-config run: one row per tag and seed,
+    played by common.env_manager (sampling.n trajectories a row, all reset with its seed).
+    Training rows come in batches of sum(n_groups) rows, n_groups[k] of tags[k] (ROLL's n_groups),
+    with the seeds 0 .. train_seeds-1 in row order, so each step's batch holds every tag's share and
+    each seed is played once an epoch (train in this order: the seeds are the randomness).
+    Validation: val_seeds held-out seeds of every tag, from VAL_SEED_OFFSET."""
+    batch = sum(n_groups)
+    if train_seeds < batch:
+        raise DataError(f"--env-train-seeds {train_seeds}: fewer than one batch of {batch} groups")
+
+    def row(tag: str, seed: int, split: str, index: int) -> dict:
+        return {"data_source": tag, "agent_name": "env", "env_seed": seed, "ground_truth": None,
+                "extra_info": {"split": split, "index": index}, "prompt_ids": None, "messages": None,
+                "file": f"--env-config {config}", "row": index}  # fmt: skip
+
+    train = []
+    for b in range(train_seeds // batch):
+        shares = [(tag, sum(n_groups[:k]), n) for k, (tag, n) in enumerate(zip(tags, n_groups))]
+        train += [row(tag, b * batch + start + i, "train", b * batch + start + i) for tag, start, n in shares
+                  for i in range(n)]  # fmt: skip
+    val = [
+        row(tag, VAL_SEED_OFFSET + i, "val", k * val_seeds + i) for k, tag in enumerate(tags) for i in range(val_seeds)
+    ]
+    shares = ", ".join(f"{n} {tag}" for tag, n in zip(tags, n_groups))
+    stats = LoadStats(rows=len(train), kept=len(train), described=f"{len(train)} environment seeds, groups a step: "
+                      f"{shares}; validation: {val_seeds} held-out seeds a tag")  # fmt: skip
+    return train, stats, val
+
+
 def load_rl_data(
     train_files,
     val_files,
@@ -651,13 +687,17 @@ def load_rl_data(
     ground_truth: str = "required",
     tools: list[dict] | None = None,
     interactions: list[str] | None = None,
+    env: dict | None = None,
 ) -> tuple[list[dict], LoadStats, list[dict]]:
     """Training and validation prompts of an RL recipe (validation empty without val_files);
     too few training prompts for one batch fail here, before any model loads. ground_truth:
     "required" (the built-in rewards score against it: a row without one is an error naming it),
     "optional" (a user's reward function may not need one: rows without are counted in a warning)
     or "unused" (a reward model scores). tools: the --tool-config schemas, which tool_agent rows
-    are templated with; interactions: the --interaction-config names (check_agent_rows)."""
+    are templated with; interactions: the --interaction-config names (check_agent_rows). env: an
+    --env-config run's env_rows arguments: its rows replace the files'."""
+    if env is not None:
+        return env_rows(**env)
     kwargs = dict(prompt_key=prompt_key, max_prompt_length=max_prompt_length, truncation=truncation, tools=tools)
     kwargs.update(filter_overlong_prompts=filter_overlong_prompts, scored=ground_truth != "unused")
     train, stats = load_prompts(train_files, tokenizer, **kwargs, what="train_files")

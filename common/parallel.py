@@ -292,6 +292,10 @@ def all_reduce_max(value: int) -> int:
     return value
 
 
+def this_rank() -> int:
+    return tdist.get_rank() if tdist.is_available() and tdist.is_initialized() else 0
+
+
 def gather_objects(obj) -> list:
     """Every rank's obj, in rank order, on every rank."""
     if not (tdist.is_available() and tdist.is_initialized()):

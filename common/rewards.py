@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+from common.envs import check_envs, load_env_host, read_env_config
 from common.errors import UsageError
 from common.scoring import builtin_scorer as builtin_scorer  # re-exported for older forks
 from common.scoring import exact_match as exact_match  # re-exported for older forks
@@ -59,7 +60,12 @@ class Scored:
 
 TOOLS_PREFIX = "tools:"  # a pool spec naming a --tool-config file rather than a reward function
 INTERACTIONS_PREFIX = "interactions:"  # ... or an --interaction-config file
-SIDE_POOLS = ((TOOLS_PREFIX, "--tool-config"), (INTERACTIONS_PREFIX, "--interaction-config"))
+ENVS_PREFIX = "envs:"  # ... or the environments of an --env-config file (common.envs.EnvHost)
+SIDE_POOLS = (
+    (TOOLS_PREFIX, "--tool-config"),
+    (INTERACTIONS_PREFIX, "--interaction-config"),
+    (ENVS_PREFIX, "--env-config"),
+)
 
 
 def _check_text(result) -> None:
@@ -82,6 +88,8 @@ def _worker(conn, spec):
             fn, check = load_tool_functions(spec.removeprefix(TOOLS_PREFIX)), _check_text
         elif spec and spec.startswith(INTERACTIONS_PREFIX):  # interactions: load_interactions checks results
             fn, check = load_interactions(spec.removeprefix(INTERACTIONS_PREFIX)), lambda result: None
+        elif spec and spec.startswith(ENVS_PREFIX):  # environments: EnvHost checks what they return
+            fn, check = load_env_host(spec.removeprefix(ENVS_PREFIX)), lambda result: None
         else:
             fn, check = load_reward_fn(spec), score_value
     except BaseException:
@@ -157,8 +165,10 @@ class RewardPool:
     def __init__(self, spec: str | None = None, workers: int = 2, timeout: float = 10.0, log_path=None):
         self.spec, self.timeout = spec, timeout
         self.tools = self.interactions = None  # the agent loop's pools (start_agent_pools), closed with this one
+        self.envs = None  # the environment workers of an --env-config run (start_env_pool), closed with it
         self.output = _WorkerOutput(log_path)
         self.workers = [self._start() for _ in range(max(1, workers))]
+        self.restarts = [0] * len(self.workers)  # per worker slot: how often it was replaced
         self.printed_error = self.printed_nonfinite = False
 
     def _start(self):
@@ -190,6 +200,7 @@ class RewardPool:
                 ((flag, self.spec.removeprefix(prefix)) for prefix, flag in SIDE_POOLS if self.spec.startswith(prefix)),
                 ("--reward-fn", self.spec),
             )
+            shown = shown.partition(":")[2] if flag == "--env-config" else shown  # past max_traj_per_env
             if status == "hung":
                 raise UsageError(f"{flag} {shown}: importing it did not finish in {STARTUP_TIMEOUT:.0f}s (it hangs?)")
             last = detail.strip().splitlines()[-1] if detail.strip() else "no reason given"
@@ -199,11 +210,13 @@ class RewardPool:
             )
         return [proc, conn]
 
-    def _replace(self, worker) -> None:
+    def _replace(self, slot: int) -> None:
+        worker = self.workers[slot]
         worker[0].kill()
         worker[0].wait()
         worker[1].close()
         worker[:] = self._start()
+        self.restarts[slot] += 1
 
     def score(self, tasks: list[tuple]) -> Scored:
         t0 = time.time()
@@ -233,18 +246,24 @@ class RewardPool:
         preds = [r.get("pred") if isinstance(r, dict) and isinstance(r.get("pred"), str) else None for r in results]
         return Scored(scores, extras, errors, timeouts, first_error, time.time() - t0, ok, len(nonfinite), preds)
 
-    def run(self, tasks: list[tuple]) -> tuple[list, dict[int, str], str | None]:
+    def run(self, tasks: list[tuple], slots: list[int] | None = None) -> tuple[list, dict[int, str], str | None]:
         """Each task's arguments through the workers' function, one task per worker at a time:
         (results, None where it failed; {task index: "timeout" or the last line of what it
-        raised}; the first traceback)."""
+        raised}; the first traceback). slots: the worker each task must run on (modulo the
+        workers), in order, as stateful hosts need (common.envs.EnvHost); default: any free one.
+        A worker that dies or overruns is replaced: restarts[slot] counts how often."""
         results: list = [None] * len(tasks)
-        pending = deque(enumerate(tasks))
+        anywhere: deque = deque()
+        pinned: list[deque] = [deque() for _ in self.workers]
+        for i, args in enumerate(tasks):
+            (anywhere if slots is None else pinned[slots[i] % len(self.workers)]).append((i, args))
         busy: dict[int, tuple[int, float]] = {}  # worker slot -> (task index, start time)
         failures, first_error = {}, None
-        while pending or busy:
+        while anywhere or any(pinned) or busy:
             for slot, worker in enumerate(self.workers):
-                if slot not in busy and pending:
-                    index, args = pending.popleft()
+                queue = pinned[slot] or anywhere
+                if slot not in busy and queue:
+                    index, args = queue.popleft()
                     worker[1].send((index, args))
                     busy[slot] = (index, time.time())
             deadline = min(start for _, start in busy.values()) + self.timeout
@@ -260,7 +279,7 @@ class RewardPool:
                         except subprocess.TimeoutExpired:
                             code = None
                         status, payload = "error", f"the worker process exited with code {code} (replaced)"
-                        self._replace(worker)
+                        self._replace(slot)
                     del busy[slot]
                     if status == "ok":
                         results[index] = payload
@@ -268,7 +287,7 @@ class RewardPool:
                         failures[index] = (payload.strip().splitlines() or ["failed"])[-1]
                         first_error = first_error or payload
                 elif time.time() - start >= self.timeout:
-                    self._replace(worker)
+                    self._replace(slot)
                     del busy[slot]
                     failures[index] = "timeout"
         return results, failures, first_error
@@ -305,7 +324,7 @@ class RewardPool:
                         scored.errors + scored.timeouts, len(picked), reason[0])  # fmt: skip
 
     def close(self) -> None:
-        for side in (self.tools, self.interactions):
+        for side in (self.tools, self.interactions, self.envs):
             if side is not None:
                 side.close()
         for proc, conn in self.workers:
@@ -332,17 +351,22 @@ def start_reward_pool(
     tool_config: str | None = None,
     tool_timeout: float = 10.0,
     interaction_config: str | None = None,
+    env: dict | None = None,
+    tokenizer=None,
 ) -> RewardPool:
     """The worker pool for --reward-fn (or the built-ins), checked before any model loads: a
     missing file fails with its name; the file is imported only in the workers (its code never
     runs in the trainer, and a hang or error at import is a UsageError, not a stuck run); a dry
     run scores rows of every data_source in dry_run_rows (prompt rows from common.data) with their
     ground truths. Pass no rows when a reward model scores instead. What the workers print goes
-    to log_path (see _WorkerOutput)."""
+    to log_path (see _WorkerOutput). env: start_env_pool's arguments, for an --env-config run, whose
+    rows (common.data.env_rows) it checks with the tokenizer instead of scoring."""
     if reward_fn and not Path(reward_fn.partition(":")[0]).expanduser().is_file():
         raise UsageError(f"--reward-fn {reward_fn}: file {reward_fn.partition(':')[0]!r} does not exist")
     pool = RewardPool(reward_fn, workers=workers, timeout=timeout, log_path=log_path)
-    if dry_run_rows:
+    if env is not None:
+        pool.envs = start_env_pool(**env, rows=dry_run_rows, tokenizer=tokenizer, log_path=log_path)
+    elif dry_run_rows:
         pool.dry_run(dry_run_rows)
     pool.tools, pool.interactions = start_agent_pools(tool_config, interaction_config, workers=workers,
                                                       timeout=tool_timeout, log_path=log_path)  # fmt: skip
@@ -366,3 +390,16 @@ def start_agent_pools(tool_config: str | None, interaction_config: str | None, *
         else None
     )
     return tools, interactions
+
+
+def start_env_pool(config: str, *, workers: int, timeout: float, max_traj_per_env: int, max_prompt_length: int,
+                   rows: list[dict], tokenizer, log_path=None) -> RewardPool:  # fmt: skip
+    """The environment workers of an --env-config run (common.envs.EnvHost, `workers` of them),
+    checked before any model loads on the rows to be played (common.envs.check_envs)."""
+    pool = RewardPool(f"{ENVS_PREFIX}{max_traj_per_env}:{config}", workers=workers, timeout=timeout, log_path=log_path)
+    try:
+        check_envs(pool, read_env_config(config), rows, tokenizer, max_prompt_length)
+    except BaseException:
+        pool.close()
+        raise
+    return pool

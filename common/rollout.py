@@ -13,10 +13,13 @@ from common.agent import AgentLoop
 from common.data import pack_sequences, step_rows
 from common.engines import Completion, HFEngine, Sampling, VLLMEngine
 from common.engines import hf_generate_greedy as hf_generate_greedy  # re-exported for older forks
-from common.parallel import Dist, gather_objects, shard_evenly
+from common.env_manager import EnvLoop
+from common.ops import group_normalize
+from common.parallel import Dist, gather_objects, shard_evenly, this_rank
 from common.remote import RemoteEngines
 from common.rewards import Scored
-from common.scoring import hit
+from common.scoring import hit, load_from_file
+from common.tracking import env_metrics
 
 
 def reward_task(row: dict, completion: Completion, text: str) -> tuple:
@@ -29,14 +32,21 @@ def reward_task(row: dict, completion: Completion, text: str) -> tuple:
 
 
 def start_engine(model, tokenizer, dist, version: int = 0, *, rollout_name: str = "hf", batch_size: int = 256,
-                 remote: dict | None = None, agent: dict | None = None, **vllm_kwargs):  # fmt: skip
+                 remote: dict | None = None, agent: dict | None = None, env: dict | None = None,
+                 **vllm_kwargs):  # fmt: skip
     """The rollout engine --rollout-name and --rollout-placement ask for, holding weights `version`
     (the step the run starts from): the HF engine on the live policy (the vLLM flags unused), a
     VLLMEngine loaded from model_path and synced with `model` at once, or (remote: the
     PlacementArgs) common.remote.RemoteEngines, HF or vLLM engines in Ray actors, synced at once. Call it
     after a resume has loaded the trainer's weights, or an engine with its own copy would start
     from the checkpoint's base model. With `agent` (common.config.AgentArgs.agent_kwargs) the
-    engine runs behind common.agent.AgentLoop."""
+    engine runs behind common.agent.AgentLoop; with `env` (common.config.EnvArgs.env_kwargs) behind
+    common.env_manager.EnvLoop, or the --env-manager class that subclasses it."""
+    if env is not None:
+        inner = start_engine(model, tokenizer, dist, version, rollout_name=rollout_name, batch_size=batch_size,
+                             remote=remote, **vllm_kwargs)  # fmt: skip
+        manager = load_from_file(env["manager"], "--env-manager", "", kind="class") if env["manager"] else EnvLoop
+        return manager(inner, tokenizer, **{k: v for k, v in env.items() if k != "manager"})
     if agent is not None:
         inner = start_engine(model, tokenizer, dist, version, rollout_name=rollout_name, batch_size=batch_size,
                              remote=remote, **vllm_kwargs)  # fmt: skip
@@ -101,6 +111,20 @@ def sample(engine, prompts: list[dict], sampling: Sampling) -> list[list[Complet
     return engine.generate([p["prompt_ids"] for p in prompts], sampling)
 
 
+def is_env_row(row: dict) -> bool:
+    return row.get("agent_name") == "env"
+
+
+def score(pool, rows: list[tuple], texts: list[str]) -> Scored:
+    """The reward pool's scores for [(prompt row, Completion)]; an environment's trajectory
+    (common.env_manager) scores its return, and counts as correct when it succeeded."""
+    if rows and is_env_row(rows[0][0]):
+        results = [c.extra_info["env"] for _, c in rows]
+        return Scored([e["return"] for e in results], [{"acc": float(e["success"])} for e in results],
+                      ok=[True] * len(rows))  # fmt: skip
+    return pool.score([reward_task(p, c, x) for (p, c), x in zip(rows, texts)])
+
+
 def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, reward_model=None) -> dict:
     """Steps 2-3 of every RL recipe for this rank's prompts (rows from common.data.load_prompts):
     sampling.n responses each, packed for the trainer (common.data.pack_sequences), then scored
@@ -124,7 +148,7 @@ def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, rewar
 
     t = time.time()
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    batch["scored"] = pool.score([reward_task(p, c, x) for (p, c), x in zip(rows, texts)])
+    batch["scored"] = score(pool, rows, texts)
     rewards = torch.tensor(batch["scored"].scores, dtype=torch.float32, device=device)
     if reward_model is not None:
         prompt_ids, messages = [p["prompt_ids"] for p, _ in rows], [p["messages"] for p, _ in rows]
@@ -135,6 +159,24 @@ def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, rewar
     batch["rewards"] = rewards
     batch["timing"]["perf/score_s"] = time.time() - t
     return batch
+
+
+def normalize_rewards(rewards, batch: dict, *, grouping: str = "state", method: str = "identity"):
+    """ROLL's reward_normalization (common.ops.group_normalize) of a step's rewards (B,), before the
+    recipe's advantages, grouped by `grouping`: state, the samples of one prompt or environment seed
+    (the GRPO group); inductive, the samples of one data_source (an environment's tag); batch, the
+    whole step over every rank. identity (the default) returns the rewards themselves. Collective
+    unless grouping is state or method identity."""
+    if method == "identity":
+        return rewards
+    if grouping == "state":  # a group never spans ranks
+        return group_normalize(rewards, batch["group_ids"].tolist(), method)
+    keys = ["batch"] * len(rewards) if grouping == "batch" else [p["data_source"] for p, _ in batch["rows"]]
+    parts = gather_objects((rewards.tolist(), keys))
+    every = group_normalize(torch.tensor([r for part, _ in parts for r in part]), [k for _, ks in parts for k in ks],
+                            method)  # fmt: skip
+    start = sum(len(part) for part, _ in parts[: this_rank()])
+    return every[start : start + len(rewards)].to(rewards.device)
 
 
 def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist, log_generations: int = 0) -> dict:
@@ -150,7 +192,7 @@ def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist
     agent = engine.agent_metrics() if hasattr(engine, "agent_metrics") else {}  # this rank's conversations
     pairs = [(row, c) for row, group in zip(local[:n_real], completions) for c in group]
     texts = tokenizer.batch_decode([c.token_ids for _, c in pairs], skip_special_tokens=True)
-    scored = pool.score([reward_task(r, c, t) for (r, c), t in zip(pairs, texts)])
+    scored = score(pool, pairs, texts)
     hits = [hit(s, e) for s, e in zip(scored.scores, scored.extras)]
     mine = list(zip([r["data_source"] for r, _ in pairs], scored.scores, hits))
     results = [x for part in gather_objects(mine) for x in part]
@@ -162,6 +204,7 @@ def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist
         "val/reward/timeouts": failures[1],
         "val/reward/nonfinite": failures[2],
         **{f"val/{k}": v for k, v in agent.items()},
+        **(env_metrics(pairs, "val/env") if local and is_env_row(local[0]) else {}),
     }
     for source in sorted({d for d, *_ in results}):
         hits_d = [h for d, _, h in results if d == source]

@@ -270,12 +270,32 @@ def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
     metrics["rollout/staleness_mean"] = sum(p[0] for p in parts) / max(1, sum(p[1] for p in parts))
     metrics["rollout/staleness_max"] = max(p[2] for p in parts)
     metrics.update(batch.get("engine_stats", {}))
+    if rows and (rows[0][1].extra_info or {}).get("env"):  # an --env-config run: every rank plays environments
+        metrics.update(env_metrics(rows))
     if old_logprobs is not None and old_logprobs is not batch["rollout_logprobs"]:  # bypass: nothing to compare
         metrics.update(logprob_diff_metrics(old_logprobs, batch["rollout_logprobs"], batch["response_mask"]))
     tokens = all_reduce_sum(batch["attention_mask"].sum().float()).item()
     metrics.update(batch["timing"])
     seconds = time.time() - batch["started"]  # the step so far: since its generation began
     metrics.update({"train/epoch": batch["epoch"], "perf/step_s": seconds, "perf/tokens_per_s": tokens / seconds})
+    return metrics
+
+
+def env_metrics(rows: list[tuple], prefix: str = "env") -> dict:
+    """Per tag, over the trajectories of every rank (common.env_manager): <prefix>/<tag>/success
+    (the share that succeeded), return and env_return (the environment's own rewards, without
+    penalties or discount), steps (environment steps), format_errors (replies whose action did not
+    parse) and invalid_actions (steps the environment called invalid), per trajectory; errors and
+    timeouts (trajectories whose environment failed), counts. Collective."""
+    mine = [c.extra_info["env"] for _, c in rows]
+    played = [e for part in gather_objects(mine) for e in part]
+    metrics = {}
+    for tag in sorted({e["tag"] for e in played}):
+        of = [e for e in played if e["tag"] == tag]
+        for key in ("success", "return", "env_return", "steps", "format_errors", "invalid_actions"):
+            metrics[f"{prefix}/{tag}/{key}"] = sum(float(e[key]) for e in of) / len(of)
+        for key in ("errors", "timeouts"):
+            metrics[f"{prefix}/{tag}/{key}"] = sum(e[key] for e in of)
     return metrics
 
 

@@ -65,7 +65,7 @@ from common.parallel import (
     unwrap,
 )
 from common.rewards import start_reward_pool
-from common.rollout import Rollout, regroup, start_engine
+from common.rollout import Rollout, normalize_rewards, regroup, start_engine
 from common.runlock import claim_run_dir
 from common.tracking import Tracker, describe_run, step_metrics
 
@@ -301,7 +301,7 @@ def main(args: Args) -> dict:
     train, stats, val = load_rl_data(args.train_files, args.val_files, tokenizer, **args.data_kwargs())
     total_steps = args.total_steps(len(train))
     checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps, flags=dataclasses.asdict(args))
-    pool = start_reward_pool(**args.reward_kwargs(run_dir), dry_run_rows=[] if args.reward_model else train + val)
+    pool = start_reward_pool(**args.reward_kwargs(run_dir, tokenizer, train + val))
     model, ref, reward_model, run_info = load_rl_models(args.model, dist, tokenizer, **args.model_kwargs())
     policy = args.trainable(model, total_steps)  # the policy with its AdamW and lr schedule
     state = resume(checkpoint, policy, dist=dist)
@@ -319,6 +319,7 @@ def main(args: Args) -> dict:
                                  args.overlong_penalty_factor)  # fmt: skip
         gen_batches += batch["dapo"]["dapo/gen_batches"]  # DAPO: the data position counts generation batches
         rewards, group_ids, mask = batch["rewards"], batch["group_ids"], batch["response_mask"].float()  # B, B, B x T
+        rewards = normalize_rewards(rewards, batch, **args.reward_normalization_kwargs())  # ROLL's; identity: off
         mask = mask * batch["spread"][:, None]  # DAPO: the filler groups stay out of the loss
 
         # 4. old / ref logprobs

@@ -22,6 +22,9 @@ Reported per data_source and over all rows:
     response_length_mean   in tokens (the file's response_ids), else response_chars_mean
     truncated_fraction     responses cut at the length limit (the file's finish_reasons)
     scoring_failures       responses whose scoring raised or timed out
+Trajectories played in environments (generate.py --env-config) score their own return, and count
+as correct when the game was won; per tag (data_source) come also steps_mean,
+format_errors_mean, invalid_actions_mean, env_errors and env_timeouts.
 Output: a table on the console; JSON at --output-json shaped {"all": {...}, "<data_source>":
 {...}}; with --output-scores, the input rows plus per-response scores and correctness.
 
@@ -132,6 +135,11 @@ def summarise(prompts: list[dict], n: int) -> dict:
     if reasons:
         out["truncated_fraction"] = reasons.count("length") / len(reasons)
     out["scoring_failures"] = sum(p["failed"] for p in prompts)
+    played = [e for p in prompts for e in p.get("env") or []]  # environment trajectories (common.env_manager)
+    for key in ("steps", "format_errors", "invalid_actions") if played else ():
+        out[f"{key}_mean"] = sum(e[key] for e in played) / len(played)
+    if played:
+        out["env_errors"], out["env_timeouts"] = sum(e["errors"] for e in played), sum(e["timeouts"] for e in played)
     return out
 
 
@@ -217,6 +225,30 @@ def read_added(column, n: int, file: str, i: int) -> list[dict | None]:
     return added
 
 
+def score_all(args: Args, parsed: list[dict], tasks: list[tuple], out_json: Path) -> tuple[list[Scored], bool]:
+    """Every response scored (a list of Scored, in order), and whether they are trajectories played in
+    environments (generate.py --env-config), which score their own return; else in the reward
+    pool, after its dry run, a chunk at a time for the progress bar."""
+    played = all(isinstance(x, dict) and "env" in x for *_, x in tasks)  # generate.py --env-config: scored as played
+    if played and args.reward_fn:
+        raise UsageError(f"--reward-fn: {args.data_path} holds trajectories played in environments, which score "
+                         f"their own return; drop the flag")  # fmt: skip
+    if played:
+        results = [x["env"] for *_, x in tasks]
+        parts = [Scored([e["return"] for e in results], [{"acc": float(e["success"])} for e in results],
+                        ok=[True] * len(results), preds=[None] * len(results))]  # fmt: skip
+    else:  # score every response, a chunk at a time for the progress bar
+        pool = start_reward_pool(args.reward_fn, workers=args.reward_workers, timeout=args.reward_timeout,
+                                 dry_run_rows=parsed, log_path=out_json.with_suffix(".reward_workers.log"))  # fmt: skip
+        parts, step = [], 1024
+        with tqdm(total=len(tasks), unit="response", desc="score") as bar:
+            for start in range(0, len(tasks), step):
+                parts.append(pool.score(tasks[start : start + step]))
+                bar.update(len(parts[-1].scores))
+        pool.close()
+    return parts, played
+
+
 # --- main ---------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     setup_logging(0)
@@ -224,19 +256,10 @@ def main(args: Args) -> dict:
     out_json = claim_output(args.json_path(), force_unlock=args.force_unlock, flag="--output-json")
     if args.output_scores:  # one live run per output file, this one too
         claim_output(args.output_scores, force_unlock=args.force_unlock, flag="--output-scores")
-    pool = start_reward_pool(args.reward_fn, workers=args.reward_workers, timeout=args.reward_timeout,
-                             dry_run_rows=parsed, log_path=out_json.with_suffix(".reward_workers.log"))  # fmt: skip
-
-    # Score every response, a chunk at a time for the progress bar.
     tasks = [
         (p["data_source"], r, p["ground_truth"], x) for p in parsed for r, x in zip(p["responses"], p["extra_infos"])
     ]
-    parts, step = [], 1024
-    with tqdm(total=len(tasks), unit="response", desc="score") as bar:
-        for start in range(0, len(tasks), step):
-            parts.append(pool.score(tasks[start : start + step]))
-            bar.update(len(parts[-1].scores))
-    pool.close()
+    parts, played = score_all(args, parsed, tasks, out_json)
     scored = Scored.merge(parts, [s for p in parts for s in p.scores], [e for p in parts for e in p.extras])
     ok = [o for p in parts for o in p.ok]
     preds = [x for p in parts for x in p.preds]
@@ -249,7 +272,7 @@ def main(args: Args) -> dict:
             p, scores=[scored.scores[j] for j in span],
             correct=[bool(hit(scored.scores[j], scored.extras[j])) for j in span],
             answers=[preds[j] if preds[j] is not None else extract_answer(p["data_source"], tasks[j][1]) for j in span],
-            failed=sum(not ok[j] for j in span),
+            failed=sum(not ok[j] for j in span), env=[tasks[j][3]["env"] for j in span] if played else None,
         ))  # fmt: skip
     results = {"all": summarise(prompts, n)}
     results["all"].update(errors=scored.errors, timeouts=scored.timeouts, nonfinite=scored.nonfinite)

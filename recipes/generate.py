@@ -9,6 +9,10 @@ Rows with agent_name tool_agent run through the agent loop (common.agent) with -
 tool results included. Then a fourth column, response_extra_info, holds n JSON strings of what
 the conversation adds to the row's extra_info for the reward (verl's num_turns and
 rollout_reward_scores; "null" for other rows), and recipes/evaluate.py scores with it.
+With --env-config there is no input file: it plays --env-val-seeds held-out seeds of every tag
+(the seeds training validates on), each row a tag (data_source), its env_seed and its prompt (the
+first observation), and response_extra_info holds each trajectory's return, success and counts
+(common.env_manager), which recipes/evaluate.py reports per tag.
 Prompts go through the model's chat template and --max-prompt-length exactly as in training
 (--truncation; rows dropped by --filter-overlong-prompts are counted and left out of the output).
 
@@ -28,6 +32,8 @@ Run:
     torchrun --nproc_per_node 2 recipes/generate.py --n-samples 8  # 2 processes, the same output
     python recipes/generate.py --model runs/grpo/checkpoints/step_80/hf --temperature 0 \
         --data-path ~/data/gsm8k/test.parquet --output-path ~/gen/gsm8k_step80.parquet --rollout-name vllm
+    python recipes/generate.py --model bundled/tiny-qwen2-games --env-config bundled/envs/games.yaml \
+        --max-response-length 384 --max-env-steps 8 --n-samples 4    # then evaluate.py on its output
 """
 
 import json
@@ -41,7 +47,7 @@ from typing import Literal
 import torch
 import tyro
 
-from common.config import BUNDLED, AgentArgs, EngineArgs, check_flags
+from common.config import BUNDLED, AgentArgs, EngineArgs, EnvPlayArgs, check_flags
 from common.errors import UsageError, usage_errors
 from common.parallel import barrier, init_distributed
 from common.runlock import claim_output
@@ -51,12 +57,13 @@ RECIPE = Path(__file__).stem
 OUTPUT_FLAGS = ("data_path", "prompt_key", "n_samples", "batch_size", "model", "tokenizer", "dtype", "do_sample",
                 "temperature", "top_p", "top_k", "max_prompt_length", "max_response_length", "truncation",
                 "filter_overlong_prompts", "seed", "rollout_name", "tool_config", "interaction_config",
-                "max_assistant_turns", "max_user_turns")  # fmt: skip
+                "max_assistant_turns", "max_user_turns", "env_config", "env_tags", "env_val_seeds", "max_env_steps",
+                "format_penalty", "env_manager", "env_gamma")  # fmt: skip
 
 
 # --- config ---------------------------------------------------------------------------------------
 @dataclass
-class Args(AgentArgs, EngineArgs):  # rollout_name, the vLLM engine's and the agent loop's flags are shared
+class Args(EnvPlayArgs, AgentArgs, EngineArgs):  # the engines', the agent loop's and the environments' flags
     data_path: str = str(BUNDLED / "addition" / "test.parquet")
     """input parquet in verl's format (a prompt column; other columns are copied to the output)"""
     prompt_key: str = "prompt"
@@ -111,7 +118,8 @@ class Args(AgentArgs, EngineArgs):  # rollout_name, the vLLM engine's and the ag
             raise UsageError(f"--output-path {out}: {blocking} is a file, so the folder cannot be created")
 
     def output(self) -> Path:
-        return Path(self.output_path or f"runs/generate/{Path(self.data_path).stem}_n{self.n_samples}.parquet")
+        name = Path(self.env_config or self.data_path).stem
+        return Path(self.output_path or f"runs/generate/{name}_n{self.n_samples}.parquet")
 
 
 # --- parts: one parquet per chunk, so a killed run resumes --------------------------------------------
@@ -146,8 +154,13 @@ def write_chunk(parts: Path, c: int, rows: list[dict], groups, tokenizer) -> Non
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    own = {}  # an environment's rows come from no file: they carry what they are
+    if rows and rows[0].get("agent_name") == "env":
+        own = {"data_source": [r["data_source"] for r in rows], "env_seed": [r["env_seed"] for r in rows],
+               "prompt": [r["messages"] for r in rows]}  # fmt: skip
     table = pa.table({
         "row": [r["row"] for r in rows],
+        **own,
         "responses": [tokenizer.batch_decode([x.token_ids for x in g], skip_special_tokens=True) for g in groups],
         "response_ids": [[x.token_ids for x in g] for g in groups],
         "finish_reasons": [[x.finish_reason for x in g] for g in groups],
@@ -158,16 +171,19 @@ def write_chunk(parts: Path, c: int, rows: list[dict], groups, tokenizer) -> Non
     os.replace(tmp, parts / f"chunk_{c:06d}.parquet")
 
 
-def merge_parts(parts: Path, n_chunks: int, data_path: str, out: Path) -> dict:
+def merge_parts(parts: Path, n_chunks: int, data_path: str | None, out: Path) -> dict:
     """Process 0: the input's rows that were generated for, in input order, with the new columns
     (response_extra_info only when a row went through the agent loop), written to `out` (through
-    a temporary name); the parts folder is removed after."""
+    a temporary name); the parts folder is removed after. data_path None: the rows played
+    environments and carry their own columns."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     done = pa.concat_tables([pq.read_table(parts / f"chunk_{c:06d}.parquet") for c in range(n_chunks)])
-    source = pq.read_table(Path(data_path).expanduser())
-    table = source.take(done.column("row"))
+    if data_path is None:
+        table = done.select(["data_source", "env_seed", "prompt"])
+    else:
+        table = pq.read_table(Path(data_path).expanduser()).take(done.column("row"))
     agent = any(x != "null" for group in done.column("response_extra_info").to_pylist() for x in group)
     for name in ("responses", "response_ids", "finish_reasons", "response_extra_info"):
         if name in table.column_names:  # an earlier generation's column: this run's replaces it (the input keeps it)
@@ -185,39 +201,56 @@ def merge_parts(parts: Path, n_chunks: int, data_path: str, out: Path) -> dict:
             "truncated": reasons.count("length") / max(len(reasons), 1)}  # fmt: skip
 
 
+def read_rows(args: Args, tokenizer) -> tuple[list[dict], str]:
+    """The rows to generate for, and a line saying what they are: the prompts of --data-path (checked
+    and templated as training does), or with --env-config every tag's held-out seeds, as training
+    validates on (common.data.env_rows)."""
+    from common.data import check_agent_rows, env_rows, load_prompts
+
+    if args.env_config:
+        tags = args.env_tag_list()
+        rows = env_rows(args.env_config, tags, [1] * len(tags), len(tags), args.env_val_seeds)[2]
+        return rows, f"env_config: {args.env_val_seeds} held-out seeds of each of {', '.join(tags)}"
+    rows, stats = load_prompts([args.data_path], tokenizer, prompt_key=args.prompt_key, what="data_path",
+                               max_prompt_length=args.max_prompt_length, truncation=args.truncation,
+                               filter_overlong_prompts=args.filter_overlong_prompts,
+                               tools=args.tool_schemas())  # fmt: skip
+    check_agent_rows(rows, args.tool_schemas(), args.interaction_names())
+    return rows, stats.summary("data_path")
+
+
 # --- main ---------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     from tqdm.auto import tqdm
 
-    from common.data import check_agent_rows, load_prompts
     from common.engines import Sampling
     from common.model import load_policy, load_tokenizer
-    from common.rewards import start_agent_pools
+    from common.rewards import start_agent_pools, start_env_pool
     from common.rollout import sample, start_engine
 
     dist = init_distributed()
     out = claim_output(args.output(), dist, args.force_unlock)  # one live run per output file
     parts = out.with_name(out.name + ".parts")
 
-    # Prompts (checked and templated as training does), the chunks already done, then the model.
+    # The rows (prompts, or environment seeds), the chunks already done, then the model.
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
-    rows, stats = load_prompts([args.data_path], tokenizer, prompt_key=args.prompt_key, what="data_path",
-                               max_prompt_length=args.max_prompt_length, truncation=args.truncation,
-                               filter_overlong_prompts=args.filter_overlong_prompts,
-                               tools=args.tool_schemas())  # fmt: skip
-    check_agent_rows(rows, args.tool_schemas(), args.interaction_names())
+    rows, described = read_rows(args, tokenizer)
     chunks = [rows[i : i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
-    done = open_parts(parts, {k: getattr(args, k) for k in OUTPUT_FLAGS}, len(chunks), dist)
+    flags = json.loads(json.dumps({k: getattr(args, k) for k in OUTPUT_FLAGS}))  # as flags.json holds them
+    done = open_parts(parts, flags, len(chunks), dist)
     todo = [c for c in range(dist.rank, len(chunks), dist.world_size) if c not in done]
     if dist.is_main:
-        print(stats.summary("data_path"))
+        print(described)
         if done:
             print(f"resuming: {len(done)} of {len(chunks)} chunks already in {parts}")
     model = None if args.rollout_name != "hf" else load_policy(  # vLLM loads the checkpoint itself
         args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code).to(dist.device)  # fmt: skip
     pools = start_agent_pools(args.tool_config, args.interaction_config, workers=2, timeout=args.tool_timeout)
-    agent = args.agent_kwargs(*pools, lockstep=False)  # each process generates its own chunks, as many as it has
-    engine = start_engine(model, tokenizer, dist, **args.engine_kwargs(args.batch_size), **agent)
+    if args.env_config:  # the environments' workers, checked on the rows to play
+        pools += (start_env_pool(**args.env_pool_kwargs(), rows=rows, tokenizer=tokenizer),)
+    # Each process generates its own chunks, as many as it has: no lockstep.
+    loop = args.env_kwargs(pools[-1], lockstep=False) or args.agent_kwargs(*pools[:2], lockstep=False)
+    engine = start_engine(model, tokenizer, dist, **args.engine_kwargs(args.batch_size), **loop)
     temperature = args.temperature if args.do_sample else 0.0  # 0 is greedy, however it was asked for
     sampling = Sampling(args.n_samples, temperature, args.top_p, args.top_k, args.max_response_length)
 
@@ -237,7 +270,7 @@ def main(args: Args) -> dict:
             pool.close()
     summary = {"prompts_per_s": mine * dist.world_size / max(time.time() - t0, 1e-9)}
     if dist.is_main:
-        summary.update(merge_parts(parts, len(chunks), args.data_path, out))
+        summary.update(merge_parts(parts, len(chunks), None if args.env_config else args.data_path, out))
         print(
             f"{summary['rows']} prompts x {args.n_samples} responses -> {out}; response length mean "
             f"{summary['length_mean']:.1f} tokens, {summary['truncated']:.1%} cut at --max-response-length"

@@ -63,7 +63,7 @@ from common.parallel import (
     unwrap,
 )
 from common.rewards import start_reward_pool
-from common.rollout import Rollout, start_engine
+from common.rollout import Rollout, normalize_rewards, start_engine
 from common.runlock import claim_run_dir
 from common.tracking import Tracker, describe_run, step_metrics
 
@@ -282,7 +282,7 @@ def main(args: Args) -> dict:
     train, stats, val = load_rl_data(args.train_files, args.val_files, tokenizer, **args.data_kwargs())
     total_steps = args.total_steps(len(train))
     checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps, flags=dataclasses.asdict(args))
-    pool = start_reward_pool(**args.reward_kwargs(run_dir), dry_run_rows=[] if args.reward_model else train + val)
+    pool = start_reward_pool(**args.reward_kwargs(run_dir, tokenizer, train + val))
     model, ref, reward_model, run_info = load_rl_models(args.model, dist, tokenizer, **args.model_kwargs())
     policy = args.trainable(model, total_steps)  # the policy with its AdamW and lr schedule
     state = resume(checkpoint, policy, dist=dist)
@@ -298,6 +298,7 @@ def main(args: Args) -> dict:
         # 1-3. sample prompts (this rank's share), generate rollout_n responses each, score them
         batch = rollout.step(step)
         rewards, group_ids, mask = batch["rewards"], batch["group_ids"], batch["response_mask"].float()  # B, B, B x T
+        rewards = normalize_rewards(rewards, batch, **args.reward_normalization_kwargs())  # ROLL's; identity: off
 
         # 4. old / ref logprobs
         old_logprobs, ref_logprobs = old_ref_logprobs(model, ref, batch, plan, args.old_logprobs_from, args.needs_ref)

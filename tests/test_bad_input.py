@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import RL_RECIPES, ROOT, TASK_TEST, TASK_TRAIN, load_recipe_refusing_models
+from conftest import BUNDLED, RL_RECIPES, ROOT, TASK_TEST, TASK_TRAIN, load_recipe_refusing_models
 
 from common.errors import UsageError
 from common.runlock import holder, process_start_of
@@ -68,6 +68,8 @@ def files(tmp_path_factory):
         (ckpt / "trainer_state.json").write_text(json.dumps(state) if state else '{"step": 3, "rec')
     return d
 
+
+GAMES = str(BUNDLED / "envs" / "games.yaml")
 
 # (case, Args keywords with {d} for the bad-files folder, words the message must contain)
 CASES = [
@@ -188,6 +190,55 @@ CASES = [
         "--max-num-seqs 64 would change nothing in this run: add --rollout-name vllm",
     ),
     ("tool turns without tools", dict(max_assistant_turns=3), "add --tool-config or --interaction-config"),
+    ("env config missing", dict(env_config="{d}/missing.yaml"), "--env-config {d}/missing.yaml: file does not exist"),
+    ("an env tag not in the config", dict(env_config=GAMES, env_tags=("Chess",)), "--env-tags Chess: not in"),
+    (
+        "env groups that miss the batch",
+        dict(env_config=GAMES, env_n_groups=(3, 3)),
+        "sums to 6, not --train-batch-size 16",
+    ),
+    (
+        "env groups, one per tag",
+        dict(env_config=GAMES, env_n_groups=(16,)),
+        "one number per tag (FrozenLake, SimpleSokoban)",
+    ),
+    (
+        "tags that do not split the batch",
+        dict(env_config=GAMES, train_batch_size=15),
+        "cannot be split evenly over the 2 tags",
+    ),
+    (
+        "an env knob without an env",
+        dict(format_penalty=-0.1),
+        "--format-penalty -0.1 would change nothing in this run: add --env-config",
+    ),
+    ("a positive format penalty", dict(env_config=GAMES, format_penalty=0.5), "--format-penalty 0.5: must be <= 0"),
+    (
+        "train files in an env run",
+        dict(env_config=GAMES, train_files=("{d}/train256.parquet",)),
+        "--train-files does nothing in an --env-config run",
+    ),
+    (
+        "a reward function in an env run",
+        dict(env_config=GAMES, reward_fn="{d}/no_fn.py"),
+        "--reward-fn does nothing in an --env-config run",
+    ),
+    ("an env's first prompt too long", dict(env_config=GAMES, max_prompt_length=16), "over --max-prompt-length 16"),
+    (
+        "env manager missing",
+        dict(env_config=GAMES, env_manager="{d}/nope.py:Loop"),
+        "--env-manager {d}/nope.py:Loop: expected",
+    ),
+    (
+        "sampling ahead of an env",
+        dict(env_config=GAMES, rollout_placement="remote", max_staleness=1),
+        "--max-staleness",  # (dapo refuses it for its own reason)
+    ),
+    (
+        "a normalisation grouping alone",
+        dict(reward_normalization_grouping="batch"),
+        "add --reward-normalization-method",
+    ),
 ]
 if not torch.cuda.is_available():  # what a CPU machine cannot do with vLLM
     CASES += [
@@ -268,7 +319,8 @@ def raises_before_any_model_loads(tmp_path, monkeypatch, files, recipe, table, c
     fill = lambda v: v.format(d=files) if isinstance(v, str) else v  # noqa: E731
     kwargs = {k: tuple(map(fill, v)) if isinstance(v, tuple) else fill(v) for k, v in kwargs.items()}
     kwargs.setdefault("output_dir", str(tmp_path / "run"))
-    kwargs.setdefault("train_files", (str(files / "train256.parquet"),))
+    if "env_config" not in kwargs:  # an environment run reads no files
+        kwargs.setdefault("train_files", (str(files / "train256.parquet"),))
     with pytest.raises(UsageError) as error:
         module.main(module.Args(**kwargs))
     assert words.format(d=files) in str(error.value)

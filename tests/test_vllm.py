@@ -188,6 +188,47 @@ def test_the_agent_loop_on_vllm_gives_the_hf_engines_conversations_and_masks(set
         assert torch.allclose(trainer[i, : len(g.token_ids)][sampled], torch.tensor(g.logprobs)[sampled], atol=1e-4)
 
 
+def test_the_environment_manager_on_vllm_plays_what_the_hf_engine_plays(setup, tokenizer):
+    """Held-out seeds of both bundled games through the environment manager, greedy, with the
+    games checkpoint synced into the module's engine: vLLM and the HF engine play the same
+    trajectories (the same tokens under the same mask, the same returns), and vLLM's logprobs of
+    the sampled tokens equal the trainer's on the whole conversation."""
+    from common.data import env_rows
+    from common.env_manager import EnvLoop
+    from common.envs import read_env_config
+    from common.rewards import ENVS_PREFIX, RewardPool
+
+    engine, _ = setup
+    games = str(ROOT / "bundled" / "envs" / "games.yaml")
+    model = load_policy(str(ROOT / "bundled" / "tiny-qwen2-games"))
+    use(engine, model, 5)
+    rows = env_rows(games, ["FrozenLake", "SimpleSokoban"], [1, 1], 2, 8)[2]  # 8 held-out seeds of each
+    copies = {"vllm": [dict(r) for r in rows], "hf": [dict(r) for r in rows]}  # each run sets its rows' prompts
+    hf = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu")
+    pool = RewardPool(f"{ENVS_PREFIX}-1:{games}", workers=2, timeout=10)
+    try:
+        got, want = (
+            EnvLoop(e, tokenizer, config=read_env_config(games), pool=pool, max_env_steps=3, format_penalty=0.0,
+                    gamma=1.0, max_response_length=192, lockstep=False).generate_rows(
+                copies[name], Sampling(n=1, temperature=0, max_tokens=192))
+            for name, e in (("vllm", engine), ("hf", hf))
+        )  # fmt: skip
+    finally:
+        pool.close()
+    got, want = [g for (g,) in got], [w for (w,) in want]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [g.mask for g in got] == [w.mask for w in want] and [g.extra_info for g in got] == [
+        w.extra_info for w in want
+    ]
+    assert sum(g.extra_info["env"]["success"] for g in got) >= 2, "the games checkpoint wins some"
+    assert sum(0 in g.mask for g in got) >= 8, "most trajectories see a second observation"
+    with torch.no_grad():
+        trainer = trainer_logprobs(model, [r["prompt_ids"] for r in copies["vllm"]], got, tokenizer, 1.0)
+    for i, g in enumerate(got):
+        sampled = torch.tensor(g.mask[: len(g.token_ids)], dtype=torch.bool)
+        assert torch.allclose(trainer[i, : len(g.token_ids)][sampled], torch.tensor(g.logprobs)[sampled], atol=1e-4)
+
+
 def test_generate_py_with_vllm_writes_what_the_hf_engine_writes(tmp_path):
     """recipes/generate.py --rollout-name vllm serves the checkpoint as vLLM loads it (no trainer
     copy to sync): greedy on the bundled test split, every response equals the HF engine's."""

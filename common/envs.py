@@ -1,0 +1,368 @@
+"""Environments for agentic RL (ROLL's env-manager pipeline) on Gymnasium's API: what --env-config
+declares, read and checked without running any of it; the adapter that makes a Gymnasium
+environment with discrete actions a text one; the action a model's reply names; and the host that
+an environment worker process runs (common.rewards' pool, common.env_manager's loop).
+
+A text environment is a `gymnasium.Env` whose observations and actions are strings:
+`reset(seed=s) -> (observation, info)` and `step(action) -> (observation, reward, terminated,
+truncated, info)`. Its reset must be deterministic in the seed: the members of a group start from
+one seed and must see the same first observation. --env-config names them by tag (YAML):
+
+    envs:
+      FrozenLake:                                    # the tag: its rows' data_source, its metrics' key
+        env: bundled/envs/frozen_lake.py:TextFrozenLake   # path/to/file.py:Class, or a Gymnasium id
+        kwargs: {size: 4}                            # constructor kwargs (gymnasium.make's for an id)
+        system_prompt: Reach G. Answer <answer>left|down|right|up</answer>.   # optional
+        action_pattern: <answer>(.*?)</answer>       # a regex whose first group is the action (this default)
+        actions: [left, down, right, up]             # the action names; with an id, of actions 0..n-1
+        render: path/to/file.py:function             # with an id: function(env, observation) -> text
+
+An id's environment (any registered one, e.g. FrozenLake-v1) is wrapped by TextAdapter: actions by
+name, observations as `render`'s text, else its ansi rendering, else str(observation). A reply
+whose action does not parse (no match of the pattern, or a name not in `actions`) does not step
+the environment: the turn gets --format-penalty and the model sees the observation again.
+"""
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.errors import UsageError
+from common.scoring import load_from_file
+
+DEFAULT_ACTION_PATTERN = r"<answer>(.*?)</answer>"  # ROLL's and RAGEN's answer tags
+ENTRY_KEYS = ("env", "kwargs", "system_prompt", "action_pattern", "actions", "render", "invalid_action_text")
+DEFAULT_INVALID_ACTION_TEXT = "Invalid action."
+
+
+@dataclass
+class EnvSpec:
+    """One tag of --env-config."""
+
+    tag: str
+    env: str  # "/abs/path/file.py:Class", or a Gymnasium id
+    kwargs: dict
+    system_prompt: str | None = None
+    action_pattern: str = DEFAULT_ACTION_PATTERN
+    actions: list[str] | None = None
+    render: str | None = None  # "/abs/path/file.py:function"
+    invalid_action_text: str = DEFAULT_INVALID_ACTION_TEXT
+
+    @property
+    def from_file(self) -> bool:
+        return _is_file_target(self.env)
+
+
+@dataclass
+class EnvConfig:
+    path: str
+    specs: dict[str, EnvSpec]
+
+    @property
+    def tags(self) -> list[str]:
+        return list(self.specs)
+
+
+def _is_file_target(target: str) -> bool:
+    return target.partition(":")[0].endswith(".py")
+
+
+def _resolve(target: str, base: Path, where: str, what: str) -> str:
+    source = Path(target.partition(":")[0]).expanduser()
+    source = source if source.is_absolute() else base / source
+    if not source.is_file():
+        raise UsageError(f"{where}: {what} file {target.partition(':')[0]!r} does not exist")
+    if not target.partition(":")[2]:
+        raise UsageError(f"{where}: {what} {target!r} needs the name after the colon: path/to/file.py:Name")
+    return f"{source}:{target.partition(':')[2]}"
+
+
+def read_env_config(path: str) -> EnvConfig:
+    """Read and check --env-config without importing any environment (the workers do)."""
+    import yaml
+
+    flag = f"--env-config {path}"
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UsageError(f"{flag}: file does not exist")
+    try:
+        config = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as e:
+        raise UsageError(f"{flag}: not valid YAML ({e})") from None
+    envs = config.get("envs") if isinstance(config, dict) else None
+    if not isinstance(envs, dict) or not envs:
+        raise UsageError(f"{flag}: expected a top-level `envs:` mapping of tag -> environment, with at least one")
+    if other := sorted(set(config) - {"envs"}):
+        raise UsageError(f"{flag}: unknown top-level key(s) {', '.join(map(str, other))}; only `envs:` is read")
+    specs = {}
+    for tag, entry in envs.items():
+        where = f"{flag}: envs.{tag}"
+        if not isinstance(tag, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", tag):
+            raise UsageError(
+                f"{flag}: tag {tag!r} must be a name of letters, digits, '_', '.' or '-' (it keys metrics)"
+            )
+        if not isinstance(entry, dict):
+            raise UsageError(f"{where}: expected a mapping with env: path/to/file.py:Class or a Gymnasium id")
+        if other := sorted(set(entry) - set(ENTRY_KEYS)):
+            raise UsageError(
+                f"{where}: unknown key(s) {', '.join(map(str, other))}; an entry has {', '.join(ENTRY_KEYS)}"
+            )
+        target = entry.get("env")
+        if not isinstance(target, str) or not target:
+            raise UsageError(f"{where}: needs env: path/to/file.py:Class or a registered Gymnasium id")
+        kwargs = entry.get("kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise UsageError(f"{where}: kwargs must be a mapping")
+        texts = {k: entry.get(k) for k in ("system_prompt", "action_pattern", "invalid_action_text")}
+        for key, value in texts.items():
+            if value is not None and not isinstance(value, str):
+                raise UsageError(f"{where}: {key} must be text")
+        pattern = texts["action_pattern"] or DEFAULT_ACTION_PATTERN
+        try:
+            groups = re.compile(pattern).groups
+        except re.error as e:
+            raise UsageError(f"{where}: action_pattern {pattern!r} is not a regular expression ({e})") from None
+        if groups < 1:
+            raise UsageError(f"{where}: action_pattern {pattern!r} needs a group around the action, e.g. <a>(.*?)</a>")
+        actions = entry.get("actions")
+        if actions is not None and (
+            not isinstance(actions, list) or not actions or not all(isinstance(a, str) and a for a in actions)
+        ):
+            raise UsageError(f"{where}: actions must be a list of action names")
+        if actions is not None and len({a.lower() for a in actions}) < len(actions):
+            raise UsageError(f"{where}: actions {actions} repeat a name (they are matched ignoring case)")
+        render = entry.get("render")
+        if _is_file_target(target):
+            target = _resolve(target, file.parent, where, "env")
+            if render is not None:
+                raise UsageError(f"{where}: render applies to a Gymnasium id; a text environment returns its own text")
+        else:
+            if not actions:
+                raise UsageError(
+                    f"{where}: a Gymnasium id ({target}) needs actions: [the names of its actions 0..n-1], which the "
+                    f"model answers with"
+                )
+            if render is not None:
+                if not isinstance(render, str) or ":" not in render:
+                    raise UsageError(f"{where}: render must be path/to/file.py:function")
+                render = _resolve(render, file.parent, where, "render")
+        specs[tag] = EnvSpec(tag, target, kwargs, texts["system_prompt"], pattern, actions, render,
+                             texts["invalid_action_text"] or DEFAULT_INVALID_ACTION_TEXT)  # fmt: skip
+    return EnvConfig(str(file), specs)
+
+
+def parse_action(text: str, spec: EnvSpec) -> str | None:
+    """The action a reply names: the first match of the tag's action_pattern (its first group,
+    stripped), as the tag's own spelling when it lists `actions` (matched ignoring case); None when
+    nothing parses."""
+    match = re.search(spec.action_pattern, text, re.DOTALL)
+    if match is None or match.group(1) is None:
+        return None
+    action = match.group(1).strip()
+    if spec.actions is None:
+        return action or None
+    return next((a for a in spec.actions if a.lower() == action.lower()), None)
+
+
+def first_messages(spec: EnvSpec, observation: str) -> list[dict]:
+    """A trajectory's prompt: the tag's system prompt, when it has one, then the first observation."""
+    system = [{"role": "system", "content": spec.system_prompt}] if spec.system_prompt else []
+    return system + [{"role": "user", "content": observation}]
+
+
+def check_envs(pool, config: EnvConfig, rows: list[dict], tokenizer, max_prompt_length: int) -> None:
+    """Before any model loads: every tag of `rows` (training and validation, from
+    common.data.env_rows) resets twice with its first seed of each split in the environment
+    workers, and must give the same text both times (a group shares its start); with listed
+    actions, one step with the first of them; the first prompt must fit --max-prompt-length.
+    Anything else is a UsageError naming the tag, the seed and what went wrong."""
+    from common.data import render_chat  # the trainer's (torch); a worker imports this module without it
+
+    picked = {}
+    for row in rows:
+        picked.setdefault((row["data_source"], row["extra_info"]["split"]), row)
+    tasks = []
+    for k, row in enumerate(picked.values()):
+        tag, seed = row["data_source"], row["env_seed"]
+        tasks += [("reset", f"check-{k}-a", tag, seed), ("reset", f"check-{k}-b", tag, seed)]
+    results, failures, _ = pool.run(tasks, slots=[0] * len(tasks))
+    steps = []
+    for k, row in enumerate(picked.values()):
+        tag, seed = row["data_source"], row["env_seed"]
+        where = f"--env-config {config.path}: envs.{tag}"
+        for i in (2 * k, 2 * k + 1):
+            if i in failures:
+                reason = "it did not answer within the --env-timeout" if failures[i] == "timeout" else failures[i]
+                raise UsageError(f"{where}: reset(seed={seed}) failed in its worker: {reason}")
+        (first, _), (second, _) = results[2 * k], results[2 * k + 1]
+        if first != second:
+            raise UsageError(
+                f"{where}: reset(seed={seed}) twice gave two observations ({first[:40]!r}, {second[:40]!r}); a group "
+                f"shares one seed, so reset must be deterministic in the seed"
+            )
+        prompt = render_chat(tokenizer, first_messages(config.specs[tag], first), add_generation_prompt=True)
+        if len(prompt) > max_prompt_length:
+            raise UsageError(
+                f"{where}: the first prompt (system prompt and the observation of seed {seed}) is {len(prompt)} "
+                f"tokens, over --max-prompt-length {max_prompt_length}; raise it"
+            )
+        if config.specs[tag].actions:
+            steps.append((where, config.specs[tag].actions[0], ("step", f"check-{k}-a", config.specs[tag].actions[0])))
+    results, failures, _ = pool.run([task for *_, task in steps], slots=[0] * len(steps))
+    for i, (where, action, _) in enumerate(steps):
+        if i in failures:
+            reason = "it did not answer within the --env-timeout" if failures[i] == "timeout" else failures[i]
+            raise UsageError(f"{where}: step({action!r}) after a reset failed in its worker: {reason}")
+    pool.run([("close", f"check-{k}-{x}") for k in range(len(picked)) for x in "ab"], slots=[0] * 2 * len(picked))
+
+
+# --- the environments, in a worker process ------------------------------------------------------------
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _text_adapter_class():
+    import gymnasium
+
+    class TextAdapter(gymnasium.Wrapper):
+        """A Gymnasium environment with a Discrete action space as a text one: the action is one
+        of `actions` by name (action i is the i-th name), the observation is render(env,
+        observation) when given, else the environment's ansi rendering (colour codes removed),
+        else str(observation)."""
+
+        def __init__(self, env, actions: list[str], render=None):
+            super().__init__(env)
+            if not isinstance(env.action_space, gymnasium.spaces.Discrete):
+                raise TypeError(f"its action space is {env.action_space}, not Discrete: write a text environment")
+            if env.action_space.n != len(actions):
+                raise TypeError(f"it has {env.action_space.n} actions, and actions: names {len(actions)}")
+            self.names, self.render_text = [a.lower() for a in actions], render
+
+        def text(self, observation) -> str:
+            if self.render_text is not None:
+                return self.render_text(self.env, observation)
+            if self.env.render_mode == "ansi":
+                return _ANSI.sub("", self.env.render())
+            return str(observation)
+
+        def reset(self, *, seed=None, options=None):
+            observation, info = self.env.reset(seed=seed, options=options)
+            return self.text(observation), info
+
+        def step(self, action: str):
+            observation, reward, terminated, truncated, info = self.env.step(self.names.index(action.lower()))
+            return self.text(observation), reward, terminated, truncated, info
+
+    return TextAdapter
+
+
+def make_env(spec: EnvSpec):
+    """A new environment of `spec` (in a worker: this imports the user's file or Gymnasium's id)."""
+    if spec.from_file:
+        return load_from_file(spec.env, "--env-config", "", kind="class")(**spec.kwargs)
+    import gymnasium
+
+    try:
+        env = gymnasium.make(spec.env, **spec.kwargs)
+    except gymnasium.error.Error as e:
+        raise UsageError(f"--env-config: envs.{spec.tag}: gymnasium.make({spec.env!r}) failed: {e}") from None
+    render = load_from_file(spec.render, "--env-config", "") if spec.render else None
+    return _text_adapter_class()(env, spec.actions, render)
+
+
+def _plain_info(info) -> dict:
+    """The JSON-like scalars of an info dict (numpy scalars as Python's): what leaves the worker."""
+    out = {}
+    for key, value in (info or {}).items():
+        if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+            value = value.item()
+        if isinstance(value, bool | int | float | str):
+            out[str(key)] = value
+    return out
+
+
+def _observation(spec: EnvSpec, value, where: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(
+            f"envs.{spec.tag}: {where} returned a {type(value).__name__} observation, not text; a text environment "
+            f"returns str (or give a Gymnasium id with actions: and render:)"
+        )
+    return value
+
+
+class EnvHost:
+    """What an environment worker runs: the live environments of the trajectories pinned to this
+    worker, by trajectory id. Environments are reused across trajectories (reset with the next
+    seed) up to max_traj_per_env times (-1: no limit), then closed and made anew. Every result
+    is plain data: text, floats, bools and info's scalars."""
+
+    LOST = "trajectory not in this worker"  # its worker was replaced since: rebuilt by replay
+
+    def __init__(self, config_path: str, max_traj_per_env: int = -1):
+        self.specs = read_env_config(config_path).specs
+        self.max_traj = max_traj_per_env
+        self.live: dict[str, tuple[str, object]] = {}  # trajectory id -> (tag, env)
+        self.idle: dict[str, list] = {}  # tag -> environments free for another trajectory
+        self.uses: dict[int, int] = {}  # id(env) -> trajectories started on it
+
+    def __call__(self, method: str, trajectory: str, *args):
+        if method == "reset":
+            return self.reset(trajectory, *args)
+        if method == "step":
+            return self.step(trajectory, *args)
+        if method == "replay":
+            return self.replay(trajectory, *args)
+        if method == "close":
+            return self.close(trajectory)
+        raise ValueError(f"unknown method {method!r}")
+
+    def _take(self, tag: str):
+        free = self.idle.get(tag) or []
+        env = free.pop() if free else make_env(self.specs[tag])
+        self.uses[id(env)] = self.uses.get(id(env), 0) + 1
+        return env
+
+    def reset(self, trajectory: str, tag: str, seed: int) -> tuple[str, dict]:
+        self.close(trajectory)
+        env = self._take(tag)
+        self.live[trajectory] = (tag, env)
+        observation, info = env.reset(seed=seed)
+        return _observation(self.specs[tag], observation, f"reset(seed={seed})"), _plain_info(info)
+
+    def step(self, trajectory: str, action: str) -> tuple[str, float, bool, bool, dict]:
+        if trajectory not in self.live:
+            raise LookupError(self.LOST)
+        tag, env = self.live[trajectory]
+        observation, reward, terminated, truncated, info = env.step(action)
+        reward = float(reward)
+        if not math.isfinite(reward):
+            raise ValueError(f"envs.{tag}: step({action!r}) returned the reward {reward}")
+        text = _observation(self.specs[tag], observation, f"step({action!r})")
+        return text, reward, bool(terminated), bool(truncated), _plain_info(info)
+
+    def replay(self, trajectory: str, tag: str, seed: int, actions: list[str]) -> tuple[list[str], tuple | None]:
+        """Rebuild a trajectory whose environment was lost with its worker: reset(seed), then its
+        actions again. Returns every observation along the way and the last step's result."""
+        observation, _ = self.reset(trajectory, tag, seed)
+        observations, last = [observation], None
+        for action in actions:
+            last = self.step(trajectory, action)
+            observations.append(last[0])
+        return observations, last
+
+    def close(self, trajectory: str) -> str:
+        tag, env = self.live.pop(trajectory, (None, None))
+        if env is None:
+            return ""
+        if self.max_traj < 0 or self.uses[id(env)] < self.max_traj:
+            self.idle.setdefault(tag, []).append(env)
+        else:
+            self.uses.pop(id(env), None)
+            env.close()
+        return ""
+
+
+def load_env_host(spec: str) -> EnvHost:
+    """In a worker process: the EnvHost of a pool spec "<max_traj_per_env>:<config path>"."""
+    max_traj, _, path = spec.partition(":")
+    return EnvHost(path, int(max_traj))
