@@ -203,8 +203,10 @@ class AgentLoop:
             count = reduce(len(active))
             if count == 0:
                 break
+            # Each conversation generates at most its own room left (a filler 1 token: it is dropped).
             more = Sampling(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                            max_tokens=reduce(max(budget, default=1)))  # fmt: skip
+                            max_tokens=reduce(max(budget, default=1)),
+                            budgets=tuple(budget) + (1,) * (count - len(active)))  # fmt: skip
             inputs = [c.row["prompt_ids"] + c.tokens for c in active]
             outs = self.engine.generate(inputs + [rows[0]["prompt_ids"]] * (count - len(inputs)), more)
             for conversation, left, (out,) in zip(active, budget, outs):

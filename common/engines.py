@@ -34,6 +34,10 @@ class Sampling:
     top_k: int = -1
     """-1 (or 0) disables top-k"""
     max_tokens: int = 16
+    budgets: tuple[int, ...] | None = None
+    """per prompt, the most tokens to generate (each <= max_tokens): a multi-turn loop's room left in
+    each conversation. vLLM stops each there; the HF engine generates a batch to max_tokens, and the
+    loop cuts each response to its budget (the same tokens: a step never depends on later ones)"""
 
     @property
     def greedy(self) -> bool:
@@ -316,18 +320,19 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         from vllm import SamplingParams
 
-        longest = max((len(p) for p in prompts), default=0)
-        if longest + sampling.max_tokens > self.max_model_len:  # vLLM would refuse it, or cut the response short
-            raise ValueError(
-                f"a prompt of {longest} tokens plus {sampling.max_tokens} to generate exceeds the vLLM engine's "
-                f"max_model_len {self.max_model_len} (--max-prompt-length + --max-response-length); prompts from "
-                f"common.data.load_rl_data are cut or refused at --max-prompt-length, as --truncation says"
-            )
-        params = SamplingParams(
+        budgets = sampling.budgets or [sampling.max_tokens] * len(prompts)
+        for prompt, budget in zip(prompts, budgets):
+            if len(prompt) + budget > self.max_model_len:  # vLLM would refuse it, or cut the response short
+                raise ValueError(
+                    f"a prompt of {len(prompt)} tokens plus {budget} to generate exceeds the vLLM engine's "
+                    f"max_model_len {self.max_model_len} (--max-prompt-length + --max-response-length); prompts from "
+                    f"common.data.load_rl_data are cut or refused at --max-prompt-length, as --truncation says"
+                )
+        params = [SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_tokens, logprobs=0,
+            top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=budget, logprobs=0,
             stop_token_ids=self.eos_ids, detokenize=False,
-        )  # fmt: skip
+        ) for budget in budgets]  # fmt: skip
         self.wake_up()
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         self.sleep()

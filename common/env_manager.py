@@ -146,8 +146,10 @@ class EnvLoop:
             if count == 0:
                 break
             budget = [self.max_length - len(t.tokens) for t in active]
+            # Each conversation generates at most its own room left (a filler 1 token: it is dropped).
             more = Sampling(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                            max_tokens=reduce(max(budget, default=1)))  # fmt: skip
+                            max_tokens=reduce(max(budget, default=1)),
+                            budgets=tuple(budget) + (1,) * (count - len(active)))  # fmt: skip
             filler = rows[0]["prompt_ids"] if rows else [self.eos_id]
             outs = self.engine.generate([t.row["prompt_ids"] + t.tokens for t in active]
                                         + [filler] * (count - len(active)), more)  # fmt: skip

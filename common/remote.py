@@ -25,6 +25,7 @@ policy, that generate while the trainer trains.
 """
 
 import atexit
+import dataclasses
 import datetime
 import logging
 import os
@@ -408,7 +409,10 @@ class RemoteEngines:
         for c, (a, b) in enumerate(request.chunks):
             if request.futures[c] is None and request.results[c] is None:
                 engine = self.actors[request.engines[c]]
-                request.futures[c] = engine.generate.remote(request.prompts[a:b], request.sampling, request.seed + c)
+                sampling = request.sampling  # a chunk takes its own prompts' budgets
+                if sampling.budgets is not None:
+                    sampling = dataclasses.replace(sampling, budgets=sampling.budgets[a:b])
+                request.futures[c] = engine.generate.remote(request.prompts[a:b], sampling, request.seed + c)
                 sent += 1
         return sent
 
@@ -450,9 +454,13 @@ class RemoteEngines:
         """Collective: each rank's prompts go to rank 0, which serves them all (a step's prefetched
         request when they are its prompts, else a new one) and sends each rank its completions."""
         t, request = time.time(), None
-        shares = gather_objects([list(p) for p in prompts])
-        if self.dist.is_main:
-            flat = [p for share in shares for p in share]
+        shares = gather_objects(([list(p) for p in prompts], sampling.budgets))
+        if self.dist.is_main:  # every rank's prompts, and their budgets when a multi-turn loop gives them
+            flat = [p for share, _ in shares for p in share]
+            if any(budgets is not None for _, budgets in shares):
+                budgets = [b for share, own in shares for b in (own or [sampling.max_tokens] * len(share))]
+                sampling = dataclasses.replace(sampling, budgets=tuple(budgets))
+            shares = [share for share, _ in shares]
             request = self.requests.get(self.weight_version)
             if request is not None and request.prompts == flat and request.sampling == sampling:
                 del self.requests[self.weight_version]

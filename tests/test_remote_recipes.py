@@ -57,6 +57,23 @@ def test_two_trainer_processes_share_the_remote_engines(tmp_path, ray_cluster, s
     assert len(steps) == 4 and [m["rollout/staleness_max"] for m in steps] == [0, 1, 1, 1]
 
 
+@pytest.mark.slow
+def test_grpo_plays_the_games_on_remote_engines(tmp_path, ray_cluster):
+    """The environment manager over the Ray engines: every turn of every trajectory is served by
+    them (synchronously: an environment's next prompt exists only once it has stepped), the weights
+    reach them after each step, and the games' metrics come out as with the HF engine."""
+    from test_envs import PLAY
+
+    run_recipe("grpo", *REMOTE, *PLAY, "--save-freq", "0", "--output-dir", tmp_path / "run", "--ray-address",
+               ray_cluster)  # fmt: skip
+    steps = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
+    assert [m["rollout/weight_version"] for m in steps] == [0, 1]
+    assert all(m["rollout/engine_restarts"] == 0 and m["rollout/staleness_max"] == 0 for m in steps)
+    assert all(f"env/{tag}/steps" in steps[-1] and f"val/env/{tag}/success" in steps[-1]
+               for tag in ("FrozenLake", "SimpleSokoban"))  # fmt: skip
+    assert steps[-1]["env/FrozenLake/steps"] + steps[-1]["env/SimpleSokoban/steps"] > 0
+
+
 def kill_an_engine_after(folder, steps: int, killed: list) -> None:
     """Once `steps` training steps are logged in folder, SIGKILL one rollout engine's process (a
     Ray actor of the shared Ray, found by the process title Ray gives it); its pid goes in killed."""
