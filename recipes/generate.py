@@ -33,7 +33,7 @@ Run:
     python recipes/generate.py --model runs/grpo/checkpoints/step_80/hf --temperature 0 \
         --data-path ~/data/gsm8k/test.parquet --output-path ~/gen/gsm8k_step80.parquet --rollout-name vllm
     python recipes/generate.py --model bundled/tiny-qwen2-games --env-config bundled/envs/games.yaml \
-        --max-response-length 384 --max-env-steps 8 --n-samples 4    # then evaluate.py on its output
+        --max-response-length 448 --max-env-steps 8 --n-samples 4    # then evaluate.py on its output
 """
 
 import json
