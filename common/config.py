@@ -577,7 +577,8 @@ class EnvPlayArgs:
         return {"env": dict(
             config=read_env_config(self.env_config), pool=getattr(pool, "envs", None) or pool,
             max_env_steps=self.max_env_steps, format_penalty=self.format_penalty, gamma=self.env_gamma,
-            max_response_length=self.max_response_length, manager=self.env_manager, lockstep=lockstep)}  # fmt: skip
+            max_response_length=self.max_response_length, max_prompt_length=self.max_prompt_length,
+            manager=self.env_manager, lockstep=lockstep)}  # fmt: skip
 
     def env_pool_kwargs(self) -> dict | None:
         """common.rewards.start_env_pool's keyword arguments (none without --env-config)."""

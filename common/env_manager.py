@@ -97,14 +97,17 @@ class EnvLoop:
     """The environment manager over an engine: generate_rows(rows, sampling) plays env rows;
     everything else (generate, update_weights, the lifecycle, weight_version) is the engine's.
 
-    pool: the environment workers (common.rewards.RewardPool over an EnvHost); lockstep: every rank
-    calls the engine equally often (needed when its generate is collective, as in training)."""
+    pool: the environment workers (common.rewards.RewardPool over an EnvHost); max_prompt_length: the
+    longest first prompt (system prompt and first observation) a trajectory may have (common.envs.check_envs
+    tries a seed per tag and split before the run; any other seed is held to it here); lockstep: every
+    rank calls the engine equally often (needed when its generate is collective, as in training)."""
 
     def __init__(self, engine, tokenizer, *, config: EnvConfig, pool, max_env_steps: int, format_penalty: float,
-                 gamma: float, max_response_length: int, lockstep: bool = True):  # fmt: skip
+                 gamma: float, max_response_length: int, max_prompt_length: int | None = None,
+                 lockstep: bool = True):  # fmt: skip
         self.engine, self.tokenizer, self.config, self.pool = engine, tokenizer, config, pool
         self.max_steps, self.penalty, self.gamma = max_env_steps, format_penalty, gamma
-        self.max_length, self.lockstep = max_response_length, lockstep
+        self.max_length, self.max_prompt, self.lockstep = max_response_length, max_prompt_length, lockstep
         self.eos_id = tokenizer.eos_token_id
         self.reported = set()  # failures already shown once
 
@@ -179,6 +182,11 @@ class EnvLoop:
                 )
             row["messages"] = self.first_messages(group[0].spec, started[0].observations[0])
         row["prompt_ids"] = render_chat(self.tokenizer, row["messages"], add_generation_prompt=True)
+        if self.max_prompt is not None and len(row["prompt_ids"]) > self.max_prompt:  # the checks tried other seeds
+            raise UsageError(
+                f"--env-config: envs.{row['data_source']}: the first prompt of seed {row['env_seed']} is "
+                f"{len(row['prompt_ids'])} tokens, over --max-prompt-length {self.max_prompt}; raise it"
+            )
         for t in group:
             t.messages = list(row["messages"])
 

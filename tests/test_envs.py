@@ -85,7 +85,8 @@ class Scripted:
 def manager(tokenizer, config, pool, script, **kw):
     return EnvLoop(Scripted(tokenizer, script), tokenizer, config=read_env_config(str(config)), pool=pool,
                    max_env_steps=kw.pop("steps", 8), format_penalty=kw.pop("penalty", -0.1),
-                   gamma=kw.pop("gamma", 1.0), max_response_length=kw.pop("length", 400), lockstep=False)  # fmt: skip
+                   gamma=kw.pop("gamma", 1.0), max_response_length=kw.pop("length", 400),
+                   max_prompt_length=kw.pop("prompt", 64), lockstep=False)  # fmt: skip
 
 
 def rows(config, tag, seeds):
@@ -205,6 +206,12 @@ def test_turn_and_length_limits_end_a_trajectory(tokenizer, counter_config):
         loop = manager(tokenizer, counter_config, pool, lambda obs, turn: "<answer>sit</answer>", length=60)
         (c,) = loop.generate_rows(rows(counter_config, "Counter", [1]), Sampling(n=1, max_tokens=400))[0]
         assert len(c.token_ids) <= 60 and c.finish_reason == "length"
+        loop = manager(tokenizer, counter_config, pool, lambda obs, turn: "<answer>go</answer>", prompt=30)
+        loop.generate_rows(rows(counter_config, "Counter", [7]), Sampling(n=1, max_tokens=400))  # 30 tokens: fits
+        with pytest.raises(
+            UsageError, match="the first prompt of seed 12345 is 34 tokens, over --max-prompt-length 30"
+        ):
+            loop.generate_rows(rows(counter_config, "Counter", [12345]), Sampling(n=1, max_tokens=400))
     finally:
         pool.close()
 
