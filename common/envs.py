@@ -30,6 +30,7 @@ from pathlib import Path
 
 from common.errors import UsageError
 from common.scoring import load_from_file
+from common.tools import read_yaml_section
 
 DEFAULT_ACTION_PATTERN = r"<answer>(.*?)</answer>"  # ROLL's and RAGEN's answer tags
 ENTRY_KEYS = ("env", "kwargs", "system_prompt", "action_pattern", "actions", "render", "invalid_action_text")
@@ -80,21 +81,10 @@ def _resolve(target: str, base: Path, where: str, what: str) -> str:
 
 def read_env_config(path: str) -> EnvConfig:
     """Read and check --env-config without importing any environment (the workers do)."""
-    import yaml
-
     flag = f"--env-config {path}"
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise UsageError(f"{flag}: file does not exist")
-    try:
-        config = yaml.safe_load(file.read_text())
-    except yaml.YAMLError as e:
-        raise UsageError(f"{flag}: not valid YAML ({e})") from None
-    envs = config.get("envs") if isinstance(config, dict) else None
-    if not isinstance(envs, dict) or not envs:
-        raise UsageError(f"{flag}: expected a top-level `envs:` mapping of tag -> environment, with at least one")
-    if other := sorted(set(config) - {"envs"}):
-        raise UsageError(f"{flag}: unknown top-level key(s) {', '.join(map(str, other))}; only `envs:` is read")
+    file, envs = read_yaml_section(
+        path, "--env-config", "envs", dict, "mapping of tag -> environment, with at least one"
+    )
     specs = {}
     for tag, entry in envs.items():
         where = f"{flag}: envs.{tag}"

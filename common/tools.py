@@ -65,8 +65,9 @@ class ToolConfig:
         return list(self.functions)
 
 
-def _yaml_list(path: str, flag: str, key: str, what: str) -> tuple[Path, list]:
-    """The config file and its top-level `key:` list (non-empty), read without running anything."""
+def read_yaml_section(path: str, flag: str, key: str, kind: type, expected: str) -> tuple[Path, list | dict]:
+    """The config file and its top-level `key:` (a non-empty `kind`, list or dict), read without
+    running anything; any other top-level key is refused. `expected` says what `key:` should hold."""
     import yaml
 
     file = Path(path).expanduser()
@@ -77,10 +78,10 @@ def _yaml_list(path: str, flag: str, key: str, what: str) -> tuple[Path, list]:
     except yaml.YAMLError as e:
         raise UsageError(f"{flag} {path}: not valid YAML ({e})") from None
     items = config.get(key) if isinstance(config, dict) else None
-    if not isinstance(items, list) or not items:
-        raise UsageError(f"{flag} {path}: expected a top-level `{key}:` list with at least one {what}")
-    if other := sorted(set(config) - {key}):
-        raise UsageError(f"{flag} {path}: unknown top-level key(s) {', '.join(other)}; only `{key}:` is read")
+    if not isinstance(items, kind) or not items:
+        raise UsageError(f"{flag} {path}: expected a top-level `{key}:` {expected}")
+    if other := sorted(set(config) - {key}, key=str):
+        raise UsageError(f"{flag} {path}: unknown top-level key(s) {', '.join(map(str, other))}; only `{key}:` is read")
     return file, items
 
 
@@ -92,7 +93,7 @@ def _only_keys(item, allowed: tuple[str, ...], where: str) -> None:
 
 def read_tool_config(path: str) -> ToolConfig:
     """Read and check --tool-config without running any of its code."""
-    file, tools = _yaml_list(path, "--tool-config", "tools", "tool")
+    file, tools = read_yaml_section(path, "--tool-config", "tools", list, "list with at least one tool")
     schemas, functions = [], {}
     for i, tool in enumerate(tools):
         where = f"--tool-config {path}: tools[{i}]"
@@ -151,7 +152,7 @@ def read_interaction_config(path: str) -> InteractionConfig:
         class_name: grader.py:RetryGrader      # path/to/file.py:Class, or verl's package.module.Class
         config: {}                             # passed to the class, with its name added
     """
-    file, items = _yaml_list(path, "--interaction-config", "interaction", "entry")
+    file, items = read_yaml_section(path, "--interaction-config", "interaction", list, "list with at least one entry")
     classes = {}
     for i, item in enumerate(items):
         where = f"--interaction-config {path}: interaction[{i}]"
