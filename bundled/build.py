@@ -206,23 +206,25 @@ def play(env, seed: int, actions: list[str]) -> list[dict]:
 
 def build_games(out: Path) -> None:
     """SFT conversations for the bundled games, played by shortest-path players: FrozenLake
-    (breadth-first over the lake) and Sokoban (breadth-first over the player's and box's cells)."""
+    (breadth-first over the lake) and Sokoban (breadth-first over the player's and box's cells),
+    the latter twice: as games.yaml draws the room, and with sokoban.yaml's describe line."""
     lake = _load_env(out / "frozen_lake.py", "TextFrozenLake")(size=4, p=0.8, is_slippery=False)
-    sokoban = _load_env(out / "sokoban.py", "SimpleSokoban")()
+    sokoban = _load_env(out / "sokoban.py", "SimpleSokoban")
     solve = _load_env(out / "sokoban.py", "solve")
     for name, tag, env, plan in [
-        ("frozen_lake", "FrozenLake", lake, lambda: lake_plan(lake.desc, 0, ("down", "right", "left", "up"))),
+        ("frozen_lake", "FrozenLake", lake, lambda env: lake_plan(env.desc, 0, ("down", "right", "left", "up"))),
+        ("sokoban", "SimpleSokoban", sokoban(), lambda env: solve(env.walls, env.target, env.box, env.player)),
         (
-            "sokoban",
+            "sokoban_described",
             "SimpleSokoban",
-            sokoban,
-            lambda: solve(sokoban.walls, sokoban.target, sokoban.box, sokoban.player),
+            sokoban(describe=True),
+            lambda env: solve(env.walls, env.target, env.box, env.player),
         ),
     ]:
         records = []
         for seed in GAME_SFT_SEEDS:
             env.reset(seed=seed)
-            records.append({"data_source": tag, "messages": play(env, seed, plan()), "extra_info": {"seed": seed}})
+            records.append({"data_source": tag, "messages": play(env, seed, plan(env)), "extra_info": {"seed": seed}})
         pq.write_table(pa.Table.from_pylist(records), out / f"{name}_sft.parquet")
 
 

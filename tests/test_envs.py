@@ -145,6 +145,61 @@ def play_lake(seed, actions):
     return observations
 
 
+def sokoban():
+    sys.path.insert(0, str(BUNDLED / "envs"))
+    try:
+        import sokoban
+    finally:
+        sys.path.pop(0)
+    return sokoban
+
+
+def test_sokoban_rooms_solve_in_their_range_and_describe_says_what_the_grid_shows():
+    """Every room of seeds 0..99 is solved by its shortest solution in 2 to 6 moves, each move of it
+    changes the room, and the describe line names where the grid draws the box and the target,
+    seen from the player, turn after turn."""
+    game = sokoban()
+    for seed in range(100):
+        env = game.SimpleSokoban(describe=True)
+        observation, _ = env.reset(seed=seed)
+        plan = game.solve(env.walls, env.target, env.box, env.player)
+        assert 2 <= len(plan) <= 6
+        for k, action in enumerate(plan):
+            *grid, line = observation.split("\n")
+            cells = {ch: (r, c) for r, row in enumerate(grid) for c, ch in enumerate(row) if ch not in "#_"}
+            player = cells.get("P", cells.get("S"))
+            box, target = cells.get("X"), cells.get("O", cells.get("S"))
+            words = []
+            for name, (r, c) in (("box", box), ("target", target)):
+                dr, dc = r - player[0], c - player[1]
+                parts = ([f"{abs(dr)} {'down' if dr > 0 else 'up'}"] if dr else []) + (
+                    [f"{abs(dc)} {'right' if dc > 0 else 'left'}"] if dc else []
+                )
+                words.append(f"{name}: {' '.join(parts) or 'here'}")
+            assert line == "; ".join(words), (seed, observation)
+            before = observation
+            observation, reward, terminated, _, info = env.step(action)
+            assert observation != before
+            assert terminated == (k == len(plan) - 1) and reward == float(terminated)
+        assert info == {"success": True}
+
+
+def test_sokoban_end_on_noop_ends_a_game_on_a_move_that_changes_nothing():
+    game = sokoban()
+    for end_on_noop in (False, True):
+        env = game.SimpleSokoban(end_on_noop=end_on_noop)
+        observation, _ = env.reset(seed=0)
+        # walk up until the wall (or the box) stops the player
+        for _ in range(6):
+            before = (env.player, env.box)
+            after, reward, terminated, truncated, info = env.step("up")
+            if (env.player, env.box) == before:
+                break
+            assert not terminated or info.get("success")
+        assert after == env.render_text() and reward == 0.0 and not truncated
+        assert (terminated, info) == ((True, {"success": False}) if end_on_noop else (False, {}))
+
+
 def test_a_scripted_player_gives_the_exact_trajectory_mask_and_return(tokenizer):
     """Seed 0's lake solved by the shortest path, twice (a group of 2): every member starts from the
     seed's lake, the conversation is exactly the template's rendering of the observations and

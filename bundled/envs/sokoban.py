@@ -8,6 +8,15 @@ _ floor, O target, X box, * box on the target, P player, S player on the target.
 up, down, left and right: the player walks, or pushes the box when it stands in the way and the
 cell behind it is free; a move into a wall changes nothing. Solving gives reward 1 and ends the
 game (info["success"] True).
+
+With end_on_noop, a move that changes nothing (into a wall, or pushing the box into one) ends the
+game as lost. A tiny policy that loses tends to repeat one such move until its budget runs out;
+ending there keeps a lost game short, so its few tokens, not a long tail of repeats, carry the
+push-down. A shortest solution never makes such a move, so the SFT games are the same either way.
+
+With describe, each observation ends with a line saying where the box and the target stand from
+the player ("box: 1 up 2 right; target: 2 up"), so that a model too small to find two letters in a
+grid of bytes can still read the room from a few tokens.
 """
 
 import random
@@ -98,9 +107,19 @@ def step_state(walls: set, player: tuple, box: tuple, action: str) -> tuple:
 
 
 class SimpleSokoban(gymnasium.Env):
-    def __init__(self, size: int = 6, min_pulls: int = 1, max_pulls: int = 3, min_moves: int = 2, max_moves: int = 6):
+    def __init__(
+        self,
+        size: int = 6,
+        min_pulls: int = 1,
+        max_pulls: int = 3,
+        min_moves: int = 2,
+        max_moves: int = 6,
+        end_on_noop: bool = False,
+        describe: bool = False,
+    ):
         self.size, self.pulls, self.moves = size, (min_pulls, max_pulls), (min_moves, max_moves)
-        self.observation_space = gymnasium.spaces.Text(max_length=size * (size + 1))
+        self.end_on_noop, self.describe = end_on_noop, describe
+        self.observation_space = gymnasium.spaces.Text(max_length=size * (size + 1) + 64)
         self.action_space = gymnasium.spaces.Text(max_length=5)
 
     def render_text(self) -> str:
@@ -118,7 +137,15 @@ class SimpleSokoban(gymnasium.Env):
                 else:
                     row.append("O" if cell == self.target else "_")
             lines.append("".join(row))
+        if self.describe:
+            lines.append(f"box: {self._offset(self.box)}; target: {self._offset(self.target)}")
         return "\n".join(lines)
+
+    def _offset(self, cell: tuple) -> str:
+        dr, dc = cell[0] - self.player[0], cell[1] - self.player[1]
+        parts = [f"{abs(dr)} {'down' if dr > 0 else 'up'}"] if dr else []
+        parts += [f"{abs(dc)} {'right' if dc > 0 else 'left'}"] if dc else []
+        return " ".join(parts) or "here"
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
@@ -128,6 +155,9 @@ class SimpleSokoban(gymnasium.Env):
     def step(self, action: str):
         if action not in ACTIONS:
             return self.render_text(), 0.0, False, False, {"action_is_valid": False}
+        before = (self.player, self.box)
         self.player, self.box = step_state(self.walls, self.player, self.box, action)
+        if self.end_on_noop and (self.player, self.box) == before:
+            return self.render_text(), 0.0, True, False, {"success": False}
         solved = self.box == self.target
         return self.render_text(), float(solved), solved, False, {"success": True} if solved else {}
