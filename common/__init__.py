@@ -10,6 +10,7 @@ imports a recipe.
 
 LAYERS = (
     "errors",  # UsageError, RunStopped and usage_errors: what every layer raises and how recipes report it
+    "verl",  # verl's key=value overrides translated into our flags: the one table of verl's keys
     "optim",  # AdamW and the lr schedules
     "parallel",  # the process group, DDP / FSDP2 wrapping, collectives, the stop signal, logging setup
     "runlock",  # one live run per run folder (and per generate / evaluate output): the lock and its holder

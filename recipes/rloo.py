@@ -67,6 +67,7 @@ from common.rewards import start_reward_pool
 from common.rollout import Rollout, normalize_rewards, start_engine
 from common.runlock import claim_run_dir
 from common.tracking import Tracker, describe_run, step_metrics
+from common.verl import verl_args
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
 PLOTS = ("val/accuracy", "reward/mean", "response/length_mean", "policy/*", "train/grad_norm")  # panels of curves.png
@@ -322,4 +323,4 @@ def main(args: Args) -> dict:
 
 if __name__ == "__main__":
     with usage_errors():  # a bad flag, path or file: one line naming it, exit status 2
-        main(tyro.cli(Args))
+        main(tyro.cli(Args, args=verl_args(Args, "rloo")))  # verl's key=value arguments work too

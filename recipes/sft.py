@@ -46,6 +46,7 @@ from common.parallel import (
 from common.runlock import claim_run_dir
 from common.scoring import builtin_scorer, exact_match
 from common.tracking import Tracker, describe_run
+from common.verl import verl_args
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
 PLOTS = ("val/accuracy", "val/loss", "train/loss", "train/lr")  # panels of curves.png
@@ -239,4 +240,4 @@ def main(args: Args) -> dict:
 
 if __name__ == "__main__":
     with usage_errors():  # a bad flag, path or file: one line naming it, exit status 2
-        main(tyro.cli(Args))
+        main(tyro.cli(Args, args=verl_args(Args)))  # verl's key=value arguments work too

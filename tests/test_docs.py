@@ -29,6 +29,8 @@ import pytest
 import tyro
 from conftest import RL_RECIPES, ROOT
 
+from common.verl import OVERRIDE, Refused, is_override, lookup
+
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
 PLACEHOLDER = re.compile(r"\.\.\.|[A-Z][A-Z0-9_]*|<[^>]*>|\$\S*|~\S*")  # N, PATH, <pid>, $VAR, ~/data/...
@@ -244,6 +246,11 @@ def check_flags(script: str, words: list[str]) -> list[str]:
         i += 1
         if word == "--":
             break
+        if not word.startswith("--") and script.startswith("recipes/") and is_override(word):
+            entry = lookup(OVERRIDE.match(word).group(1))
+            if entry is None or isinstance(entry, Refused):
+                problems.append(f"{word!r}: a verl key the recipes refuse")
+            continue
         if not word.startswith("--"):
             if word != "..." and not PLACEHOLDER.fullmatch(word):
                 problems.append(f"{word!r} is not a flag and follows no flag that takes it")

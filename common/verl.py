@@ -1,0 +1,489 @@
+"""verl's command-line overrides, translated into this library's flags.
+
+A verl user's script says `python3 -m verl.trainer.main_ppo data.train_batch_size=64
+actor_rollout_ref.actor.optim.lr=1e-6 ...`; here the same arguments follow `python recipes/grpo.py`.
+VERL_KEYS is the one table of what each verl key becomes (docs/configuration.md's "Coming from
+verl" table is checked against it):
+- Flag: one of our flags, the value carried over (a Hydra list `[a,b]` becomes several values, a
+  boolean `--x` / `--no-x`);
+- NoOp: a key with nothing to do here (Ray's resources, a memory-only micro-batch); they are said
+  once, in one line, so the user knows they were read;
+- Fixed: a key whose verl value must be what this library always does; another value is refused;
+- Refused: a verl feature not built here, refused whatever its value.
+A key not in the table is refused too. Nothing a user wrote is silently dropped, and every refusal
+is a UsageError before anything loads. Our own flags win over a verl key that sets the same flag,
+and the clash is said.
+"""
+
+import dataclasses
+import os
+import re
+import shlex
+import sys
+import typing
+from dataclasses import dataclass
+
+from common.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Flag:
+    flag: str  # our field name (the flag is --field-name)
+
+
+@dataclass(frozen=True)
+class NoOp:
+    why: str
+
+
+@dataclass(frozen=True)
+class Fixed:
+    value: object  # the only value accepted
+    why: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    why: str
+
+
+LAUNCHER = "processes and GPUs come from the launcher here (accelerate / torchrun / launch/)"
+MICRO = "a memory-only micro-batch; --micro-batch-size-per-gpu sets every forward's here"
+OFFLOAD = "CPU offload is not built: the run is the same, in the GPU memory offload would save"
+SP = "sequence parallelism is not built"
+WRAP = "FSDP2 wraps each decoder layer"
+CKPT = "a checkpoint holds the model, the optimizer and the rest of the state, with hf/ beside it"
+ENGINE_KWARGS = "engine keyword arguments are not passed through; the vLLM knobs here are the rollout.* keys"
+ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
+
+# verl's trainer config keys (ppo_trainer.yaml for the RL recipes, sft_trainer.yaml for sft.py),
+# dotted from the root.
+ACTOR, ROLLOUT = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
+VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
+    # data
+    "data.train_files": Flag("train_files"),
+    "data.val_files": Flag("val_files"),
+    "data.prompt_key": Flag("prompt_key"),
+    "data.response_key": Flag("response_key"),
+    "data.multiturn.messages_key": Flag("messages_key"),
+    "data.multiturn.tools_key": Flag("tools_key"),
+    "data.multiturn.enable": NoOp("sft.py reads --messages-key when the rows have it"),
+    "data.max_length": Flag("max_length"),
+    "data.max_prompt_length": Flag("max_prompt_length"),
+    "data.max_response_length": Flag("max_response_length"),
+    "data.truncation": Flag("truncation"),
+    "data.filter_overlong_prompts": Flag("filter_overlong_prompts"),
+    "data.train_batch_size": Flag("train_batch_size"),
+    "data.val_batch_size": Flag("val_batch_size"),
+    "data.micro_batch_size_per_gpu": Flag("micro_batch_size_per_gpu"),
+    "data.shuffle": Flag("shuffle"),
+    "data.tokenizer": Flag("tokenizer"),
+    "data.return_raw_chat": NoOp("the engines here take token ids; the chat is rendered once"),
+    "data.return_raw_input_ids": NoOp("the engines here take token ids; the chat is rendered once"),
+    "data.reward_fn_key": Fixed("data_source", "rewards are chosen by the data_source column"),
+    "data.image_key": Refused("multimodal rows are not read here"),
+    "data.custom_cls.path": Refused("a dataset class named by path would run code from the config"),
+    # the policy
+    "actor_rollout_ref.model.path": Flag("model"),
+    "model.partial_pretrain": Flag("model"),
+    "actor_rollout_ref.model.enable_gradient_checkpointing": Flag("gradient_checkpointing"),
+    "model.enable_gradient_checkpointing": Flag("gradient_checkpointing"),
+    "actor_rollout_ref.model.trust_remote_code": Flag("trust_remote_code"),
+    "model.trust_remote_code": Flag("trust_remote_code"),
+    "actor_rollout_ref.model.lora_rank": Flag("lora_rank"),
+    "model.lora_rank": Flag("lora_rank"),
+    "actor_rollout_ref.model.lora_alpha": Flag("lora_alpha"),
+    "model.lora_alpha": Flag("lora_alpha"),
+    "actor_rollout_ref.model.target_modules": Flag("target_modules"),
+    "model.target_modules": Flag("target_modules"),
+    "actor_rollout_ref.model.use_remove_padding": NoOp("padding never enters the loss here"),
+    "model.use_liger": Fixed(False, "Liger kernels are not built"),
+    "actor_rollout_ref.model.use_liger": Fixed(False, "Liger kernels are not built"),
+    "actor_rollout_ref.model.external_lib": Refused("importing a module named in the config would run its code"),
+    "model.external_lib": Refused("importing a module named in the config would run its code"),
+    "actor_rollout_ref.model.override_config": Refused("a model config override is not built; edit config.json"),
+    "actor_rollout_ref.hybrid_engine": Fixed(
+        True, "the engine shares the trainer's processes unless --rollout-placement remote"
+    ),
+    # the actor's update
+    ACTOR + "strategy": NoOp("one process group: --strategy auto picks DDP or FSDP2 from the launch"),
+    ACTOR + "optim.lr": Flag("lr"),
+    "optim.lr": Flag("lr"),
+    ACTOR + "optim.weight_decay": Flag("weight_decay"),
+    "optim.weight_decay": Flag("weight_decay"),
+    ACTOR + "optim.betas": Flag("betas"),
+    "optim.betas": Flag("betas"),
+    ACTOR + "optim.lr_warmup_steps_ratio": Flag("lr_warmup_steps_ratio"),
+    "optim.warmup_steps_ratio": Flag("lr_warmup_steps_ratio"),
+    "optim.lr_warmup_steps_ratio": Flag("lr_warmup_steps_ratio"),
+    ACTOR + "optim.lr_warmup_steps": Fixed(-1, "warm-up is a ratio here: --lr-warmup-steps-ratio"),
+    ACTOR + "optim.warmup_style": Flag("lr_scheduler"),
+    ACTOR + "optim.lr_scheduler_type": Flag("lr_scheduler"),
+    "optim.lr_scheduler": Flag("lr_scheduler"),
+    "optim.warmup_style": Flag("lr_scheduler"),
+    ACTOR + "optim.min_lr_ratio": Flag("min_lr_ratio"),
+    "optim.min_lr_ratio": Flag("min_lr_ratio"),
+    ACTOR + "optim.total_training_steps": NoOp("verl fills it in from the run's length"),
+    ACTOR + "grad_clip": Flag("grad_clip"),
+    "optim.clip_grad": Flag("grad_clip"),
+    ACTOR + "ppo_mini_batch_size": Flag("ppo_mini_batch_size"),
+    ACTOR + "ppo_micro_batch_size_per_gpu": Flag("micro_batch_size_per_gpu"),
+    ACTOR + "ppo_micro_batch_size": Refused(
+        "verl's global micro-batch is deprecated; give ppo_micro_batch_size_per_gpu"
+    ),
+    ACTOR + "use_dynamic_bsz": Flag("use_dynamic_bsz"),
+    ACTOR + "ppo_max_token_len_per_gpu": Flag("ppo_max_token_len_per_gpu"),
+    ACTOR + "ppo_epochs": Flag("ppo_epochs"),
+    ACTOR + "shuffle": NoOp("mini-batches are taken in a seeded order"),
+    ACTOR + "clip_ratio": Flag("clip_ratio"),
+    ACTOR + "clip_ratio_low": Flag("clip_ratio_low"),
+    ACTOR + "clip_ratio_high": Flag("clip_ratio_high"),
+    ACTOR + "clip_ratio_c": Flag("clip_ratio_c"),
+    ACTOR + "loss_agg_mode": Flag("loss_agg_mode"),
+    ACTOR + "entropy_coeff": Flag("entropy_coeff"),
+    ACTOR + "use_kl_loss": Flag("use_kl_loss"),
+    ACTOR + "kl_loss_coef": Flag("kl_loss_coef"),
+    ACTOR + "kl_loss_type": Flag("kl_loss_type"),
+    ACTOR + "ulysses_sequence_parallel_size": Fixed(1, SP),
+    "ulysses_sequence_parallel_size": Fixed(1, SP),
+    ACTOR + "fsdp_config.param_offload": NoOp(OFFLOAD),
+    ACTOR + "fsdp_config.optimizer_offload": NoOp(OFFLOAD),
+    ACTOR + "fsdp_config.model_dtype": Flag("dtype"),
+    ACTOR + "fsdp_config.mixed_precision.*": Refused("give --mixed-precision bf16 (bf16 parameters, fp32 reductions)"),
+    "actor_rollout_ref.ref.fsdp_config.param_offload": NoOp(OFFLOAD),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": NoOp(MICRO),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": NoOp(MICRO),
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": Fixed(1, SP),
+    # the rollout
+    ROLLOUT + "name": Flag("rollout_name"),
+    ROLLOUT + "n": Flag("rollout_n"),
+    ROLLOUT + "temperature": Flag("temperature"),
+    ROLLOUT + "top_p": Flag("top_p"),
+    ROLLOUT + "top_k": Flag("top_k"),
+    ROLLOUT + "gpu_memory_utilization": Flag("gpu_memory_utilization"),
+    ROLLOUT + "enforce_eager": Flag("enforce_eager"),
+    ROLLOUT + "max_num_seqs": Flag("max_num_seqs"),
+    ROLLOUT + "max_num_batched_tokens": Flag("max_num_batched_tokens"),
+    ROLLOUT + "free_cache_engine": Flag("enable_sleep_mode"),
+    ROLLOUT + "tensor_model_parallel_size": Flag("tensor_parallel_size"),
+    ROLLOUT + "log_prob_micro_batch_size_per_gpu": NoOp(MICRO),
+    ROLLOUT + "log_prob_micro_batch_size": NoOp(MICRO),
+    ROLLOUT + "prompt_length": NoOp("verl fills it in from data.max_prompt_length"),
+    ROLLOUT + "response_length": NoOp("verl fills it in from data.max_response_length"),
+    ROLLOUT + "load_format": NoOp("the engine's weights come from the trainer at each sync"),
+    ROLLOUT + "mode": NoOp("the engine is called in-process, or through Ray with --rollout-placement remote"),
+    ROLLOUT + "calculate_log_probs": NoOp("the engine's logprobs are always kept"),
+    ROLLOUT + "val_kwargs.temperature": Flag("val_temperature"),
+    ROLLOUT + "val_kwargs.n": Flag("val_n"),
+    ROLLOUT + "val_kwargs.do_sample": Flag("val_temperature"),  # False: greedy, --val-temperature 0
+    ROLLOUT + "multi_turn.enable": NoOp("the agent loop runs when --tool-config or --interaction-config is given"),
+    ROLLOUT + "multi_turn.tool_config_path": Flag("tool_config"),
+    ROLLOUT + "multi_turn.interaction_config_path": Flag("interaction_config"),
+    ROLLOUT + "multi_turn.max_assistant_turns": Flag("max_assistant_turns"),
+    ROLLOUT + "multi_turn.max_user_turns": Flag("max_user_turns"),
+    ROLLOUT + "multi_turn.tokenization_sanity_check_mode": Flag("tokenization_sanity_check_mode"),
+    # the algorithm
+    "algorithm.adv_estimator": NoOp("the recipe file is the estimator"),  # checked against the recipe
+    "algorithm.gamma": Flag("gamma"),
+    "algorithm.lam": Flag("lam"),
+    "algorithm.norm_adv_by_std_in_grpo": Flag("norm_adv_by_std_in_grpo"),
+    "algorithm.use_kl_in_reward": Flag("use_kl_in_reward"),
+    "algorithm.kl_penalty": Flag("kl_penalty"),
+    "algorithm.kl_ctrl.type": Flag("kl_ctrl"),
+    "algorithm.kl_ctrl.kl_coef": Flag("kl_coef"),
+    "algorithm.kl_ctrl.target_kl": Flag("target_kl"),
+    "algorithm.kl_ctrl.horizon": Flag("horizon"),
+    "algorithm.rollout_correction.rollout_is": Flag("rollout_is"),
+    "algorithm.rollout_correction.rollout_is_threshold": Flag("rollout_is_threshold"),
+    "algorithm.rollout_correction.bypass_mode": Flag("bypass_mode"),
+    "algorithm.filter_groups.enable": Fixed(True, "dapo.py always filters groups; the other recipes never do"),
+    "algorithm.filter_groups.max_num_gen_batches": Flag("max_num_gen_batches"),
+    # the critic (ppo.py)
+    "critic.model.path": Flag("critic_model"),
+    "critic.optim.lr": Flag("critic_lr"),
+    "critic.cliprange_value": Flag("cliprange_value"),
+    "critic.ppo_micro_batch_size_per_gpu": NoOp(MICRO),
+    # rewards
+    "custom_reward_function.path": Flag("reward_fn"),  # with .name: --reward-fn path:name
+    "custom_reward_function.name": Flag("reward_fn"),
+    "reward_model.model.path": Flag("reward_model"),
+    "reward_model.enable": NoOp("a reward model is used when --reward-model is given"),
+    "reward_model.reward_manager": Fixed("naive", "one call per sample is the reward manager built here"),
+    "reward_model.overlong_buffer.enable": NoOp("dapo.py's overlong penalty is on when its buffer is longer than 0"),
+    "reward_model.overlong_buffer.len": Flag("overlong_buffer_len"),
+    "reward_model.overlong_buffer.penalty_factor": Flag("overlong_penalty_factor"),
+    # the trainer
+    "trainer.total_epochs": Flag("total_epochs"),
+    "trainer.total_training_steps": Flag("total_training_steps"),
+    "trainer.save_freq": Flag("save_freq"),
+    "trainer.test_freq": Flag("test_freq"),
+    "trainer.val_before_train": Flag("val_before_train"),
+    "trainer.project_name": Flag("project_name"),
+    "trainer.experiment_name": Flag("experiment_name"),
+    "trainer.logger": Flag("logger"),
+    "trainer.default_local_dir": Flag("output_dir"),
+    "trainer.critic_warmup": Flag("critic_warmup"),
+    "trainer.log_val_generations": Flag("log_val_generations"),
+    "trainer.max_actor_ckpt_to_keep": Flag("max_ckpt_to_keep"),
+    "trainer.resume_mode": Flag("resume"),  # auto, disable; resume_path takes trainer.resume_from_path
+    "trainer.resume_from_path": Flag("resume"),
+    "trainer.seed": Flag("seed"),
+    "trainer.nnodes": NoOp(LAUNCHER),
+    "trainer.n_gpus_per_node": NoOp(LAUNCHER),
+    "trainer.device": NoOp("the device is CUDA when there is one, else the CPU"),
+    "trainer.balance_batch": NoOp("sequences are spread over processes by count, not length"),
+    "trainer.default_hdfs_dir": Refused("checkpoints are written to --output-dir only"),
+    "trainer.val_only": Refused("validation alone is evaluate.py (with generate.py)"),
+    # keys whose default a saved config holds, classified so that none is unknown
+    "data.return_full_prompt": NoOp("the engines here take token ids; the chat is rendered once"),
+    "data.filter_overlong_prompts_workers": NoOp("prompts are measured in the trainer's process"),
+    "data.trust_remote_code": Flag("trust_remote_code"),
+    "data.custom_cls.name": Refused("a dataset class named by path would run code from the config"),
+    "actor_rollout_ref.model.external_libs": Refused("importing a module named in the config would run its code"),
+    "actor_rollout_ref.model.override_config.model_config": Fixed(
+        {}, "a model config override is not built; edit config.json"
+    ),
+    "actor_rollout_ref.model.override_config.moe_config.freeze_moe_router": Fixed(
+        False, "MoE router freezing is not built"
+    ),
+    "actor_rollout_ref.model.override_config.*": Refused("a model config override is not built; edit config.json"),
+    "actor_rollout_ref.model.enable_activation_offload": NoOp(OFFLOAD),
+    ACTOR + "use_torch_compile": NoOp("the update runs eagerly; compiling would change its speed, not its result"),
+    ACTOR + "data_loader_seed": NoOp("mini-batches are taken in an order seeded by --seed"),
+    ACTOR + "optim.num_cycles": Fixed(0.5, "the cosine schedule is half a cycle"),
+    ACTOR + "fsdp_config.wrap_policy.min_num_params": NoOp(WRAP),
+    ACTOR + "fsdp_config.fsdp_size": Fixed(-1, "FSDP shards over every process (hybrid sharding is not built)"),
+    ACTOR + "checkpoint.save_contents": NoOp(CKPT),
+    ACTOR + "checkpoint.load_contents": NoOp(CKPT),
+    ACTOR + "checkpoint.contents": NoOp(CKPT),
+    "actor_rollout_ref.ref.fsdp_config.wrap_policy.min_num_params": NoOp(WRAP),
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": NoOp(MICRO),
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": NoOp(MICRO),
+    ROLLOUT + "log_prob_use_dynamic_bsz": NoOp(MICRO),
+    ROLLOUT + "log_prob_max_token_len_per_gpu": NoOp(MICRO),
+    ROLLOUT + "dtype": NoOp("the engine runs in the policy's dtype (--dtype, --mixed-precision)"),
+    ROLLOUT + "ignore_eos": Fixed(False, "generation stops at the tokenizer's eos"),
+    ROLLOUT + "do_sample": Fixed(True, "training always samples; greedy validation is val_kwargs.do_sample=False"),
+    ROLLOUT + "engine_kwargs.vllm.swap_space": Fixed(None, ENGINE_KWARGS),
+    ROLLOUT + "engine_kwargs.swap_space": Fixed(None, ENGINE_KWARGS),
+    ROLLOUT + "engine_kwargs.sglang.*": NoOp("SGLang is not an engine here (rollout.name=sglang is refused)"),
+    ROLLOUT + "engine_kwargs.*": Refused(ENGINE_KWARGS),
+    ROLLOUT + "val_kwargs.top_k": Fixed(-1, "validation samples without top-k"),
+    ROLLOUT + "val_kwargs.top_p": Fixed(1.0, "validation samples without top-p"),
+    ROLLOUT + "multi_turn": NoOp("the agent loop runs when --tool-config or --interaction-config is given"),
+    ROLLOUT + "tool_kwargs.tools_config_file": Flag("tool_config"),
+    ROLLOUT + "interaction_config_file": Flag("interaction_config"),
+    "critic.strategy": NoOp("one process group: --strategy auto picks DDP or FSDP2 from the launch"),
+    "critic.ppo_epochs": Fixed(
+        "${actor_rollout_ref.actor.ppo_epochs}", "the critic updates with the actor's --ppo-epochs"
+    ),
+    "reward_model.model.input_tokenizer": NoOp(
+        "the reward model re-renders the decoded conversation with its own tokenizer"
+    ),
+    "reward_model.model.external_lib": Fixed(None, "importing a module named in the config would run its code"),
+    "reward_model.model.trust_remote_code": Flag("trust_remote_code"),
+    "reward_model.model.fsdp_config.min_num_params": NoOp(WRAP),
+    "reward_model.model.fsdp_config.param_offload": NoOp(OFFLOAD),
+    "reward_model.micro_batch_size_per_gpu": NoOp(MICRO),
+    "reward_model.max_length": Fixed(None, "the reward model reads the whole prompt and response"),
+    "custom_reward_function.reward_kwargs.*": Refused(
+        "keyword arguments for the reward function are not passed; give them defaults in its file"
+    ),
+    "trainer.remove_previous_ckpt_in_save": Fixed(
+        False, "trainer.max_actor_ckpt_to_keep (--max-ckpt-to-keep) prunes old checkpoints"
+    ),
+    "trainer.del_local_ckpt_after_load": Fixed(False, "a checkpoint is never deleted after it is loaded"),
+    "trainer.ray_wait_register_center_timeout": NoOp("no Ray workers train here"),
+    "trainer.profile_steps": Fixed(None, "the profiler hooks are not built; bench/ measures speed"),
+    "trainer.controller_nsight_options.*": NoOp("Nsight options act only with trainer.profile_steps"),
+    "ray_init.num_cpus": NoOp("Ray starts only for remote engines (--rollout-placement remote, --ray-address)"),
+    "ray_init.timeline_json_file": Fixed(None, "Ray's timeline is not written"),
+    "model.fsdp_config.model_dtype": Flag("dtype"),
+    "model.fsdp_config.wrap_policy.min_num_params": NoOp(WRAP),
+    "model.fsdp_config.cpu_offload": NoOp(OFFLOAD),
+    "model.fsdp_config.offload_params": NoOp(OFFLOAD),
+}
+
+OVERRIDE = re.compile(r"^\+{0,2}([A-Za-z_][\w-]*(?:\.[\w-]+)+)=(.*)$", re.DOTALL)
+
+
+def lookup(key: str):
+    """The table's entry for key: its own, else that of the longest `prefix.*` at or above it, else None."""
+    if key in VERL_KEYS:
+        return VERL_KEYS[key]
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        entry = VERL_KEYS.get(".".join(parts[:n]) + ".*")
+        if entry is not None:
+            return entry
+    return None
+
+
+def is_override(arg: str) -> bool:
+    """A verl `key=value` argument (Hydra's `+key=` and `++key=` included); our flags start with --."""
+    return OVERRIDE.match(arg) is not None
+
+
+def parse_value(text: str):
+    """A Hydra value as verl's scripts write it: [a,b] a list, null/None/~ None, true/false a bool,
+    anything else the text (quotes removed)."""
+    text = text.strip()
+    if text.startswith("[") and text.endswith("]"):
+        inner = text[1:-1].strip()
+        return [parse_value(item) for item in inner.split(",")] if inner else []
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    if text.lower() in ("null", "none", "~"):
+        return None
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return text
+
+
+def _same(given, expected) -> bool:
+    if isinstance(expected, bool) or isinstance(given, bool):
+        return given == expected
+    try:
+        return float(given) == float(expected)
+    except (TypeError, ValueError):
+        return str(given) == str(expected)
+
+
+def _is_bool(kind) -> bool:
+    return kind is bool or kind == "bool"
+
+
+def _tokens(field: str, kind, value) -> list[str]:
+    flag = "--" + field.replace("_", "-")
+    if _is_bool(kind):
+        if not isinstance(value, bool):
+            raise ValueError(f"true or false, not {value!r}")
+        return [flag] if value else ["--no-" + field.replace("_", "-")]
+    if value is None:
+        return [flag, "None"]
+    if isinstance(value, list):
+        return [flag, *(str(v) for v in value)]
+    return [flag, str(value)]
+
+
+def translate(argv: list[str], args_class, adv_estimator: str | None, recipe: str) -> tuple[list[str], list[str]]:
+    """(argv with every verl override replaced by our flags, the lines to say). Raises UsageError
+    for a key that is unknown, refused, fixed to another value, or sets a flag `recipe` does not
+    have, and for an algorithm.adv_estimator that is not this recipe's."""
+    hints = typing.get_type_hints(args_class)
+    fields = {f.name: hints.get(f.name, f.type) for f in dataclasses.fields(args_class)}
+    ours, overrides = [], {}
+    for arg in argv:
+        match = OVERRIDE.match(arg)
+        if match is None:
+            ours.append(arg)
+        else:
+            overrides[match.group(1)] = (arg, parse_value(match.group(2)))
+    if not overrides:
+        return argv, []
+    given = {
+        a.split("=", 1)[0].removeprefix("--").removeprefix("no-").replace("-", "_") for a in ours if a.startswith("--")
+    }
+    flags, noops, clashes = {}, [], []
+    for key, (arg, value) in overrides.items():
+        entry = lookup(key)
+        if entry is None:
+            raise UsageError(f"{arg}: not a verl key this library reads; the ones it does are in docs/configuration.md "
+                             "(\"Coming from verl\")")  # fmt: skip
+        if isinstance(entry, Refused):
+            raise UsageError(f"{arg}: not supported here: {entry.why}")
+        if isinstance(entry, Fixed):
+            if not _same(value, entry.value):
+                raise UsageError(f"{arg}: only {key}={entry.value} is supported here: {entry.why}")
+            noops.append(key)
+            continue
+        if isinstance(entry, NoOp):
+            if key == "algorithm.adv_estimator":
+                _check_estimator(arg, value, adv_estimator, recipe)
+                if value == "reinforce_plus_plus_baseline":
+                    flags["group_baseline"] = ["--group-baseline"]
+                    continue
+            noops.append(key)
+            continue
+        field = entry.flag
+        if field not in fields and value in (False, None, "0", "0.0"):
+            noops.append(key)  # switched off, and this recipe has nothing of it to switch
+            continue
+        if field not in fields:
+            raise UsageError(f"{arg}: it sets --{field.replace('_', '-')}, which {recipe} does not have")
+        if field in given:
+            clashes.append(f"{arg} (--{field.replace('_', '-')} given as well)")
+            continue
+        value = _special(key, value, overrides)
+        if value is _SKIP:
+            continue
+        try:
+            flags[field] = _tokens(field, fields[field], value)
+        except ValueError as e:
+            raise UsageError(f"{arg}: {e}") from None
+    if overrides.get(ROLLOUT + "val_kwargs.do_sample", (None, None))[1] is False and "val_temperature" not in given:
+        flags["val_temperature"] = [
+            "--val-temperature",
+            "0",
+        ]  # verl's do_sample=False is greedy, whatever the temperature
+    said = []
+    if noops:
+        said.append("verl keys read, with nothing to change here: " + ", ".join(noops))
+    if clashes:
+        said.append("verl keys overridden by this library's own flags: " + "; ".join(clashes))
+    return [token for tokens in flags.values() for token in tokens] + ours, said
+
+
+_SKIP = object()
+
+
+def _special(key: str, value, overrides: dict):
+    """The keys that are not one value for one flag: do_sample, the reward function's path and
+    name, and verl's resume mode with its path."""
+    if key == ROLLOUT + "val_kwargs.do_sample":
+        if not isinstance(value, bool):
+            raise UsageError(f"{key}={value}: true or false")
+        return _SKIP  # False is greedy, set after the loop; True follows from val_kwargs.temperature > 0
+    if key == "custom_reward_function.name":
+        if "custom_reward_function.path" not in overrides:
+            raise UsageError(f"{key}={value}: give custom_reward_function.path as well")
+        return _SKIP
+    if key == "custom_reward_function.path":
+        name = overrides.get("custom_reward_function.name", (None, "compute_score"))[1]
+        return f"{value}:{name}"
+    if key.endswith("fsdp_config.model_dtype"):
+        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(value, value)
+    if key == "trainer.resume_mode":
+        if value == "resume_path":
+            if "trainer.resume_from_path" not in overrides:
+                raise UsageError("trainer.resume_mode=resume_path: give trainer.resume_from_path as well")
+            return _SKIP
+        return value
+    return value
+
+
+def _check_estimator(arg: str, value, adv_estimator: str | None, recipe: str) -> None:
+    right = {"grpo": "grpo.py (or its forks dapo.py, gspo.py)", "rloo": "rloo.py",
+             "reinforce_plus_plus": "reinforce_pp.py", "reinforce_plus_plus_baseline": "reinforce_pp.py",
+             "gae": "ppo.py"}  # fmt: skip
+    if value not in right:
+        raise UsageError(f"{arg}: not an estimator built here (built: {', '.join(right)})")
+    if adv_estimator is None or value.split("_baseline")[0] != adv_estimator:
+        raise UsageError(f"{arg}: {recipe} does not run that estimator; run recipes/{right[value].split()[0]}")
+
+
+def verl_args(args_class, adv_estimator: str | None = None, argv: list[str] | None = None) -> list[str]:
+    """The argument list tyro should read: sys.argv[1:] with verl's overrides translated (and said
+    on rank 0). --print-verl-translation prints the translated command and exits."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    recipe = os.path.basename(sys.argv[0]) or "this recipe"
+    show = "--print-verl-translation" in argv
+    argv = [a for a in argv if a != "--print-verl-translation"]
+    translated, said = translate(argv, args_class, adv_estimator, recipe)
+    if show:
+        print(shlex.join(["python", sys.argv[0], *translated]))
+        raise SystemExit(0)
+    if os.environ.get("RANK", "0") == "0":
+        for line in said:
+            print(line, file=sys.stderr)
+    return translated

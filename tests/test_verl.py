@@ -1,0 +1,207 @@
+"""verl's command-line overrides (common.verl): every key of verl's trainer configs is classified,
+a verl GRPO command line runs after the entry point is swapped, and each kind of key (mapped,
+no-op, fixed, refused, unknown) does what the table says."""
+
+import dataclasses
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import BUNDLED, ROOT, read_metrics, run_recipe
+
+from common.errors import UsageError
+from common.verl import ACTOR, ROLLOUT, VERL_KEYS, Fixed, Flag, NoOp, Refused, lookup, parse_value, translate
+
+RECIPES = ("sft", "grpo", "rloo", "reinforce_pp", "ppo", "dapo", "gspo")
+ESTIMATOR = {"grpo": "grpo", "dapo": "grpo", "gspo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_plus_plus",
+             "ppo": "gae", "sft": None}  # fmt: skip
+
+
+def args_class(recipe: str):
+    spec = importlib.util.spec_from_file_location(f"verl_{recipe}", ROOT / "recipes" / f"{recipe}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Args
+
+
+ARGS = {r: args_class(r) for r in ("grpo", "ppo", "sft", "reinforce_pp")}
+
+
+def grpo(*argv):
+    return translate(list(argv), ARGS["grpo"], "grpo", "grpo.py")
+
+
+def test_every_key_of_verls_trainer_configs_is_classified():
+    """tests/data/verl_keys.yaml lists every key the reference guides give for verl's PPO and SFT
+    trainer configs; each is mapped to a flag some recipe has, or declared a no-op, fixed or refused
+    with a reason. None reaches the generic 'not a verl key' refusal."""
+    keys = yaml.safe_load((Path(__file__).parent / "data" / "verl_keys.yaml").read_text())
+    assert len(keys["ppo"]) > 140 and len(keys["sft"]) > 10
+    every_field = {f.name for r in RECIPES for f in dataclasses.fields(args_class(r))}
+    for key in [*keys["ppo"], *keys["sft"]]:
+        entry = lookup(key)
+        assert entry is not None, f"{key}: not in common.verl.VERL_KEYS"
+        if isinstance(entry, Flag):
+            assert entry.flag in every_field, f"{key} -> --{entry.flag}: no recipe has it"
+        else:
+            assert len(entry.why) > 15, key
+    for key, entry in VERL_KEYS.items():  # the table's own flags exist too
+        assert not isinstance(entry, Flag) or entry.flag in every_field, key
+
+
+def test_verls_grpo_example_translates_to_our_flags():
+    """The argument list of verl's GSM8K GRPO example (sizes cut down, paths local)."""
+    flags, said = grpo(
+        "algorithm.adv_estimator=grpo", "data.train_files=data/train.parquet", "data.val_files=data/test.parquet",
+        "data.train_batch_size=8", "data.max_prompt_length=64", "data.max_response_length=16",
+        "data.filter_overlong_prompts=True", "data.truncation='error'", "actor_rollout_ref.model.path=bundled/tiny-qwen2-sft",
+        "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=True", "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40", "actor_rollout_ref.rollout.name=hf",
+        "actor_rollout_ref.rollout.n=5", "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+        "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", 'trainer.logger=["console","wandb"]',
+        "trainer.project_name=verl_grpo_example_gsm8k", "trainer.n_gpus_per_node=8", "trainer.nnodes=1",
+        "trainer.save_freq=20", "trainer.test_freq=5", "trainer.total_epochs=15",
+    )  # fmt: skip
+    assert flags == [
+        "--train-files", "data/train.parquet", "--val-files", "data/test.parquet", "--train-batch-size", "8",
+        "--max-prompt-length", "64", "--max-response-length", "16", "--filter-overlong-prompts", "--truncation", "error",
+        "--model", "bundled/tiny-qwen2-sft", "--lr", "1e-6", "--ppo-mini-batch-size", "4",
+        "--micro-batch-size-per-gpu", "8", "--use-kl-loss", "--kl-loss-coef", "0.001", "--kl-loss-type", "low_var_kl",
+        "--entropy-coeff", "0", "--gradient-checkpointing", "--rollout-name", "hf", "--rollout-n", "5",
+        "--logger", "console", "wandb", "--project-name", "verl_grpo_example_gsm8k", "--save-freq", "20",
+        "--test-freq", "5", "--total-epochs", "15",
+    ]  # fmt: skip
+    (line,) = said  # the no-ops, named once in one line
+    for key in ("algorithm.adv_estimator", "use_remove_padding", "param_offload", "log_prob_micro_batch_size_per_gpu",
+                "use_kl_in_reward", "trainer.critic_warmup", "trainer.n_gpus_per_node", "trainer.nnodes"):  # fmt: skip
+        assert key in line
+
+
+def test_a_verl_command_line_runs_grpo(tmp_path):
+    """`python recipes/grpo.py` followed by nothing but verl's keys trains on the bundled task."""
+    out = tmp_path / "run"
+    result = run_recipe(
+        "grpo", "algorithm.adv_estimator=grpo", f"data.train_files=[{BUNDLED / 'addition' / 'train.parquet'}]",
+        f"data.val_files={BUNDLED / 'addition' / 'test.parquet'}", "data.train_batch_size=4",
+        "data.max_prompt_length=64", "data.max_response_length=8", "actor_rollout_ref.model.path=" + str(BUNDLED / "tiny-qwen2-sft"),
+        "actor_rollout_ref.actor.optim.lr=1e-5", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_epochs=1",
+        "trainer.total_training_steps=2", "trainer.test_freq=0", "trainer.save_freq=0", f"trainer.default_local_dir={out}",
+        "trainer.logger=[console]", "trainer.n_gpus_per_node=1", "+data.val_batch_size=64",
+    )  # fmt: skip
+    assert (
+        "verl keys read, with nothing to change here: algorithm.adv_estimator, trainer.n_gpus_per_node" in result.stderr
+    )
+    assert [m["step"] for m in read_metrics(out) if "train/loss" in m] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["trainer.nope=1"], "trainer.nope=1: not a verl key this library reads"),
+        (["trainer.val_only=True"], "trainer.val_only=True: not supported here: validation alone is evaluate.py"),
+        (["actor_rollout_ref.model.external_lib=pkg"], "would run its code"),
+        (["actor_rollout_ref.rollout.ignore_eos=True"], "only actor_rollout_ref.rollout.ignore_eos=False is supported"),
+        (["critic.optim.lr=1e-5"], "critic.optim.lr=1e-5: it sets --critic-lr, which grpo.py does not have"),
+        (["algorithm.adv_estimator=gae"], "grpo.py does not run that estimator; run recipes/ppo.py"),
+        (["algorithm.adv_estimator=remax"], "not an estimator built here"),
+        (
+            ["custom_reward_function.reward_kwargs.bonus=0.1"],
+            "keyword arguments for the reward function are not passed",
+        ),
+        (["actor_rollout_ref.actor.use_kl_loss=maybe"], "true or false, not 'maybe'"),
+        (["custom_reward_function.name=score"], "give custom_reward_function.path as well"),
+    ],
+)
+def test_keys_that_cannot_be_honoured_are_refused_with_the_key_and_why(argv, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        grpo(*argv)
+
+
+def test_our_own_flag_wins_over_a_verl_key_and_the_clash_is_said():
+    flags, said = grpo("actor_rollout_ref.actor.optim.lr=1e-6", "data.train_batch_size=8", "--lr", "3e-4")
+    assert flags == ["--train-batch-size", "8", "--lr", "3e-4"]
+    assert said == [
+        "verl keys overridden by this library's own flags: actor_rollout_ref.actor.optim.lr=1e-6 (--lr given as well)"
+    ]
+    flags, _ = grpo("actor_rollout_ref.actor.use_kl_loss=True", "--no-use-kl-loss")
+    assert flags == ["--no-use-kl-loss"]
+
+
+def test_keys_that_combine_or_rename_values():
+    # the reward function's path and name become one flag; verl's resume_path takes its path key
+    flags, _ = grpo("custom_reward_function.path=r.py", "custom_reward_function.name=score")
+    assert flags == ["--reward-fn", "r.py:score"]
+    assert grpo("custom_reward_function.path=r.py")[0] == ["--reward-fn", "r.py:compute_score"]
+    flags, _ = grpo("trainer.resume_mode=resume_path", "trainer.resume_from_path=/ckpt/step_10")
+    assert flags == ["--resume", "/ckpt/step_10"]
+    assert grpo("trainer.resume_mode=disable")[0] == ["--resume", "disable"]
+    # do_sample=False is greedy validation whatever the temperature says, as in verl
+    flags, _ = grpo(
+        "actor_rollout_ref.rollout.val_kwargs.temperature=0.7", "actor_rollout_ref.rollout.val_kwargs.do_sample=False"
+    )
+    assert flags == ["--val-temperature", "0"]
+    assert grpo("actor_rollout_ref.rollout.val_kwargs.do_sample=True")[0] == []
+    # Hydra's + and ++ prefixes, lists, null, and verl's dtype names
+    assert grpo("++data.val_files=[a.parquet, 'b.parquet']")[0] == ["--val-files", "a.parquet", "b.parquet"]
+    assert grpo("+data.tokenizer=null")[0] == ["--tokenizer", "None"]
+    assert grpo("actor_rollout_ref.actor.fsdp_config.model_dtype=bf16")[0] == ["--dtype", "bfloat16"]
+    # the ++baseline estimator is reinforce_pp.py with its group baseline
+    flags, _ = translate(
+        ["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
+        ARGS["reinforce_pp"],
+        "reinforce_plus_plus",
+        "reinforce_pp.py",
+    )
+    assert flags == ["--group-baseline"]
+    # SFT's own key names
+    flags, _ = translate(["model.partial_pretrain=m", "optim.lr=1e-4", "data.micro_batch_size_per_gpu=4",
+                          "data.multiturn.messages_key=messages"], ARGS["sft"], None, "sft.py")  # fmt: skip
+    assert flags == ["--model", "m", "--lr", "1e-4", "--micro-batch-size-per-gpu", "4", "--messages-key", "messages"]
+    assert parse_value(" [ ] ") == [] and parse_value("True") is True and parse_value("~") is None
+
+
+def test_print_verl_translation_prints_the_command_and_starts_nothing(tmp_path):
+    result = run_recipe("ppo", "--print-verl-translation", "algorithm.adv_estimator=gae", "critic.optim.lr=1e-5",
+                        "algorithm.lam=0.9", f"trainer.default_local_dir={tmp_path / 'run'}")  # fmt: skip
+    assert result.stdout.strip().endswith(
+        f"--critic-lr 1e-05 --lam 0.9 --output-dir {tmp_path / 'run'}".replace("1e-05", "1e-5")
+    )
+    assert not (tmp_path / "run").exists()
+
+
+SHORT = {
+    "actor.": ACTOR,
+    "rollout.": ROLLOUT,
+    "val_kwargs.": ROLLOUT + "val_kwargs.",
+    "fsdp_config.": ACTOR + "fsdp_config.",
+}
+
+
+def test_the_coming_from_verl_table_agrees_with_the_translation_table():
+    """Every full verl key in docs/configuration.md's "Coming from verl" table is one the translation
+    reads, and where the table names flags for a mapped key, the key's flag is among them."""
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    section = text.split("## Coming from verl", 1)[1].split("\n## ", 1)[0]
+    checked = 0
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        first, mapped = re.split(r"(?<!\\)\|", line)[1:3]
+        for key in re.findall(r"`([a-z_]+(?:\.[a-z_]+)+)`", first):
+            if key.startswith("extra_info.") or key in ("reward_model.ground_truth", "reward_model.style"):
+                continue  # a column of the data, not a config key
+            for short, full in SHORT.items():  # the table's short forms: actor.clip_ratio
+                key = full + key.removeprefix(short) if key.startswith(short) else key
+            entry = lookup(key)
+            assert entry is not None, f"{key}: in the docs table, not in common.verl.VERL_KEYS"
+            if isinstance(entry, Flag) and "--" in mapped:
+                assert "--" + entry.flag.replace("_", "-") in mapped, f"{key}: the table says {mapped.strip()}"
+            checked += 1
+    assert checked > 20
+    assert {type(e) for e in VERL_KEYS.values()} == {Flag, NoOp, Fixed, Refused}
