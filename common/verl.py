@@ -22,6 +22,9 @@ import shlex
 import sys
 import typing
 from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
 
 from common.errors import UsageError
 
@@ -81,8 +84,8 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "data.return_raw_chat": NoOp("the engines here take token ids; the chat is rendered once"),
     "data.return_raw_input_ids": NoOp("the engines here take token ids; the chat is rendered once"),
     "data.reward_fn_key": Fixed("data_source", "rewards are chosen by the data_source column"),
-    "data.image_key": Refused("multimodal rows are not read here"),
-    "data.custom_cls.path": Refused("a dataset class named by path would run code from the config"),
+    "data.image_key": NoOp("multimodal columns in the data are refused when it is read"),
+    "data.custom_cls.path": Fixed(None, "a dataset class named by path would run code from the config"),
     # the policy
     "actor_rollout_ref.model.path": Flag("model"),
     "model.partial_pretrain": Flag("model"),
@@ -99,9 +102,9 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "actor_rollout_ref.model.use_remove_padding": NoOp("padding never enters the loss here"),
     "model.use_liger": Fixed(False, "Liger kernels are not built"),
     "actor_rollout_ref.model.use_liger": Fixed(False, "Liger kernels are not built"),
-    "actor_rollout_ref.model.external_lib": Refused("importing a module named in the config would run its code"),
-    "model.external_lib": Refused("importing a module named in the config would run its code"),
-    "actor_rollout_ref.model.override_config": Refused("a model config override is not built; edit config.json"),
+    "actor_rollout_ref.model.external_lib": Fixed(None, "importing a module named in the config would run its code"),
+    "model.external_lib": Fixed(None, "importing a module named in the config would run its code"),
+    "actor_rollout_ref.model.override_config": Fixed({}, "a model config override is not built; edit config.json"),
     "actor_rollout_ref.hybrid_engine": Fixed(
         True, "the engine shares the trainer's processes unless --rollout-placement remote"
     ),
@@ -128,8 +131,8 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "optim.clip_grad": Flag("grad_clip"),
     ACTOR + "ppo_mini_batch_size": Flag("ppo_mini_batch_size"),
     ACTOR + "ppo_micro_batch_size_per_gpu": Flag("micro_batch_size_per_gpu"),
-    ACTOR + "ppo_micro_batch_size": Refused(
-        "verl's global micro-batch is deprecated; give ppo_micro_batch_size_per_gpu"
+    ACTOR + "ppo_micro_batch_size": Fixed(
+        None, "verl's global micro-batch is deprecated; give ppo_micro_batch_size_per_gpu"
     ),
     ACTOR + "use_dynamic_bsz": Flag("use_dynamic_bsz"),
     ACTOR + "ppo_max_token_len_per_gpu": Flag("ppo_max_token_len_per_gpu"),
@@ -196,7 +199,9 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "algorithm.rollout_correction.rollout_is": Flag("rollout_is"),
     "algorithm.rollout_correction.rollout_is_threshold": Flag("rollout_is_threshold"),
     "algorithm.rollout_correction.bypass_mode": Flag("bypass_mode"),
-    "algorithm.filter_groups.enable": Fixed(True, "dapo.py always filters groups; the other recipes never do"),
+    "algorithm.filter_groups.enable": Fixed(
+        True, "dapo.py always filters groups; the other recipes never do"
+    ),  # False elsewhere
     "algorithm.filter_groups.max_num_gen_batches": Flag("max_num_gen_batches"),
     # the critic (ppo.py)
     "critic.model.path": Flag("critic_model"),
@@ -232,14 +237,16 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "trainer.n_gpus_per_node": NoOp(LAUNCHER),
     "trainer.device": NoOp("the device is CUDA when there is one, else the CPU"),
     "trainer.balance_batch": NoOp("sequences are spread over processes by count, not length"),
-    "trainer.default_hdfs_dir": Refused("checkpoints are written to --output-dir only"),
-    "trainer.val_only": Refused("validation alone is evaluate.py (with generate.py)"),
+    "trainer.default_hdfs_dir": Fixed(None, "checkpoints are written to --output-dir only"),
+    "trainer.val_only": Fixed(False, "validation alone is evaluate.py (with generate.py)"),
     # keys whose default a saved config holds, classified so that none is unknown
     "data.return_full_prompt": NoOp("the engines here take token ids; the chat is rendered once"),
     "data.filter_overlong_prompts_workers": NoOp("prompts are measured in the trainer's process"),
-    "data.trust_remote_code": Flag("trust_remote_code"),
-    "data.custom_cls.name": Refused("a dataset class named by path would run code from the config"),
-    "actor_rollout_ref.model.external_libs": Refused("importing a module named in the config would run its code"),
+    "data.trust_remote_code": NoOp(
+        "one --trust-remote-code (actor_rollout_ref.model.trust_remote_code) covers every model and tokenizer"
+    ),
+    "data.custom_cls.name": Fixed(None, "a dataset class named by path would run code from the config"),
+    "actor_rollout_ref.model.external_libs": Fixed(None, "importing a module named in the config would run its code"),
     "actor_rollout_ref.model.override_config.model_config": Fixed(
         {}, "a model config override is not built; edit config.json"
     ),
@@ -274,14 +281,14 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     ROLLOUT + "tool_kwargs.tools_config_file": Flag("tool_config"),
     ROLLOUT + "interaction_config_file": Flag("interaction_config"),
     "critic.strategy": NoOp("one process group: --strategy auto picks DDP or FSDP2 from the launch"),
-    "critic.ppo_epochs": Fixed(
-        "${actor_rollout_ref.actor.ppo_epochs}", "the critic updates with the actor's --ppo-epochs"
-    ),
+    "critic.ppo_epochs": Fixed(1, "the critic updates with the actor's --ppo-epochs"),  # the actor's, in translate
     "reward_model.model.input_tokenizer": NoOp(
         "the reward model re-renders the decoded conversation with its own tokenizer"
     ),
     "reward_model.model.external_lib": Fixed(None, "importing a module named in the config would run its code"),
-    "reward_model.model.trust_remote_code": Flag("trust_remote_code"),
+    "reward_model.model.trust_remote_code": NoOp(
+        "one --trust-remote-code (actor_rollout_ref.model.trust_remote_code) covers every model and tokenizer"
+    ),
     "reward_model.model.fsdp_config.min_num_params": NoOp(WRAP),
     "reward_model.model.fsdp_config.param_offload": NoOp(OFFLOAD),
     "reward_model.micro_batch_size_per_gpu": NoOp(MICRO),
@@ -366,13 +373,18 @@ def _tokens(field: str, kind, value) -> list[str]:
     return [flag, str(value)]
 
 
-def translate(argv: list[str], args_class, adv_estimator: str | None, recipe: str) -> tuple[list[str], list[str]]:
-    """(argv with every verl override replaced by our flags, the lines to say). Raises UsageError
-    for a key that is unknown, refused, fixed to another value, or sets a flag `recipe` does not
-    have, and for an algorithm.adv_estimator that is not this recipe's."""
+def translate(
+    argv: list[str], args_class, adv_estimator: str | None, recipe: str, config: dict | None = None, source: str = ""
+) -> tuple[list[str], list[str]]:
+    """(argv with every verl key replaced by our flags, the lines to say). `config` holds the
+    dotted keys of a --verl-config file (read from `source`); the command line's keys win over
+    it, and our own flags over both. Raises one UsageError naming every key that is unknown,
+    refused, fixed to another value, or sets a flag `recipe` does not have, and an
+    algorithm.adv_estimator that is not this recipe's."""
     hints = typing.get_type_hints(args_class)
     fields = {f.name: hints.get(f.name, f.type) for f in dataclasses.fields(args_class)}
-    ours, overrides = [], {}
+    defaults = {f.name: f.default for f in dataclasses.fields(args_class)}
+    ours, overrides = [], {key: (f"{source}: {key}={value}", value) for key, value in (config or {}).items()}
     for arg in argv:
         match = OVERRIDE.match(arg)
         if match is None:
@@ -384,54 +396,100 @@ def translate(argv: list[str], args_class, adv_estimator: str | None, recipe: st
     given = {
         a.split("=", 1)[0].removeprefix("--").removeprefix("no-").replace("-", "_") for a in ours if a.startswith("--")
     }
-    flags, noops, clashes = {}, [], []
+    unread = _unread_by_verl(overrides, adv_estimator)
+    flags, noops, clashes, problems = {}, [], [], []
     for key, (arg, value) in overrides.items():
         entry = lookup(key)
+        if key in unread:
+            noops.append(f"{key} ({unread[key]})")
+            continue
         if entry is None:
-            raise UsageError(f"{arg}: not a verl key this library reads; the ones it does are in docs/configuration.md "
-                             "(\"Coming from verl\")")  # fmt: skip
+            problems.append(f"{arg}: not a verl key this library reads")
+            continue
         if isinstance(entry, Refused):
-            raise UsageError(f"{arg}: not supported here: {entry.why}")
+            problems.append(f"{arg}: not supported here: {entry.why}")
+            continue
+        if key == "critic.ppo_epochs":
+            actor = overrides.get(ACTOR + "ppo_epochs", (None, defaults.get("ppo_epochs")))[1]
+            entry = Fixed(
+                actor, "the critic updates with the actor's --ppo-epochs (actor_rollout_ref.actor.ppo_epochs)"
+            )
+        if key == "algorithm.filter_groups.enable":
+            entry = Fixed("max_num_gen_batches" in fields, "dapo.py always filters groups; the other recipes never do")
         if isinstance(entry, Fixed):
             if not _same(value, entry.value):
-                raise UsageError(f"{arg}: only {key}={entry.value} is supported here: {entry.why}")
-            noops.append(key)
+                problems.append(f"{arg}: only {key}={entry.value} is supported here: {entry.why}")
+            else:
+                noops.append(key)
             continue
         if isinstance(entry, NoOp):
             if key == "algorithm.adv_estimator":
-                _check_estimator(arg, value, adv_estimator, recipe)
+                problem = _check_estimator(arg, value, adv_estimator, recipe)
+                if problem:
+                    problems.append(problem)
+                    continue
                 if value == "reinforce_plus_plus_baseline":
                     flags["group_baseline"] = ["--group-baseline"]
                     continue
             noops.append(key)
             continue
         field = entry.flag
-        if field not in fields and value in (False, None, "0", "0.0"):
+        if field not in fields and value in (False, None, "0", "0.0", 0):
             noops.append(key)  # switched off, and this recipe has nothing of it to switch
             continue
         if field not in fields:
-            raise UsageError(f"{arg}: it sets --{field.replace('_', '-')}, which {recipe} does not have")
-        if field in given:
-            clashes.append(f"{arg} (--{field.replace('_', '-')} given as well)")
+            problems.append(f"{arg}: it sets --{field.replace('_', '-')}, which {recipe} does not have")
             continue
-        value = _special(key, value, overrides)
-        if value is _SKIP:
+        if field in given:
+            clashes.append(f"{key}={value} (--{field.replace('_', '-')} given as well)")
             continue
         try:
-            flags[field] = _tokens(field, fields[field], value)
-        except ValueError as e:
-            raise UsageError(f"{arg}: {e}") from None
+            value = _special(key, value, overrides)
+            if value is not _SKIP:
+                flags[field] = _tokens(field, fields[field], value)
+        except (UsageError, ValueError) as e:
+            problems.append(f"{arg}: {e}")
+    if problems:
+        head = (
+            "a verl key cannot be run here" if len(problems) == 1 else f"{len(problems)} verl keys cannot be run here"
+        )
+        raise UsageError(f'{head} (docs/configuration.md, "Coming from verl"):\n  ' + "\n  ".join(problems))
     if overrides.get(ROLLOUT + "val_kwargs.do_sample", (None, None))[1] is False and "val_temperature" not in given:
         flags["val_temperature"] = [
             "--val-temperature",
             "0",
-        ]  # verl's do_sample=False is greedy, whatever the temperature
+        ]  # verl's do_sample=False: greedy, whatever the temperature
     said = []
     if noops:
         said.append("verl keys read, with nothing to change here: " + ", ".join(noops))
     if clashes:
         said.append("verl keys overridden by this library's own flags: " + "; ".join(clashes))
     return [token for tokens in flags.values() for token in tokens] + ours, said
+
+
+def _unread_by_verl(overrides: dict, adv_estimator: str | None) -> dict[str, str]:
+    """Keys verl itself does not read in this run, with why: the critic without GAE, the reward
+    model's section with reward_model.enable=False, the in-reward KL controller with
+    algorithm.use_kl_in_reward=False. A verl config file holds every section whatever the run."""
+    value = {key: v for key, (_, v) in overrides.items()}
+    unread = {}
+    for key in value:
+        if (key.startswith("critic.") or key == "trainer.critic_warmup") and adv_estimator != "gae":
+            unread[key] = "verl reads the critic only with adv_estimator=gae"
+        elif key in ("algorithm.gamma", "algorithm.lam") and adv_estimator in ("grpo", "rloo"):
+            unread[key] = f"verl's {adv_estimator} does not discount"
+        elif key == "algorithm.norm_adv_by_std_in_grpo" and adv_estimator != "grpo":
+            unread[key] = "verl reads it only with adv_estimator=grpo"
+        elif key.startswith("reward_model.model.") or key in (
+            "reward_model.micro_batch_size_per_gpu",
+            "reward_model.max_length",
+        ):
+            if value.get("reward_model.enable") is False:
+                unread[key] = "reward_model.enable=False"
+        elif key.startswith("algorithm.kl_ctrl.") or key == "algorithm.kl_penalty":
+            if value.get("algorithm.use_kl_in_reward") is False:
+                unread[key] = "algorithm.use_kl_in_reward=False"
+    return unread
 
 
 _SKIP = object()
@@ -442,12 +500,14 @@ def _special(key: str, value, overrides: dict):
     name, and verl's resume mode with its path."""
     if key == ROLLOUT + "val_kwargs.do_sample":
         if not isinstance(value, bool):
-            raise UsageError(f"{key}={value}: true or false")
+            raise UsageError("true or false")
         return _SKIP  # False is greedy, set after the loop; True follows from val_kwargs.temperature > 0
     if key == "custom_reward_function.name":
         if "custom_reward_function.path" not in overrides:
-            raise UsageError(f"{key}={value}: give custom_reward_function.path as well")
-        return _SKIP
+            raise UsageError("give custom_reward_function.path as well")
+        return _SKIP  # read with the path (a null path: the built-in scorers, whatever the name)
+    if key == "custom_reward_function.path" and value is None:
+        return _SKIP  # no custom reward function: the built-in scorers
     if key == "custom_reward_function.path":
         name = overrides.get("custom_reward_function.name", (None, "compute_score"))[1]
         return f"{value}:{name}"
@@ -456,30 +516,78 @@ def _special(key: str, value, overrides: dict):
     if key == "trainer.resume_mode":
         if value == "resume_path":
             if "trainer.resume_from_path" not in overrides:
-                raise UsageError("trainer.resume_mode=resume_path: give trainer.resume_from_path as well")
+                raise UsageError("give trainer.resume_from_path as well")
             return _SKIP
         return value
     return value
 
 
-def _check_estimator(arg: str, value, adv_estimator: str | None, recipe: str) -> None:
+def _check_estimator(arg: str, value, adv_estimator: str | None, recipe: str) -> str | None:
     right = {"grpo": "grpo.py (or its forks dapo.py, gspo.py)", "rloo": "rloo.py",
              "reinforce_plus_plus": "reinforce_pp.py", "reinforce_plus_plus_baseline": "reinforce_pp.py",
              "gae": "ppo.py"}  # fmt: skip
     if value not in right:
-        raise UsageError(f"{arg}: not an estimator built here (built: {', '.join(right)})")
+        return f"{arg}: not an estimator built here (built: {', '.join(right)})"
     if adv_estimator is None or value.split("_baseline")[0] != adv_estimator:
-        raise UsageError(f"{arg}: {recipe} does not run that estimator; run recipes/{right[value].split()[0]}")
+        return f"{arg}: {recipe} does not run that estimator; run recipes/{right[value].split()[0]}"
+    return None
+
+
+def read_verl_config(path: str) -> dict:
+    """The dotted keys of a verl config file (YAML, nested as verl's trainer configs are; a run's
+    saved config too), with `${a.b}` references to other keys resolved."""
+    try:
+        tree = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise UsageError(f"--verl-config {path}: cannot be read as YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(tree, dict):
+        raise UsageError(
+            f"--verl-config {path}: not a mapping of verl's config sections (data, actor_rollout_ref, ...)"
+        )
+    flat = {}
+
+    def walk(prefix: str, node) -> None:
+        if isinstance(node, dict) and node:
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            flat[prefix] = node
+
+    walk("", tree)
+
+    def resolve(key: str, value, seen: tuple = ()):
+        """A value `${a.b}` is a.b's value; `${a.b}` inside a longer text is replaced by it."""
+        if not isinstance(value, str) or "${" not in value:
+            return value
+        for ref in re.findall(r"\$\{([^}]*)\}", value):
+            if ref not in flat or ref in seen:
+                raise UsageError(f"--verl-config {path}: {key}={value}: ${{{ref}}} names no key of the file")
+        whole = re.fullmatch(r"\$\{([^}]*)\}", value)
+        if whole:
+            return resolve(whole.group(1), flat[whole.group(1)], (*seen, key))
+        return re.sub(r"\$\{([^}]*)\}", lambda m: str(resolve(m.group(1), flat[m.group(1)], (*seen, key))), value)
+
+    return {key: resolve(key, value) for key, value in flat.items()}
 
 
 def verl_args(args_class, adv_estimator: str | None = None, argv: list[str] | None = None) -> list[str]:
-    """The argument list tyro should read: sys.argv[1:] with verl's overrides translated (and said
-    on rank 0). --print-verl-translation prints the translated command and exits."""
+    """The argument list tyro should read: sys.argv[1:] with verl's key=value arguments and a
+    --verl-config file translated (what was read without effect, and clashes, said on rank 0).
+    --print-verl-translation prints the translated command and exits."""
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe = os.path.basename(sys.argv[0]) or "this recipe"
     show = "--print-verl-translation" in argv
     argv = [a for a in argv if a != "--print-verl-translation"]
-    translated, said = translate(argv, args_class, adv_estimator, recipe)
+    config, source = None, ""
+    for i, arg in enumerate(argv):
+        if arg == "--verl-config" or arg.startswith("--verl-config="):
+            source = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            if not source:
+                raise UsageError("--verl-config: give the path of a verl config file (YAML)")
+            argv = argv[:i] + argv[i + (1 if "=" in arg else 2) :]
+            config = read_verl_config(source)
+            break
+    translated, said = translate(argv, args_class, adv_estimator, recipe, config, source)
     if show:
         print(shlex.join(["python", sys.argv[0], *translated]))
         raise SystemExit(0)

@@ -246,6 +246,9 @@ def check_flags(script: str, words: list[str]) -> list[str]:
         i += 1
         if word == "--":
             break
+        if script.startswith("recipes/") and word in ("--verl-config", "--print-verl-translation"):
+            i += word == "--verl-config"  # read by common.verl before tyro: the file's path follows
+            continue
         if not word.startswith("--") and script.startswith("recipes/") and is_override(word):
             entry = lookup(OVERRIDE.match(word).group(1))
             if entry is None or isinstance(entry, Refused):
