@@ -129,6 +129,8 @@ USED_ONLY_WITH = [
     (("max_user_turns",), "interaction_config", lambda a: a.interaction_config, "add --interaction-config"),
     (("overlong_penalty_factor",), "overlong_buffer_len", lambda a: a.overlong_buffer_len > 0,
      "set --overlong-buffer-len above 0"),
+    (("reward_manager",), "reward_fn", lambda a: (a.reward_fn and not a.reward_model) or a.reward_manager != "batch",
+     "add --reward-fn (the built-in scorers and a reward model take one sample at a time)"),
     (("min_lr_ratio",), "lr_scheduler", lambda a: a.lr_scheduler != "constant", "add --lr-scheduler cosine or wsd"),
     (("temperature", "top_p", "top_k"), "do_sample", lambda a: a.do_sample, "drop --no-do-sample (greedy decoding)"),
     (("reward_normalization_grouping",), "reward_normalization_method",
@@ -482,7 +484,11 @@ class RewardArgs:
     reward_fn: str | None = None
     """path/to/file.py[:name] with verl's compute_score signature (default: built-ins by data_source)"""
     reward_timeout: float = 10.0
-    """seconds one sample may take to score before it gets 0"""
+    """seconds one sample (with --reward-manager batch: one step's call) may take to score before it gets 0"""
+    reward_manager: Literal["naive", "prime", "batch"] = "naive"
+    """verl's reward_model.reward_manager: naive and prime score each sample in the worker pool (in
+    parallel, each under --reward-timeout: verl's prime); batch calls --reward-fn once a step with
+    lists, compute_score(data_sources, solution_strs, ground_truths, extra_infos) -> one score or dict each"""
     reward_workers: int = 2
     """reward worker processes per rank"""
     reward_model: str | None = None
@@ -722,7 +728,8 @@ class RLArgs(
         <run_dir>/reward_workers.log (.rank<N> beyond rank 0)."""
         rank = os.environ.get("RANK", "0")
         name = "reward_workers.log" if rank == "0" else f"reward_workers.rank{rank}.log"
-        return dict(reward_fn=self.reward_fn, workers=self.reward_workers, timeout=self.reward_timeout,
+        return dict(reward_fn=self.reward_fn, batch=self.reward_manager == "batch", workers=self.reward_workers,
+                    timeout=self.reward_timeout,
                     log_path=Path(run_dir) / name, tool_config=self.tool_config, tool_timeout=self.tool_timeout,
                     interaction_config=self.interaction_config, env=self.env_pool_kwargs(), tokenizer=tokenizer,
                     dry_run_rows=[] if self.reward_model else list(rows))  # fmt: skip

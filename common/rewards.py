@@ -61,6 +61,7 @@ class Scored:
 TOOLS_PREFIX = "tools:"  # a pool spec naming a --tool-config file rather than a reward function
 INTERACTIONS_PREFIX = "interactions:"  # ... or an --interaction-config file
 ENVS_PREFIX = "envs:"  # ... or the environments of an --env-config file (common.envs.EnvHost)
+BATCH_PREFIX = "batch:"  # a reward function called once with lists (--reward-manager batch)
 SIDE_POOLS = (
     (TOOLS_PREFIX, "--tool-config"),
     (INTERACTIONS_PREFIX, "--interaction-config"),
@@ -71,6 +72,13 @@ SIDE_POOLS = (
 def _check_text(result) -> None:
     if not isinstance(result, str):
         raise TypeError(f"a tool must return a str (the text the model reads), got {type(result).__name__}")
+
+
+def _check_batch(result) -> None:
+    if not isinstance(result, list | tuple):
+        raise TypeError(f"a batch reward function must return a list (one score or dict a sample), got {result!r}")
+    for item in result:
+        score_value(item)
 
 
 def _worker_main(fd: int, spec: str) -> None:
@@ -90,6 +98,8 @@ def _worker(conn, spec):
             fn, check = load_interactions(spec.removeprefix(INTERACTIONS_PREFIX)), lambda result: None
         elif spec and spec.startswith(ENVS_PREFIX):  # environments: EnvHost checks what they return
             fn, check = load_env_host(spec.removeprefix(ENVS_PREFIX)), lambda result: None
+        elif spec and spec.startswith(BATCH_PREFIX):
+            fn, check = load_reward_fn(spec.removeprefix(BATCH_PREFIX)), _check_batch
         else:
             fn, check = load_reward_fn(spec), score_value
     except BaseException:
@@ -220,7 +230,10 @@ class RewardPool:
 
     def score(self, tasks: list[tuple]) -> Scored:
         t0 = time.time()
-        results, failures, first_error = self.run(tasks)
+        if self.spec and self.spec.startswith(BATCH_PREFIX):
+            results, failures, first_error = self._run_batch(tasks)
+        else:
+            results, failures, first_error = self.run(tasks)
         timeouts = sum(1 for f in failures.values() if f == "timeout")
         errors = len(failures) - timeouts
         if first_error and not self.printed_error:
@@ -245,6 +258,20 @@ class RewardPool:
         ok = [r is not None for r in results]
         preds = [r.get("pred") if isinstance(r, dict) and isinstance(r.get("pred"), str) else None for r in results]
         return Scored(scores, extras, errors, timeouts, first_error, time.time() - t0, ok, len(nonfinite), preds)
+
+    def _run_batch(self, tasks: list[tuple]) -> tuple[list, dict[int, str], str | None]:
+        """verl's batch reward manager: one call with the step's lists (data_sources, solution_strs,
+        ground_truths, extra_infos) under the timeout; a call that fails, overruns or returns a
+        list of another length fails every sample of it."""
+        if not tasks:
+            return [], {}, None
+        (result,), failures, first_error = self.run([tuple(list(column) for column in zip(*tasks))])
+        if not failures and len(result) != len(tasks):
+            failures = {0: f"returned {len(result)} scores for {len(tasks)} samples"}
+            first_error = f"the batch reward function {failures[0]}"
+        if failures:
+            return [None] * len(tasks), {i: failures[0] for i in range(len(tasks))}, first_error
+        return list(result), {}, None
 
     def run(self, tasks: list[tuple], slots: list[int] | None = None) -> tuple[list, dict[int, str], str | None]:
         """Each task's arguments through the workers' function, one task per worker at a time:
@@ -303,7 +330,7 @@ class RewardPool:
             if len(tried.setdefault(r["data_source"], [])) < per_source:
                 tried[r["data_source"]].append(r)
         picked = [r for group in tried.values() for r in group]
-        name = self.spec or "built-in rewards"
+        name = (self.spec or "built-in rewards").removeprefix(BATCH_PREFIX)
         extras = [r.get("extra_info") for r in picked]  # tool_agent rows: with what a conversation adds
         extras = [{**(e or {}), **conversation_extra_info(r)} if conversation_extra_info(r) else e
                   for r, e in zip(picked, extras)]  # fmt: skip
@@ -344,6 +371,7 @@ class RewardPool:
 def start_reward_pool(
     reward_fn: str | None,
     *,
+    batch: bool = False,
     workers: int,
     timeout: float,
     dry_run_rows: list[dict],
@@ -363,7 +391,8 @@ def start_reward_pool(
     rows (common.data.env_rows) it checks with the tokenizer instead of scoring."""
     if reward_fn and not Path(reward_fn.partition(":")[0]).expanduser().is_file():
         raise UsageError(f"--reward-fn {reward_fn}: file {reward_fn.partition(':')[0]!r} does not exist")
-    pool = RewardPool(reward_fn, workers=workers, timeout=timeout, log_path=log_path)
+    spec = BATCH_PREFIX + reward_fn if batch and reward_fn else reward_fn
+    pool = RewardPool(spec, workers=1 if batch else workers, timeout=timeout, log_path=log_path)
     if env is not None:
         pool.envs = start_env_pool(**env, rows=dry_run_rows, tokenizer=tokenizer, log_path=log_path)
     elif dry_run_rows:

@@ -213,7 +213,7 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "custom_reward_function.name": Flag("reward_fn"),
     "reward_model.model.path": Flag("reward_model"),
     "reward_model.enable": NoOp("a reward model is used when --reward-model is given"),
-    "reward_model.reward_manager": Fixed("naive", "one call per sample is the reward manager built here"),
+    "reward_model.reward_manager": Flag("reward_manager"),  # naive, prime, batch; dapo is dapo.py's own
     "reward_model.overlong_buffer.enable": NoOp("dapo.py's overlong penalty is on when its buffer is longer than 0"),
     "reward_model.overlong_buffer.len": Flag("overlong_buffer_len"),
     "reward_model.overlong_buffer.penalty_factor": Flag("overlong_penalty_factor"),
@@ -443,6 +443,11 @@ def translate(
         if field in given:
             clashes.append(f"{key}={value} (--{field.replace('_', '-')} given as well)")
             continue
+        if key == "reward_model.reward_manager" and value == "dapo":
+            if "overlong_buffer_len" not in fields:
+                problems.append(f"{arg}: the dapo reward manager's overlong penalty is dapo.py's; run recipes/dapo.py")
+                continue
+            value = "naive"  # dapo.py applies the overlong buffer to each sample's score itself
         try:
             value = _special(key, value, overrides)
             if value is not _SKIP:

@@ -224,3 +224,43 @@ def test_workers_leave_stop_signals_to_the_trainer():
         assert out.scores == [1.0] * 4 and out.errors == out.timeouts == 0
     finally:
         pool.close()
+
+
+BATCH_FN = """
+import os, time
+
+def compute_score(data_sources, solution_strs, ground_truths, extra_infos):
+    with open(os.environ["BATCH_CALLS"], "a") as f:
+        f.write(f"{len(solution_strs)}\\n")
+    if "hang" in solution_strs:
+        time.sleep(60)
+    if "short" in solution_strs:
+        return [1.0]
+    return [{"score": float(s == g), "len": len(s)} for s, g in zip(solution_strs, ground_truths)]
+"""
+
+
+def test_the_batch_reward_manager_calls_once_a_step_with_lists(tmp_path, monkeypatch):
+    """--reward-manager batch: one call per scoring with verl's batch signature; its dicts' extra
+    keys become metrics; a call that hangs or returns the wrong number of scores fails (and zeroes)
+    every sample of the call, counted, and the next call runs."""
+    (tmp_path / "batch_reward.py").write_text(BATCH_FN)
+    calls = tmp_path / "calls"
+    monkeypatch.setenv("BATCH_CALLS", str(calls))
+    from common.rewards import start_reward_pool
+
+    pool = start_reward_pool(str(tmp_path / "batch_reward.py"), batch=True, workers=2, timeout=2.0, dry_run_rows=[])
+    try:
+        out = pool.score([("d", s, "12", {"i": i}) for i, s in enumerate(["12", "7", "12"])])
+        assert out.scores == [1.0, 0.0, 1.0] and [e["len"] for e in out.extras] == [2, 1, 2]
+        assert (out.errors, out.timeouts) == (0, 0)
+        short = pool.score([("d", s, "12", None) for s in ("short", "12")])
+        assert (
+            short.scores == [0.0, 0.0] and short.errors == 2 and "returned 1 scores for 2 samples" in short.first_error
+        )
+        hung = pool.score([("d", s, "12", None) for s in ("hang", "12", "12")])
+        assert hung.scores == [0.0] * 3 and hung.timeouts == 3 and hung.seconds < 10
+        assert pool.score([("d", "12", "12", None)]).scores == [1.0]
+        assert calls.read_text().split() == ["3", "2", "3", "1"]
+    finally:
+        pool.close()

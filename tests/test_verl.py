@@ -174,6 +174,12 @@ def test_keys_that_combine_or_rename_values():
         "reinforce_pp.py",
     )
     assert flags == ["--group-baseline"]
+    # verl's reward managers: batch and prime are flags; dapo is dapo.py's own overlong buffer
+    assert grpo("reward_model.reward_manager=batch")[0] == ["--reward-manager", "batch"]
+    with pytest.raises(UsageError, match="run recipes/dapo.py"):
+        grpo("reward_model.reward_manager=dapo")
+    dapo = translate(["reward_model.reward_manager=dapo"], args_class("dapo"), "grpo", "dapo.py")[0]
+    assert dapo == ["--reward-manager", "naive"]
     # SFT's own key names
     flags, _ = translate(["model.partial_pretrain=m", "optim.lr=1e-4", "data.micro_batch_size_per_gpu=4",
                           "data.multiturn.messages_key=messages"], ARGS["sft"], None, "sft.py")  # fmt: skip
@@ -264,3 +270,34 @@ def test_a_verl_config_file_runs_ppo(tmp_path):
     assert "critic.optim.lr=2e-5 (--critic-lr given as well)" in result.stderr
     saved = json.loads((run / "config.json").read_text())
     assert (saved["critic_lr"], saved["lr"], saved["rollout_n"], saved["model"]) == (3e-5, 1e-6, 2, model)
+
+
+VERL_BATCH_REWARD = """
+import os, re
+
+def compute_score(data_sources, solution_strs, ground_truths, extra_infos):
+    with open(os.environ["BATCH_CALLS"], "a") as f:
+        f.write(f"{len(solution_strs)}\\n")
+    answers = [re.search(r"<answer>(.*?)</answer>", s) for s in solution_strs]
+    return [{"score": float(bool(a) and a.group(1).strip() == str(g)), "formatted": float(bool(a))}
+            for a, g in zip(answers, ground_truths)]
+"""
+
+
+def test_a_verl_batch_reward_function_trains_grpo(tmp_path):
+    """verl's batch reward manager from verl's keys: the function is called once per step with the
+    step's 4 prompts x 2 samples (after the dry run's one call), and its extra key is a metric."""
+    (tmp_path / "batch_reward.py").write_text(VERL_BATCH_REWARD)
+    calls = tmp_path / "calls"
+    out = tmp_path / "run"
+    run_recipe(
+        "grpo", "reward_model.reward_manager=batch", f"custom_reward_function.path={tmp_path / 'batch_reward.py'}",
+        f"data.train_files={BUNDLED / 'addition' / 'train.parquet'}", "data.val_files=[]", "data.train_batch_size=4",
+        "data.max_prompt_length=64", "data.max_response_length=8", "actor_rollout_ref.rollout.n=2",
+        f"actor_rollout_ref.model.path={BUNDLED / 'tiny-qwen2-sft'}", "trainer.total_training_steps=2",
+        "trainer.save_freq=0", f"trainer.default_local_dir={out}", env={"BATCH_CALLS": str(calls)},
+    )  # fmt: skip
+    assert calls.read_text().split()[1:] == ["8", "8"]
+    steps = [m for m in read_metrics(out) if "train/loss" in m]
+    assert len(steps) == 2 and all(0 <= m["reward/mean"] <= 1 for m in steps)
+    assert any(key.endswith("formatted") for key in steps[0]), sorted(steps[0])
