@@ -48,6 +48,10 @@ class Conversation:
     tool_errors: int = 0
     tool_timeouts: int = 0
     malformed_calls: int = 0
+    slot: int = 0  # the tool worker its tool-class instances live in (they keep state between calls)
+    tool_instances: dict[str, str] = field(default_factory=dict)  # tool class name -> its instance's id
+    tool_rewards: dict[str, float] = field(default_factory=dict)  # tool class name -> calc_reward at the end
+    tool_step_rewards: dict[str, list[float]] = field(default_factory=dict)  # tool class name -> execute's rewards
     interaction: str | None = None  # the instance id of its interaction, when it has one running
     interaction_errors: int = 0
     turn_scores: list[float] = field(default_factory=list)  # the interaction's, one per reply
@@ -65,7 +69,8 @@ class Conversation:
 
     def completion(self) -> Completion:
         """As the trainer takes it, with conversation_extra_info."""
-        extra = conversation_extra_info(self.row, self.user_turns, self.assistant_turns, self.turn_scores)
+        extra = conversation_extra_info(self.row, self.user_turns, self.assistant_turns, self.turn_scores,
+                                        self.tool_rewards, self.tool_step_rewards)  # fmt: skip
         return Completion(self.tokens, self.logprobs, self.finish_reason, mask=self.mask, extra_info=extra)
 
 
@@ -166,7 +171,7 @@ class AgentLoop:
         self.check_mode, self.lockstep = check_mode, lockstep
         self.eos_id = tokenizer.eos_token_id
         self.stats_since = AgentStats()
-        self.reported_mismatch = self.reported_interaction_error = False
+        self.reported_mismatch = self.reported_interaction_error = self.reported_tool_lifecycle_error = False
 
     def __getattr__(self, name):  # update_weights, sleep, wake_up, reset_cache, weight_version, ...
         return getattr(self.engine, name)
@@ -190,6 +195,8 @@ class AgentLoop:
         tokens. Rows of single_turn_agent are sampled as the engine samples them."""
         first = self.engine.generate([r["prompt_ids"] for r in rows], sampling)
         conversations = [Conversation(row, list(row["messages"])) for row, group in zip(rows, first) for _ in group]
+        for slot, conversation in enumerate(conversations):
+            conversation.slot = slot
         self._start_interactions(conversations)
         for conversation, c in zip(conversations, (c for group in first for c in group)):
             self._sampled(conversation, c.token_ids, c.logprobs, c.finish_reason)
@@ -214,6 +221,7 @@ class AgentLoop:
                 self._sampled(conversation, out.token_ids[:left], out.logprobs[:left],
                               "length" if cut else out.finish_reason)  # fmt: skip
             self._after_turns(active)
+        self._finish_tools(conversations)
         self._finish_interactions(conversations)
         for conversation in conversations:
             self._account(conversation)
@@ -272,34 +280,92 @@ class AgentLoop:
 
     def _run_tools(self, calling: list[tuple]) -> list[list[str]]:
         """The replies to every conversation's calls (an error text for a malformed call, an
-        unknown tool, a tool that raised, timed out or crashed), the known calls run together."""
+        unknown tool, a tool that raised, timed out or crashed), the known calls run together,
+        each in its conversation's worker. A tool class's instance is created for a conversation
+        at its first call of that tool."""
         replies = [[f"Error: {m}" for m in malformed] for _, _, malformed in calling]
-        tasks, owners = [], []
+        known, owners = [], []
         for k, (c, calls, _) in enumerate(calling):
             for call in calls:
-                if self.tools is not None and call["name"] in self.tools.functions:
-                    tasks.append((call["name"], call["arguments"]))
+                if self.tools is not None and call["name"] in self.tools.names:
+                    known.append((c, call))
                     owners.append((k, len(replies[k])))
                     replies[k].append("")
                 else:
                     c.tool_errors += 1
                     names = ", ".join(self.tools.names) if self.tools else "none"
                     replies[k].append(f"Error: no tool named {call['name']!r} (tools: {names})")
-        if not tasks:
+        if not known:
             return replies
-        results, failures, _ = self.pool.run(tasks)
-        for i, ((k, slot), (name, _)) in enumerate(zip(owners, tasks)):
-            c = calling[k][0]
+        creating = list({(id(c), call["name"]): (c, call["name"]) for c, call in known
+                         if call["name"] in self.tools.classes and call["name"] not in c.tool_instances}.values())  # fmt: skip
+        made, failed, _ = self._tool_lifecycle("create", creating, lambda c, name: uuid.uuid4().hex)
+        for (c, name), instance in zip(creating, made):
+            if instance is not None:
+                c.tool_instances[name] = instance
+        runnable = [i for i, (c, call) in enumerate(known)
+                    if call["name"] not in self.tools.classes or call["name"] in c.tool_instances]  # fmt: skip
+        tasks = [("execute", call["name"], c.tool_instances.get(call["name"]), call["arguments"],
+                  self._tools_kwargs(c, call["name"], "execute")) for c, call in (known[i] for i in runnable)]  # fmt: skip
+        ran, ran_failures, _ = (
+            self.pool.run(tasks, slots=[known[i][0].slot for i in runnable]) if tasks else ([], {}, None)
+        )
+        results = {i: ran[j] for j, i in enumerate(runnable)}
+        failures = {runnable[j]: why for j, why in ran_failures.items()}
+        for i, ((k, at), (c, call)) in enumerate(zip(owners, known)):
+            name = call["name"]
             c.tool_calls += 1
-            if failures.get(i) == "timeout":
+            if i not in results:
+                c.tool_errors += 1
+                replies[k][at] = f"Error: the tool {name} could not be created: {failed.get((id(c), name), 'failed')}"
+            elif failures.get(i) == "timeout":
                 c.tool_timeouts += 1
-                replies[k][slot] = f"Error: the tool {name} did not answer within {self.pool.timeout:g}s"
+                replies[k][at] = f"Error: the tool {name} did not answer within {self.pool.timeout:g}s"
             elif i in failures:
                 c.tool_errors += 1
-                replies[k][slot] = f"Error: the tool {name} failed: {failures[i]}"
+                replies[k][at] = f"Error: the tool {name} failed: {failures[i]}"
+            elif name in self.tools.classes:
+                replies[k][at], step_reward, _ = results[i]
+                c.tool_step_rewards.setdefault(name, []).append(step_reward)
             else:
-                replies[k][slot] = results[i]
+                replies[k][at] = results[i]
         return replies
+
+    def _tools_kwargs(self, c: Conversation, name: str, step: str) -> dict:
+        """verl's per-row arguments for a tool class's step: extra_info.tools_kwargs[name][step + "_kwargs"]."""
+        extra = c.row.get("extra_info") if isinstance(c.row.get("extra_info"), dict) else {}
+        return dict(((extra.get("tools_kwargs") or {}).get(name) or {}).get(f"{step}_kwargs") or {})
+
+    def _tool_lifecycle(self, step: str, pairs: list[tuple], instance_id) -> tuple[list, dict, str | None]:
+        """One lifecycle step (create, calc_reward, release) of a tool class for each (conversation,
+        tool name), in the conversation's worker: (results, None where it failed; {(id(conversation),
+        name): why it failed}; the first traceback). A failure counts as a tool error."""
+        if not pairs:
+            return [], {}, None
+        tasks = [(step, name, instance_id(c, name), None, self._tools_kwargs(c, name, step)) for c, name in pairs]
+        results, failures, first_error = self.pool.run(tasks, slots=[c.slot for c, _ in pairs])
+        why = {}
+        for i, (c, name) in enumerate(pairs):
+            if i in failures:
+                results[i] = None
+                why[(id(c), name)] = failures[i]
+                if step != "create":  # a failed create is counted with the call that needed it
+                    c.tool_errors += 1
+        if failures and not self.reported_tool_lifecycle_error:
+            self.reported_tool_lifecycle_error = True
+            log.error("a tool class's %s failed (counted in agent/tool_errors; shown once):\n%s", step,
+                      first_error or f"no answer within {self.pool.timeout:g}s")  # fmt: skip
+        return results, why, first_error
+
+    def _finish_tools(self, conversations: list[Conversation]) -> None:
+        """At a conversation's end, each tool class instance it created: calc_reward (its score
+        reaches the reward function as extra_info.rollout_reward_scores[name]), then release."""
+        pairs = [(c, name) for c in conversations for name in c.tool_instances]
+        rewards, _, _ = self._tool_lifecycle("calc_reward", pairs, lambda c, name: c.tool_instances[name])
+        for (c, name), reward in zip(pairs, rewards):
+            if reward is not None:
+                c.tool_rewards[name] = reward
+        self._tool_lifecycle("release", pairs, lambda c, name: c.tool_instances[name])
 
     # Interactions run in their pool's one worker; a call that fails or hangs (then the worker is
     # replaced, and every interaction's state with it) ends that conversation, counted.

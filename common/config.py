@@ -129,7 +129,8 @@ USED_ONLY_WITH = [
     (("max_user_turns",), "interaction_config", lambda a: a.interaction_config, "add --interaction-config"),
     (("overlong_penalty_factor",), "overlong_buffer_len", lambda a: a.overlong_buffer_len > 0,
      "set --overlong-buffer-len above 0"),
-    (("reward_manager",), "reward_fn", lambda a: (a.reward_fn and not a.reward_model) or a.reward_manager != "batch",
+    (("reward_manager",), "reward_fn",
+     lambda a: (a.reward_fn and not getattr(a, "reward_model", None)) or getattr(a, "reward_manager", "naive") != "batch",
      "add --reward-fn (the built-in scorers and a reward model take one sample at a time)"),
     (("min_lr_ratio",), "lr_scheduler", lambda a: a.lr_scheduler != "constant", "add --lr-scheduler cosine or wsd"),
     (("temperature", "top_p", "top_k"), "do_sample", lambda a: a.do_sample, "drop --no-do-sample (greedy decoding)"),
@@ -525,6 +526,10 @@ class AgentArgs:
         """The function schemas of --tool-config, which tool_agent prompts are templated with."""
         return read_tool_config(self.tool_config).schemas if self.tool_config else None
 
+    def tool_class_names(self) -> list[str]:
+        """The tools of --tool-config that are verl tool classes (they take per-row tools_kwargs)."""
+        return list(read_tool_config(self.tool_config).classes) if self.tool_config else []
+
     def interaction_names(self) -> list[str] | None:
         return read_interaction_config(self.interaction_config).names if self.interaction_config else None
 
@@ -717,6 +722,7 @@ class RLArgs(
             "ground_truth": needs,
             "tools": self.tool_schemas(),
             "interactions": self.interaction_names(),
+            "tool_classes": self.tool_class_names(),
             "env": dict(zip(("tags", "n_groups"), self.env_groups()), config=self.env_config,
                         train_seeds=self.env_train_seeds, val_seeds=self.env_val_seeds) if self.env_config else None,
         }  # fmt: skip

@@ -596,25 +596,39 @@ def split_rows(
     return [rows + start for rows in split]
 
 
-def check_agent_rows(rows: list[dict], tools: list[dict] | None, interactions: list[str] | None) -> None:
+def check_agent_rows(
+    rows: list[dict], tools: list[dict] | None, interactions: list[str] | None, tool_classes: list[str] = ()
+) -> None:
     """What the agent loop (common.agent) needs of prompt rows: a tool_agent row needs tools or
     interactions to act on; a row whose extra_info holds interaction_kwargs (verl's) must be a
     tool_agent row naming an interaction of --interaction-config (the name may be left out when
     there is one). Sets each row's interaction_kwargs (None without), its name filled in.
-    extra_info.tools_kwargs (verl's per-row arguments to a tool class's create / execute) cannot
-    reach the function tools here: on a tool_agent row it is refused, and rows that run no tools
-    (as in verl, which reads it only in its tool agent) are counted in a warning."""
+    extra_info.tools_kwargs (verl's per-row arguments to a tool class's create / execute /
+    calc_reward / release, by tool name) must name tool classes of --tool-config (tool_classes) on
+    a tool_agent row: a function tool takes only the arguments the model writes; rows that run no
+    tools (as in verl, which reads it only in its tool agent) are counted in a warning."""
     idle_tools_kwargs = 0
+    steps = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
     for r in rows:
         where = f"{r['file']} row {r['row']}"
         extra = r["extra_info"] if isinstance(r["extra_info"], dict) else {}
-        if extra.get("tools_kwargs") and r["agent_name"] == "tool_agent":
-            raise DataError(
-                f"{where} column 'extra_info.tools_kwargs': per-row tool arguments (verl's create_kwargs / "
-                f"execute_kwargs for tool classes) are not supported yet; the function tools of --tool-config take only "
-                f"the arguments the model writes. Empty tools_kwargs, or move what the tool needs into its function"
-            )
-        idle_tools_kwargs += bool(extra.get("tools_kwargs"))
+        per_tool = extra.get("tools_kwargs")
+        if per_tool and r["agent_name"] == "tool_agent":
+            column = f"{where} column 'extra_info.tools_kwargs'"
+            if not isinstance(per_tool, dict):
+                raise DataError(f"{column}: expected a mapping of tool name -> {{create_kwargs: ..., ...}}")
+            for name, kwargs in per_tool.items():
+                if name not in tool_classes:
+                    kind = "a function tool, which takes only the arguments the model writes" if name in {
+                        t["function"]["name"] for t in tools or ()} else "not a tool of --tool-config"  # fmt: skip
+                    raise DataError(f"{column}: {name!r} is {kind}; per-row arguments go to verl's tool classes "
+                                    f"(class_name in --tool-config; they have: {', '.join(tool_classes) or 'none'})")  # fmt: skip
+                if not isinstance(kwargs, dict) or not all(
+                    k in steps and isinstance(v, dict | None) for k, v in kwargs.items()
+                ):
+                    raise DataError(f"{column}.{name}: expected a mapping with any of {', '.join(steps)}, each a "
+                                    f"mapping, got {str(kwargs)[:80]!r}")  # fmt: skip
+        idle_tools_kwargs += bool(per_tool) and r["agent_name"] != "tool_agent"
         kwargs = extra.get("interaction_kwargs")
         r["interaction_kwargs"] = None
         if kwargs is not None:
@@ -687,6 +701,7 @@ def load_rl_data(
     ground_truth: str = "required",
     tools: list[dict] | None = None,
     interactions: list[str] | None = None,
+    tool_classes: list[str] = (),
     env: dict | None = None,
 ) -> tuple[list[dict], LoadStats, list[dict]]:
     """Training and validation prompts of an RL recipe (validation empty without val_files);
@@ -694,8 +709,9 @@ def load_rl_data(
     "required" (the built-in rewards score against it: a row without one is an error naming it),
     "optional" (a user's reward function may not need one: rows without are counted in a warning)
     or "unused" (a reward model scores). tools: the --tool-config schemas, which tool_agent rows
-    are templated with; interactions: the --interaction-config names (check_agent_rows). env: an
-    --env-config run's env_rows arguments: its rows replace the files'."""
+    are templated with; interactions: the --interaction-config names; tool_classes: the names of
+    its tool classes (check_agent_rows). env: an --env-config run's env_rows arguments: its rows
+    replace the files'."""
     if env is not None:
         return env_rows(**env)
     kwargs = dict(prompt_key=prompt_key, max_prompt_length=max_prompt_length, truncation=truncation, tools=tools)
@@ -704,7 +720,7 @@ def load_rl_data(
     if len(train) < train_batch_size:
         raise DataError(f"train_files hold {len(train)} prompts, fewer than train_batch_size={train_batch_size}")
     val = load_prompts(val_files, tokenizer, **kwargs, what="val_files")[0] if val_files else []
-    check_agent_rows(train + val, tools, interactions)
+    check_agent_rows(train + val, tools, interactions, tool_classes)
     for r in train + val if ground_truth == "required" else ():  # the built-ins compare against one answer
         if not isinstance(r["ground_truth"], str | int | float | None):
             raise DataError(

@@ -27,7 +27,7 @@ from common.scoring import exact_match as exact_match  # re-exported for older f
 from common.scoring import extract_answer as extract_answer  # re-exported for older forks
 from common.scoring import finite, load_reward_fn, score_value
 from common.scoring import hit as hit  # re-exported for older forks
-from common.tools import conversation_extra_info, load_interactions, load_tool_functions
+from common.tools import conversation_extra_info, load_interactions, load_tools
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +69,6 @@ SIDE_POOLS = (
 )
 
 
-def _check_text(result) -> None:
-    if not isinstance(result, str):
-        raise TypeError(f"a tool must return a str (the text the model reads), got {type(result).__name__}")
-
-
 def _check_batch(result) -> None:
     if not isinstance(result, list | tuple):
         raise TypeError(f"a batch reward function must return a list (one score or dict a sample), got {result!r}")
@@ -93,7 +88,7 @@ def _worker_main(fd: int, spec: str) -> None:
 def _worker(conn, spec):
     try:
         if spec and spec.startswith(TOOLS_PREFIX):  # a tool pool (common.agent): results are the tools' text
-            fn, check = load_tool_functions(spec.removeprefix(TOOLS_PREFIX)), _check_text
+            fn, check = load_tools(spec.removeprefix(TOOLS_PREFIX)), lambda result: None  # load_tools checks
         elif spec and spec.startswith(INTERACTIONS_PREFIX):  # interactions: load_interactions checks results
             fn, check = load_interactions(spec.removeprefix(INTERACTIONS_PREFIX)), lambda result: None
         elif spec and spec.startswith(ENVS_PREFIX):  # environments: EnvHost checks what they return

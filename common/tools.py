@@ -10,13 +10,20 @@ Tools are an OpenAI-style function schema plus a Python function, listed in --to
           type: function
           function: {name: add, description: Add two integers, parameters: {...}}
 
+or, as verl writes them, a tool class with verl's lifecycle (create / execute / calc_reward /
+release, plain or async), one instance per conversation, given the row's extra_info.tools_kwargs:
+
+      - class_name: tools/search.py:SearchTool     # path/to/file.py:Class, or package.module.Class
+        config: {top_k: 3}                         # the class's config
+        tool_schema: {...}
+
 Calls are read from the text in the Hermes format Qwen uses,
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 """
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.errors import UsageError
@@ -59,10 +66,11 @@ class ToolConfig:
     path: str
     schemas: list[dict]
     functions: dict[str, str]  # tool name -> "file.py:function"
+    classes: dict[str, tuple[str, dict]] = field(default_factory=dict)  # tool name -> (its class, the class's config)
 
     @property
     def names(self) -> list[str]:
-        return list(self.functions)
+        return [*self.functions, *self.classes]
 
 
 def read_yaml_section(path: str, flag: str, key: str, kind: type, expected: str) -> tuple[Path, list | dict]:
@@ -91,42 +99,143 @@ def _only_keys(item, allowed: tuple[str, ...], where: str) -> None:
         raise UsageError(f"{where}: unknown key(s) {', '.join(map(str, other))}; an entry has {', '.join(allowed)}")
 
 
+def class_target(target, file: Path, where: str, name: str) -> str:
+    """A class_name as the worker loads it: path/to/file.py:Class (relative to the config file,
+    which must exist) or verl's package.module.Class, checked without importing anything."""
+    if not isinstance(target, str) or not target:
+        raise UsageError(f"{where} ({name}): class_name must be path/to/file.py:Class or package.module.Class")
+    if ":" in target:
+        source = Path(target.partition(":")[0]).expanduser()
+        source = source if source.is_absolute() else file.parent / source
+        if not source.is_file():
+            raise UsageError(f"{where} ({name}): file {target.partition(':')[0]!r} does not exist")
+        return f"{source}:{target.partition(':')[2]}"
+    if "." not in target:
+        raise UsageError(f"{where} ({name}): class_name {target!r} is neither file.py:Class nor package.module.Class")
+    return target
+
+
+def load_class(target: str, flag: str):
+    """In a worker process: the class a class_target names, imported (the user's own code)."""
+    import importlib
+
+    if ":" in target:
+        return load_from_file(target, flag, "", kind="class")
+    module, _, name = target.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
 def read_tool_config(path: str) -> ToolConfig:
     """Read and check --tool-config without running any of its code."""
     file, tools = read_yaml_section(path, "--tool-config", "tools", list, "list with at least one tool")
-    schemas, functions = [], {}
+    schemas, functions, classes = [], {}, {}
     for i, tool in enumerate(tools):
         where = f"--tool-config {path}: tools[{i}]"
-        if isinstance(tool, dict) and "class_name" in tool and "function" not in tool:
-            raise UsageError(f"{where}: verl's tool classes (class_name) are not loaded here; give the tool as "
-                             f"function: path/to/file.py:function_name (docs/multi-turn.md)")  # fmt: skip
-        _only_keys(tool, ("function", "tool_schema"), where)
+        _only_keys(tool, ("function", "class_name", "config", "tool_schema"), where)
         schema = tool.get("tool_schema") if isinstance(tool, dict) else None
         name = ((schema or {}).get("function") or {}).get("name") if isinstance(schema, dict) else None
         if not isinstance(name, str) or not name:
             raise UsageError(f"{where}: needs tool_schema: {{type: function, function: {{name: ..., ...}}}}")
-        target = tool.get("function")
-        if not isinstance(target, str) or ":" not in target:
-            raise UsageError(f"{where} ({name}): needs function: path/to/file.py:function_name")
-        source = Path(target.partition(":")[0]).expanduser()
-        if not source.is_absolute():
-            source = file.parent / source
-        if not source.is_file():
-            raise UsageError(f"{where} ({name}): file {target.partition(':')[0]!r} does not exist")
-        if name in functions:
+        if name in functions or name in classes:
             raise UsageError(f"{where}: a second tool named {name!r}")
+        if ("function" in tool) == ("class_name" in tool):
+            raise UsageError(f"{where} ({name}): needs function: path/to/file.py:function_name, or verl's "
+                             f"class_name: path/to/file.py:Class (or package.module.Class), not both")  # fmt: skip
+        if "class_name" in tool:
+            settings = tool.get("config") or {}
+            if not isinstance(settings, dict):
+                raise UsageError(f"{where} ({name}): config must be a mapping")
+            classes[name] = (class_target(tool["class_name"], file, where, name), settings)
+        else:
+            if "config" in tool:
+                raise UsageError(f"{where} ({name}): config is a tool class's; a function tool takes none")
+            target = tool.get("function")
+            if not isinstance(target, str) or ":" not in target:
+                raise UsageError(f"{where} ({name}): needs function: path/to/file.py:function_name")
+            source = Path(target.partition(":")[0]).expanduser()
+            if not source.is_absolute():
+                source = file.parent / source
+            if not source.is_file():
+                raise UsageError(f"{where} ({name}): file {target.partition(':')[0]!r} does not exist")
+            functions[name] = f"{source}:{target.partition(':')[2]}"
         schemas.append(schema)
-        functions[name] = f"{source}:{target.partition(':')[2]}"
-    return ToolConfig(str(file), schemas, functions)
+    return ToolConfig(str(file), schemas, functions, classes)
 
 
-def load_tool_functions(path: str):
-    """In a worker process: call(name, arguments) running the named tool of --tool-config."""
+class ToolSchema(dict):
+    """The tool_schema handed to a verl tool class, which reads it as verl's pydantic
+    OpenAIFunctionToolSchema (schema.function.name, schema.model_dump()); used when verl is not
+    installed (with verl, verl's own class is built)."""
+
+    def __getattr__(self, key):
+        try:
+            value = self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+        return ToolSchema(value) if isinstance(value, dict) else value
+
+    def model_dump(self, **_) -> dict:
+        return dict(self)
+
+
+def load_tools(path: str):
+    """In a worker process: call(op, name, instance_id, arguments, kwargs) on the named tool of
+    --tool-config. A function tool answers op "execute" with fn(**arguments) (text) and has no
+    other step. A tool class is made once per worker, Class(config, tool_schema), and every
+    conversation gets its own instance through verl's methods (plain or async, on one event loop
+    for the worker's life): "create" -> create(instance_id, **kwargs), its id; "execute" ->
+    execute(instance_id, arguments, **kwargs) as (text, step reward, numeric metrics); "calc_reward"
+    -> calc_reward(instance_id, **kwargs) as a float; "release" -> release(instance_id, **kwargs)."""
+    import asyncio
+    import inspect
+    import math
+
     config = read_tool_config(path)
-    loaded = {name: load_from_file(target, "--tool-config", "") for name, target in config.functions.items()}
+    functions = {name: load_from_file(target, "--tool-config", "") for name, target in config.functions.items()}
+    try:
+        from verl.tools.schemas import OpenAIFunctionToolSchema as schema_class  # noqa: N813
+    except ImportError:
+        schema_class = None
+    by_name = {s["function"]["name"]: s for s in config.schemas}
+    instances = {}
+    for name, (target, settings) in config.classes.items():
+        schema = schema_class.model_validate(by_name[name]) if schema_class else ToolSchema(by_name[name])
+        instances[name] = load_class(target, "--tool-config")(settings, schema)
+    loop = asyncio.new_event_loop()
 
-    def call(name: str, arguments: dict) -> str:
-        return loaded[name](**arguments)
+    def run(value):
+        return loop.run_until_complete(value) if inspect.isawaitable(value) else value
+
+    def text_of(value, what: str) -> str:
+        value = getattr(value, "text", value)  # newer verl answers with a ToolResponse
+        if not isinstance(value, str):
+            raise TypeError(f"{what} must return a str (the text the model reads), got {type(value).__name__}")
+        return value
+
+    def call(op: str, name: str, instance_id: str | None, arguments: dict | None, kwargs: dict):
+        if name in functions:
+            return text_of(functions[name](**arguments), "a tool") if op == "execute" else None
+        tool = instances[name]
+        if op == "create":
+            made = run(tool.create(instance_id, **kwargs))
+            made = made[0] if isinstance(made, tuple) else made  # newer verl: (instance_id, ToolResponse)
+            return made if isinstance(made, str) and made else instance_id
+        if op == "execute":
+            result = run(tool.execute(instance_id, arguments, **kwargs))
+            if not (isinstance(result, tuple | list) and len(result) == 3):
+                raise TypeError(f"{name}.execute must return (response, step reward, metrics), got {str(result)[:120]}")
+            reward = float(result[1] or 0.0)
+            if not math.isfinite(reward):
+                raise ValueError(f"{name}.execute returned the step reward {reward}")
+            metrics = {k: float(v) for k, v in (result[2] or {}).items() if isinstance(v, int | float)}
+            return text_of(result[0], f"{name}.execute"), reward, metrics
+        if op == "calc_reward":
+            reward = float(run(tool.calc_reward(instance_id, **kwargs)))
+            if not math.isfinite(reward):
+                raise ValueError(f"{name}.calc_reward returned {reward}")
+            return reward
+        run(tool.release(instance_id, **kwargs))
+        return None
 
     return call
 
@@ -163,16 +272,7 @@ def read_interaction_config(path: str) -> InteractionConfig:
             raise UsageError(
                 f"{where}: needs name: ... and class_name: path/to/file.py:Class (or package.module.Class)"
             )
-        if ":" in target:
-            source = Path(target.partition(":")[0]).expanduser()
-            source = source if source.is_absolute() else file.parent / source
-            if not source.is_file():
-                raise UsageError(f"{where} ({name}): file {target.partition(':')[0]!r} does not exist")
-            target = f"{source}:{target.partition(':')[2]}"
-        elif "." not in target:
-            raise UsageError(
-                f"{where} ({name}): class_name {target!r} is neither file.py:Class nor package.module.Class"
-            )
+        target = class_target(target, file, where, name)
         settings = item.get("config") or {}
         if not isinstance(settings, dict):
             raise UsageError(f"{where} ({name}): config must be a mapping")
@@ -189,18 +289,14 @@ def load_interactions(path: str):
     **kwargs), checked to be (done, message, score, extra) and returned as (done, message, score);
     "finalize" -> finalize_interaction(instance_id, **kwargs) when it takes them."""
     import asyncio
-    import importlib
     import inspect
     import math
 
-    def load(target):
-        if ":" in target:
-            return load_from_file(target, "--interaction-config", "", kind="class")
-        module, _, name = target.rpartition(".")
-        return getattr(importlib.import_module(module), name)
-
     config = read_interaction_config(path)
-    instances = {name: load(target)({**settings, "name": name}) for name, (target, settings) in config.classes.items()}
+    instances = {
+        name: load_class(target, "--interaction-config")({**settings, "name": name})
+        for name, (target, settings) in config.classes.items()
+    }
     loop = asyncio.new_event_loop()  # one loop for the worker's life: an interaction may keep loop-bound state
 
     def run(value):
@@ -228,11 +324,19 @@ def load_interactions(path: str):
 
 
 # --- what a conversation tells the reward ---------------------------------------------------------
-def conversation_extra_info(row: dict, user_turns: int = 0, assistant_turns: int = 1, turn_scores=()) -> dict | None:
+def conversation_extra_info(row: dict, user_turns: int = 0, assistant_turns: int = 1, turn_scores=(),
+                            tool_rewards=None, tool_step_rewards=None) -> dict | None:  # fmt: skip
     """What a tool_agent conversation adds to its row's extra_info for the reward function, under
-    verl's names: num_turns and rollout_reward_scores (the interaction's user_turn_rewards). None
-    for other rows. The defaults describe a one-turn answer, as the reward dry run scores."""
+    verl's names: num_turns and rollout_reward_scores (each tool class's calc_reward by tool name,
+    and the interaction's user_turn_rewards); and, when a tool class was called, tool_step_rewards,
+    each tool class's execute rewards by tool name. None for other rows. The defaults describe a one-turn answer, as the
+    reward dry run scores."""
     if (row.get("agent_name") or "single_turn_agent") != "tool_agent":
         return None
-    scores = {"user_turn_rewards": list(turn_scores)} if row.get("interaction_kwargs") else {}
-    return {"num_turns": user_turns + assistant_turns + 1, "rollout_reward_scores": scores}
+    scores = dict(tool_rewards or {})
+    if row.get("interaction_kwargs"):
+        scores["user_turn_rewards"] = list(turn_scores)
+    extra = {"num_turns": user_turns + assistant_turns + 1, "rollout_reward_scores": scores}
+    if tool_step_rewards:
+        extra["tool_step_rewards"] = {k: list(v) for k, v in tool_step_rewards.items()}
+    return extra

@@ -215,7 +215,7 @@ def read_rows(args: Args, tokenizer) -> tuple[list[dict], str]:
                                max_prompt_length=args.max_prompt_length, truncation=args.truncation,
                                filter_overlong_prompts=args.filter_overlong_prompts,
                                tools=args.tool_schemas())  # fmt: skip
-    check_agent_rows(rows, args.tool_schemas(), args.interaction_names())
+    check_agent_rows(rows, args.tool_schemas(), args.interaction_names(), args.tool_class_names())
     return rows, stats.summary("data_path")
 
 

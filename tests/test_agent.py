@@ -164,7 +164,9 @@ def test_a_failing_tool_answers_the_model_with_an_error(tokenizer, pool, tool_co
     (c,) = agent.generate_rows([row(tokenizer)], Sampling(n=1, max_tokens=200))[0]
     assert told in engine.calls[1] and "Error:" in tokenizer.decode(c.token_ids)
     assert agent.stats()[counter] == 1
-    assert pool.run([("add", {"a": 1, "b": 1})])[0] == ["2"]  # the pool still works (a dead worker is replaced)
+    assert pool.run([("execute", "add", None, {"a": 1, "b": 1}, {})])[0] == [
+        "2"
+    ]  # the pool still works (a dead worker is replaced)
 
 
 def test_a_malformed_call_is_an_error_message_not_a_crash(tokenizer, pool, tool_config):
@@ -212,8 +214,12 @@ def test_bad_tool_configs_are_refused(tmp_path):
         "tools: [{tool_schema: {type: function, function: {name: f}}}]": "needs function: path/to/file.py",
         "tools: [{function: 'nope.py:f', tool_schema: {type: function, function: {name: f}}}]": "does not exist",
         "tools: [: bad": "not valid YAML",
-        "tools: [{class_name: pkg.Tool, config: {}, tool_schema: {type: function, function: {name: f}}}]": "verl's tool classes \\(class_name\\) are not loaded here",
-        "tools: [{function: 't.py:f', config: {type: native}, tool_schema: {type: function, function: {name: f}}}]": r"tools\[0\]: unknown key\(s\) config; an entry has function, tool_schema",
+        "tools: [{class_name: Tool, tool_schema: {type: function, function: {name: f}}}]": "neither file.py:Class nor package.module.Class",
+        "tools: [{class_name: nope.py:Tool, tool_schema: {type: function, function: {name: f}}}]": "file 'nope.py' does not exist",
+        "tools: [{class_name: t.py:T, function: 't.py:f', tool_schema: {type: function, function: {name: f}}}]": "not both",
+        "tools: [{class_name: t.py:T, config: [1], tool_schema: {type: function, function: {name: f}}}]": "config must be a mapping",
+        "tools: [{function: 't.py:f', config: {type: native}, tool_schema: {type: function, function: {name: f}}}]": "config is a tool class's; a function tool takes none",
+        "tools: [{function: 't.py:f', kwargs: {}, tool_schema: {type: function, function: {name: f}}}]": r"tools\[0\]: unknown key\(s\) kwargs; an entry has function, class_name, config, tool_schema",
         "tools: [{function: 't.py:f', tool_schema: {type: function, function: {name: f}}}]\nmax_turns: 3": r"unknown top-level key\(s\) max_turns; only `tools:` is read",
     }
     for text, words in cases.items():
@@ -400,7 +406,7 @@ def test_tool_calls_of_every_conversation_run_together(tokenizer, pool, tool_con
     agent, engine = loop(tokenizer, [CALL, "<answer>5</answer>"], pool, tool_config)
     batches = []
     run = pool.run
-    pool.run = lambda tasks: batches.append(len(tasks)) or run(tasks)
+    pool.run = lambda tasks, slots=None: batches.append(len(tasks)) or run(tasks, slots)
     groups = agent.generate_rows([row(tokenizer), row(tokenizer)], Sampling(n=2, max_tokens=200))
     assert batches == [4] and [len(g) for g in groups] == [2, 2]
     assert agent.stats()["agent/tool_calls_mean"] == 1
@@ -652,22 +658,114 @@ def test_grpo_learns_to_call_the_calculator(tmp_path, capsys):
     assert after["val/accuracy"] >= before["val/accuracy"] + 0.3
 
 
-def test_per_row_tools_kwargs_are_refused_on_tool_rows_and_counted_elsewhere(caplog):
-    """verl's extra_info.tools_kwargs cannot reach a function tool: on a tool_agent row it is an
-    error naming the row; on rows that run no tools it is unused (as in verl) and counted aloud."""
+def test_per_row_tools_kwargs_go_to_tool_classes_only_and_are_counted_elsewhere(caplog):
+    """verl's extra_info.tools_kwargs on a tool_agent row must name tool classes (a function tool
+    takes only what the model writes: an error naming the row); on rows that run no tools it is
+    unused (as in verl) and counted aloud."""
     from common.data import DataError, check_agent_rows
 
     kwargs = {"add": {"create_kwargs": {"ground_truth": "7"}}}
 
-    def rows(agent, n=1):
+    def rows(agent, n=1, kwargs=kwargs):
         return [{"file": "f.parquet", "row": i, "agent_name": agent, "extra_info": {"tools_kwargs": kwargs}}
                 for i in range(n)]  # fmt: skip
 
-    with pytest.raises(DataError, match="f.parquet row 0 column 'extra_info.tools_kwargs': per-row tool arguments"):
+    with pytest.raises(DataError, match="f.parquet row 0 column 'extra_info.tools_kwargs': 'add' is a function tool"):
         check_agent_rows(rows("tool_agent"), [schema("add")], None)
+    with pytest.raises(DataError, match="'nope' is not a tool of --tool-config"):
+        check_agent_rows(rows("tool_agent", kwargs={"nope": {}}), [schema("add")], None, ["add"])
+    with pytest.raises(DataError, match="expected a mapping with any of create_kwargs"):
+        check_agent_rows(rows("tool_agent", kwargs={"add": {"kwargs": {}}}), [schema("add")], None, ["add"])
+    check_agent_rows(rows("tool_agent"), [schema("add")], None, ["add"])  # a tool class takes them
     with caplog.at_level("WARNING", logger="common.data"):
         check_agent_rows(rows("single_turn_agent", 3), None, None)
     assert "3 rows carry extra_info.tools_kwargs but are not tool_agent rows" in caplog.text
     caplog.clear()
     check_agent_rows([{**rows("tool_agent")[0], "extra_info": {"tools_kwargs": {}}}], [schema("add")], None)
     assert "tools_kwargs" not in caplog.text  # an empty one (verl's preprocessing writes {}) is nothing dropped
+
+
+VERL_TOOL = """
+import asyncio, os
+from uuid import uuid4
+
+class Gsm8kLikeTool:
+    \"\"\"verl's tool lifecycle, async as verl's tools are: a per-conversation answer checked on demand.\"\"\"
+
+    def __init__(self, config, tool_schema):
+        self.config, self.name, self._state = config, tool_schema.function.name, {}
+
+    async def create(self, instance_id=None, ground_truth=None, **kwargs):
+        instance_id = instance_id or str(uuid4())
+        self._state[instance_id] = {"truth": ground_truth, "reward": 0.0, "pid": os.getpid()}
+        return instance_id
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        await asyncio.sleep(0)
+        state = self._state[instance_id]
+        if state["pid"] != os.getpid():
+            raise RuntimeError("another worker")
+        if parameters.get("answer") == "boom":
+            raise RuntimeError("the checker is on fire")
+        state["reward"] = float(str(parameters.get("answer")) == state["truth"])
+        return f"{self.config['prefix']} {state['reward']}", state["reward"] * kwargs.get("scale", 1.0), {"checked": 1}
+
+    async def calc_reward(self, instance_id, **kwargs):
+        return self._state[instance_id]["reward"] + kwargs.get("bonus", 0.0)
+
+    async def release(self, instance_id, **kwargs):
+        log = os.environ.get("RELEASED")
+        if log:
+            with open(log, "a") as f:
+                f.write(instance_id + "\\n")
+        del self._state[instance_id]
+"""
+
+
+def test_a_verl_tool_class_lives_one_instance_per_conversation(tokenizer, tmp_path, monkeypatch):
+    """A verl tool class (async create / execute / calc_reward / release) with per-row
+    tools_kwargs: each conversation gets its own instance, in one worker, given its row's
+    create / execute / calc_reward kwargs; execute's text is the tool message, its step rewards and
+    calc_reward reach the reward's extra_info (verl's rollout_reward_scores); every instance is
+    released; a raising execute is a counted tool error that ends nothing else."""
+    from common.data import render_chat
+
+    monkeypatch.setenv("RELEASED", str(tmp_path / "released"))
+    (tmp_path / "verl_tool.py").write_text(VERL_TOOL)
+    config = {"tools": [{"class_name": "verl_tool.py:Gsm8kLikeTool", "config": {"prefix": "checked:"},
+                         "tool_schema": schema("check")}]}  # fmt: skip
+    (tmp_path / "tools.yaml").write_text(json.dumps(config))
+    tool_config = str(tmp_path / "tools.yaml")
+    assert read_tool_config(tool_config).classes["check"][1] == {"prefix": "checked:"}
+    pool = RewardPool(TOOLS_PREFIX + tool_config, workers=2, timeout=5.0)
+    try:
+
+        def script_row(truth, bonus):
+            messages = [{"role": "user", "content": f"Say {truth}"}]
+            extra = {"tools_kwargs": {"check": {"create_kwargs": {"ground_truth": truth},
+                                                "execute_kwargs": {"scale": 2.0}, "calc_reward_kwargs": {"bonus": bonus}}}}  # fmt: skip
+            return {"prompt_ids": render_chat(tokenizer, messages, True, tools=[schema("check")]), "messages": messages,
+                    "agent_name": "tool_agent", "data_source": "t", "ground_truth": truth, "extra_info": extra,
+                    "interaction_kwargs": None}  # fmt: skip
+
+        calls = [
+            '<tool_call>{"name": "check", "arguments": {"answer": "7"}}</tool_call>',
+            '<tool_call>{"name": "check", "arguments": {"answer": "boom"}}</tool_call>',
+            "<answer>7</answer>",
+        ]
+        agent, engine = loop(tokenizer, calls, pool, tool_config, length=400)
+        groups = agent.generate_rows([script_row("7", 0.5), script_row("8", 0.0)], Sampling(n=2, max_tokens=400))
+    finally:
+        pool.close()
+    for group, (reward, step) in zip(groups, [(1.5, 2.0), (0.0, 0.0)]):
+        for c in group:
+            text = tokenizer.decode(c.token_ids)
+            assert (
+                f"checked: {step / 2}" in text and "the tool check failed: RuntimeError: the checker is on fire" in text
+            )
+            assert c.extra_info["rollout_reward_scores"] == {"check": reward}
+            assert c.extra_info["tool_step_rewards"] == {"check": [step]}
+    released = (tmp_path / "released").read_text().split()
+    assert len(released) == 4 and len(set(released)) == 4  # one instance per conversation, each released
+    stats = agent.stats()
+    assert stats["agent/tool_calls_mean"] == 2 and stats["agent/tool_errors"] == 4
