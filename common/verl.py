@@ -474,8 +474,9 @@ def translate(
 
 def _unread_by_verl(overrides: dict, adv_estimator: str | None) -> dict[str, str]:
     """Keys verl itself does not read in this run, with why: the critic without GAE, the reward
-    model's section with reward_model.enable=False, the in-reward KL controller with
-    algorithm.use_kl_in_reward=False. A verl config file holds every section whatever the run."""
+    model's section unless reward_model.enable=True, the in-reward KL controller unless
+    algorithm.use_kl_in_reward=True (both False by verl's default). A verl config file holds every
+    section whatever the run."""
     value = {key: v for key, (_, v) in overrides.items()}
     unread = {}
     for key in value:
@@ -489,11 +490,11 @@ def _unread_by_verl(overrides: dict, adv_estimator: str | None) -> dict[str, str
             "reward_model.micro_batch_size_per_gpu",
             "reward_model.max_length",
         ):
-            if value.get("reward_model.enable") is False:
-                unread[key] = "reward_model.enable=False"
+            if value.get("reward_model.enable") is not True:
+                unread[key] = "verl reads it only with reward_model.enable=True"
         elif key.startswith("algorithm.kl_ctrl.") or key == "algorithm.kl_penalty":
-            if value.get("algorithm.use_kl_in_reward") is False:
-                unread[key] = "algorithm.use_kl_in_reward=False"
+            if value.get("algorithm.use_kl_in_reward") is not True:
+                unread[key] = "verl reads it only with algorithm.use_kl_in_reward=True"
     return unread
 
 

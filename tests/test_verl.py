@@ -84,6 +84,31 @@ def test_verls_grpo_example_translates_to_our_flags():
         assert key in line
 
 
+def test_verls_ppo_example_translates_to_our_flags():
+    """verl's GSM8K PPO example (a critic; its kl_ctrl.kl_coef is unread by verl without
+    use_kl_in_reward, and so here)."""
+    flags, said = translate(
+        ["data.train_files=t.parquet", "data.val_files=v.parquet", "data.train_batch_size=256",
+         "data.max_prompt_length=512", "data.max_response_length=256", "actor_rollout_ref.model.path=m",
+         "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+         "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
+         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "critic.optim.lr=1e-5", "critic.model.path=c",
+         "critic.ppo_micro_batch_size_per_gpu=4", "algorithm.kl_ctrl.kl_coef=0.001", "trainer.logger=['console']",
+         "trainer.val_before_train=False", "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.save_freq=10",
+         "trainer.test_freq=10", "trainer.total_epochs=15"],
+        ARGS["ppo"], "gae", "ppo.py",
+    )  # fmt: skip
+    assert flags == [
+        "--train-files", "t.parquet", "--val-files", "v.parquet", "--train-batch-size", "256", "--max-prompt-length",
+        "512", "--max-response-length", "256", "--model", "m", "--lr", "1e-6", "--ppo-mini-batch-size", "64",
+        "--micro-batch-size-per-gpu", "4", "--tensor-parallel-size", "1", "--gpu-memory-utilization", "0.4",
+        "--critic-lr", "1e-5", "--critic-model", "c", "--logger", "console", "--no-val-before-train",
+        "--save-freq", "10", "--test-freq", "10", "--total-epochs", "15",
+    ]  # fmt: skip
+    assert "algorithm.kl_ctrl.kl_coef (verl reads it only with algorithm.use_kl_in_reward=True)" in said[0]
+
+
 def test_a_verl_command_line_runs_grpo(tmp_path):
     """`python recipes/grpo.py` followed by nothing but verl's keys trains on the bundled task."""
     out = tmp_path / "run"
@@ -301,3 +326,95 @@ def test_a_verl_batch_reward_function_trains_grpo(tmp_path):
     steps = [m for m in read_metrics(out) if "train/loss" in m]
     assert len(steps) == 2 and all(0 <= m["reward/mean"] <= 1 for m in steps)
     assert any(key.endswith("formatted") for key in steps[0]), sorted(steps[0])
+
+
+VERL_CALCULATOR_TOOL = """
+import json, os, sys
+sys.path.insert(0, os.environ["CALCULATOR_DIR"])
+from calculator import calculator
+
+class CalculatorTool:
+    # A verl tool class over the bundled calculator: it remembers, per conversation, whether a
+    # result it gave equals the row's answer (create_kwargs), as verl's GSM8K tool does.
+
+    def __init__(self, config, tool_schema):
+        self.name, self.hits = tool_schema.function.name, {}
+
+    async def create(self, instance_id=None, ground_truth=None, **kwargs):
+        self.hits[instance_id] = [str(ground_truth), 0.0]
+        return instance_id
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        result = calculator(**parameters)
+        if result == self.hits[instance_id][0]:
+            self.hits[instance_id][1] = 1.0
+        return result, 0.0, {}
+
+    async def calc_reward(self, instance_id, **kwargs):
+        return self.hits[instance_id][1]
+
+    async def release(self, instance_id, **kwargs):
+        del self.hits[instance_id]
+"""
+
+VERL_TOOL_REWARD = """
+import json, os, re
+
+def compute_score(data_sources, solution_strs, ground_truths, extra_infos):
+    with open(os.environ["TOOL_SCORES"], "a") as f:
+        f.write(json.dumps([(e or {}).get("rollout_reward_scores") for e in extra_infos]) + "\\n")
+    out = []
+    for s, g in zip(solution_strs, ground_truths):
+        m = re.search(r"<answer>(.*?)</answer>", s)
+        out.append(float(bool(m) and m.group(1).strip() == str(g)))
+    return out
+"""
+
+
+def test_a_verl_multi_turn_tool_run(tmp_path):
+    """verl's multi-turn GRPO argument list (its GSM8K tool example's keys, sizes cut down, paths
+    local) on the bundled tool task: a verl tool class given each row's tools_kwargs, scored by a
+    batch reward function that reads the tool's calc_reward from rollout_reward_scores."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(BUNDLED / "calculator" / "train.parquet").slice(0, 64).to_pylist()
+    for r in rows:
+        r["extra_info"]["tools_kwargs"] = {
+            "calculator": {"create_kwargs": {"ground_truth": r["reward_model"]["ground_truth"]}}
+        }
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    (tmp_path / "calculator_tool.py").write_text(VERL_CALCULATOR_TOOL)
+    (tmp_path / "reward.py").write_text(VERL_TOOL_REWARD)
+    schema = yaml.safe_load((BUNDLED / "calculator" / "tools.yaml").read_text())["tools"][0]["tool_schema"]
+    config = {
+        "tools": [
+            {"class_name": "calculator_tool.py:CalculatorTool", "config": {"type": "native"}, "tool_schema": schema}
+        ]
+    }
+    (tmp_path / "tool_config.yaml").write_text(yaml.safe_dump(config))
+    scores, out = tmp_path / "scores", tmp_path / "run"
+    run_recipe(
+        "grpo", "algorithm.adv_estimator=grpo", "data.train_batch_size=8", "data.max_prompt_length=128",
+        "data.max_response_length=128", "data.filter_overlong_prompts=True", "data.truncation=error",
+        "data.return_raw_chat=True", f"actor_rollout_ref.model.path={BUNDLED / 'tiny-qwen2-tools'}",
+        "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.multi_turn.enable=True", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tool_config.yaml'}",
+        "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", "trainer.logger=['console']",
+        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
+        f"data.train_files={tmp_path / 'train.parquet'}", "data.val_files=[]", "trainer.total_training_steps=2",
+        f"trainer.default_local_dir={out}", "reward_model.reward_manager=batch",
+        f"custom_reward_function.path={tmp_path / 'reward.py'}",
+        env={"CALCULATOR_DIR": str(BUNDLED / "calculator"), "TOOL_SCORES": str(scores)},
+    )  # fmt: skip
+    steps = [m for m in read_metrics(out) if "train/loss" in m]
+    assert len(steps) == 2 and sum(m["agent/tool_calls_mean"] for m in steps) > 0
+    assert all(m["agent/tool_errors"] == 0 for m in steps)
+    seen = [s for line in scores.read_text().splitlines()[1:] for s in json.loads(line)]
+    assert len(seen) == 2 * 8 * 4
+    called = [s for s in seen if s]  # conversations that called the calculator carry its calc_reward
+    assert called and all(set(s) == {"calculator"} and s["calculator"] in (0.0, 1.0) for s in called)
