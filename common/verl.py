@@ -57,7 +57,6 @@ SP = "sequence parallelism is not built"
 WRAP = "FSDP2 wraps each decoder layer"
 CKPT = "a checkpoint holds the model, the optimizer and the rest of the state, with hf/ beside it"
 ENGINE_KWARGS = "engine keyword arguments are not passed through; the vLLM knobs here are the rollout.* keys"
-ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
 
 # verl's trainer config keys (ppo_trainer.yaml for the RL recipes, sft_trainer.yaml for sft.py),
 # dotted from the root.
@@ -305,6 +304,31 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "trainer.controller_nsight_options.*": NoOp("Nsight options act only with trainer.profile_steps"),
     "ray_init.num_cpus": NoOp("Ray starts only for remote engines (--rollout-placement remote, --ray-address)"),
     "ray_init.timeline_json_file": Fixed(None, "Ray's timeline is not written"),
+    # verl's main_generation (generate.py) and main_eval (evaluate.py)
+    "data.path": Flag("data_path"),
+    "data.n_samples": Flag("n_samples"),
+    "data.output_path": Flag("output_path"),
+    "data.batch_size": Flag("batch_size"),
+    "data.data_source_key": Flag("data_source_key"),
+    "data.reward_model_key": Flag("reward_model_key"),
+    "model.path": Flag("model"),
+    "rollout.name": Flag("rollout_name"),
+    "rollout.temperature": Flag("temperature"),
+    "rollout.top_k": Flag("top_k"),
+    "rollout.top_p": Flag("top_p"),
+    "rollout.do_sample": Flag("do_sample"),
+    "rollout.prompt_length": Flag("max_prompt_length"),
+    "rollout.response_length": Flag("max_response_length"),
+    "rollout.dtype": Flag("dtype"),
+    "rollout.gpu_memory_utilization": Flag("gpu_memory_utilization"),
+    "rollout.enforce_eager": Flag("enforce_eager"),
+    "rollout.max_num_seqs": Flag("max_num_seqs"),
+    "rollout.max_num_batched_tokens": Flag("max_num_batched_tokens"),
+    "rollout.tensor_model_parallel_size": Flag("tensor_parallel_size"),
+    "rollout.free_cache_engine": Flag("enable_sleep_mode"),
+    "rollout.ignore_eos": Fixed(False, "generation stops at the tokenizer's eos"),
+    "rollout.load_format": NoOp("the engine loads the model folder it is given"),
+    "rollout.log_prob_micro_batch_size_per_gpu": NoOp(MICRO),
     "model.fsdp_config.model_dtype": Flag("dtype"),
     "model.fsdp_config.wrap_policy.min_num_params": NoOp(WRAP),
     "model.fsdp_config.cpu_offload": NoOp(OFFLOAD),

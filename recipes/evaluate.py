@@ -48,6 +48,7 @@ from common.parallel import setup_logging
 from common.rewards import Scored, start_reward_pool
 from common.runlock import claim_output
 from common.scoring import extract_answer, hit
+from common.verl import verl_args
 
 RECIPE = Path(__file__).stem
 
@@ -300,4 +301,4 @@ def main(args: Args) -> dict:
 
 if __name__ == "__main__":
     with usage_errors():  # a bad flag, path or file: one line naming it, exit status 2
-        main(tyro.cli(Args))
+        main(tyro.cli(Args, args=verl_args(Args)))  # verl's main_eval keys work too

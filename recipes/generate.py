@@ -51,6 +51,7 @@ from common.config import BUNDLED, AgentArgs, EngineArgs, EnvPlayArgs, check_fla
 from common.errors import UsageError, usage_errors
 from common.parallel import barrier, init_distributed
 from common.runlock import claim_output
+from common.verl import verl_args
 
 RECIPE = Path(__file__).stem
 # The flags that decide what a chunk holds: a parts folder made with other values is not reused.
@@ -281,4 +282,4 @@ def main(args: Args) -> dict:
 
 if __name__ == "__main__":
     with usage_errors():  # a bad flag, path or file: one line naming it, exit status 2
-        main(tyro.cli(Args))
+        main(tyro.cli(Args, args=verl_args(Args)))  # verl's main_generation keys work too

@@ -15,9 +15,9 @@ from conftest import BUNDLED, ROOT, read_metrics, run_recipe
 from common.errors import UsageError
 from common.verl import ACTOR, ROLLOUT, VERL_KEYS, Fixed, Flag, NoOp, Refused, lookup, parse_value, translate
 
-RECIPES = ("sft", "grpo", "rloo", "reinforce_pp", "ppo", "dapo", "gspo")
+RECIPES = ("sft", "grpo", "rloo", "reinforce_pp", "ppo", "dapo", "gspo", "generate", "evaluate")
 ESTIMATOR = {"grpo": "grpo", "dapo": "grpo", "gspo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_plus_plus",
-             "ppo": "gae", "sft": None}  # fmt: skip
+             "ppo": "gae", "sft": None, "generate": None, "evaluate": None}  # fmt: skip
 
 
 def args_class(recipe: str):
@@ -50,6 +50,15 @@ def test_every_key_of_verls_trainer_configs_is_classified():
             assert len(entry.why) > 15, key
     for key, entry in VERL_KEYS.items():  # the table's own flags exist too
         assert not isinstance(entry, Flag) or entry.flag in every_field, key
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_script_reads_verls_keys_as_its_own_estimator(recipe):
+    """Every script hands its command line to common.verl, and names the verl estimator it runs
+    (a fork must keep its parent's: dapo and gspo are verl's grpo)."""
+    source = (ROOT / "recipes" / f"{recipe}.py").read_text()
+    expected = f'verl_args(Args, "{ESTIMATOR[recipe]}")' if ESTIMATOR[recipe] else "verl_args(Args)"
+    assert f"tyro.cli(Args, args={expected})" in source
 
 
 def test_verls_grpo_example_translates_to_our_flags():
@@ -418,3 +427,27 @@ def test_a_verl_multi_turn_tool_run(tmp_path):
     assert len(seen) == 2 * 8 * 4
     called = [s for s in seen if s]  # conversations that called the calculator carry its calc_reward
     assert called and all(set(s) == {"calculator"} and s["calculator"] in (0.0, 1.0) for s in called)
+
+
+def test_verls_generation_and_eval_commands_run(tmp_path):
+    """verl's main_generation and main_eval argument lists (its documented example's keys, sizes
+    cut down, paths local) after generate.py and evaluate.py."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(BUNDLED / "addition" / "test.parquet").slice(0, 16).to_pylist()
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "test.parquet")
+    out = tmp_path / "gen.parquet"
+    result = run_recipe(
+        "generate", "trainer.nnodes=1", "trainer.n_gpus_per_node=1", f"data.path={tmp_path / 'test.parquet'}",
+        "data.prompt_key=prompt", "data.n_samples=2", f"data.output_path={out}", f"model.path={BUNDLED / 'tiny-qwen2-sft'}",
+        "+model.trust_remote_code=False", "rollout.temperature=1.0", "rollout.top_k=50", "rollout.top_p=0.7",
+        "rollout.prompt_length=64", "rollout.response_length=8", "rollout.tensor_model_parallel_size=1", "data.batch_size=8",
+    )  # fmt: skip
+    assert "trainer.nnodes, trainer.n_gpus_per_node" in result.stderr
+    generated = pq.read_table(out).to_pylist()
+    assert len(generated) == 16 and all(len(r["responses"]) == 2 for r in generated)
+    run_recipe("evaluate", f"data.path={out}", "data.response_key=responses", "data.data_source_key=data_source",
+               "data.reward_model_key=reward_model", "--output-json", tmp_path / "eval.json")  # fmt: skip
+    metrics = json.loads((tmp_path / "eval.json").read_text())
+    assert any("pass@2" in key for key in json.dumps(metrics).split('"')), metrics
