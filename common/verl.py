@@ -483,11 +483,9 @@ def translate(
             "a verl key cannot be run here" if len(problems) == 1 else f"{len(problems)} verl keys cannot be run here"
         )
         raise UsageError(f'{head} (docs/configuration.md, "Coming from verl"):\n  ' + "\n  ".join(problems))
+    # verl's val_kwargs.do_sample=False is greedy validation, whatever the temperature says
     if overrides.get(ROLLOUT + "val_kwargs.do_sample", (None, None))[1] is False and "val_temperature" not in given:
-        flags["val_temperature"] = [
-            "--val-temperature",
-            "0",
-        ]  # verl's do_sample=False: greedy, whatever the temperature
+        flags["val_temperature"] = ["--val-temperature", "0"]
     said = []
     if noops:
         said.append("verl keys read, with nothing to change here: " + ", ".join(noops))
