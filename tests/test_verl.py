@@ -61,78 +61,80 @@ def test_each_script_reads_verls_keys_as_its_own_estimator(recipe):
     assert f"tyro.cli(Args, args={expected})" in source
 
 
-def test_verls_grpo_example_translates_to_our_flags():
-    """The argument list of verl's GSM8K GRPO example (sizes cut down, paths local)."""
-    flags, said = grpo(
-        "algorithm.adv_estimator=grpo", "data.train_files=data/train.parquet", "data.val_files=data/test.parquet",
-        "data.train_batch_size=8", "data.max_prompt_length=64", "data.max_response_length=16",
-        "data.filter_overlong_prompts=True", "data.truncation='error'", "actor_rollout_ref.model.path=bundled/tiny-qwen2-sft",
-        "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.model.use_remove_padding=True",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-        "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
-        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
-        "actor_rollout_ref.model.enable_gradient_checkpointing=True", "actor_rollout_ref.actor.fsdp_config.param_offload=False",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40", "actor_rollout_ref.rollout.name=hf",
-        "actor_rollout_ref.rollout.n=5", "actor_rollout_ref.ref.fsdp_config.param_offload=True",
-        "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", 'trainer.logger=["console","wandb"]',
-        "trainer.project_name=verl_grpo_example_gsm8k", "trainer.n_gpus_per_node=8", "trainer.nnodes=1",
-        "trainer.save_freq=20", "trainer.test_freq=5", "trainer.total_epochs=15",
-    )  # fmt: skip
-    assert flags == [
-        "--train-files", "data/train.parquet", "--val-files", "data/test.parquet", "--train-batch-size", "8",
-        "--max-prompt-length", "64", "--max-response-length", "16", "--filter-overlong-prompts", "--truncation", "error",
-        "--model", "bundled/tiny-qwen2-sft", "--lr", "1e-6", "--ppo-mini-batch-size", "4",
-        "--micro-batch-size-per-gpu", "8", "--use-kl-loss", "--kl-loss-coef", "0.001", "--kl-loss-type", "low_var_kl",
-        "--entropy-coeff", "0", "--gradient-checkpointing", "--rollout-name", "hf", "--rollout-n", "5",
-        "--logger", "console", "wandb", "--project-name", "verl_grpo_example_gsm8k", "--save-freq", "20",
-        "--test-freq", "5", "--total-epochs", "15",
-    ]  # fmt: skip
+def verl_example(recipe: str, tmp_path) -> tuple[list[str], list[str]]:
+    """(verl's documented GSM8K example for `recipe`, as a script passes it: its keys, with sizes
+    cut down to the bundled task, paths local, 2 steps; the flags it must become)."""
+    import pyarrow.parquet as pq
+
+    train, test, model, out = (BUNDLED / "addition" / "train.parquet", tmp_path / "test.parquet",
+                               BUNDLED / "tiny-qwen2-sft", tmp_path / "run")  # fmt: skip
+    pq.write_table(pq.read_table(BUNDLED / "addition" / "test.parquet").slice(0, 32), test)  # a quick validation
+    if recipe == "grpo":
+        argv = [
+            "algorithm.adv_estimator=grpo", f"data.train_files={train}", f"data.val_files={test}",
+            "data.train_batch_size=8", "data.max_prompt_length=64", "data.max_response_length=16",
+            "data.filter_overlong_prompts=True", "data.truncation='error'", f"actor_rollout_ref.model.path={model}",
+            "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.model.use_remove_padding=True",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+            "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=True", "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40", "actor_rollout_ref.rollout.name=hf",
+            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+            "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", 'trainer.logger=["console"]',
+            "trainer.project_name=verl_grpo_example_gsm8k", "trainer.n_gpus_per_node=8", "trainer.nnodes=1",
+            "trainer.save_freq=20", "trainer.test_freq=5", "trainer.total_epochs=15", "trainer.total_training_steps=2",
+            f"trainer.default_local_dir={out}",
+        ]  # fmt: skip
+        flags = [
+            "--train-files", str(train), "--val-files", str(test), "--train-batch-size", "8", "--max-prompt-length", "64",
+            "--max-response-length", "16", "--filter-overlong-prompts", "--truncation", "error", "--model", str(model),
+            "--lr", "1e-6", "--ppo-mini-batch-size", "4", "--micro-batch-size-per-gpu", "8", "--use-kl-loss",
+            "--kl-loss-coef", "0.001", "--kl-loss-type", "low_var_kl", "--entropy-coeff", "0", "--gradient-checkpointing",
+            "--rollout-name", "hf", "--rollout-n", "4", "--logger", "console", "--project-name", "verl_grpo_example_gsm8k",
+            "--save-freq", "20", "--test-freq", "5", "--total-epochs", "15", "--total-training-steps", "2",
+            "--output-dir", str(out),
+        ]  # fmt: skip
+    else:  # ppo: a critic; kl_ctrl.kl_coef is unread by verl without use_kl_in_reward, and so here
+        argv = [
+            f"data.train_files={train}", f"data.val_files={test}", "data.train_batch_size=8", "data.max_prompt_length=64",
+            "data.max_response_length=16", f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.actor.optim.lr=1e-6",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.n=1",  # verl's default n; ours is 16
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+            "critic.optim.lr=1e-5", f"critic.model.path={model}", "critic.ppo_micro_batch_size_per_gpu=4",
+            "algorithm.kl_ctrl.kl_coef=0.001", "trainer.logger=['console']", "trainer.val_before_train=False",
+            "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.save_freq=10", "trainer.test_freq=10",
+            "trainer.total_epochs=15", "trainer.total_training_steps=2", f"trainer.default_local_dir={out}",
+        ]  # fmt: skip
+        flags = [
+            "--train-files", str(train), "--val-files", str(test), "--train-batch-size", "8", "--max-prompt-length", "64",
+            "--max-response-length", "16", "--model", str(model), "--lr", "1e-6", "--ppo-mini-batch-size", "4",
+            "--micro-batch-size-per-gpu", "4", "--tensor-parallel-size", "1", "--rollout-name", "hf", "--rollout-n", "1",
+            "--critic-lr",
+            "1e-5", "--critic-model", str(model), "--logger", "console", "--no-val-before-train", "--save-freq", "10",
+            "--test-freq", "10", "--total-epochs", "15", "--total-training-steps", "2", "--output-dir", str(out),
+        ]  # fmt: skip
+    return argv, flags
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "ppo"])
+def test_verls_examples_translate_and_run(recipe, tmp_path):
+    """verl's GSM8K GRPO and PPO examples after `python recipes/<recipe>.py`: the flags they become
+    are asserted, what has nothing to change here is named in one line, and each trains 2 steps."""
+    argv, expected = verl_example(recipe, tmp_path)
+    flags, said = translate(argv, ARGS[recipe], ESTIMATOR[recipe], f"{recipe}.py")
+    assert flags == expected
+    noops = {"grpo": ("algorithm.adv_estimator", "use_remove_padding", "param_offload", "log_prob_micro_batch_size_per_gpu",
+                      "use_kl_in_reward", "trainer.critic_warmup", "trainer.n_gpus_per_node", "trainer.nnodes"),
+             "ppo": ("algorithm.kl_ctrl.kl_coef (verl reads it only with algorithm.use_kl_in_reward=True)",
+                     "critic.ppo_micro_batch_size_per_gpu", "trainer.nnodes")}[recipe]  # fmt: skip
     (line,) = said  # the no-ops, named once in one line
-    for key in ("algorithm.adv_estimator", "use_remove_padding", "param_offload", "log_prob_micro_batch_size_per_gpu",
-                "use_kl_in_reward", "trainer.critic_warmup", "trainer.n_gpus_per_node", "trainer.nnodes"):  # fmt: skip
-        assert key in line
-
-
-def test_verls_ppo_example_translates_to_our_flags():
-    """verl's GSM8K PPO example (a critic; its kl_ctrl.kl_coef is unread by verl without
-    use_kl_in_reward, and so here)."""
-    flags, said = translate(
-        ["data.train_files=t.parquet", "data.val_files=v.parquet", "data.train_batch_size=256",
-         "data.max_prompt_length=512", "data.max_response_length=256", "actor_rollout_ref.model.path=m",
-         "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.actor.ppo_mini_batch_size=64",
-         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
-         "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
-         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "critic.optim.lr=1e-5", "critic.model.path=c",
-         "critic.ppo_micro_batch_size_per_gpu=4", "algorithm.kl_ctrl.kl_coef=0.001", "trainer.logger=['console']",
-         "trainer.val_before_train=False", "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.save_freq=10",
-         "trainer.test_freq=10", "trainer.total_epochs=15"],
-        ARGS["ppo"], "gae", "ppo.py",
-    )  # fmt: skip
-    assert flags == [
-        "--train-files", "t.parquet", "--val-files", "v.parquet", "--train-batch-size", "256", "--max-prompt-length",
-        "512", "--max-response-length", "256", "--model", "m", "--lr", "1e-6", "--ppo-mini-batch-size", "64",
-        "--micro-batch-size-per-gpu", "4", "--tensor-parallel-size", "1", "--gpu-memory-utilization", "0.4",
-        "--critic-lr", "1e-5", "--critic-model", "c", "--logger", "console", "--no-val-before-train",
-        "--save-freq", "10", "--test-freq", "10", "--total-epochs", "15",
-    ]  # fmt: skip
-    assert "algorithm.kl_ctrl.kl_coef (verl reads it only with algorithm.use_kl_in_reward=True)" in said[0]
-
-
-def test_a_verl_command_line_runs_grpo(tmp_path):
-    """`python recipes/grpo.py` followed by nothing but verl's keys trains on the bundled task."""
-    out = tmp_path / "run"
-    result = run_recipe(
-        "grpo", "algorithm.adv_estimator=grpo", f"data.train_files=[{BUNDLED / 'addition' / 'train.parquet'}]",
-        f"data.val_files={BUNDLED / 'addition' / 'test.parquet'}", "data.train_batch_size=4",
-        "data.max_prompt_length=64", "data.max_response_length=8", "actor_rollout_ref.model.path=" + str(BUNDLED / "tiny-qwen2-sft"),
-        "actor_rollout_ref.actor.optim.lr=1e-5", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_epochs=1",
-        "trainer.total_training_steps=2", "trainer.test_freq=0", "trainer.save_freq=0", f"trainer.default_local_dir={out}",
-        "trainer.logger=[console]", "trainer.n_gpus_per_node=1", "+data.val_batch_size=64",
-    )  # fmt: skip
-    assert (
-        "verl keys read, with nothing to change here: algorithm.adv_estimator, trainer.n_gpus_per_node" in result.stderr
-    )
-    assert [m["step"] for m in read_metrics(out) if "train/loss" in m] == [1, 2]
+    assert all(key in line for key in noops), line
+    result = run_recipe(recipe, *argv)
+    assert line in result.stderr
+    assert [m["step"] for m in read_metrics(tmp_path / "run") if "train/loss" in m] == [1, 2]
 
 
 @pytest.mark.parametrize(
@@ -210,6 +212,7 @@ def test_keys_that_combine_or_rename_values():
     assert flags == ["--group-baseline"]
     # verl's reward managers: batch and prime are flags; dapo is dapo.py's own overlong buffer
     assert grpo("reward_model.reward_manager=batch")[0] == ["--reward-manager", "batch"]
+    assert grpo("reward_model.reward_manager=prime")[0] == ["--reward-manager", "prime"]  # the pool, as naive
     with pytest.raises(UsageError, match="run recipes/dapo.py"):
         grpo("reward_model.reward_manager=dapo")
     dapo = translate(["reward_model.reward_manager=dapo"], args_class("dapo"), "grpo", "dapo.py")[0]
