@@ -1,7 +1,9 @@
-"""verl's command-line overrides, translated into this library's flags.
+"""verl's command-line overrides and config files, translated into this library's flags.
 
 A verl user's script says `python3 -m verl.trainer.main_ppo data.train_batch_size=64
-actor_rollout_ref.actor.optim.lr=1e-6 ...`; here the same arguments follow `python recipes/grpo.py`.
+actor_rollout_ref.actor.optim.lr=1e-6 ...`; here the same arguments follow `python recipes/grpo.py`
+(main_generation's and main_eval's follow generate.py and evaluate.py), and a verl config file
+follows --verl-config.
 VERL_KEYS is the one table of what each verl key becomes (docs/configuration.md's "Coming from
 verl" table is checked against it):
 - Flag: one of our flags, the value carried over (a Hydra list `[a,b]` becomes several values, a
