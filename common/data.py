@@ -619,8 +619,10 @@ def check_agent_rows(
                 raise DataError(f"{column}: expected a mapping of tool name -> {{create_kwargs: ..., ...}}")
             for name, kwargs in per_tool.items():
                 if name not in tool_classes:
-                    kind = "a function tool, which takes only the arguments the model writes" if name in {
-                        t["function"]["name"] for t in tools or ()} else "not a tool of --tool-config"  # fmt: skip
+                    functions = {t["function"]["name"] for t in tools or ()}
+                    kind = "not a tool of --tool-config"
+                    if name in functions:
+                        kind = "a function tool, which takes only the arguments the model writes"
                     raise DataError(f"{column}: {name!r} is {kind}; per-row arguments go to verl's tool classes "
                                     f"(class_name in --tool-config; they have: {', '.join(tool_classes) or 'none'})")  # fmt: skip
                 if not isinstance(kwargs, dict) or not all(

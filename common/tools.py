@@ -162,6 +162,20 @@ def read_tool_config(path: str) -> ToolConfig:
     return ToolConfig(str(file), schemas, functions, classes)
 
 
+def _runner():
+    """run(value): value itself, or an awaitable's result on one event loop kept for the worker's
+    life (verl's tools and interactions may be async and keep loop-bound state)."""
+    import asyncio
+    import inspect
+
+    loop = asyncio.new_event_loop()
+
+    def run(value):
+        return loop.run_until_complete(value) if inspect.isawaitable(value) else value
+
+    return run
+
+
 class ToolSchema(dict):
     """The tool_schema handed to a verl tool class, which reads it as verl's pydantic
     OpenAIFunctionToolSchema (schema.function.name, schema.model_dump()); used when verl is not
@@ -186,8 +200,6 @@ def load_tools(path: str):
     for the worker's life): "create" -> create(instance_id, **kwargs), its id; "execute" ->
     execute(instance_id, arguments, **kwargs) as (text, step reward, numeric metrics); "calc_reward"
     -> calc_reward(instance_id, **kwargs) as a float; "release" -> release(instance_id, **kwargs)."""
-    import asyncio
-    import inspect
     import math
 
     config = read_tool_config(path)
@@ -201,10 +213,7 @@ def load_tools(path: str):
     for name, (target, settings) in config.classes.items():
         schema = schema_class.model_validate(by_name[name]) if schema_class else ToolSchema(by_name[name])
         instances[name] = load_class(target, "--tool-config")(settings, schema)
-    loop = asyncio.new_event_loop()
-
-    def run(value):
-        return loop.run_until_complete(value) if inspect.isawaitable(value) else value
+    run = _runner()
 
     def text_of(value, what: str) -> str:
         value = getattr(value, "text", value)  # newer verl answers with a ToolResponse
@@ -288,7 +297,6 @@ def load_interactions(path: str):
     start_interaction(instance_id, **kwargs); "respond" -> generate_response(instance_id, messages,
     **kwargs), checked to be (done, message, score, extra) and returned as (done, message, score);
     "finalize" -> finalize_interaction(instance_id, **kwargs) when it takes them."""
-    import asyncio
     import inspect
     import math
 
@@ -297,10 +305,7 @@ def load_interactions(path: str):
         name: load_class(target, "--interaction-config")({**settings, "name": name})
         for name, (target, settings) in config.classes.items()
     }
-    loop = asyncio.new_event_loop()  # one loop for the worker's life: an interaction may keep loop-bound state
-
-    def run(value):
-        return loop.run_until_complete(value) if inspect.isawaitable(value) else value
+    run = _runner()
 
     def call(method: str, name: str, instance_id: str, messages, kwargs: dict):
         interaction = instances[name]

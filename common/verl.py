@@ -62,6 +62,14 @@ ENGINE_KWARGS = "engine keyword arguments are not passed through; the vLLM knobs
 
 # verl's trainer config keys (ppo_trainer.yaml for the RL recipes, sft_trainer.yaml for sft.py),
 # dotted from the root.
+EXTERNAL = "importing a module named in the config would run its code"
+TOKEN_IDS = "the engines here take token ids; the chat is rendered once"
+OVERRIDE_CONFIG = "a model config override is not built; edit config.json"
+AGENT_LOOP = "the agent loop runs when --tool-config or --interaction-config is given"
+STRATEGY = "one process group: --strategy auto picks DDP or FSDP2 from the launch"
+TRUST = "one --trust-remote-code (actor_rollout_ref.model.trust_remote_code) covers every model and tokenizer"
+EOS = "generation stops at the tokenizer's eos"
+DATASET_CLASS = "a dataset class named by path would run code from the config"
 ACTOR, ROLLOUT = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
 VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     # data
@@ -82,11 +90,11 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "data.micro_batch_size_per_gpu": Flag("micro_batch_size_per_gpu"),
     "data.shuffle": Flag("shuffle"),
     "data.tokenizer": Flag("tokenizer"),
-    "data.return_raw_chat": NoOp("the engines here take token ids; the chat is rendered once"),
-    "data.return_raw_input_ids": NoOp("the engines here take token ids; the chat is rendered once"),
+    "data.return_raw_chat": NoOp(TOKEN_IDS),
+    "data.return_raw_input_ids": NoOp(TOKEN_IDS),
     "data.reward_fn_key": Fixed("data_source", "rewards are chosen by the data_source column"),
     "data.image_key": NoOp("multimodal columns in the data are refused when it is read"),
-    "data.custom_cls.path": Fixed(None, "a dataset class named by path would run code from the config"),
+    "data.custom_cls.path": Fixed(None, DATASET_CLASS),
     # the policy
     "actor_rollout_ref.model.path": Flag("model"),
     "model.partial_pretrain": Flag("model"),
@@ -103,14 +111,14 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "actor_rollout_ref.model.use_remove_padding": NoOp("padding never enters the loss here"),
     "model.use_liger": Fixed(False, "Liger kernels are not built"),
     "actor_rollout_ref.model.use_liger": Fixed(False, "Liger kernels are not built"),
-    "actor_rollout_ref.model.external_lib": Fixed(None, "importing a module named in the config would run its code"),
-    "model.external_lib": Fixed(None, "importing a module named in the config would run its code"),
-    "actor_rollout_ref.model.override_config": Fixed({}, "a model config override is not built; edit config.json"),
+    "actor_rollout_ref.model.external_lib": Fixed(None, EXTERNAL),
+    "model.external_lib": Fixed(None, EXTERNAL),
+    "actor_rollout_ref.model.override_config": Fixed({}, OVERRIDE_CONFIG),
     "actor_rollout_ref.hybrid_engine": Fixed(
         True, "the engine shares the trainer's processes unless --rollout-placement remote"
     ),
     # the actor's update
-    ACTOR + "strategy": NoOp("one process group: --strategy auto picks DDP or FSDP2 from the launch"),
+    ACTOR + "strategy": NoOp(STRATEGY),
     ACTOR + "optim.lr": Flag("lr"),
     "optim.lr": Flag("lr"),
     ACTOR + "optim.weight_decay": Flag("weight_decay"),
@@ -180,7 +188,7 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     ROLLOUT + "val_kwargs.temperature": Flag("val_temperature"),
     ROLLOUT + "val_kwargs.n": Flag("val_n"),
     ROLLOUT + "val_kwargs.do_sample": Flag("val_temperature"),  # False: greedy, --val-temperature 0
-    ROLLOUT + "multi_turn.enable": NoOp("the agent loop runs when --tool-config or --interaction-config is given"),
+    ROLLOUT + "multi_turn.enable": NoOp(AGENT_LOOP),
     ROLLOUT + "multi_turn.tool_config_path": Flag("tool_config"),
     ROLLOUT + "multi_turn.interaction_config_path": Flag("interaction_config"),
     ROLLOUT + "multi_turn.max_assistant_turns": Flag("max_assistant_turns"),
@@ -241,20 +249,16 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "trainer.default_hdfs_dir": Fixed(None, "checkpoints are written to --output-dir only"),
     "trainer.val_only": Fixed(False, "validation alone is evaluate.py (with generate.py)"),
     # keys whose default a saved config holds, classified so that none is unknown
-    "data.return_full_prompt": NoOp("the engines here take token ids; the chat is rendered once"),
+    "data.return_full_prompt": NoOp(TOKEN_IDS),
     "data.filter_overlong_prompts_workers": NoOp("prompts are measured in the trainer's process"),
-    "data.trust_remote_code": NoOp(
-        "one --trust-remote-code (actor_rollout_ref.model.trust_remote_code) covers every model and tokenizer"
-    ),
-    "data.custom_cls.name": Fixed(None, "a dataset class named by path would run code from the config"),
-    "actor_rollout_ref.model.external_libs": Fixed(None, "importing a module named in the config would run its code"),
-    "actor_rollout_ref.model.override_config.model_config": Fixed(
-        {}, "a model config override is not built; edit config.json"
-    ),
+    "data.trust_remote_code": NoOp(TRUST),
+    "data.custom_cls.name": Fixed(None, DATASET_CLASS),
+    "actor_rollout_ref.model.external_libs": Fixed(None, EXTERNAL),
+    "actor_rollout_ref.model.override_config.model_config": Fixed({}, OVERRIDE_CONFIG),
     "actor_rollout_ref.model.override_config.moe_config.freeze_moe_router": Fixed(
         False, "MoE router freezing is not built"
     ),
-    "actor_rollout_ref.model.override_config.*": Refused("a model config override is not built; edit config.json"),
+    "actor_rollout_ref.model.override_config.*": Refused(OVERRIDE_CONFIG),
     "actor_rollout_ref.model.enable_activation_offload": NoOp(OFFLOAD),
     ACTOR + "use_torch_compile": NoOp("the update runs eagerly; compiling would change its speed, not its result"),
     ACTOR + "data_loader_seed": NoOp("mini-batches are taken in an order seeded by --seed"),
@@ -270,7 +274,7 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     ROLLOUT + "log_prob_use_dynamic_bsz": NoOp(MICRO),
     ROLLOUT + "log_prob_max_token_len_per_gpu": NoOp(MICRO),
     ROLLOUT + "dtype": NoOp("the engine runs in the policy's dtype (--dtype, --mixed-precision)"),
-    ROLLOUT + "ignore_eos": Fixed(False, "generation stops at the tokenizer's eos"),
+    ROLLOUT + "ignore_eos": Fixed(False, EOS),
     ROLLOUT + "do_sample": Fixed(True, "training always samples; greedy validation is val_kwargs.do_sample=False"),
     ROLLOUT + "engine_kwargs.vllm.swap_space": Fixed(None, ENGINE_KWARGS),
     ROLLOUT + "engine_kwargs.swap_space": Fixed(None, ENGINE_KWARGS),
@@ -278,18 +282,16 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     ROLLOUT + "engine_kwargs.*": Refused(ENGINE_KWARGS),
     ROLLOUT + "val_kwargs.top_k": Fixed(-1, "validation samples without top-k"),
     ROLLOUT + "val_kwargs.top_p": Fixed(1.0, "validation samples without top-p"),
-    ROLLOUT + "multi_turn": NoOp("the agent loop runs when --tool-config or --interaction-config is given"),
+    ROLLOUT + "multi_turn": NoOp(AGENT_LOOP),
     ROLLOUT + "tool_kwargs.tools_config_file": Flag("tool_config"),
     ROLLOUT + "interaction_config_file": Flag("interaction_config"),
-    "critic.strategy": NoOp("one process group: --strategy auto picks DDP or FSDP2 from the launch"),
+    "critic.strategy": NoOp(STRATEGY),
     "critic.ppo_epochs": Fixed(1, "the critic updates with the actor's --ppo-epochs"),  # the actor's, in translate
     "reward_model.model.input_tokenizer": NoOp(
         "the reward model re-renders the decoded conversation with its own tokenizer"
     ),
-    "reward_model.model.external_lib": Fixed(None, "importing a module named in the config would run its code"),
-    "reward_model.model.trust_remote_code": NoOp(
-        "one --trust-remote-code (actor_rollout_ref.model.trust_remote_code) covers every model and tokenizer"
-    ),
+    "reward_model.model.external_lib": Fixed(None, EXTERNAL),
+    "reward_model.model.trust_remote_code": NoOp(TRUST),
     "reward_model.model.fsdp_config.min_num_params": NoOp(WRAP),
     "reward_model.model.fsdp_config.param_offload": NoOp(OFFLOAD),
     "reward_model.micro_batch_size_per_gpu": NoOp(MICRO),
@@ -328,7 +330,7 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "rollout.max_num_batched_tokens": Flag("max_num_batched_tokens"),
     "rollout.tensor_model_parallel_size": Flag("tensor_parallel_size"),
     "rollout.free_cache_engine": Flag("enable_sleep_mode"),
-    "rollout.ignore_eos": Fixed(False, "generation stops at the tokenizer's eos"),
+    "rollout.ignore_eos": Fixed(False, EOS),
     "rollout.load_format": NoOp("the engine loads the model folder it is given"),
     "rollout.log_prob_micro_batch_size_per_gpu": NoOp(MICRO),
     "model.fsdp_config.model_dtype": Flag("dtype"),
@@ -437,11 +439,9 @@ def translate(
             continue
         if key == "critic.ppo_epochs":
             actor = overrides.get(ACTOR + "ppo_epochs", (None, defaults.get("ppo_epochs")))[1]
-            entry = Fixed(
-                actor, "the critic updates with the actor's --ppo-epochs (actor_rollout_ref.actor.ppo_epochs)"
-            )
+            entry = Fixed(actor, entry.why)
         if key == "algorithm.filter_groups.enable":
-            entry = Fixed("max_num_gen_batches" in fields, "dapo.py always filters groups; the other recipes never do")
+            entry = Fixed("max_num_gen_batches" in fields, entry.why)  # True only in dapo.py
         if isinstance(entry, Fixed):
             if not _same(value, entry.value):
                 problems.append(f"{arg}: only {key}={entry.value} is supported here: {entry.why}")
