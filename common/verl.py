@@ -339,6 +339,27 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "model.fsdp_config.offload_params": NoOp(OFFLOAD),
 }
 
+# verl's defaults (its trainer configs, as the guides list them) for the keys that change what a run
+# does and where this library's default differs: a verl command means them for every key it leaves
+# out, so they apply whenever a command has verl keys, unless our own flag sets the same thing.
+# Paths (model, data, output) and where things run (engine, logger) keep this library's defaults.
+VERL_DEFAULTS: dict[str, dict[str, object]] = {
+    "ppo": {
+        "data.max_prompt_length": 512,
+        "data.max_response_length": 512,
+        "data.train_batch_size": 1024,
+        ACTOR + "ppo_mini_batch_size": 256,
+        ACTOR + "optim.lr": 1e-6,
+        ACTOR + "optim.warmup_style": "constant",
+        ROLLOUT + "n": 1,
+        "trainer.total_epochs": 30,
+        "critic.optim.lr": 1e-5,
+        "algorithm.use_kl_in_reward": False,
+        "algorithm.kl_ctrl.kl_coef": 0.001,
+    },
+    "sft": {"optim.lr": 1e-5, "optim.weight_decay": 0.01, "optim.warmup_steps_ratio": 0.1},
+}
+
 OVERRIDE = re.compile(r"^\+{0,2}([A-Za-z_][\w-]*(?:\.[\w-]+)+)=(.*)$", re.DOTALL)
 
 
@@ -402,13 +423,20 @@ def _tokens(field: str, kind, value) -> list[str]:
 
 
 def translate(
-    argv: list[str], args_class, adv_estimator: str | None, recipe: str, config: dict | None = None, source: str = ""
+    argv: list[str],
+    args_class,
+    adv_estimator: str | None,
+    recipe: str,
+    config: dict | None = None,
+    source: str = "",
+    trainer: str | None = None,
 ) -> tuple[list[str], list[str]]:
     """(argv with every verl key replaced by our flags, the lines to say). `config` holds the
     dotted keys of a --verl-config file (read from `source`); the command line's keys win over
-    it, and our own flags over both. Raises one UsageError naming every key that is unknown,
-    refused, fixed to another value, or sets a flag `recipe` does not have, and an
-    algorithm.adv_estimator that is not this recipe's."""
+    it, and our own flags over both. `trainer` ("ppo", "sft" or None) names the VERL_DEFAULTS that
+    fill the keys left out. Raises one UsageError naming every key that is unknown, refused, fixed
+    to another value, or sets a flag `recipe` does not have, and an algorithm.adv_estimator that is
+    not this recipe's."""
     hints = typing.get_type_hints(args_class)
     fields = {f.name: hints.get(f.name, f.type) for f in dataclasses.fields(args_class)}
     defaults = {f.name: f.default for f in dataclasses.fields(args_class)}
@@ -488,7 +516,18 @@ def translate(
     # verl's val_kwargs.do_sample=False is greedy validation, whatever the temperature says
     if overrides.get(ROLLOUT + "val_kwargs.do_sample", (None, None))[1] is False and "val_temperature" not in given:
         flags["val_temperature"] = ["--val-temperature", "0"]
+    defaulted = []
+    for key, value in VERL_DEFAULTS.get(trainer, {}).items():
+        field = VERL_KEYS[key].flag
+        if key in overrides or field not in fields or field in given or field in flags:
+            continue
+        if key in _unread_by_verl({**overrides, key: (key, value)}, adv_estimator):
+            continue  # verl would not read it either (the critic's lr without GAE, ...)
+        flags[field] = _tokens(field, fields[field], value)
+        defaulted.append(f"{key}={value}")
     said = []
+    if defaulted:
+        said.append("verl's defaults for the keys this command leaves out: " + ", ".join(defaulted))
     if noops:
         said.append("verl keys read, with nothing to change here: " + ", ".join(noops))
     if clashes:
@@ -600,10 +639,15 @@ def read_verl_config(path: str) -> dict:
     return {key: resolve(key, value) for key, value in flat.items()}
 
 
-def verl_args(args_class, adv_estimator: str | None = None, argv: list[str] | None = None) -> list[str]:
+def verl_args(
+    args_class, adv_estimator: str | None = None, argv: list[str] | None = None, trainer: str | None = None
+) -> list[str]:
     """The argument list tyro should read: sys.argv[1:] with verl's key=value arguments and a
-    --verl-config file translated (what was read without effect, and clashes, said on rank 0).
-    --print-verl-translation prints the translated command and exits."""
+    --verl-config file translated (what was read without effect, verl's defaults applied, and
+    clashes, said on rank 0). `trainer` picks the defaults: "ppo" (the default for a recipe with an
+    adv_estimator), "sft", or None (generate.py, evaluate.py). --print-verl-translation prints the
+    translated command and exits."""
+    trainer = trainer or ("ppo" if adv_estimator else None)
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe = os.path.basename(sys.argv[0]) or "this recipe"
     show = "--print-verl-translation" in argv
@@ -617,7 +661,7 @@ def verl_args(args_class, adv_estimator: str | None = None, argv: list[str] | No
             argv = argv[:i] + argv[i + (1 if "=" in arg else 2) :]
             config = read_verl_config(source)
             break
-    translated, said = translate(argv, args_class, adv_estimator, recipe, config, source)
+    translated, said = translate(argv, args_class, adv_estimator, recipe, config, source, trainer)
     if show:
         print(shlex.join(["python", sys.argv[0], *translated]))
         raise SystemExit(0)

@@ -240,4 +240,4 @@ def main(args: Args) -> dict:
 
 if __name__ == "__main__":
     with usage_errors():  # a bad flag, path or file: one line naming it, exit status 2
-        main(tyro.cli(Args, args=verl_args(Args)))  # verl's key=value arguments work too
+        main(tyro.cli(Args, args=verl_args(Args, trainer="sft")))  # verl's key=value arguments work too

@@ -13,7 +13,19 @@ import yaml
 from conftest import BUNDLED, ROOT, read_metrics, run_recipe
 
 from common.errors import UsageError
-from common.verl import ACTOR, ROLLOUT, VERL_KEYS, Fixed, Flag, NoOp, Refused, lookup, parse_value, translate
+from common.verl import (
+    ACTOR,
+    ROLLOUT,
+    VERL_DEFAULTS,
+    VERL_KEYS,
+    Fixed,
+    Flag,
+    NoOp,
+    Refused,
+    lookup,
+    parse_value,
+    translate,
+)
 
 RECIPES = ("sft", "grpo", "rloo", "reinforce_pp", "ppo", "dapo", "gspo", "generate", "evaluate")
 ESTIMATOR = {"grpo": "grpo", "dapo": "grpo", "gspo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_plus_plus",
@@ -58,6 +70,8 @@ def test_each_script_reads_verls_keys_as_its_own_estimator(recipe):
     (a fork must keep its parent's: dapo and gspo are verl's grpo)."""
     source = (ROOT / "recipes" / f"{recipe}.py").read_text()
     expected = f'verl_args(Args, "{ESTIMATOR[recipe]}")' if ESTIMATOR[recipe] else "verl_args(Args)"
+    if recipe == "sft":
+        expected = 'verl_args(Args, trainer="sft")'  # verl's SFT trainer's defaults, not its PPO trainer's
     assert f"tyro.cli(Args, args={expected})" in source
 
 
@@ -224,12 +238,59 @@ def test_keys_that_combine_or_rename_values():
     assert parse_value(" [ ] ") == [] and parse_value("True") is True and parse_value("~") is None
 
 
+def test_keys_a_verl_command_leaves_out_take_verls_defaults():
+    """A command with verl keys means verl's defaults for the rest (VERL_DEFAULTS, as the guides
+    list them), said in one line; our own flags, and a verl key naming the same flag, win; keys verl
+    would not read stay out; a command without verl keys is untouched."""
+    guide = yaml.safe_load((ROOT / "tests" / "data" / "verl_keys.yaml").read_text())
+    for trainer, defaults in VERL_DEFAULTS.items():
+        for key, value in defaults.items():
+            assert (
+                float(value) == float(guide[trainer][key])
+                if not isinstance(value, str)
+                else value == guide[trainer][key]
+            )
+
+    def flags(argv, recipe="grpo", estimator="grpo", trainer="ppo"):
+        tokens, said = translate(argv, ARGS[recipe], estimator, f"{recipe}.py", trainer=trainer)
+        found = {}  # flag -> its value, or True for a switch
+        for i, token in enumerate(tokens):
+            if token.startswith("--"):
+                follows = tokens[i + 1] if i + 1 < len(tokens) else "--"
+                found[token] = True if follows.startswith("--") else follows
+        return found, said
+
+    found, said = flags(["trainer.total_epochs=2"])
+    assert found == {"--total-epochs": "2", "--max-prompt-length": "512", "--max-response-length": "512",
+                     "--train-batch-size": "1024", "--ppo-mini-batch-size": "256", "--lr": "1e-06",
+                     "--lr-scheduler": "constant", "--rollout-n": "1"}  # fmt: skip
+    assert said == ["verl's defaults for the keys this command leaves out: data.max_prompt_length=512, "
+                    "data.max_response_length=512, data.train_batch_size=1024, "
+                    "actor_rollout_ref.actor.ppo_mini_batch_size=256, actor_rollout_ref.actor.optim.lr=1e-06, "
+                    "actor_rollout_ref.actor.optim.warmup_style=constant, actor_rollout_ref.rollout.n=1"]  # fmt: skip
+    found, _ = flags(
+        ["trainer.total_epochs=2", "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "--lr", "1e-5"]
+    )
+    assert found["--lr-scheduler"] == "cosine" and found["--lr"] == "1e-5"
+    # ppo.py: verl's in-reward KL is off unless asked for, and its coefficient is read only then
+    found, _ = flags(["trainer.total_epochs=2"], "ppo", "gae")
+    assert found["--no-use-kl-in-reward"] is True and "--kl-coef" not in found
+    assert found["--critic-lr"] == "1e-05"
+    found, _ = flags(["algorithm.use_kl_in_reward=True"], "ppo", "gae")
+    assert found["--kl-coef"] == "0.001"
+    # sft.py takes verl's SFT trainer's defaults; generate.py and evaluate.py none
+    found, _ = flags(["optim.lr=1e-4"], "sft", None, "sft")
+    assert found == {"--lr": "1e-4", "--weight-decay": "0.01", "--lr-warmup-steps-ratio": "0.1"}
+    assert flags(["trainer.total_epochs=2"], trainer=None)[0] == {"--total-epochs": "2"}
+    assert translate(["--lr", "1"], ARGS["grpo"], "grpo", "grpo.py", trainer="ppo") == (["--lr", "1"], [])
+
+
 def test_print_verl_translation_prints_the_command_and_starts_nothing(tmp_path):
     result = run_recipe("ppo", "--print-verl-translation", "algorithm.adv_estimator=gae", "critic.optim.lr=1e-5",
                         "algorithm.lam=0.9", f"trainer.default_local_dir={tmp_path / 'run'}")  # fmt: skip
-    assert result.stdout.strip().endswith(
-        f"--critic-lr 1e-05 --lam 0.9 --output-dir {tmp_path / 'run'}".replace("1e-05", "1e-5")
-    )
+    command = result.stdout.strip()
+    assert f"ppo.py --critic-lr 1e-5 --lam 0.9 --output-dir {tmp_path / 'run'} --max-prompt-length 512 " in command
+    assert command.endswith(" --rollout-n 1 --total-epochs 30 --no-use-kl-in-reward")  # verl's defaults follow
     assert not (tmp_path / "run").exists()
 
 
@@ -331,7 +392,7 @@ def test_a_verl_batch_reward_function_trains_grpo(tmp_path):
         "grpo", "reward_model.reward_manager=batch", f"custom_reward_function.path={tmp_path / 'batch_reward.py'}",
         f"data.train_files={BUNDLED / 'addition' / 'train.parquet'}", "data.val_files=[]", "data.train_batch_size=4",
         "data.max_prompt_length=64", "data.max_response_length=8", "actor_rollout_ref.rollout.n=2",
-        f"actor_rollout_ref.model.path={BUNDLED / 'tiny-qwen2-sft'}", "trainer.total_training_steps=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", f"actor_rollout_ref.model.path={BUNDLED / 'tiny-qwen2-sft'}", "trainer.total_training_steps=2",
         "trainer.save_freq=0", f"trainer.default_local_dir={out}", env={"BATCH_CALLS": str(calls)},
     )  # fmt: skip
     assert calls.read_text().split()[1:] == ["8", "8"]
