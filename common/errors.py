@@ -2,10 +2,15 @@
 
 import contextlib
 import os
+import re
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+# Flags whose value the user gave another way (common.verl: a verl key, or verl's default for a key
+# the command left out) -> how, so that a usage error naming the flag names what the user typed.
+ORIGINS: dict[str, str] = {}
 
 
 class UsageError(ValueError):
@@ -27,8 +32,23 @@ def usage_errors():
     try:
         yield
     except (UsageError, RunStopped) as e:
-        report_once(f"error: {e}")
+        report_once(
+            f"error: {e}"
+            + "".join(
+                f"\n  (--{field.replace('_', '-')} came from {how})"
+                for field, how in ORIGINS.items()
+                if _names(str(e), field)
+            )
+        )
         raise SystemExit(2 if isinstance(e, UsageError) else 1) from None
+
+
+def _names(message: str, field: str) -> bool:
+    """Whether message names the flag of `field` (as --the-flag or the_field, a word of its own)."""
+    return (
+        re.search(rf"(?<![\w-])(--{re.escape(field.replace('_', '-'))}|{re.escape(field)})(?![\w-])", message)
+        is not None
+    )
 
 
 def report_once(line: str, wait: float = 10.0) -> None:

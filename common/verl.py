@@ -2,8 +2,9 @@
 
 A verl user's script says `python3 -m verl.trainer.main_ppo data.train_batch_size=64
 actor_rollout_ref.actor.optim.lr=1e-6 ...`; here the same arguments follow `python recipes/grpo.py`
-(main_generation's and main_eval's follow generate.py and evaluate.py), and a verl config file
-follows --verl-config.
+(main_generation's and main_eval's follow generate.py and evaluate.py), a verl config file
+follows --verl-config, and a Hydra launch (--config-path DIR --config-name NAME) is composed from
+its defaults list. The keys a verl command leaves out take verl's defaults (VERL_DEFAULTS).
 VERL_KEYS is the one table of what each verl key becomes (docs/configuration.md's "Coming from
 verl" table is checked against it):
 - Flag: one of our flags, the value carried over (a Hydra list `[a,b]` becomes several values, a
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from common.errors import UsageError
+from common.errors import ORIGINS, UsageError
 
 
 @dataclass(frozen=True)
@@ -306,6 +307,7 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "trainer.ray_wait_register_center_timeout": NoOp("no Ray workers train here"),
     "trainer.profile_steps": Fixed(None, "the profiler hooks are not built; bench/ measures speed"),
     "trainer.controller_nsight_options.*": NoOp("Nsight options act only with trainer.profile_steps"),
+    "hydra.*": NoOp("Hydra's own settings (search path, run folder); the config is composed here from --config-path"),
     "ray_init.num_cpus": NoOp("Ray starts only for remote engines (--rollout-placement remote, --ray-address)"),
     "ray_init.timeline_json_file": Fixed(None, "Ray's timeline is not written"),
     # verl's main_generation (generate.py) and main_eval (evaluate.py)
@@ -430,11 +432,13 @@ def translate(
     config: dict | None = None,
     source: str = "",
     trainer: str | None = None,
+    origins: dict[str, str] | None = None,
 ) -> tuple[list[str], list[str]]:
     """(argv with every verl key replaced by our flags, the lines to say). `config` holds the
     dotted keys of a --verl-config file (read from `source`); the command line's keys win over
     it, and our own flags over both. `trainer` ("ppo", "sft" or None) names the VERL_DEFAULTS that
-    fill the keys left out. Raises one UsageError naming every key that is unknown, refused, fixed
+    fill the keys left out; `origins`, when given, gets each flag set from a verl key: the key as
+    the user gave it (or the default), for usage errors to name (common.errors). Raises one UsageError naming every key that is unknown, refused, fixed
     to another value, or sets a flag `recipe` does not have, and an algorithm.adv_estimator that is
     not this recipe's."""
     hints = typing.get_type_hints(args_class)
@@ -453,7 +457,7 @@ def translate(
         a.split("=", 1)[0].removeprefix("--").removeprefix("no-").replace("-", "_") for a in ours if a.startswith("--")
     }
     unread = _unread_by_verl(overrides, adv_estimator)
-    flags, noops, clashes, problems = {}, [], [], []
+    flags, noops, clashes, problems, origin = {}, [], [], [], {}
     for key, (arg, value) in overrides.items():
         entry = lookup(key)
         if key in unread:
@@ -506,6 +510,7 @@ def translate(
             value = _special(key, value, overrides)
             if value is not _SKIP:
                 flags[field] = _tokens(field, fields[field], value)
+                origin[field] = arg
         except (UsageError, ValueError) as e:
             problems.append(f"{arg}: {e}")
     if problems:
@@ -525,6 +530,9 @@ def translate(
             continue  # verl would not read it either (the critic's lr without GAE, ...)
         flags[field] = _tokens(field, fields[field], value)
         defaulted.append(f"{key}={value}")
+        origin[field] = f"verl's default {key}={value}, a key this command leaves out"
+    if origins is not None:
+        origins.update(origin)
     said = []
     if defaulted:
         said.append("verl's defaults for the keys this command leaves out: " + ", ".join(defaulted))
@@ -605,14 +613,77 @@ def _check_estimator(arg: str, value, adv_estimator: str | None, recipe: str) ->
 def read_verl_config(path: str) -> dict:
     """The dotted keys of a verl config file (YAML, nested as verl's trainer configs are; a run's
     saved config too), with `${a.b}` references to other keys resolved."""
+    return _flatten(_load_yaml(Path(path), f"--verl-config {path}"), f"--verl-config {path}")
+
+
+# verl's own configs a user's Hydra config may name in its defaults list (they live in verl's
+# package, found through hydra.searchpath): the keys they hold are verl's defaults, which the keys a
+# config leaves out take here anyway (VERL_DEFAULTS); the trainer whose defaults they are.
+VERL_BASE_CONFIGS = {"ppo_trainer": "ppo", "sft_trainer": "sft", "generation": None, "evaluation": None}
+
+
+def compose_hydra_config(config_path: str, config_name: str, trainer: str | None) -> dict:
+    """The dotted keys of verl's Hydra launch `--config-path DIR --config-name NAME`: DIR/NAME.yaml
+    composed with its `defaults:` list as Hydra does (each entry in order, the file's own keys where
+    `_self_` stands, else last; later entries win). An entry that is another file of DIR is read;
+    verl's own base config (ppo_trainer, ...) adds nothing, its keys being verl's defaults; a config
+    group or anything else is refused. `hydra:` settings become hydra.* keys (read, no effect)."""
+    where = Path(config_path or ".")
+    flag = f"--config-path {config_path} --config-name {config_name}"
+
+    def compose(name: str, seen: tuple) -> dict:
+        if name in seen:
+            raise UsageError(f"{flag}: the defaults lists name {name} in a circle ({' -> '.join((*seen, name))})")
+        file = where / (name if name.endswith(".yaml") else f"{name}.yaml")
+        if not file.is_file() and name in VERL_BASE_CONFIGS:
+            if VERL_BASE_CONFIGS[name] != trainer:
+                raise UsageError(f"{flag}: {name} is verl's config for another entry point than this script")
+            return {}
+        if not file.is_file():
+            raise UsageError(f"{flag}: no file {file} (a defaults entry or the config itself)")
+        tree = _load_yaml(file, flag)
+        defaults = tree.pop("defaults", [])
+        if not isinstance(defaults, list):
+            raise UsageError(f"{flag}: {file}: defaults must be a list")
+        parts, has_self = [], "_self_" in defaults
+        for entry in defaults:
+            if entry == "_self_":
+                parts.append(tree)
+            elif isinstance(entry, str):
+                parts.append(compose(entry.removeprefix("optional "), (*seen, name)))
+            else:
+                raise UsageError(
+                    f"{flag}: {file}: defaults entry {entry!r}: config groups are not composed here; "
+                    "name verl's base config (ppo_trainer) and your own files of the same folder"
+                )
+        merged = {}
+        for part in parts if has_self else [*parts, tree]:
+            _merge(merged, part)
+        return merged
+
+    return _flatten(compose(config_name, ()), flag)
+
+
+def _merge(into: dict, tree: dict) -> None:
+    for key, value in tree.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _load_yaml(file: Path, flag: str) -> dict:
     try:
-        tree = yaml.safe_load(Path(path).read_text())
+        tree = yaml.safe_load(file.read_text())
     except (OSError, yaml.YAMLError) as e:
-        raise UsageError(f"--verl-config {path}: cannot be read as YAML: {str(e).splitlines()[0]}") from None
+        raise UsageError(f"{flag}: {file} cannot be read as YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(tree, dict):
-        raise UsageError(
-            f"--verl-config {path}: not a mapping of verl's config sections (data, actor_rollout_ref, ...)"
-        )
+        raise UsageError(f"{flag}: {file} is not a mapping of verl's config sections (data, actor_rollout_ref, ...)")
+    return tree
+
+
+def _flatten(tree: dict, flag: str) -> dict:
+    """Dotted keys, with `${a.b}` references to other keys resolved (inside longer text too)."""
     flat = {}
 
     def walk(prefix: str, node) -> None:
@@ -625,12 +696,11 @@ def read_verl_config(path: str) -> dict:
     walk("", tree)
 
     def resolve(key: str, value, seen: tuple = ()):
-        """A value `${a.b}` is a.b's value; `${a.b}` inside a longer text is replaced by it."""
         if not isinstance(value, str) or "${" not in value:
             return value
         for ref in re.findall(r"\$\{([^}]*)\}", value):
             if ref not in flat or ref in seen:
-                raise UsageError(f"--verl-config {path}: {key}={value}: ${{{ref}}} names no key of the file")
+                raise UsageError(f"{flag}: {key}={value}: ${{{ref}}} names no key of the config")
         whole = re.fullmatch(r"\$\{([^}]*)\}", value)
         if whole:
             return resolve(whole.group(1), flat[whole.group(1)], (*seen, key))
@@ -643,25 +713,30 @@ def verl_args(
     args_class, adv_estimator: str | None = None, argv: list[str] | None = None, trainer: str | None = None
 ) -> list[str]:
     """The argument list tyro should read: sys.argv[1:] with verl's key=value arguments and a
-    --verl-config file translated (what was read without effect, verl's defaults applied, and
-    clashes, said on rank 0). `trainer` picks the defaults: "ppo" (the default for a recipe with an
-    adv_estimator), "sft", or None (generate.py, evaluate.py). --print-verl-translation prints the
-    translated command and exits."""
+    verl config translated (what was read without effect, verl's defaults applied, and clashes,
+    said on rank 0). The config is a file (--verl-config FILE) or Hydra's launch of one
+    (--config-path DIR --config-name NAME, as verl's example scripts start main_ppo). `trainer`
+    picks the defaults: "ppo" (the default for a recipe with an adv_estimator), "sft", or None
+    (generate.py, evaluate.py). --print-verl-translation prints the translated command and exits."""
     trainer = trainer or ("ppo" if adv_estimator else None)
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe = os.path.basename(sys.argv[0]) or "this recipe"
     show = "--print-verl-translation" in argv
     argv = [a for a in argv if a != "--print-verl-translation"]
+    file, argv = _take(argv, "--verl-config")
+    config_path, argv = _take(argv, "--config-path", "-cp")
+    config_name, argv = _take(argv, "--config-name", "-cn")
     config, source = None, ""
-    for i, arg in enumerate(argv):
-        if arg == "--verl-config" or arg.startswith("--verl-config="):
-            source = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
-            if not source:
-                raise UsageError("--verl-config: give the path of a verl config file (YAML)")
-            argv = argv[:i] + argv[i + (1 if "=" in arg else 2) :]
-            config = read_verl_config(source)
-            break
-    translated, said = translate(argv, args_class, adv_estimator, recipe, config, source, trainer)
+    if file is not None and (config_path or config_name) is not None:
+        raise UsageError("give --verl-config FILE or Hydra's --config-path / --config-name, not both")
+    if file is not None:
+        config, source = read_verl_config(file), file
+    elif config_name is not None:
+        config, source = compose_hydra_config(config_path, config_name, trainer), f"--config-name {config_name}"
+    elif config_path is not None:
+        raise UsageError("--config-path: give --config-name as well (the config file of that folder, without .yaml)")
+    ORIGINS.clear()
+    translated, said = translate(argv, args_class, adv_estimator, recipe, config, source, trainer, ORIGINS)
     if show:
         print(shlex.join(["python", sys.argv[0], *translated]))
         raise SystemExit(0)
@@ -669,3 +744,15 @@ def verl_args(
         for line in said:
             print(line, file=sys.stderr)
     return translated
+
+
+def _take(argv: list[str], *names: str) -> tuple[str | None, list[str]]:
+    """(the value of the flag `names` spell, as `--x value` or `--x=value`; argv without it)."""
+    for i, arg in enumerate(argv):
+        name = arg.split("=", 1)[0]
+        if name in names:
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            if not value or value.startswith("-"):
+                raise UsageError(f"{names[0]}: give a value")
+            return value, argv[:i] + argv[i + (1 if "=" in arg else 2) :]
+    return None, argv

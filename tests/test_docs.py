@@ -246,8 +246,9 @@ def check_flags(script: str, words: list[str]) -> list[str]:
         i += 1
         if word == "--":
             break
-        if script.startswith("recipes/") and word in ("--verl-config", "--print-verl-translation"):
-            i += word == "--verl-config"  # read by common.verl before tyro: the file's path follows
+        if script.startswith("recipes/") and word in ("--verl-config", "--config-path", "--config-name",
+                                                      "--print-verl-translation"):  # fmt: skip
+            i += word != "--print-verl-translation"  # read by common.verl before tyro: a path or name follows
             continue
         if not word.startswith("--") and script.startswith("recipes/") and is_override(word):
             entry = lookup(OVERRIDE.match(word).group(1))

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from conftest import BUNDLED, ROOT, read_metrics, run_recipe
 
-from common.errors import UsageError
+from common.errors import ORIGINS, UsageError, usage_errors
 from common.verl import (
     ACTOR,
     ROLLOUT,
@@ -25,6 +25,7 @@ from common.verl import (
     lookup,
     parse_value,
     translate,
+    verl_args,
 )
 
 RECIPES = ("sft", "grpo", "rloo", "reinforce_pp", "ppo", "dapo", "gspo", "generate", "evaluate")
@@ -285,6 +286,73 @@ def test_keys_a_verl_command_leaves_out_take_verls_defaults():
     assert translate(["--lr", "1"], ARGS["grpo"], "grpo", "grpo.py", trainer="ppo") == (["--lr", "1"], [])
 
 
+def test_a_hydra_launch_composes_the_config_and_its_defaults(tmp_path, capsys):
+    """--config-path DIR --config-name NAME as verl's example scripts launch main_ppo: the file's
+    defaults list in Hydra's order (the file's own keys at _self_, else last; later wins), verl's
+    ppo_trainer standing for verl's defaults, ${...} resolved, then the command line's keys, then
+    our own flags. What cannot be composed is a usage error naming the file or the entry."""
+    (tmp_path / "shared.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "data": {"train_batch_size": 8, "max_prompt_length": 64},
+                "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-5}}},
+            }
+        )  # fmt: skip
+    )
+    main = {"hydra": {"searchpath": ["file://verl/trainer/config"]}, "defaults": ["ppo_trainer", "shared", "_self_"],
+            "data": {"train_batch_size": 4}, "actor_rollout_ref": {"rollout": {"n": 2}},
+            "trainer": {"experiment_name": "x", "default_local_dir": "runs/${trainer.experiment_name}"}}  # fmt: skip
+    (tmp_path / "main.yaml").write_text(yaml.safe_dump(main))
+
+    def launch(*argv, recipe="grpo", estimator="grpo"):
+        tokens = verl_args(ARGS[recipe], estimator, ["--config-path", str(tmp_path), *argv])
+        return dict(zip(tokens[::2], tokens[1::2]))
+
+    found = launch("--config-name", "main", "data.max_prompt_length=32", "--lr", "3e-5")
+    assert found["--train-batch-size"] == "4" and found["--max-prompt-length"] == "32" and found["--lr"] == "3e-5"
+    assert found["--rollout-n"] == "2" and found["--output-dir"] == "runs/x"
+    assert found["--ppo-mini-batch-size"] == "256"  # verl's default, for the key no file sets
+    said = capsys.readouterr().err
+    assert "hydra.searchpath" in said and "actor_rollout_ref.actor.optim.lr=1e-05 (--lr given as well)" in said
+    main["defaults"] = ["_self_", "shared"]  # the defaults list's file now comes after the config's own keys
+    (tmp_path / "main.yaml").write_text(yaml.safe_dump(main))
+    assert launch("--config-name=main")["--train-batch-size"] == "8"
+    main["defaults"] = ["shared"]  # no _self_: the config's own keys come last, as in Hydra
+    (tmp_path / "main.yaml").write_text(yaml.safe_dump(main))
+    assert launch("-cn", "main")["--train-batch-size"] == "4"
+    for defaults, message in (
+        (["ppo_trainer", "missing"], "no file .*missing.yaml"),
+        ([{"actor@actor_rollout_ref.actor": "dp_actor"}], "config groups are not composed here"),
+        (["sft_trainer"], "sft_trainer is verl's config for another entry point"),
+        (["main"], "in a circle"),
+    ):
+        main["defaults"] = defaults
+        (tmp_path / "main.yaml").write_text(yaml.safe_dump(main))
+        with pytest.raises(UsageError, match=message):
+            launch("--config-name", "main")
+    with pytest.raises(UsageError, match="give --config-name as well"):
+        launch()
+    with pytest.raises(UsageError, match="not both"):
+        launch("--config-name", "main", "--verl-config", str(tmp_path / "main.yaml"))
+
+
+def test_a_usage_error_names_the_verl_key_behind_a_flag(capsys):
+    """A usage error about a flag a verl key set (or verl's default for a key left out) says which
+    key, so the user finds what they typed; flags the message does not name are not listed."""
+    verl_args(ARGS["grpo"], "grpo", ["data.train_batch_size=4", "actor_rollout_ref.actor.optim.lr=1e-6"])
+    try:
+        with pytest.raises(SystemExit), usage_errors():
+            raise UsageError("train_batch_size=4 prompts is not divisible by ppo_mini_batch_size=256")
+    finally:
+        ORIGINS.clear()
+    error = capsys.readouterr().err.split("error: ")[1]
+    assert error.splitlines()[1:] == [
+        "  (--train-batch-size came from data.train_batch_size=4)",
+        "  (--ppo-mini-batch-size came from verl's default actor_rollout_ref.actor.ppo_mini_batch_size=256, "
+        "a key this command leaves out)",
+    ]
+
+
 def test_print_verl_translation_prints_the_command_and_starts_nothing(tmp_path):
     result = run_recipe("ppo", "--print-verl-translation", "algorithm.adv_estimator=gae", "critic.optim.lr=1e-5",
                         "algorithm.lam=0.9", f"trainer.default_local_dir={tmp_path / 'run'}")  # fmt: skip
@@ -445,8 +513,8 @@ def compute_score(data_sources, solution_strs, ground_truths, extra_infos):
 
 
 def test_a_verl_multi_turn_tool_run(tmp_path):
-    """verl's multi-turn GRPO argument list (its GSM8K tool example's keys, sizes cut down, paths
-    local) on the bundled tool task: a verl tool class given each row's tools_kwargs, scored by a
+    """verl's multi-turn GRPO launch (its GSM8K tool example's Hydra config and keys, sizes cut
+    down, paths local) on the bundled tool task: a verl tool class given each row's tools_kwargs, scored by a
     batch reward function that reads the tool's calc_reward from rollout_reward_scores."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -466,16 +534,36 @@ def test_a_verl_multi_turn_tool_run(tmp_path):
         ]
     }
     (tmp_path / "tool_config.yaml").write_text(yaml.safe_dump(config))
+    # verl's example launches main_ppo with --config-path/--config-name and a config of its own:
+    # verl's ppo_trainer, then the multi-turn sections (sizes cut down, the engine ours)
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "gsm8k_multiturn_grpo.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "hydra": {"searchpath": ["file://verl/trainer/config"]},
+                "defaults": ["ppo_trainer", "_self_"],
+                "data": {
+                    "max_prompt_length": 128,
+                    "max_response_length": 128,
+                    "train_batch_size": 8,
+                    "return_raw_chat": True,
+                },
+                "actor_rollout_ref": {
+                    "hybrid_engine": True,
+                    "rollout": {"name": "hf", "multi_turn": {"enable": True, "max_assistant_turns": 3}},
+                },
+            }
+        )  # fmt: skip
+    )
     scores, out = tmp_path / "scores", tmp_path / "run"
     run_recipe(
-        "grpo", "algorithm.adv_estimator=grpo", "data.train_batch_size=8", "data.max_prompt_length=128",
-        "data.max_response_length=128", "data.filter_overlong_prompts=True", "data.truncation=error",
-        "data.return_raw_chat=True", f"actor_rollout_ref.model.path={BUNDLED / 'tiny-qwen2-tools'}",
+        "grpo", f"--config-path={tmp_path / 'config'}", "--config-name=gsm8k_multiturn_grpo",
+        "algorithm.adv_estimator=grpo", "data.filter_overlong_prompts=True", "data.truncation=error",
+        f"actor_rollout_ref.model.path={BUNDLED / 'tiny-qwen2-tools'}",
         "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.model.use_remove_padding=True",
         "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.use_kl_loss=True",
         "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-        "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.n=4",
-        "actor_rollout_ref.rollout.multi_turn.enable=True", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+        "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.rollout.n=4",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tool_config.yaml'}",
         "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", "trainer.logger=['console']",
         "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
