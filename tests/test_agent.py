@@ -722,6 +722,79 @@ class Gsm8kLikeTool:
 """
 
 
+# verl's tool base class and schema, as verl's package lays them out (verl.tools.base_tool.BaseTool,
+# verl.tools.schemas.OpenAIFunctionToolSchema) and with its defaults: verl itself is not installed
+# here, so this stands in for it on the import path.
+VERL_PACKAGE = {
+    "verl/__init__.py": "",
+    "verl/tools/__init__.py": "",
+    "verl/tools/schemas.py": """
+from types import SimpleNamespace
+
+class OpenAIFunctionToolSchema:
+    def __init__(self, data):
+        self.type, self.function = data["type"], SimpleNamespace(**data["function"])
+
+    @classmethod
+    def model_validate(cls, data):
+        return cls(data)
+""",
+    "verl/tools/base_tool.py": """
+from uuid import uuid4
+
+class BaseTool:
+    def __init__(self, config, tool_schema):
+        self.config, self.tool_schema, self.name = config, tool_schema, tool_schema.function.name
+
+    async def create(self, instance_id=None, **kwargs):
+        return instance_id or str(uuid4())
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        return "Updated the tool state.", 0.0, {}
+
+    async def calc_reward(self, instance_id, **kwargs):
+        return 0.0
+
+    async def release(self, instance_id, **kwargs):
+        pass
+""",
+}
+
+
+def test_a_tool_class_on_verls_base_class_loads_where_verl_is_installed(tmp_path, monkeypatch):
+    """A tool written against verl's BaseTool (importing it, inheriting its create / calc_reward /
+    release) loads where verl's package is importable, and is given verl's own schema class."""
+    import sys
+
+    from common.tools import load_tools
+
+    for name, text in VERL_PACKAGE.items():
+        (tmp_path / "site" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "site" / name).write_text(text)
+    (tmp_path / "echo_tool.py").write_text(
+        "from verl.tools.base_tool import BaseTool\n\n"
+        "class EchoTool(BaseTool):\n"
+        "    async def execute(self, instance_id, parameters, **kwargs):\n"
+        "        return f\"{self.name} {type(self.tool_schema).__module__}: {parameters['x']}\", 0.25, {'n': 1}\n"
+    )
+    config = {"tools": [{"class_name": "echo_tool.py:EchoTool", "config": {}, "tool_schema": schema("echo")}]}
+    (tmp_path / "tools.yaml").write_text(json.dumps(config))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    try:
+        call = load_tools(str(tmp_path / "tools.yaml"))
+        assert call("create", "echo", "conversation-1", None, {}) == "conversation-1"
+        assert call("execute", "echo", "conversation-1", {"x": 3}, {}) == (
+            "echo verl.tools.schemas: 3",
+            0.25,
+            {"n": 1.0},
+        )
+        assert call("calc_reward", "echo", "conversation-1", None, {}) == 0.0  # verl's base class's
+        assert call("release", "echo", "conversation-1", None, {}) is None
+    finally:
+        for module in [m for m in sys.modules if m == "verl" or m.startswith("verl.") or m.startswith("echo_tool")]:
+            del sys.modules[module]
+
+
 def test_a_verl_tool_class_lives_one_instance_per_conversation(tokenizer, tmp_path, monkeypatch):
     """A verl tool class (async create / execute / calc_reward / release) with per-row
     tools_kwargs: each conversation gets its own instance, in one worker, given its row's
