@@ -93,6 +93,9 @@ FLAG_RULES = [
     ("env_gamma", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("env_timeout", lambda v: v > 0, "> 0 seconds"),
     ("env_workers", lambda v: v >= 1, ">= 1"),
+    ("len_reward_coef", lambda v: v > 0, "> 0"),
+    ("reward_clip", lambda v: v is None or v > 0, "> 0 (rewards are clamped to [-c, c])"),
+    ("advantage_clip", lambda v: v is None or v > 0, "> 0 (advantages are clamped to [-c, c])"),
     # the algorithms' knobs: one meaning, so one rule, in every recipe that has them
     ("clip_ratio", lambda v: v > 0, "> 0"),
     ("clip_ratio_low", lambda v: v is None or 0 < v <= 1, "in (0, 1]: the ratio is kept above 1 - clip_ratio_low"),
@@ -134,6 +137,9 @@ USED_ONLY_WITH = [
      "add --reward-fn (the built-in scorers and a reward model take one sample at a time)"),
     (("min_lr_ratio",), "lr_scheduler", lambda a: a.lr_scheduler != "constant", "add --lr-scheduler cosine or wsd"),
     (("temperature", "top_p", "top_k"), "do_sample", lambda a: a.do_sample, "drop --no-do-sample (greedy decoding)"),
+    (("reward_shift", "reward_scale"), "reward_norm", lambda a: a.reward_norm is not None,
+     "add --reward-norm batch, group or running"),
+    (("len_reward_coef",), "add_len_reward", lambda a: a.add_len_reward, "add --add-len-reward"),
     (("reward_normalization_grouping",), "reward_normalization_method",
      lambda a: a.reward_normalization_method != "identity", "add --reward-normalization-method mean_std or asym_clip"),
     (("env_tags", "env_n_groups", "env_train_seeds", "env_val_seeds", "max_env_steps", "format_penalty",
@@ -208,6 +214,9 @@ def check_flags(args) -> None:
         _check_env(args)  # likewise: the environments are made in their workers
     if getattr(args, "rollout_name", "hf") == "vllm":
         _check_vllm(args)
+    if getattr(args, "reward_shift", False) and args.reward_scale:
+        raise UsageError("--reward-shift with --reward-scale: shift only subtracts the mean and scale only divides "
+                         "by the std; for both, drop the two flags (--reward-norm alone does both)")  # fmt: skip
     if getattr(args, "bypass_mode", False) and getattr(args, "rollout_is", None):
         raise UsageError(
             f"--bypass-mode with --rollout-is {args.rollout_is}: in bypass mode the engine's logprobs are the old "
@@ -502,9 +511,46 @@ class RewardArgs:
     reward_normalization_method: Literal["identity", "mean_std", "asym_clip"] = "identity"
     """ROLL's reward_normalization.method: identity (off), mean_std, or mean_std clipped to [-1, 3]"""
 
-    def reward_normalization_kwargs(self) -> dict:
-        """The keyword arguments of common.rollout.normalize_rewards that these flags set."""
-        return dict(grouping=self.reward_normalization_grouping, method=self.reward_normalization_method)
+
+@dataclass
+class ConditioningArgs:
+    """ROLL's reward and advantage conditioning (common.conditioning), every knob off by default."""
+
+    add_len_reward: bool = False
+    """ROLL's add_len_reward, as Kimi k1.5 defines it: within a group, shorter correct responses gain up to
+    +0.5 and longer ones lose up to -0.5 (wrong ones only lose), times --len-reward-coef"""
+    len_reward_coef: float = 1.0
+    """weight of the length reward"""
+    reward_norm: Literal["batch", "group", "running"] | None = None
+    """ROLL's reward_norm: (r - mean) / std over the step (every rank), the prompt's group, or every reward so far"""
+    reward_shift: bool = False
+    """with --reward-norm: only subtract the mean"""
+    reward_scale: bool = False
+    """with --reward-norm: only divide by the std"""
+    whiten_rewards: bool = False
+    """whiten the step's rewards (every rank) before the advantage"""
+    reward_clip: float | None = None
+    """clamp the conditioned rewards to [-c, c]"""
+    whiten_advantages: bool = False
+    """whiten the advantages over every response token of the step"""
+    advantage_clip: float | None = None
+    """clamp the advantages to [-c, c] (after any whitening)"""
+    difficulty_loss_weight: bool = False
+    """weight each response's policy-gradient loss by 0.5 + 1.5 * its row's difficulty (a column in [0, 1])"""
+    length_loss_weight: bool = False
+    """weight each response's policy-gradient loss by 1.5 - its length scaled to [0, 1] over the step"""
+
+    def reward_conditioning_kwargs(self) -> dict:
+        """The keyword arguments of common.conditioning.condition_rewards that these flags set."""
+        names = ("reward_norm", "reward_shift", "reward_scale", "whiten_rewards", "reward_clip", "add_len_reward",
+                 "len_reward_coef")  # fmt: skip
+        return dict(normalization_grouping=self.reward_normalization_grouping,
+                    normalization_method=self.reward_normalization_method, **{k: getattr(self, k) for k in names})  # fmt: skip
+
+    def advantage_conditioning_kwargs(self) -> dict:
+        """The keyword arguments of common.conditioning.condition_advantages that these flags set."""
+        names = ("whiten_advantages", "advantage_clip", "difficulty_loss_weight", "length_loss_weight")
+        return {k: getattr(self, k) for k in names}
 
 
 @dataclass
@@ -682,6 +728,7 @@ class ValidationArgs:
 @dataclass
 class RLArgs(
     EnvArgs,
+    ConditioningArgs,
     RewardArgs,
     ValidationArgs,
     AgentArgs,
@@ -725,6 +772,7 @@ class RLArgs(
             "tool_classes": self.tool_class_names(),
             "env": dict(zip(("tags", "n_groups"), self.env_groups()), config=self.env_config,
                         train_seeds=self.env_train_seeds, val_seeds=self.env_val_seeds) if self.env_config else None,
+            "difficulty": self.difficulty_loss_weight,
         }  # fmt: skip
 
     def reward_kwargs(self, run_dir: Path, tokenizer=None, rows: list[dict] = ()) -> dict:

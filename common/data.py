@@ -6,6 +6,7 @@ Every error names the file, the row and the column, and says what to change.
 import functools
 import json
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -308,6 +309,7 @@ def load_prompts(
                     "data_source": source or "unknown",
                     "ground_truth": reward_model.get("ground_truth"),
                     "extra_info": row.get("extra_info"),
+                    "difficulty": row.get("difficulty", (row.get("extra_info") or {}).get("difficulty")),
                     "agent_name": agent,
                     "file": file,
                     "row": i,
@@ -705,6 +707,7 @@ def load_rl_data(
     interactions: list[str] | None = None,
     tool_classes: list[str] = (),
     env: dict | None = None,
+    difficulty: bool = False,
 ) -> tuple[list[dict], LoadStats, list[dict]]:
     """Training and validation prompts of an RL recipe (validation empty without val_files);
     too few training prompts for one batch fail here, before any model loads. ground_truth:
@@ -713,8 +716,11 @@ def load_rl_data(
     or "unused" (a reward model scores). tools: the --tool-config schemas, which tool_agent rows
     are templated with; interactions: the --interaction-config names; tool_classes: the names of
     its tool classes (check_agent_rows). env: an --env-config run's env_rows arguments: its rows
-    replace the files'."""
+    replace the files'. difficulty: every training row must hold a number in its `difficulty`
+    column (or extra_info.difficulty), for --difficulty-loss-weight."""
     if env is not None:
+        if difficulty:
+            raise DataError("--difficulty-loss-weight: environment rows have no difficulty column; drop the flag")
         return env_rows(**env)
     kwargs = dict(prompt_key=prompt_key, max_prompt_length=max_prompt_length, truncation=truncation, tools=tools)
     kwargs.update(filter_overlong_prompts=filter_overlong_prompts, scored=ground_truth != "unused")
@@ -723,6 +729,11 @@ def load_rl_data(
         raise DataError(f"train_files hold {len(train)} prompts, fewer than train_batch_size={train_batch_size}")
     val = load_prompts(val_files, tokenizer, **kwargs, what="val_files")[0] if val_files else []
     check_agent_rows(train + val, tools, interactions, tool_classes)
+    for r in train if difficulty else ():
+        d = r["difficulty"]
+        if isinstance(d, bool) or not isinstance(d, int | float) or not math.isfinite(d):
+            raise DataError(f"{r['file']} row {r['row']} column 'difficulty': --difficulty-loss-weight weights each "
+                            f"row by its difficulty, a number in [0, 1] (as a column or in extra_info), got {d!r}")  # fmt: skip
     for r in train + val if ground_truth == "required" else ():  # the built-ins compare against one answer
         if not isinstance(r["ground_truth"], str | int | float | None):
             raise DataError(

@@ -14,8 +14,7 @@ from common.data import pack_sequences, step_rows
 from common.engines import Completion, HFEngine, Sampling, VLLMEngine
 from common.engines import hf_generate_greedy as hf_generate_greedy  # re-exported for older forks
 from common.env_manager import EnvLoop
-from common.ops import group_normalize
-from common.parallel import Dist, gather_objects, shard_evenly, this_rank
+from common.parallel import Dist, gather_objects, shard_evenly
 from common.remote import RemoteEngines
 from common.rewards import Scored
 from common.scoring import hit, load_from_file
@@ -159,24 +158,6 @@ def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, rewar
     batch["rewards"] = rewards
     batch["timing"]["perf/score_s"] = time.time() - t
     return batch
-
-
-def normalize_rewards(rewards, batch: dict, *, grouping: str = "state", method: str = "identity"):
-    """ROLL's reward_normalization (common.ops.group_normalize) of a step's rewards (B,), before the
-    recipe's advantages, grouped by `grouping`: state, the samples of one prompt or environment seed
-    (the GRPO group); inductive, the samples of one data_source (an environment's tag); batch, the
-    whole step over every rank. identity (the default) returns the rewards themselves. Collective
-    unless grouping is state or method identity."""
-    if method == "identity":
-        return rewards
-    if grouping == "state":  # a group never spans ranks
-        return group_normalize(rewards, batch["group_ids"].tolist(), method)
-    keys = ["batch"] * len(rewards) if grouping == "batch" else [p["data_source"] for p, _ in batch["rows"]]
-    parts = gather_objects((rewards.tolist(), keys))
-    every = group_normalize(torch.tensor([r for part, _ in parts for r in part]), [k for _, ks in parts for k in ks],
-                            method)  # fmt: skip
-    start = sum(len(part) for part, _ in parts[: this_rank()])
-    return every[start : start + len(rewards)].to(rewards.device)
 
 
 def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist, log_generations: int = 0) -> dict:

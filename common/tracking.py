@@ -275,6 +275,7 @@ def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
     if old_logprobs is not None and old_logprobs is not batch["rollout_logprobs"]:  # bypass: nothing to compare
         metrics.update(logprob_diff_metrics(old_logprobs, batch["rollout_logprobs"], batch["response_mask"]))
     tokens = all_reduce_sum(batch["attention_mask"].sum().float()).item()
+    metrics.update(batch.get("conditioning", {}))  # common.conditioning's, when a knob is on
     metrics.update(batch["timing"])
     seconds = time.time() - batch["started"]  # the step so far: since its generation began
     metrics.update({"train/epoch": batch["epoch"], "perf/step_s": seconds, "perf/tokens_per_s": tokens / seconds})

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 import tyro
 
 from common.checkpoint import find_resume, resume, save_checkpoint
+from common.conditioning import RunningMoments, condition_advantages, condition_rewards
 from common.config import RLArgs, is_due
 from common.data import load_rl_data, split_rows, take_rows
 from common.errors import usage_errors
@@ -72,7 +73,7 @@ from common.parallel import (
     unwrap,
 )
 from common.rewards import start_reward_pool
-from common.rollout import Rollout, normalize_rewards, start_engine
+from common.rollout import Rollout, start_engine
 from common.runlock import claim_run_dir
 from common.tracking import Tracker, describe_run, step_metrics
 from common.verl import verl_args
@@ -272,7 +273,9 @@ def main(args: Args) -> dict:
     pool = start_reward_pool(**args.reward_kwargs(run_dir, tokenizer, train + val))
     model, ref, reward_model, run_info = load_rl_models(args.model, dist, tokenizer, **args.model_kwargs())
     policy = args.trainable(model, total_steps)  # the policy with its AdamW and lr schedule
-    start_step = resume(checkpoint, policy, dist=dist)["step"]
+    state = resume(checkpoint, policy, dist=dist)
+    start_step = state["step"]
+    reward_stats = RunningMoments.from_state(state.get("reward_stats"))  # --reward-norm running: its moments resume
     engine = start_engine(model, tokenizer, dist, start_step, **args.engine_kwargs(train, total_steps, pool))
     rollout = Rollout(train, val, engine, pool, tokenizer, dist, reward_model=reward_model, **args.rollout_kwargs())
     tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
@@ -284,13 +287,14 @@ def main(args: Args) -> dict:
         # 1-3. sample prompts (this rank's share), generate rollout_n responses each, score them
         batch = rollout.step(step)
         rewards, group_ids, mask = batch["rewards"], batch["group_ids"], batch["response_mask"].float()  # B, B, B x T
-        rewards = normalize_rewards(rewards, batch, **args.reward_normalization_kwargs())  # ROLL's; identity: off
+        rewards = condition_rewards(rewards, batch, reward_stats, **args.reward_conditioning_kwargs())  # ROLL's knobs
 
         # 4. old / ref logprobs
         old_logprobs, ref_logprobs = old_ref_logprobs(model, ref, batch, plan, args.old_logprobs_from, args.needs_ref)
 
-        # 5. advantages: standardised within each prompt's group
+        # 5. advantages: standardised within each prompt's group; then ROLL's conditioning
         advantages = compute_advantages(rewards, group_ids, mask, norm_by_std=args.norm_adv_by_std_in_grpo)
+        advantages = condition_advantages(advantages, mask, batch, **args.advantage_conditioning_kwargs())
 
         # 6. update (with the rollout correction, if asked), then hand the new weights to the engine
         metrics = update(policy, plan, batch, advantages, mask, old_logprobs, ref_logprobs, **args.update_kwargs())
@@ -304,8 +308,8 @@ def main(args: Args) -> dict:
             metrics.update(rollout.validate())
         tracker.log(metrics, step=step + 1)
         if (stopping := stop.requested()) or is_due(step + 1, args.save_freq, total_steps):  # every rank stops together
-            save_checkpoint(run_dir, step + 1, policy, dist=dist, tokenizer=tokenizer,
-                            trainer_state={"epoch": batch["epoch"]}, **args.save_kwargs(RECIPE))  # fmt: skip
+            save_checkpoint(run_dir, step + 1, policy, dist=dist, tokenizer=tokenizer, **args.save_kwargs(RECIPE),
+                            trainer_state={"epoch": batch["epoch"], "reward_stats": reward_stats.state()})  # fmt: skip
         if stopping:
             break
     pool.close()

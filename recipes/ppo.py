@@ -46,6 +46,7 @@ import torch.nn.functional as F
 import tyro
 
 from common.checkpoint import find_resume, resume, save_checkpoint
+from common.conditioning import RunningMoments, condition_advantages, condition_rewards
 from common.config import KLRewardArgs, RLArgs, is_due
 from common.data import load_rl_data, split_rows, take_rows
 from common.errors import UsageError, usage_errors
@@ -73,7 +74,7 @@ from common.parallel import (
     unwrap,
 )
 from common.rewards import start_reward_pool
-from common.rollout import Rollout, normalize_rewards, start_engine
+from common.rollout import Rollout, start_engine
 from common.runlock import claim_run_dir
 from common.tracking import Tracker, describe_run, step_metrics
 from common.verl import verl_args
@@ -427,6 +428,7 @@ def main(args: Args) -> dict:
     critic = args.critic_optim().trainable(load_critic(dist=dist, **args.critic_kwargs()), total_steps)  # PPO
     state = resume(checkpoint, policy, dist=dist, extra_models={"critic": critic})
     start_step, kl_coef = state["step"], state.get("kl_coef", args.kl_coef)  # PPO: an adaptive coef resumes
+    reward_stats = RunningMoments.from_state(state.get("reward_stats"))  # --reward-norm running: its moments resume
     engine = start_engine(model, tokenizer, dist, start_step, **args.engine_kwargs(train, total_steps, pool))
     rollout = Rollout(train, val, engine, pool, tokenizer, dist, reward_model=reward_model, **args.rollout_kwargs())
     tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
@@ -438,16 +440,17 @@ def main(args: Args) -> dict:
         # 1-3. sample prompts (this rank's share), generate rollout_n responses each, score them
         batch = rollout.step(step)
         rewards, mask = batch["rewards"], batch["response_mask"].float()  # (B,), (B, T)
-        rewards = normalize_rewards(rewards, batch, **args.reward_normalization_kwargs())  # ROLL's; identity: off
+        rewards = condition_rewards(rewards, batch, reward_stats, **args.reward_conditioning_kwargs())  # ROLL's knobs
 
         # 4. old / ref logprobs, and the critic's values
         old_logprobs, ref_logprobs = old_ref_logprobs(model, ref, batch, plan, args.old_logprobs_from, args.needs_ref)
         values = old_values(critic.model, batch, plan)  # (B, T)
 
-        # 5. advantages: token rewards (score minus the KL penalty), then GAE over the global batch
+        # 5. advantages: token rewards (score minus the KL penalty), GAE over the global batch, ROLL's conditioning
         token_rewards, kl_coef, kl_metrics = apply_kl_penalty(rewards, old_logprobs, ref_logprobs, mask, kl_coef,
                                                               args.use_kl_in_reward, **args.kl_reward_kwargs())  # fmt: skip
         advantages, returns, metrics = gae_over_batch(token_rewards, values, mask, args.gamma, args.lam, dist)
+        advantages = condition_advantages(advantages, mask, batch, **args.advantage_conditioning_kwargs())
 
         # 6. update the critic; the policy after the critic warmup, then hand its weights to the engine
         metrics |= update_critic(critic, plan, batch, values, returns, mask, **args.critic_update_kwargs())
@@ -463,8 +466,10 @@ def main(args: Args) -> dict:
             metrics.update(rollout.validate())
         tracker.log(metrics, step=step + 1)
         if (stopping := stop.requested()) or is_due(step + 1, args.save_freq, total_steps):  # every rank stops together
-            save_checkpoint(run_dir, step + 1, policy, dist=dist, tokenizer=tokenizer, extra_models={"critic": critic},
-                            trainer_state={"epoch": batch["epoch"], "kl_coef": kl_coef}, **args.save_kwargs(RECIPE))  # fmt: skip
+            save_checkpoint(run_dir, step + 1, policy, dist=dist, tokenizer=tokenizer, **args.save_kwargs(RECIPE),
+                            extra_models={"critic": critic},
+                            trainer_state={"epoch": batch["epoch"], "kl_coef": kl_coef,
+                                           "reward_stats": reward_stats.state()})  # fmt: skip
         if stopping:
             break
     pool.close()

@@ -37,3 +37,11 @@ for script, flags, env in json.loads(open(plan).read()):
     sys.stdout.flush()
 with open(f"{plan}.rank{os.environ.get('RANK', '0')}", "w") as f:
     json.dump(codes, f)
+# A process group a run left (a test's own script) is closed on every rank together: torn down by
+# the interpreter's exit instead, one rank's gloo threads can abort when the other is already gone.
+if "torch.distributed" in sys.modules:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import BUNDLED, RL_RECIPES, read_metrics, run_recipe, torchrun_plan
 
+from common.conditioning import normalize_rewards
 from common.data import VAL_SEED_OFFSET, env_rows, render_chat
 from common.engines import Completion, Sampling
 from common.env_manager import EnvLoop
@@ -19,7 +20,6 @@ from common.envs import EnvHost, check_envs, parse_action, read_env_config
 from common.errors import UsageError
 from common.ops import group_normalize
 from common.rewards import ENVS_PREFIX, RewardPool
-from common.rollout import normalize_rewards
 
 GAMES = BUNDLED / "envs" / "games.yaml"
 

@@ -139,9 +139,12 @@ def test_help_renders_without_loading_the_libraries(help_pages, recipe):
 @pytest.mark.parametrize("recipe", RL_RECIPES)
 def test_smoke_checkpoint_and_exact_resume(tmp_path, small_files, small_args, recipe):
     """Four steps with validation and checkpoints; then, as if killed after step 4's log and
-    before its save, a resumed run repeats steps 3-4 exactly; a re-run of the finished run says so."""
+    before its save, a resumed run repeats steps 3-4 exactly (the running reward moments of
+    --reward-norm running included: their rewards depend on every step before); a re-run of the
+    finished run says so."""
     out = tmp_path / recipe
-    flags = ["--total-training-steps", 4, "--save-freq", 2, "--test-freq", 2, "--max-ckpt-to-keep", 0]
+    flags = ["--total-training-steps", 4, "--save-freq", 2, "--test-freq", 2, "--max-ckpt-to-keep", 0,
+             "--reward-norm", "running"]  # fmt: skip
     # In this process: the `python recipes/x.py` code path without a start-up of several seconds
     # (grpo.py's start in a new process: test_a_copied_recipe_starts_its_own_run, test_preemption.py)
     first = run(recipe, out, small_files, *flags, "--log-interval", 2)
@@ -153,7 +156,7 @@ def test_smoke_checkpoint_and_exact_resume(tmp_path, small_files, small_args, re
     assert "step 2/4" in console and "step 4/4" in console, "the every-N-steps console line"
     assert f"final model: {out / 'checkpoints' / 'step_4' / 'hf'}" in console
     state = json.loads((out / "checkpoints" / "step_4" / "trainer_state.json").read_text())
-    assert state["recipe"] == recipe and state["step"] == 4
+    assert state["recipe"] == recipe and state["step"] == 4 and state["reward_stats"]["count"] > 0
 
     shutil.rmtree(out / "checkpoints" / "step_4")
     module = load_recipe(recipe)  # the resumed run in-process: the same code, without a second start-up
@@ -170,6 +173,7 @@ def test_smoke_checkpoint_and_exact_resume(tmp_path, small_files, small_args, re
             save_freq=2,
             test_freq=2,
             max_ckpt_to_keep=0,
+            reward_norm="running",
             resume="auto",
             logger=(),
         )  # fmt: skip
@@ -189,11 +193,13 @@ def test_smoke_checkpoint_and_exact_resume(tmp_path, small_files, small_args, re
 def test_micro_batches_never_change_the_update(tmp_path, small_args, recipe):
     """One step of 32 sequences: a single micro-batch; micro-batches of up to 12 (12 + 12 + 8,
     the last one smaller); and dynamic batching by a token budget (length-sorted, uneven) give
-    the same loss and gradient norm. Several mini-batches and 2 epochs run the old-logprob pass."""
+    the same loss and gradient norm. Several mini-batches and 2 epochs run the old-logprob pass;
+    the length loss weights and advantage whitening are taken over the step, not a micro-batch."""
     module = load_recipe(recipe)
     base = dict(
         output_dir="", **small_args, train_batch_size=8, ppo_mini_batch_size=4, rollout_n=4, ppo_epochs=2,
         total_training_steps=1, test_freq=0, save_freq=0, val_before_train=False, resume="disable", logger=(),
+        length_loss_weight=True, whiten_advantages=True,
     )  # fmt: skip
     results = []
     for i, split in enumerate(

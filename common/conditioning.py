@@ -1,0 +1,203 @@
+"""ROLL's reward and advantage conditioning: what every RL recipe may do to its rewards before its own
+advantage (step 3) and to the advantages after it (step 5), each knob off by default.
+
+condition_rewards, in this order (each step only when its flag asks for it):
+1. length reward (--add-len-reward): ROLL declares add_len_reward without defining it, so this is
+   Kimi k1.5's (arXiv:2501.12599, section 2.3.3): within a prompt's group, with L_min and L_max its
+   shortest and longest response, lambda_i = 0.5 - (L_i - L_min) / (L_max - L_min) (0 when every
+   length is equal); a correct response (score > 0) gets + coef * lambda_i, a wrong one
+   + coef * min(0, lambda_i).
+2. ROLL's agentic reward_normalization (--reward-normalization-grouping / -method, group_normalize).
+3. ROLL's reward_norm (--reward-norm batch | group | running): (r - mean) / (std + eps) with the mean
+   and unbiased std of the step's rewards over every rank (batch), of the prompt's group (group), or
+   of every reward seen so far, this step's included (running: RunningMoments, kept in the
+   checkpoint); eps 1e-6, and for running the float32 machine epsilon, as ROLL. --reward-shift only
+   subtracts the mean, --reward-scale only divides by the std. A group of one (or a batch of one)
+   has mean 0 and std 1, as grpo.py's advantage treats it.
+4. --whiten-rewards: (r - mean) / sqrt(var + 1e-8) over every rank's rewards, unbiased var. ROLL
+   whitens its token-level rewards, where the score sits on the last token and zeros fill the rest;
+   here the rewards are one per response, so this whitens the responses' rewards.
+5. --reward-clip c: clamp to [-c, c] (metric reward/clip_frac).
+
+condition_advantages (B, T), in this order:
+1. --whiten-advantages: (A - mean) / sqrt(var + 1e-8) over every response token of every rank.
+2. --advantage-clip c: clamp to [-c, c] (metric advantage/clip_frac over response tokens).
+3. per-response loss weights w, ROLL's compute_sample_weights, multiplying the advantages (the
+   policy-gradient loss is linear in them, so this weights that term alone, as ROLL does; the KL
+   and entropy terms are not weighted): --difficulty-loss-weight w *= 0.5 + 1.5 * clamp(d, 0, 1),
+   d the row's `difficulty` column (or extra_info.difficulty); --length-loss-weight w *= 1.5 - l,
+   l = (L - L_min) / (L_max - L_min + 1e-8) the response length scaled over the step; then w is
+   rescaled to mean 1. ROLL takes L_min, L_max and the mean over each micro-batch; here over the
+   whole step (every rank), so splitting a batch never changes the gradient.
+
+Both write their metrics in batch["conditioning"] (common.tracking.step_metrics logs them).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from common.ops import group_normalize, masked_whiten_all_ranks
+from common.parallel import gather_objects, this_rank
+
+EPS = 1e-6
+
+
+@dataclass
+class RunningMoments:
+    """Count, mean and sum of squared deviations of every value seen (Chan et al.'s parallel merge of
+    a batch into the running moments, exact in float64); ROLL's RunningMoments keeps the same
+    statistics. state() is plain JSON, so a checkpoint restores it exactly."""
+
+    count: float = 0.0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def update(self, values: torch.Tensor) -> None:
+        x = values.double().flatten()
+        n = x.numel()
+        if n == 0:
+            return
+        batch_mean = x.mean().item()
+        batch_m2 = ((x - batch_mean) ** 2).sum().item()
+        total = self.count + n
+        delta = batch_mean - self.mean
+        self.m2 += batch_m2 + delta**2 * self.count * n / total
+        self.mean += delta * n / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        """The unbiased standard deviation of every value seen (1 before two values)."""
+        return (self.m2 / (self.count - 1)) ** 0.5 if self.count > 1 else 1.0
+
+    def state(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    @classmethod
+    def from_state(cls, state: dict | None) -> "RunningMoments":
+        return cls(**(state or {}))
+
+
+def length_reward(scores: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Kimi k1.5's length reward (B,): lambda = 0.5 - (L - L_min) / (L_max - L_min) within each
+    group; lambda for a correct response (score > 0), min(0, lambda) for a wrong one; 0 where the
+    group's lengths are all equal."""
+    out = torch.zeros_like(scores, dtype=torch.float32)
+    for g in torch.unique(group_ids):
+        idx = group_ids == g
+        length = lengths[idx].float()
+        spread = length.max() - length.min()
+        if spread > 0:
+            lam = 0.5 - (length - length.min()) / spread
+            out[idx] = torch.where(scores[idx] > 0, lam, lam.clamp(max=0.0))
+    return out
+
+
+def normalize_rewards(rewards, batch: dict, *, grouping: str = "state", method: str = "identity"):
+    """ROLL's agentic reward_normalization (common.ops.group_normalize) of a step's rewards (B,),
+    grouped by `grouping`: state, the samples of one prompt or environment seed (the GRPO group);
+    inductive, the samples of one data_source (an environment's tag); batch, the whole step over
+    every rank. identity (the default) returns the rewards themselves. Collective unless grouping
+    is state or method identity."""
+    if method == "identity":
+        return rewards
+    if grouping == "state":  # a group never spans ranks
+        return group_normalize(rewards, batch["group_ids"].tolist(), method)
+    keys = ["batch"] * len(rewards) if grouping == "batch" else [p["data_source"] for p, _ in batch["rows"]]
+    every, every_keys, start = _gather(rewards, keys)
+    return group_normalize(every, every_keys, method)[start : start + len(rewards)].to(rewards.device)
+
+
+def condition_rewards(
+    rewards: torch.Tensor, batch: dict, running: RunningMoments, *, normalization_grouping: str = "state",
+    normalization_method: str = "identity", reward_norm: str | None = None, reward_shift: bool = False,
+    reward_scale: bool = False, whiten_rewards: bool = False, reward_clip: float | None = None,
+    add_len_reward: bool = False, len_reward_coef: float = 1.0,
+) -> torch.Tensor:  # fmt: skip
+    """Step 3's conditioning of the rewards (B,), in the module docstring's order; `running` is
+    updated in place when reward_norm is running. Every knob off returns the rewards unchanged.
+    Collective when a statistic spans ranks (batch, running, whitening)."""
+    metrics = batch.setdefault("conditioning", {})
+    rewards = rewards.float()
+    if add_len_reward:
+        bonus = length_reward(rewards, batch["response_mask"].sum(-1), batch["group_ids"])
+        rewards = rewards + len_reward_coef * bonus
+        metrics["reward/len_reward_mean"] = _mean_every_rank(bonus)
+    rewards = normalize_rewards(rewards, batch, grouping=normalization_grouping, method=normalization_method)
+    if reward_norm is not None:
+        mean, std, eps = _reward_stats(rewards, batch["group_ids"], running, reward_norm)
+        rewards = rewards - (0.0 if reward_scale else mean)
+        rewards = rewards if reward_shift else rewards / (std + eps)
+    if whiten_rewards:
+        rewards = masked_whiten_all_ranks(rewards, torch.ones_like(rewards))
+    if reward_clip is not None:
+        metrics["reward/clip_frac"] = _mean_every_rank((rewards.abs() > reward_clip).float())
+        rewards = rewards.clamp(-reward_clip, reward_clip)
+    return rewards
+
+
+def _reward_stats(rewards, group_ids, running: RunningMoments, mode: str):
+    """(mean, std, eps) of reward_norm's mode, as tensors broadcasting against rewards (B,)."""
+    if mode == "group":  # a group never spans ranks
+        mean, std = torch.zeros_like(rewards), torch.ones_like(rewards)
+        for g in torch.unique(group_ids):
+            idx = group_ids == g
+            if idx.sum() > 1:
+                mean[idx], std[idx] = rewards[idx].mean(), rewards[idx].std()
+        return mean, std, EPS
+    every, _, _ = _gather(rewards)
+    if mode == "running":
+        running.update(every)
+        return torch.tensor(running.mean), torch.tensor(running.std), torch.finfo(torch.float32).eps
+    if every.numel() < 2:
+        return torch.tensor(0.0), torch.tensor(1.0), EPS
+    return every.mean(), every.std(), EPS
+
+
+def condition_advantages(
+    advantages: torch.Tensor, response_mask: torch.Tensor, batch: dict, *, whiten_advantages: bool = False,
+    advantage_clip: float | None = None, difficulty_loss_weight: bool = False, length_loss_weight: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """Step 5's conditioning of the advantages (B, T) after the recipe's own, in the module
+    docstring's order. Every knob off returns the advantages unchanged. Collective when any is on."""
+    metrics = batch.setdefault("conditioning", {})
+    if whiten_advantages:
+        advantages = masked_whiten_all_ranks(advantages, response_mask)
+    if advantage_clip is not None:
+        outside = ((advantages.abs() > advantage_clip) & (response_mask > 0)).float().sum()
+        metrics["advantage/clip_frac"] = _sum_every_rank(outside) / max(_sum_every_rank(response_mask.sum()), 1.0)
+        advantages = advantages.clamp(-advantage_clip, advantage_clip)
+    if difficulty_loss_weight or length_loss_weight:
+        weights = torch.ones(len(advantages))
+        if difficulty_loss_weight:
+            difficulty = torch.tensor([float(row["difficulty"]) for row, _ in batch["rows"]])
+            weights = weights * (0.5 + 1.5 * difficulty.clamp(0.0, 1.0))
+        if length_loss_weight:
+            lengths, _, start = _gather(response_mask.sum(-1))
+            scaled = (lengths - lengths.min()) / (lengths.max() - lengths.min() + 1e-8)
+            weights = weights * (1.5 - scaled[start : start + len(advantages)])
+        every, _, start = _gather(weights)
+        every = every * every.numel() / (every.sum() + 1e-8) if every.sum() > 0 else every
+        weights = every[start : start + len(advantages)]
+        metrics.update({"advantage/weight_mean": every.mean().item(), "advantage/weight_min": every.min().item(),
+                        "advantage/weight_max": every.max().item()})  # fmt: skip
+        advantages = advantages * weights.to(advantages.device, advantages.dtype).unsqueeze(-1)
+    return advantages
+
+
+def _gather(values: torch.Tensor, keys: list | None = None) -> tuple[torch.Tensor, list, int]:
+    """(every rank's values in rank order, their keys, where this rank's values start). Collective."""
+    parts = gather_objects((values.tolist(), keys or []))
+    start = sum(len(part) for part, _ in parts[: this_rank()])
+    every = torch.tensor([v for part, _ in parts for v in part], dtype=torch.float32)
+    return every, [k for _, ks in parts for k in ks], start
+
+
+def _sum_every_rank(value: torch.Tensor) -> float:
+    return sum(gather_objects(float(value)))
+
+
+def _mean_every_rank(values: torch.Tensor) -> float:
+    every, _, _ = _gather(values)
+    return every.mean().item() if every.numel() else 0.0

@@ -1,0 +1,209 @@
+"""common.conditioning: ROLL's reward and advantage conditioning, each against its formula on
+hand-computed values, every knob off leaving rewards and advantages untouched, and the flags'
+checks. (Across ranks and through a resumed run: tests/test_rl_recipes.py.)"""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import ROOT, load_recipe, torchrun_plan
+
+from common.conditioning import RunningMoments, condition_advantages, condition_rewards, length_reward
+from common.data import load_rl_data
+from common.errors import UsageError
+
+
+def batch_of(group_ids, lengths=None, difficulties=None):
+    n = len(group_ids)
+    lengths = lengths or [3] * n
+    mask = torch.zeros(n, max(lengths))
+    for i, length in enumerate(lengths):
+        mask[i, :length] = 1
+    rows = [({"data_source": "t", "difficulty": d}, None) for d in (difficulties or [None] * n)]
+    return {"group_ids": torch.tensor(group_ids), "response_mask": mask, "rows": rows}
+
+
+def test_running_moments_merge_batches_into_the_moments_of_all_values_and_round_trip_exactly():
+    running = RunningMoments()
+    assert running.std == 1.0  # nothing seen yet
+    running.update(torch.tensor([1.0, 2.0]))
+    running.update(torch.tensor([3.0, 4.0, 10.0]))
+    values = [1.0, 2.0, 3.0, 4.0, 10.0]
+    mean = sum(values) / 5
+    assert running.mean == pytest.approx(mean, abs=1e-12)
+    assert running.std == pytest.approx(math.sqrt(sum((v - mean) ** 2 for v in values) / 4), abs=1e-12)
+    again = RunningMoments.from_state(json.loads(json.dumps(running.state())))  # as trainer_state.json keeps it
+    assert again == running
+    again.update(torch.tensor([7.0]))
+    running.update(torch.tensor([7.0]))
+    assert again == running
+
+
+def test_length_reward_is_kimis():
+    # lengths 2, 4, 6 in one group: lambda = 0.5, 0, -0.5; the wrong one keeps min(0, lambda)
+    scores, lengths = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0]), torch.tensor([2, 4, 6, 2, 6, 5])
+    groups = torch.tensor([0, 0, 0, 1, 1, 2])
+    bonus = length_reward(scores, lengths, groups)
+    assert bonus[:3].tolist() == [0.5, 0.0, -0.5]
+    assert bonus[3:5].tolist() == [0.0, -0.5]  # a short wrong answer gains nothing
+    assert bonus[5].item() == 0.0  # one length: no spread
+
+
+def test_every_knob_off_changes_nothing():
+    rewards, batch = torch.tensor([1.0, 0.0, 2.0, 5.0]), batch_of([0, 0, 1, 1])
+    assert condition_rewards(rewards, batch, RunningMoments()) is rewards
+    advantages = torch.randn(4, 3)
+    assert condition_advantages(advantages, batch["response_mask"], batch) is advantages
+    assert batch["conditioning"] == {}
+
+
+def test_reward_norm_batch_group_shift_scale_against_their_formulas():
+    r = torch.tensor([1.0, 3.0, 2.0, 2.0])
+    batch = batch_of([0, 0, 1, 1])
+    mean, std = 2.0, math.sqrt((1 + 1 + 0 + 0) / 3)
+    got = condition_rewards(r, batch, RunningMoments(), reward_norm="batch")
+    assert got.tolist() == pytest.approx([(v - mean) / (std + 1e-6) for v in r.tolist()], abs=1e-6)
+    got = condition_rewards(r, batch, RunningMoments(), reward_norm="batch", reward_shift=True)
+    assert got.tolist() == pytest.approx([v - mean for v in r.tolist()], abs=1e-6)
+    got = condition_rewards(r, batch, RunningMoments(), reward_norm="batch", reward_scale=True)
+    assert got.tolist() == pytest.approx([v / (std + 1e-6) for v in r.tolist()], abs=1e-6)
+    # group: group 0 has mean 2, std sqrt(2); group 1 has no spread, so (r - mean) / (0 + eps) = 0
+    got = condition_rewards(r, batch, RunningMoments(), reward_norm="group")
+    assert got.tolist() == pytest.approx([-1 / (math.sqrt(2) + 1e-6), 1 / (math.sqrt(2) + 1e-6), 0.0, 0.0], abs=1e-6)
+    # a group of one keeps its reward (mean 0, std 1), as grpo.py's advantage treats it
+    got = condition_rewards(torch.tensor([4.0, 1.0, 3.0]), batch_of([0, 1, 1]), RunningMoments(), reward_norm="group")
+    assert got[0].item() == pytest.approx(4.0 / (1 + 1e-6))
+
+
+def test_running_norm_uses_every_reward_so_far_this_step_included():
+    running, batch = RunningMoments(), batch_of([0, 0])
+    first = condition_rewards(torch.tensor([0.0, 2.0]), batch, running, reward_norm="running")
+    eps = torch.finfo(torch.float32).eps
+    assert first.tolist() == pytest.approx([-1 / (math.sqrt(2) + eps), 1 / (math.sqrt(2) + eps)], abs=1e-6)
+    second = condition_rewards(torch.tensor([4.0, 6.0]), batch, running, reward_norm="running")
+    seen = [0.0, 2.0, 4.0, 6.0]
+    mean, std = 3.0, math.sqrt(sum((v - 3.0) ** 2 for v in seen) / 3)
+    assert second.tolist() == pytest.approx([(4 - mean) / (std + eps), (6 - mean) / (std + eps)], abs=1e-6)
+    assert running.count == 4
+
+
+def test_length_reward_whitening_and_clip_in_order():
+    r = torch.tensor([1.0, 0.0, 1.0, 3.0])
+    batch = batch_of([0, 0, 0, 1], lengths=[2, 4, 6, 3])
+    got = condition_rewards(r, batch, RunningMoments(), add_len_reward=True, len_reward_coef=2.0)
+    assert got.tolist() == pytest.approx([1 + 2 * 0.5, 0.0, 1 - 2 * 0.5, 3.0])
+    assert batch["conditioning"]["reward/len_reward_mean"] == pytest.approx(0.0)
+    whitened = condition_rewards(r, batch_of([0, 0, 0, 1]), RunningMoments(), whiten_rewards=True)
+    mean, var = 1.25, sum((v - 1.25) ** 2 for v in r.tolist()) / 3
+    assert whitened.tolist() == pytest.approx([(v - mean) / math.sqrt(var + 1e-8) for v in r.tolist()], abs=1e-6)
+    batch = batch_of([0, 0, 0, 1])
+    clipped = condition_rewards(r, batch, RunningMoments(), reward_clip=1.5)
+    assert clipped.tolist() == [1.0, 0.0, 1.0, 1.5] and batch["conditioning"]["reward/clip_frac"] == 0.25
+
+
+def test_advantage_whitening_clip_and_weights():
+    batch = batch_of([0, 0, 1, 1], lengths=[1, 2, 3, 3], difficulties=[0.0, 1.0, 0.5, 2.0])
+    mask = batch["response_mask"]
+    advantages = torch.tensor([[1.0, 9, 9], [2, -2, 9], [3, 0, 1], [-4, 5, 0]]) * mask
+    tokens = advantages[mask > 0]
+    mean, var = tokens.mean().item(), tokens.var().item()
+    whitened = condition_advantages(advantages, mask, batch, whiten_advantages=True)
+    assert whitened[mask > 0].tolist() == pytest.approx(((tokens - mean) / math.sqrt(var + 1e-8)).tolist(), abs=1e-6)
+    assert (whitened[mask == 0] == 0).all()
+    clipped = condition_advantages(advantages, mask, batch, advantage_clip=2.5)
+    assert clipped.tolist()[3][:2] == [-2.5, 2.5] and batch["conditioning"]["advantage/clip_frac"] == pytest.approx(
+        3 / 9
+    )
+    # difficulty 0, 1, 0.5, 2 (clamped to 1): weights 0.5, 2, 1.25, 2, rescaled to mean 1
+    weighted = condition_advantages(advantages, mask, batch, difficulty_loss_weight=True)
+    w = torch.tensor([0.5, 2.0, 1.25, 2.0])
+    torch.testing.assert_close(weighted, advantages * (w * 4 / w.sum()).unsqueeze(-1))
+    # lengths 1, 2, 3, 3 scaled to 0, 0.5, 1, 1: weights 1.5, 1, 0.5, 0.5, rescaled to mean 1
+    weighted = condition_advantages(advantages, mask, batch, length_loss_weight=True)
+    w = torch.tensor([1.5, 1.0, 0.5, 0.5])
+    torch.testing.assert_close(weighted, advantages * (w * 4 / w.sum()).unsqueeze(-1))
+    assert batch["conditioning"]["advantage/weight_mean"] == pytest.approx(1.0)
+
+
+def test_the_flags_are_checked_before_anything_loads():
+    args = load_recipe("grpo").Args  # flags are checked as they are parsed
+    with pytest.raises(UsageError, match="--reward-shift True would change nothing in this run: add --reward-norm"):
+        args(reward_shift=True)
+    with pytest.raises(UsageError, match="--reward-shift with --reward-scale"):
+        args(reward_norm="batch", reward_shift=True, reward_scale=True)
+    with pytest.raises(UsageError, match="--len-reward-coef 2.0 would change nothing"):
+        args(len_reward_coef=2.0)
+    with pytest.raises(UsageError, match="--reward-clip 0.0: must be > 0"):
+        args(reward_clip=0.0)
+    args(reward_norm="running", reward_scale=True, reward_clip=5.0, add_len_reward=True)
+
+
+def test_difficulty_weighting_needs_a_difficulty_on_every_training_row(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": "t", "prompt": [{"role": "user", "content": f"q{i}"}],
+             "reward_model": {"style": "rule", "ground_truth": "1"}, "extra_info": {"difficulty": 0.5}}
+            for i in range(4)]  # fmt: skip
+    rows[2]["extra_info"] = {"index": 2}
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    kwargs = dict(prompt_key="prompt", max_prompt_length=64, truncation="error", filter_overlong_prompts=False,
+                  train_batch_size=2)  # fmt: skip
+    train, _, _ = load_rl_data([str(tmp_path / "train.parquet")], [], tokenizer, **kwargs)
+    assert [r["difficulty"] for r in train] == [0.5, 0.5, None, 0.5]
+    with pytest.raises(UsageError, match=r"train.parquet row 2 column 'difficulty'.*got None"):
+        load_rl_data([str(tmp_path / "train.parquet")], [], tokenizer, **kwargs, difficulty=True)
+
+
+TWO_RANKS = """
+import json, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from test_conditioning import batch_of, conditioned
+
+if not dist.is_initialized():  # a run before it in the same launch may have started the group
+    dist.init_process_group("gloo")
+rank = dist.get_rank()
+with open(f"{sys.argv[2]}/rank{rank}.json", "w") as f:
+    json.dump(conditioned(slice(0, 3) if rank == 0 else slice(3, 8)), f)
+"""
+
+REWARDS = [1.0, 0.0, 3.0, 2.0, 2.0, 5.0, 0.0, 1.0]
+LENGTHS = [1, 2, 3, 3, 2, 1, 3, 2]
+
+
+def conditioned(part: slice) -> dict:
+    """This part of the batch conditioned twice (running moments over two steps), every statistic
+    spanning ranks switched on; rank 0 holds 3 rows, rank 1 the other 5."""
+    running, out = RunningMoments(), {}
+    for step in range(2):
+        batch = batch_of(list(range(8))[part], LENGTHS[part])
+        rewards = torch.tensor(REWARDS[part]) * (step + 1)
+        kw = dict(reward_norm="running", whiten_rewards=True, reward_clip=1.2)
+        out[f"rewards{step}"] = condition_rewards(rewards, batch, running, **kw).tolist()
+    advantages = torch.tensor(REWARDS[part]).unsqueeze(-1) * batch["response_mask"]
+    kw = dict(whiten_advantages=True, advantage_clip=1.5, length_loss_weight=True)
+    out["advantages"] = condition_advantages(advantages, batch["response_mask"], batch, **kw).tolist()
+    out["batch"] = condition_rewards(torch.tensor(REWARDS[part]), batch, RunningMoments(), reward_norm="batch").tolist()
+    out["metrics"] = batch["conditioning"]
+    return out
+
+
+@torchrun_plan
+def two_rank_plan(folder, fixture):
+    (folder / "probe.py").write_text(TWO_RANKS)
+    return {"probe": (folder / "probe.py", [ROOT / "tests", folder])}
+
+
+def test_statistics_span_every_rank(torchrun_runs):
+    """Split over 2 processes (3 rows and 5), the batch, running and whitening statistics, the clip
+    fractions and the length weights are those of the whole batch in one process."""
+    folder, codes = torchrun_runs[__name__]
+    assert codes == {"probe": 0}
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
+    whole = conditioned(slice(0, 8))
+    flat = {key: torch.tensor(ranks[0][key] + ranks[1][key]).flatten().tolist() for key in whole if key != "metrics"}
+    for key, values in flat.items():
+        assert values == pytest.approx(torch.tensor(whole[key]).flatten().tolist(), abs=1e-6), key
+    assert ranks[0]["metrics"] == pytest.approx(whole["metrics"]) == ranks[1]["metrics"]
