@@ -19,6 +19,7 @@ from common.envs import read_env_config
 from common.errors import UsageError
 from common.errors import usage_errors as usage_errors  # re-exported for older forks
 from common.model import looks_local
+from common.ops import RS_OPTIONS, parse_band
 from common.optim import Trainable, build_optimizer, build_scheduler
 from common.remote import StepPrompts
 from common.tools import read_interaction_config, read_tool_config
@@ -60,7 +61,11 @@ FLAG_RULES = [
     ("tensor_parallel_size", lambda v: v >= 1, ">= 1"),
     ("max_num_seqs", lambda v: v >= 1, ">= 1"),
     ("max_num_batched_tokens", lambda v: v >= 1, ">= 1"),
-    ("rollout_is_threshold", lambda v: v >= 1, ">= 1 (below 1 even an on-policy token's weight of 1 is cut)"),
+    (
+        "rollout_is_threshold",
+        lambda v: _band_ok(v),
+        "a cap >= 1, or lo_hi with 0 < lo <= 1 <= hi (else even an on-policy token's weight of 1 is cut)",
+    ),
     ("val_n", lambda v: v >= 1, ">= 1"),
     ("log_val_generations", lambda v: v >= 0, ">= 0 (0: none)"),
     ("n_samples", lambda v: v >= 1, ">= 1"),
@@ -124,7 +129,9 @@ USED_ONLY_WITH = [
     (("target_kl", "horizon"), "kl_ctrl", lambda a: a.kl_ctrl == "adaptive", "add --kl-ctrl adaptive"),
     (("lora_alpha", "target_modules", "export_merged_lora"), "lora_rank", lambda a: a.lora_rank > 0,
      "set --lora-rank (LoRA is off at 0)"),
-    (("rollout_is_threshold",), "rollout_is", lambda a: a.rollout_is is not None, "add --rollout-is token|sequence"),
+    (("rollout_is_threshold", "rollout_is_batch_normalize"), "rollout_is", lambda a: a.rollout_is is not None,
+     "add --rollout-is token|sequence"),
+    (("rollout_rs_threshold",), "rollout_rs", lambda a: a.rollout_rs is not None, "add --rollout-rs"),
     (("gpu_memory_utilization", "enforce_eager", "max_num_seqs", "max_num_batched_tokens", "enable_sleep_mode"),
      "rollout_name", lambda a: a.rollout_name == "vllm", "add --rollout-name vllm"),
     (("max_assistant_turns", "tool_timeout", "tokenization_sanity_check_mode"), "tool_config",
@@ -214,6 +221,8 @@ def check_flags(args) -> None:
         _check_env(args)  # likewise: the environments are made in their workers
     if getattr(args, "rollout_name", "hf") == "vllm":
         _check_vllm(args)
+    if getattr(args, "rollout_rs", None) is not None:
+        _check_rejection(args)
     if getattr(args, "reward_shift", False) and args.reward_scale:
         raise UsageError("--reward-shift with --reward-scale: shift only subtracts the mean and scale only divides "
                          "by the std; for both, drop the two flags (--reward-norm alone does both)")  # fmt: skip
@@ -229,6 +238,48 @@ def check_flags(args) -> None:
     blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise UsageError(f"--output-dir {args.output_dir}: {blocking} is a file, so the folder cannot be created")
+
+
+def _band_ok(threshold) -> bool:
+    """rollout_is_threshold: a number >= 1, or lo_hi with 0 < lo <= 1 <= hi."""
+    try:
+        lo, hi = parse_band(threshold)
+    except ValueError:
+        return False
+    return hi >= 1 if lo is None else 0 < lo <= 1 <= hi
+
+
+def _check_rejection(args) -> None:
+    """--rollout-rs: known options, one bound or one per option, each of its statistic's form."""
+    options = [o.strip() for o in args.rollout_rs.split(",")]
+    unknown = [o for o in options if o not in RS_OPTIONS]
+    if unknown:
+        raise UsageError(f"--rollout-rs {args.rollout_rs}: {unknown[0]!r} is not an option; choose among "
+                         f"{', '.join(RS_OPTIONS)} (comma-separated)")  # fmt: skip
+    if args.rollout_rs_threshold is None:
+        raise UsageError(f"--rollout-rs {args.rollout_rs}: give --rollout-rs-threshold (e.g. 0.5_2.0 for a k1 "
+                         f"option, 0.01 for k2 / k3)")  # fmt: skip
+    bounds = [b.strip() for b in str(args.rollout_rs_threshold).split(",")]
+    if len(bounds) not in (1, len(options)):
+        raise UsageError(f"--rollout-rs-threshold {args.rollout_rs_threshold}: give one bound, or one per option "
+                         f"of --rollout-rs ({len(options)})")  # fmt: skip
+    for option, bound in zip(options, bounds * len(options) if len(bounds) == 1 else bounds):
+        try:
+            values = [float(x) for x in bound.split("_", 1)]
+        except ValueError:
+            values = []
+        ok = (len(values) == 2 and 0 < values[0] <= values[1]) if "_" in bound else len(values) == 1
+        ok = ok and all(v > 0 and math.isfinite(v) for v in values) and (option.endswith("k1") or "_" not in bound)
+        if not ok:
+            want = (
+                "lo_hi with 0 < lo <= hi, or an upper ratio u (lo = 1/u)" if option.endswith("k1") else "a number > 0"
+            )
+            raise UsageError(
+                f"--rollout-rs-threshold {args.rollout_rs_threshold}: {bound!r} for {option}: must be {want}"
+            )
+    if args.bypass_mode:
+        raise UsageError("--bypass-mode with --rollout-rs: in bypass mode the engine's logprobs are the old policy, so "
+                         "there is no gap between them to reject on; drop one of the two flags")  # fmt: skip
 
 
 def _check_placement(args) -> None:
@@ -483,8 +534,14 @@ class RolloutArgs:
     """trainer passes run each group's shared prompt once (same numbers; off: one pass per sequence)"""
     rollout_is: Literal["token", "sequence"] | None = None
     """rollout correction: weight each token by the truncated pi_old / pi_rollout, per token or per response"""
-    rollout_is_threshold: float = 2.0
-    """rollout correction: the cap on those importance weights"""
+    rollout_is_threshold: float | str = 2.0
+    """rollout correction: the cap on those importance weights, or lo_hi (e.g. 0.5_5.0): weights outside are zeroed"""
+    rollout_is_batch_normalize: bool = False
+    """rollout correction: rescale the importance weights to mean 1 over the step"""
+    rollout_rs: str | None = None
+    """rollout rejection: drop tokens / responses whose trainer-engine gap leaves the band, e.g. token_k1,seq_mean_k3"""
+    rollout_rs_threshold: str | None = None
+    """rollout rejection's bounds, one or one per option: lo_hi for k1 (e.g. 0.5_2.0), an upper bound for k2 / k3"""
     bypass_mode: bool = False
     """take the engine's logprobs as the old policy (saves the trainer's old-logprob pass)"""
 
@@ -813,7 +870,8 @@ class RLArgs(
         before a sample is used ("when-stale"), the update's own logprobs being exact."""
         if self.bypass_mode:
             return "engine"
-        before_update = getattr(self, "use_kl_in_reward", False) or self.engine_holds_own_weights or self.rollout_is
+        before_update = getattr(self, "use_kl_in_reward", False) or self.engine_holds_own_weights
+        before_update = before_update or self.rollout_is or self.rollout_rs
         return "pass" if before_update else "when-stale"
 
     def model_kwargs(self) -> dict:
@@ -865,7 +923,9 @@ class RLArgs(
 
     def rollout_is_kwargs(self) -> dict:
         """The keyword arguments of common.ops.rollout_correction that these flags set."""
-        return dict(mode=self.rollout_is, threshold=self.rollout_is_threshold)
+        return dict(mode=self.rollout_is, threshold=self.rollout_is_threshold,
+                    batch_normalize=self.rollout_is_batch_normalize, rs=self.rollout_rs,
+                    rs_threshold=self.rollout_rs_threshold)  # fmt: skip
 
 
 @dataclass

@@ -209,6 +209,13 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "algorithm.rollout_correction.rollout_is": Flag("rollout_is"),
     "algorithm.rollout_correction.rollout_is_threshold": Flag("rollout_is_threshold"),
     "algorithm.rollout_correction.bypass_mode": Flag("bypass_mode"),
+    "algorithm.rollout_correction.rollout_is_batch_normalize": Flag("rollout_is_batch_normalize"),
+    "algorithm.rollout_correction.rollout_rs": Flag("rollout_rs"),
+    "algorithm.rollout_correction.rollout_rs_threshold": Flag("rollout_rs_threshold"),
+    "algorithm.rollout_correction.loss_type": Fixed(
+        "ppo_clip",
+        "bypass mode's loss is the clipped surrogate with ratio pi / pi_rollout; its REINFORCE form is not built",
+    ),
     "algorithm.filter_groups.enable": Fixed(
         True, "dapo.py always filters groups; the other recipes never do"
     ),  # False elsewhere

@@ -18,6 +18,8 @@ from the paper (and matches verl's defaults):
    scales each token's advantage by w_t = min(exp(old_t - rollout_t), --rollout-is-threshold),
    sequence by min(exp(sum_t (old_t - rollout_t)), threshold) on all its tokens (log ratios
    clamped to +-20); w is detached and positive, so this weights each token's loss as verl does.
+   --rollout-is-threshold lo_hi zeroes the weights outside [lo, hi] instead (IcePop), and
+   --rollout-rs drops the tokens or responses whose gap leaves its band from the loss.
    --bypass-mode takes the engine's logprobs as the old ones: ratio pi / pi_rollout, no old pass.
 DAPO's pieces (dynamic sampling, overlong penalty) live in the fork recipes/dapo.py.
 
@@ -207,9 +209,11 @@ def update(
 ):
     """Step 6: plan.epochs x mini-batches x micro-batches, one optimizer step per mini-batch; then
     one lr-schedule step (knobs: Args.update_kwargs). The rollout correction (rollout_is, off by
-    default) weighs each token's advantage by the truncated pi_old / pi_rollout."""
+    default) weighs each token's advantage by the truncated pi_old / pi_rollout, and its rejection
+    drops the tokens it rejects from the loss mask."""
     model, optimizer, scheduler = policy
-    is_weights, is_metrics = rollout_correction(old_logprobs, batch["rollout_logprobs"], loss_mask, **rollout_is)
+    is_weights, loss_mask, is_metrics = rollout_correction(old_logprobs, batch["rollout_logprobs"], loss_mask,
+                                                           **rollout_is)  # fmt: skip
     advantages = advantages * is_weights  # the advantages themselves when the correction is off
     t, stats, grad_norms, loss_sum = time.time(), [], [], 0.0
     for _ in range(plan.epochs):

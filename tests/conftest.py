@@ -404,3 +404,21 @@ def running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def engine_lagging_by(monkeypatch, shift, every: int = 1):
+    """The engine reports the sampled tokens' logprobs `shift` below the trainer's on every
+    `every`-th response (0, every, 2 every, ...), as an engine whose copy of the weights differs
+    would: pi_old / pi_rollout = exp(shift) on each of their tokens."""
+    import common.rollout
+
+    pack = common.rollout.pack_groups
+
+    def lagging(*args, **kw):
+        batch = pack(*args, **kw)
+        rows = torch.zeros(len(batch["response_mask"]), 1)
+        rows[::every] = 1.0
+        batch["rollout_logprobs"] = batch["rollout_logprobs"] - shift * batch["response_mask"] * rows
+        return batch
+
+    monkeypatch.setattr(common.rollout, "pack_groups", lagging)

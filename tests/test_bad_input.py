@@ -141,7 +141,51 @@ CASES = [
     ("negative LoRA rank", dict(lora_rank=-1), "--lora-rank -1: must be >= 0"),
     ("vLLM memory fraction zero", dict(gpu_memory_utilization=0.0), "--gpu-memory-utilization 0.0: must be in (0, 1]"),
     ("vLLM zero sequences per step", dict(max_num_seqs=0), "--max-num-seqs 0: must be >= 1"),
-    ("IS cap below 1", dict(rollout_is="token", rollout_is_threshold=0.5), "--rollout-is-threshold 0.5: must be >= 1"),
+    (
+        "IS cap below 1",
+        dict(rollout_is="token", rollout_is_threshold=0.5),
+        "--rollout-is-threshold 0.5: must be a cap >= 1, or lo_hi",
+    ),
+    (
+        "IS band without 1",
+        dict(rollout_is="token", rollout_is_threshold="1.2_5"),
+        "--rollout-is-threshold '1.2_5': must be a cap >= 1, or lo_hi with 0 < lo <= 1 <= hi",
+    ),
+    ("IS band not numbers", dict(rollout_is="token", rollout_is_threshold="low_high"), "must be a cap >= 1, or lo_hi"),
+    (
+        "rejection option unknown",
+        dict(rollout_rs="seq_k1", rollout_rs_threshold="2"),
+        "--rollout-rs seq_k1: 'seq_k1' is not an option; choose among token_k1",
+    ),
+    ("rejection without bounds", dict(rollout_rs="token_k1"), "--rollout-rs token_k1: give --rollout-rs-threshold"),
+    (
+        "rejection bounds miscounted",
+        dict(rollout_rs="token_k1,seq_max_k2,seq_sum_k3", rollout_rs_threshold="2,0.1"),
+        "give one bound, or one per option of --rollout-rs (3)",
+    ),
+    (
+        "rejection band on k2",
+        dict(rollout_rs="seq_max_k2", rollout_rs_threshold="0.5_2"),
+        "'0.5_2' for seq_max_k2: must be a number > 0",
+    ),
+    (
+        "rejection band upside down",
+        dict(rollout_rs="token_k1", rollout_rs_threshold="2_0.5"),
+        "'2_0.5' for token_k1: must be lo_hi with 0 < lo <= hi",
+    ),
+    ("rejection bounds without rejection", dict(rollout_rs_threshold="2"), "add --rollout-rs"),
+    (
+        "rejection in bypass mode",
+        dict(rollout_rs="token_k1", rollout_rs_threshold="2", bypass_mode=True),
+        "--bypass-mode with --rollout-rs",
+    ),
+    ("IS batch normalisation without IS", dict(rollout_is_batch_normalize=True), "add --rollout-is token|sequence"),
+    (
+        "reward shift and scale",
+        dict(reward_norm="batch", reward_shift=True, reward_scale=True),
+        "--reward-shift with --reward-scale",
+    ),
+    ("advantage clip zero", dict(advantage_clip=0.0), "--advantage-clip 0.0: must be > 0"),
     ("IS weights in bypass mode", dict(rollout_is="sequence", bypass_mode=True), "drop one of the two flags"),
     (
         "staleness, colocated",

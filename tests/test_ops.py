@@ -130,8 +130,68 @@ def test_rollout_is_weights_stay_finite_and_keep_small_weights():
 def test_rollout_correction_gives_the_weights_and_their_metrics_only_when_on():
     old, rollout = torch.tensor([[-1.0, -0.2, 0.0]]), torch.tensor([[-2.0, -0.1, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    weights, metrics = ops.rollout_correction(old, rollout, mask, mode="token", threshold=2.0)
-    assert torch.equal(weights, ops.rollout_is_weights(old, rollout, mask, "token", 2.0))
+    weights, loss_mask, metrics = ops.rollout_correction(old, rollout, mask, mode="token", threshold=2.0)
+    assert torch.equal(weights, ops.rollout_is_weights(old, rollout, mask, "token", 2.0)) and loss_mask is mask
     assert metrics == ops.rollout_is_metrics(weights, mask, 2.0) and metrics["rollout_corr/rollout_is_max"] == 2.0
-    weights, metrics = ops.rollout_correction(None, rollout, mask, mode=None, threshold=2.0)
-    assert torch.equal(weights, mask) and metrics == {}
+    weights, loss_mask, metrics = ops.rollout_correction(None, rollout, mask, mode=None, threshold=2.0)
+    assert torch.equal(weights, mask) and loss_mask is mask and metrics == {}
+
+
+def test_a_lo_hi_band_zeroes_the_weights_outside_it():
+    """verl's "lo_hi" rollout_is_threshold (IcePop): weights inside [lo, hi] kept as they are, the
+    rest 0; the response mask is unchanged, and the zeroed share is logged."""
+    log_w = torch.tensor([[math.log(0.4), math.log(0.6), math.log(4.0), math.log(6.0), 0.0]])
+    old, rollout, mask = log_w, torch.zeros(1, 5), torch.tensor([[1.0, 1, 1, 1, 0]])
+    w = ops.rollout_is_weights(old, rollout, mask, "token", "0.5_5.0")
+    assert w.tolist()[0] == pytest.approx([0.0, 0.6, 4.0, 0.0, 0.0])
+    weights, loss_mask, metrics = ops.rollout_correction(old, rollout, mask, mode="token", threshold="0.5_5.0")
+    assert loss_mask is mask and metrics["rollout_corr/rollout_is_oob_ratio"] == 0.5
+    assert "rollout_corr/rollout_is_ratio_fraction_high" not in metrics
+    assert ops.parse_band(2.0) == (None, 2.0) and ops.parse_band("0.5_5") == (0.5, 5.0)
+
+
+def test_batch_normalize_rescales_the_weights_to_mean_one():
+    old, rollout = torch.tensor([[0.2, 0.0, 0.0], [-0.3, 0.1, 9.0]]), torch.zeros(2, 3)
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+    raw = ops.rollout_is_weights(old, rollout, mask, "token", 2.0)
+    weights, _, metrics = ops.rollout_correction(old, rollout, mask, mode="token", threshold=2.0, batch_normalize=True)
+    factor = raw[mask.bool()].mean().item()
+    torch.testing.assert_close(weights, raw / factor)
+    assert weights[mask.bool()].mean().item() == pytest.approx(1.0)
+    assert metrics["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(factor)
+    # sequence weights: the mean over responses of each response's weight
+    raw = ops.rollout_is_weights(old, rollout, mask, "sequence", 2.0)
+    weights, _, _ = ops.rollout_correction(old, rollout, mask, mode="sequence", threshold=2.0, batch_normalize=True)
+    torch.testing.assert_close(weights, raw / ((raw[0, 0] + raw[1, 0]) / 2))
+
+
+def test_rejection_against_each_statistic():
+    """rollout_rejection_mask's options on hand-computed cases, r = old - rollout per token:
+    k1 = -r, k2 = r^2 / 2, k3 = exp(r) - 1 - r; token options reject tokens, sequence options
+    whole responses; several options must all keep a token."""
+    r = torch.tensor([[0.1, -0.1, 0.0, 0.0], [0.5, 0.0, 0.0, 9.0], [-0.05, 0.05, 0.01, 0.0]])
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
+    old, rollout = r, torch.zeros_like(r)
+
+    def keep(options, thresholds):
+        return ops.rollout_rejection_mask(old, rollout, mask, options, thresholds).tolist()
+
+    # token_k1 with 0.9_1.2: keep log(0.9) <= -r <= log(1.2), i.e. r in [-0.182, 0.105]
+    assert keep("token_k1", "0.9_1.2") == [[1, 1, 1, 0], [0, 1, 1, 0], [1, 1, 1, 1]]
+    # a bare bound u means [1/u, u]
+    assert keep("token_k1", "1.2") == keep("token_k1", f"{1 / 1.2}_1.2")
+    # seq_mean_k1: the geometric mean ratio; row 1's mean log-ratio is 0.5/3 = 0.167, out of log(1.1) = 0.095
+    assert keep("seq_mean_k1", "1.1") == [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
+    # seq_sum_k2: row 0 sums 0.01, row 1 0.125, row 2 0.0025 (padding's 9.0 never counts)
+    assert keep("seq_sum_k2", "0.05") == [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
+    assert keep("seq_sum_k2", "0.005") == [[0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
+    # seq_max_k3 and token_k3: k3(0.5) = exp(0.5) - 1.5 = 0.1487, k3(0.1) = 0.00517
+    assert keep("seq_max_k3", "0.1") == [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
+    assert keep("token_k3", "0.005") == [[0, 1, 1, 0], [0, 1, 1, 0], [1, 1, 1, 1]]
+    # two options, one bound each: a token is kept when both keep it
+    assert keep("token_k3,seq_mean_k1", "0.005,1.1") == [[0, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
+    _, loss_mask, metrics = ops.rollout_correction(old, rollout, mask, mode=None, threshold=2.0, rs="seq_mean_k1",
+                                                   rs_threshold="1.1")  # fmt: skip
+    assert loss_mask.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
+    assert metrics == {"rollout_corr/rollout_rs_masked_fraction": pytest.approx(3 / 10),
+                       "rollout_corr/rollout_rs_seq_masked_fraction": pytest.approx(1 / 3)}  # fmt: skip

@@ -19,6 +19,7 @@ from conftest import (
     RL_RECIPES,
     ROOT,
     SHIPPED_ACCURACY,
+    engine_lagging_by,
     load_recipe,
     read_metrics,
     run_recipe,
@@ -276,21 +277,6 @@ def test_a_copied_recipe_starts_its_own_run(tmp_path, small_files):
 
 
 # --- rollout correction ------------------------------------------------------------------------------
-def engine_lagging_by(monkeypatch, shift):
-    """The engine reports every sampled token's logprob `shift` below the trainer's, as an engine
-    whose copy of the weights differs would: pi_old / pi_rollout = exp(shift) on every token."""
-    import common.rollout
-
-    pack = common.rollout.pack_groups
-
-    def lagging(*args, **kw):
-        batch = pack(*args, **kw)
-        batch["rollout_logprobs"] = batch["rollout_logprobs"] - shift * batch["response_mask"]
-        return batch
-
-    monkeypatch.setattr(common.rollout, "pack_groups", lagging)
-
-
 def one_step(module, out, files, **flags):
     args = dict(
         output_dir=str(out),
@@ -334,6 +320,23 @@ def test_rollout_correction_and_bypass_mode(tmp_path, small_args, monkeypatch, r
     assert capped["reward/mean"] == plain["reward/mean"]  # the same samples
     assert capped["train/grad_norm"] == pytest.approx(1.05 * plain["train/grad_norm"], rel=1e-4)
     assert "rollout_corr/rollout_is_mean" not in plain
+    # A band that exp(0.1) leaves zeroes every weight: nothing is left to learn from.
+    banded = one_step(module, tmp_path / "band", small_args, rollout_is="token", rollout_is_threshold="0.5_1.05")
+    assert banded["rollout_corr/rollout_is_oob_ratio"] == 1.0 and banded["train/grad_norm"] == 0.0
+
+
+def test_rollout_rejection_drops_the_responses_whose_engine_drifted(tmp_path, small_args, monkeypatch):
+    """Every other response's engine logprobs planted 0.1 nats low: seq_mean_k1 with a band of 1.05
+    rejects exactly those (their geometric-mean ratio is exp(0.1)) and the other half still trains;
+    a band of 1.2 keeps them all, and the same samples give another update."""
+    module = load_recipe("grpo")
+    engine_lagging_by(monkeypatch, 0.1, every=2)
+    got = one_step(module, tmp_path / "rs", small_args, rollout_rs="seq_mean_k1", rollout_rs_threshold="1.05")
+    assert got["rollout_corr/rollout_rs_seq_masked_fraction"] == 0.5
+    assert 0.3 < got["rollout_corr/rollout_rs_masked_fraction"] < 0.7 and got["train/grad_norm"] > 0
+    loose = one_step(module, tmp_path / "loose", small_args, rollout_rs="seq_mean_k1", rollout_rs_threshold="1.2")
+    assert loose["rollout_corr/rollout_rs_seq_masked_fraction"] == 0.0
+    assert loose["reward/mean"] == got["reward/mean"] and loose["train/grad_norm"] != got["train/grad_norm"]
 
 
 # --- learning -----------------------------------------------------------------------------------------

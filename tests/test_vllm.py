@@ -298,6 +298,25 @@ def test_grpo_with_the_vllm_engine_resumes_exactly(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-6), (key, a["step"])
 
 
+def test_the_rollout_correction_band_and_rejection_under_vllm(tmp_path, monkeypatch):
+    """With the real engine's logprobs and every other response's planted 0.1 nats low: the
+    lo_hi band zeroes exactly those responses' weights (the others' gap to vLLM stays inside
+    it), and seq_mean_k1 rejects exactly those responses."""
+    from conftest import engine_lagging_by, load_recipe, read_metrics
+
+    module = load_recipe("grpo")
+    engine_lagging_by(monkeypatch, 0.1, every=2)
+    module.main(module.Args(
+        output_dir=str(tmp_path / "run"), rollout_name="vllm", train_batch_size=4, rollout_n=4, total_training_steps=1,
+        test_freq=0, save_freq=0, val_before_train=False, logger=(), rollout_is="token",
+        rollout_is_threshold="0.5_1.05", rollout_rs="seq_mean_k1", rollout_rs_threshold="1.05",
+    ))  # fmt: skip
+    got = read_metrics(tmp_path / "run")[-1]
+    assert got["rollout_corr/rollout_rs_seq_masked_fraction"] == 0.5
+    assert got["rollout_corr/rollout_is_oob_ratio"] == pytest.approx(got["rollout_corr/rollout_rs_masked_fraction"])
+    assert 0.3 < got["rollout_corr/rollout_is_oob_ratio"] < 0.7 and got["train/grad_norm"] > 0
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_processes_each_engine_gets_the_trainers_weights(tmp_path, strategy):
     """torchrun with 2 gloo processes, one vLLM engine in each. rollout/logprob_diff_max spans both
