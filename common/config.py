@@ -101,6 +101,8 @@ FLAG_RULES = [
     ("len_reward_coef", lambda v: v > 0, "> 0"),
     ("reward_clip", lambda v: v is None or v > 0, "> 0 (rewards are clamped to [-c, c])"),
     ("advantage_clip", lambda v: v is None or v > 0, "> 0 (advantages are clamped to [-c, c])"),
+    ("rl_loss_coef", lambda v: v >= 0, ">= 0"),
+    ("sft_loss_coef", lambda v: v >= 0, ">= 0 (a negative weight would push the good responses down)"),
     # the algorithms' knobs: one meaning, so one rule, in every recipe that has them
     ("clip_ratio", lambda v: v > 0, "> 0"),
     ("clip_ratio_low", lambda v: v is None or 0 < v <= 1, "in (0, 1]: the ratio is kept above 1 - clip_ratio_low"),
@@ -223,6 +225,8 @@ def check_flags(args) -> None:
         _check_vllm(args)
     if getattr(args, "rollout_rs", None) is not None:
         _check_rejection(args)
+    if getattr(args, "rl_loss_coef", 1.0) == 0 and args.sft_loss_coef == 0:
+        raise UsageError("--rl-loss-coef 0 with --sft-loss-coef 0: the loss would have no term left to learn from")
     if getattr(args, "reward_shift", False) and args.reward_scale:
         raise UsageError("--reward-shift with --reward-scale: shift only subtracts the mean and scale only divides "
                          "by the std; for both, drop the two flags (--reward-norm alone does both)")  # fmt: skip
@@ -596,6 +600,12 @@ class ConditioningArgs:
     """weight each response's policy-gradient loss by 0.5 + 1.5 * its row's difficulty (a column in [0, 1])"""
     length_loss_weight: bool = False
     """weight each response's policy-gradient loss by 1.5 - its length scaled to [0, 1] over the step"""
+    rl_loss_coef: float = 1.0
+    """ROLL's rl_loss_coef: weight of the policy-gradient term (and of the KL loss with it)"""
+    sft_loss_coef: float = 0.0
+    """ROLL's sft_loss_coef: add this times the negative log-likelihood of the responses that scored > 0"""
+    use_topr_loss: bool = False
+    """ROLL's use_topr_loss: TOPR's truncated-importance REINFORCE instead of the clipped surrogate"""
 
     def reward_conditioning_kwargs(self) -> dict:
         """The keyword arguments of common.conditioning.condition_rewards that these flags set."""
@@ -603,6 +613,10 @@ class ConditioningArgs:
                  "len_reward_coef")  # fmt: skip
         return dict(normalization_grouping=self.reward_normalization_grouping,
                     normalization_method=self.reward_normalization_method, **{k: getattr(self, k) for k in names})  # fmt: skip
+
+    def loss_terms_kwargs(self) -> dict:
+        """The keyword arguments of each recipe's compute_loss that these flags set."""
+        return dict(rl_loss_coef=self.rl_loss_coef, sft_loss_coef=self.sft_loss_coef, use_topr_loss=self.use_topr_loss)
 
     def advantage_conditioning_kwargs(self) -> dict:
         """The keyword arguments of common.conditioning.condition_advantages that these flags set."""

@@ -156,6 +156,20 @@ def agg_loss(
     return out
 
 
+def topr_loss(new_logprobs, old_logprobs, advantages, positive) -> torch.Tensor:
+    """TOPR's per-token loss (Tapered Off-Policy REINFORCE, Le Roux et al. 2025, arXiv:2503.14286),
+    in ROLL's token-level form. The paper's gradient over sequences y sampled from mu:
+        sum_{R(y) >= 0} R(y) grad log pi(y)  +  sum_{R(y) < 0} [pi(y) / mu(y)]_0^1 R(y) grad log pi(y)
+    Here, per token, with the recipe's advantage A_t for R and positive (B, 1) the responses that
+    scored > 0: loss_t = -A_t * w_t * log pi_t, w_t = 1 on a positive response and
+    clamp(exp(log pi_t - old_t), 0, 1) (detached) on the others: a positive sample is pushed up as
+    in plain REINFORCE, a negative one pushed down only as far as the policy still agrees with the
+    one that sampled it."""
+    ratio = torch.exp(torch.clamp(new_logprobs.detach() - old_logprobs, -20.0, 20.0)).clamp(max=1.0)
+    weight = torch.where(positive > 0, torch.ones_like(ratio), ratio)
+    return -advantages * weight * new_logprobs
+
+
 def parse_band(threshold: float | str) -> tuple[float | None, float]:
     """verl's rollout_is_threshold: a number u truncates the weights at u (TIS: (None, u)); a text
     "lo_hi" keeps the weights inside [lo, hi] and zeroes the rest (IcePop's mask: (lo, hi))."""

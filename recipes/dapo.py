@@ -56,6 +56,7 @@ from common.ops import (
     logprobs_from_logits,
     masked_mean,
     rollout_correction,
+    topr_loss,
 )
 from common.parallel import (
     StopSignal,
@@ -118,6 +119,7 @@ class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and rewa
             clip_ratio_high=self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high,
             clip_ratio_c=self.clip_ratio_c, loss_agg_mode=self.loss_agg_mode, norm_constant=self.max_response_length,
             entropy_coeff=self.entropy_coeff, kl_loss_coef=self.kl_loss_coef, kl_loss_type=self.kl_loss_type,
+            **self.loss_terms_kwargs(),
         )  # fmt: skip
         return dict(
             grad_clip=self.grad_clip, rollout_is=self.rollout_is_kwargs(), loss=loss, use_kl_loss=self.use_kl_loss
@@ -144,15 +146,19 @@ def compute_advantages(rewards, group_ids, response_mask, norm_by_std=True, eps=
 def compute_loss(
     new_logprobs, old_logprobs, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
     clip_ratio_c, loss_agg_mode, ref_logprobs=None, kl_loss_coef=0.0, kl_loss_type="low_var_kl",
-    entropy=None, entropy_coeff=0.0, num_tokens=None, num_seqs=None, norm_constant=None,
+    entropy=None, entropy_coeff=0.0, num_tokens=None, num_seqs=None, norm_constant=None, positive=None,
+    rl_loss_coef=1.0, sft_loss_coef=0.0, use_topr_loss=False,
 ):  # fmt: skip
     """Clipped surrogate with dual-clip, plus optional KL-to-reference and entropy terms.
 
     All tensors (B, T). ratio = exp(clamp(new - old, +-20)); per token
         pg = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))
         pg = min(pg, -A * clip_ratio_c)  where A < 0  (dual-clip bounds the loss of bad samples)
-    loss = agg(pg) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl(new, ref)), each agg
-    by loss_agg_mode over num_tokens / num_seqs (see common.ops.agg_loss). Returns (loss, metrics).
+    loss = rl_loss_coef * (agg(pg) + kl_loss_coef * agg(kl(new, ref))) - entropy_coeff * agg(entropy)
+           + sft_loss_coef * agg(-new on the responses that scored > 0: positive), each agg by
+    loss_agg_mode over num_tokens / num_seqs (see common.ops.agg_loss); use_topr_loss puts TOPR's
+    per-token loss (common.ops.topr_loss) in place of pg. ROLL's terms: rl_loss_coef 1 and
+    sft_loss_coef 0 by default. Returns (loss, metrics).
     """
     mask = response_mask
     agg = dict(mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant)
@@ -163,7 +169,9 @@ def compute_loss(
     pg = torch.maximum(loss_unclipped, loss_clipped)
     dual = -advantages * clip_ratio_c
     pg_dual = torch.where(advantages < 0, torch.minimum(pg, dual), pg)
-    loss = agg_loss(pg_dual, mask, **agg)
+    if use_topr_loss:  # ROLL's TOPR instead of the clipped surrogate (common.ops.topr_loss)
+        pg_dual = topr_loss(new_logprobs, old_logprobs, advantages, positive)
+    loss = rl_loss_coef * agg_loss(pg_dual, mask, **agg)
     metrics = {
         "policy/pg_loss": loss.detach(),
         "policy/clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
@@ -176,8 +184,12 @@ def compute_loss(
         metrics["policy/entropy"] = masked_mean(entropy.detach(), mask)
     if ref_logprobs is not None:
         kl = kl_penalty(new_logprobs, ref_logprobs, kl_loss_type)
-        loss = loss + kl_loss_coef * agg_loss(kl, mask, **agg)
+        loss = loss + rl_loss_coef * kl_loss_coef * agg_loss(kl, mask, **agg)
         metrics["policy/kl_ref"] = masked_mean(kl.detach(), mask)
+    if sft_loss_coef:  # ROLL's: the negative log-likelihood of the responses that scored > 0
+        sft = agg_loss(-new_logprobs, mask * positive, **agg)
+        loss = loss + sft_loss_coef * sft
+        metrics["policy/sft_loss"] = sft.detach()
     return loss, metrics
 
 
@@ -259,6 +271,7 @@ def update(
     is_weights, loss_mask, is_metrics = rollout_correction(old_logprobs, batch["rollout_logprobs"], loss_mask,
                                                            **rollout_is)  # fmt: skip
     advantages = advantages * is_weights  # the advantages themselves when the correction is off
+    positive = (batch["rewards"] > 0).float().unsqueeze(-1)  # the responses that scored: --sft-loss-coef, TOPR
     t, stats, grad_norms, loss_sum = time.time(), [], [], 0.0
     for _ in range(plan.epochs):
         for m in range(plan.mini_batches_per_step):
@@ -275,7 +288,7 @@ def update(
                     loss_mb, metrics = compute_loss(
                         new_logprobs, old, advantages[rows], loss_mask[rows], entropy=entropy,
                         ref_logprobs=ref_logprobs[rows] if use_kl_loss else None,
-                        num_tokens=num_tokens, num_seqs=num_seqs, **loss,
+                        num_tokens=num_tokens, num_seqs=num_seqs, positive=positive[rows], **loss,
                     )  # fmt: skip
                     # DDP and FSDP2 average gradients over ranks; the loss is already a global mean.
                     (loss_mb * plan.world_size).backward()

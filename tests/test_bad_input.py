@@ -186,6 +186,8 @@ CASES = [
         "--reward-shift with --reward-scale",
     ),
     ("advantage clip zero", dict(advantage_clip=0.0), "--advantage-clip 0.0: must be > 0"),
+    ("no loss term left", dict(rl_loss_coef=0.0), "--rl-loss-coef 0 with --sft-loss-coef 0"),
+    ("negative SFT weight", dict(sft_loss_coef=-0.1), "--sft-loss-coef -0.1: must be >= 0"),
     ("IS weights in bypass mode", dict(rollout_is="sequence", bypass_mode=True), "drop one of the two flags"),
     (
         "staleness, colocated",

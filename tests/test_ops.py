@@ -195,3 +195,18 @@ def test_rejection_against_each_statistic():
     assert loss_mask.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
     assert metrics == {"rollout_corr/rollout_rs_masked_fraction": pytest.approx(3 / 10),
                        "rollout_corr/rollout_rs_seq_masked_fraction": pytest.approx(1 / 3)}  # fmt: skip
+
+
+def test_topr_loss_against_its_formula():
+    """loss_t = -A_t * w_t * log pi_t: w = 1 on a positive response; on a negative one
+    clamp(pi / pi_old, 0, 1), detached, so its gradient is -A_t * w_t * grad log pi_t."""
+    new = torch.tensor([[-1.0, -2.0], [-1.0, -0.5]], requires_grad=True)
+    old = torch.tensor([[-0.5, -2.5], [-0.5, -1.0]])
+    advantages = torch.tensor([[1.0, 1.0], [-2.0, -2.0]])
+    positive = torch.tensor([[1.0], [0.0]])
+    loss = ops.topr_loss(new, old, advantages, positive)
+    w_negative = [math.exp(-1.0 + 0.5), 1.0]  # pi / pi_old = exp(-0.5), and exp(0.5) clamped to 1
+    want = [[1.0, 2.0], [-2.0 * w_negative[0], -0.5 * 2 * w_negative[1]]]
+    assert loss.tolist() == [pytest.approx(row) for row in want]
+    loss.sum().backward()
+    assert new.grad.tolist() == [pytest.approx([-1.0, -1.0]), pytest.approx([2 * w_negative[0], 2.0])]

@@ -339,6 +339,21 @@ def test_rollout_rejection_drops_the_responses_whose_engine_drifted(tmp_path, sm
     assert loose["reward/mean"] == got["reward/mean"] and loose["train/grad_norm"] != got["train/grad_norm"]
 
 
+def test_roll_loss_terms(tmp_path, small_args):
+    """--rl-loss-coef scales the policy-gradient term (0.5: half the gradient); --sft-loss-coef with
+    no RL term leaves only the negative log-likelihood of the responses that scored; TOPR on-policy
+    (ratio 1, every weight 1) has the clipped surrogate's gradient, -A grad log pi."""
+    module = load_recipe("grpo")
+    plain = one_step(module, tmp_path / "plain", small_args)
+    half = one_step(module, tmp_path / "half", small_args, rl_loss_coef=0.5)
+    assert half["reward/mean"] == plain["reward/mean"]
+    assert half["train/grad_norm"] == pytest.approx(0.5 * plain["train/grad_norm"], rel=1e-5)
+    sft = one_step(module, tmp_path / "sft", small_args, rl_loss_coef=0.0, sft_loss_coef=1.0)
+    assert sft["policy/sft_loss"] > 0 and sft["train/loss"] == pytest.approx(sft["policy/sft_loss"], rel=1e-5)
+    topr = one_step(module, tmp_path / "topr", small_args, use_topr_loss=True)
+    assert topr["train/grad_norm"] == pytest.approx(plain["train/grad_norm"], rel=1e-5)
+
+
 # --- learning -----------------------------------------------------------------------------------------
 # Samples per prompt in the learning test, the fewest of 8 and 12 that keep the margin (the default
 # is 16); forks learn with their defaults. Measured with seeds 1-3 (points gained in 20 steps): at 8
