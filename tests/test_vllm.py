@@ -115,10 +115,14 @@ def test_lora_arrives_merged_and_the_trainer_keeps_its_base(setup, tokenizer):
     got = engine.generate(prompts, GREEDY)
     want = hf_greedy(model, prompts, tokenizer)  # the adapter active: what the trainer's policy samples
     plain = hf_greedy(load_policy(SFT), prompts, tokenizer)
-    assert [g[0].logprobs for g in want] != [g[0].logprobs for g in plain], "the adapter changes the policy"
+    # The engine holds W + s BA rounded once in float32 where the trainer adds s B(Ax) on the fly: a
+    # token's logprob may differ by a few 1e-4 (1.9e-4 seen in CI), while the adapter moves them by
+    # far more than the tolerance.
+    moved = max(abs(a - b) for w, p in zip(want, plain) for a, b in zip(w[0].logprobs, p[0].logprobs))
+    assert moved > 1e-2, f"the adapter changes the policy (by {moved})"
     for g, w in zip(got, want):
         assert g[0].token_ids == w[0].token_ids
-        assert g[0].logprobs == pytest.approx(w[0].logprobs, abs=1e-4)
+        assert g[0].logprobs == pytest.approx(w[0].logprobs, abs=1e-3)
     assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if "lora_" not in n)
 
 
