@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from common.ops import group_normalize, masked_whiten_all_ranks
-from common.parallel import gather_objects, this_rank
+from common.parallel import all_reduce_sum, gather_objects, this_rank
 
 EPS = 1e-6
 
@@ -165,8 +165,8 @@ def condition_advantages(
     if whiten_advantages:
         advantages = masked_whiten_all_ranks(advantages, response_mask)
     if advantage_clip is not None:
-        outside = ((advantages.abs() > advantage_clip) & (response_mask > 0)).float().sum()
-        metrics["advantage/clip_frac"] = _sum_every_rank(outside) / max(_sum_every_rank(response_mask.sum()), 1.0)
+        outside = ((advantages.abs() > advantage_clip) & (response_mask > 0)).float()
+        metrics["advantage/clip_frac"] = _mean_every_rank(outside[response_mask > 0])
         advantages = advantages.clamp(-advantage_clip, advantage_clip)
     if difficulty_loss_weight or length_loss_weight:
         weights = torch.ones(len(advantages))
@@ -194,10 +194,9 @@ def _gather(values: torch.Tensor, keys: list | None = None) -> tuple[torch.Tenso
     return every, [k for _, ks in parts for k in ks], start
 
 
-def _sum_every_rank(value: torch.Tensor) -> float:
-    return sum(gather_objects(float(value)))
-
-
 def _mean_every_rank(values: torch.Tensor) -> float:
-    every, _, _ = _gather(values)
-    return every.mean().item() if every.numel() else 0.0
+    """The mean of every rank's values (0 for none). Collective."""
+    total, count = all_reduce_sum(
+        torch.stack([values.float().sum(), values.new_tensor(float(values.numel()), dtype=torch.float32)])
+    ).tolist()
+    return total / count if count else 0.0

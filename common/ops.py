@@ -308,7 +308,7 @@ def rollout_correction(
     mask = response_mask.float()
     rejected = mask - keep
     counts = all_reduce_sum(torch.stack([rejected.sum(), mask.sum(), (rejected.sum(-1) > 0).float().sum(),
-                                         torch.tensor(float(len(mask)))]))  # fmt: skip
+                                         mask.new_tensor(float(len(mask)))]))  # fmt: skip
     metrics["rollout_corr/rollout_rs_masked_fraction"] = (counts[0] / counts[1].clamp(min=1)).item()
     metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = (counts[2] / counts[3].clamp(min=1)).item()
     return weights * keep, response_mask * keep.to(response_mask.dtype), metrics
