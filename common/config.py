@@ -900,6 +900,14 @@ class RLArgs(
         the reward (--use-kl-in-reward), for the recipes that have those flags."""
         return getattr(self, "use_kl_loss", False) or getattr(self, "use_kl_in_reward", False)
 
+    @property
+    def ref_pass(self) -> bool:
+        """Whether step 4 computes the reference's logprobs of the sampled tokens: for a KL term
+        estimated from them. kl_penalty / kl_loss_type full (the exact KL over the vocabulary)
+        runs the reference beside the policy instead, on the same micro-batch."""
+        in_loss = getattr(self, "use_kl_loss", False) and getattr(self, "kl_loss_type", "") != "full"
+        return in_loss or getattr(self, "use_kl_in_reward", False) and getattr(self, "kl_penalty", "") != "full"
+
     def total_steps(self, train_rows: int) -> int:
         """--total-training-steps, else --total-epochs over train_rows prompts in whole batches."""
         return self.total_training_steps or self.total_epochs * (train_rows // self.train_batch_size)
@@ -949,8 +957,8 @@ class KLRewardArgs:
 
     kl_coef: float = 0.001
     """weight of the KL penalty in the reward (the adaptive controller's starting value)"""
-    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
-    """KL estimator for the reward penalty (see common.ops.kl_penalty)"""
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = "kl"
+    """KL estimator for the reward penalty (see common.ops.kl_penalty; full: the exact KL over the vocabulary)"""
     kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
     """KL-in-reward coefficient: fixed, or adaptive toward target_kl (Ziegler et al. 2019, as verl)"""
     target_kl: float = 0.1
@@ -961,6 +969,12 @@ class KLRewardArgs:
     def kl_ctrl_kwargs(self) -> dict:
         """The keyword arguments of common.ops.kl_controller_step that these flags set."""
         return dict(kind=self.kl_ctrl, target_kl=self.target_kl, horizon=self.horizon)
+
+    @property
+    def full_kl_in_reward(self) -> bool:
+        """--use-kl-in-reward --kl-penalty full: step 4 runs the policy and the reference side by side
+        for the exact KL over the vocabulary, in place of an estimate from the sampled tokens."""
+        return getattr(self, "use_kl_in_reward", False) and self.kl_penalty == "full"
 
     def kl_reward_kwargs(self) -> dict:
         """A recipe's apply_kl_penalty knobs: the KL estimator and the controller (kl_ctrl_kwargs)."""

@@ -8,7 +8,7 @@ import torch
 
 from common.data import pad
 from common.errors import UsageError
-from common.parallel import is_fsdp, resolve_strategy, sharding_report, wrap_model
+from common.parallel import is_fsdp, resolve_strategy, sharding_report, unwrap, wrap_model
 
 log = logging.getLogger(__name__)
 
@@ -129,20 +129,36 @@ def load_rl_models(
     reward_model: str | None = None,
 ):
     """The trained policy (load_trained_model); with_reference a frozen copy for KL terms (with
-    LoRA none: the adapter-disabled policy is the reference); the optional reward model, which
-    reads text with tokenizer. Returns (policy, reference or None, reward model or None, run_info)."""
+    LoRA no copy: AdapterOff, the policy with its adapter switched off); the optional reward model,
+    which reads text with tokenizer. Returns (policy, reference or None, reward model or None, run_info)."""
     model, run_info = load_trained_model(
         path, dist, strategy=strategy, dtype=dtype, trust_remote_code=trust_remote_code,
         mixed_precision=mixed_precision, gradient_checkpointing=gradient_checkpointing, lora_rank=lora_rank,
         lora_alpha=lora_alpha, target_modules=target_modules,
     )  # fmt: skip
-    ref = None
+    ref = AdapterOff(model) if with_reference and lora_rank else None
     if with_reference and lora_rank == 0:
         ref = load_policy(path, dtype=dtype, trust_remote_code=trust_remote_code).eval().requires_grad_(False)
         shard_ref = resolve_strategy(strategy) == "fsdp2"
         ref = wrap_model(ref, "fsdp2" if shard_ref else "none", dist, mixed_precision)
     rm = RewardModel(reward_model, tokenizer, dist.device, trust_remote_code) if reward_model else None
     return model, ref, rm, run_info
+
+
+class AdapterOff:
+    """The reference under LoRA: the base model is the policy with its adapter switched off, so no
+    copy is loaded. Each call runs the policy inside peft's disable_adapter; its attributes (the
+    wrapping, checkpointing) are the policy's, so response_logits treats both alike."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __call__(self, **inputs):
+        with unwrap(self.policy).disable_adapter():
+            return self.policy(**inputs)
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
 
 
 def load_critic(

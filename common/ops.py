@@ -7,6 +7,7 @@ can normalise by the token count of a whole mini-batch rather than of one micro-
 import math
 
 import torch
+import torch.utils.checkpoint
 
 from common.parallel import all_reduce_sum, gather_objects
 
@@ -93,6 +94,33 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.cat(out).reshape(logits.shape[:-1]) if out else flat.new_zeros(logits.shape[:-1])
 
 
+def _kl_rows(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    logp, ref = torch.log_softmax(logits.float(), dim=-1), torch.log_softmax(ref_logits.float(), dim=-1)
+    return (logp.exp() * (logp - ref)).sum(-1)
+
+
+def kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """The exact KL(p || q) = sum_v p_v (log p_v - log q_v) of each position's whole next-token
+    distribution, p = softmax(logits), q = softmax(ref_logits): (..., V) -> (...), float32
+    (kl_penalty "full": ROLL's KL over the vocabulary, not an estimate from the sampled token).
+
+    Chunk by chunk over the rows like entropy_from_logits; when logits need a gradient each chunk
+    is recomputed in the backward (activation checkpointing), so only one chunk's float32
+    log-softmaxes are alive at a time, in the forward and in the backward. The gradient flows to
+    logits only: the reference is constant."""
+    flat, flat_ref = logits.reshape(-1, logits.shape[-1]), ref_logits.detach().reshape(-1, logits.shape[-1])
+    if flat.shape[0] != flat_ref.shape[0]:
+        raise ValueError(f"logits {tuple(logits.shape)} and reference logits {tuple(ref_logits.shape)} differ")
+    grad = torch.is_grad_enabled() and flat.requires_grad
+    out = [
+        torch.utils.checkpoint.checkpoint(_kl_rows, flat[rows], flat_ref[rows], use_reentrant=False)
+        if grad
+        else _kl_rows(flat[rows], flat_ref[rows])
+        for rows in _row_chunks(flat.shape[0])
+    ]
+    return torch.cat(out).reshape(logits.shape[:-1]) if out else flat.new_zeros(logits.shape[:-1], dtype=torch.float32)
+
+
 # --- KL estimators and loss aggregation (same formulas as verl, so numbers carry over) ----------
 
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -115,6 +143,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) ->
     if kind in ("low_var_kl", "k3"):
         log_ratio = torch.clamp(ref_logprobs - logprobs, min=-20, max=20)
         return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10, max=10)
+    if kind == "full":
+        raise ValueError("kl kind 'full' is the exact KL over the vocabulary: kl_from_logits, from both models' logits")
     raise ValueError(f"kl kind {kind!r}; use one of {KL_KINDS}")
 
 

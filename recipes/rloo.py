@@ -31,7 +31,6 @@ Run (the tests run the same commands, shortened):
         --train-files ~/data/gsm8k/train.parquet --val-files ~/data/gsm8k/test.parquet --lr 1e-6
 """
 
-import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from common.ops import (
     agg_loss,
     entropy_from_logits,
     kl_controller_step,
+    kl_from_logits,
     kl_penalty,
     logprobs_from_logits,
     masked_mean,
@@ -65,7 +65,6 @@ from common.parallel import (
     grad_sync,
     init_distributed,
     seed_everything,
-    unwrap,
 )
 from common.rewards import start_reward_pool
 from common.rollout import Rollout, start_engine
@@ -96,8 +95,8 @@ class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL contr
     """add a KL(policy || reference) term to the loss"""
     kl_loss_coef: float = 0.001
     """weight of the KL term in the loss"""
-    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
-    """KL estimator for the loss term (see common.ops.kl_penalty)"""
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = "low_var_kl"
+    """KL estimator for the loss term (see common.ops.kl_penalty; full: the exact KL over the vocabulary)"""
     use_kl_in_reward: bool = False  # RLOO: the paper's KL penalty in the reward
     """subtract kl_coef * KL(old policy || reference), summed over the response, from each score"""
     entropy_coeff: float = 0.0
@@ -140,14 +139,15 @@ def compute_advantages(rewards, group_ids, response_mask):
     return scores.unsqueeze(-1) * response_mask
 
 
-def apply_kl_penalty(scores, old_logprobs, ref_logprobs, response_mask, kl_coef, use_kl_in_reward, *, estimator, ctrl):
+def apply_kl_penalty(scores, old_logprobs, ref_logprobs, full_kl, mask, kl_coef, use_kl_in_reward, *, estimator, ctrl):
     """KL in the reward (RLOO paper): score - kl_coef * sum_t KL_t(old || ref); scores (B,), the rest (B, T).
     Returns (rewards (B,), next kl_coef by verl's kl_ctrl from the all-rank mean of sequence KLs, metrics);
-    estimator and ctrl: KLRewardArgs.kl_reward_kwargs. Without use_kl_in_reward, the scores as they are."""
+    estimator and ctrl: KLRewardArgs.kl_reward_kwargs. Without use_kl_in_reward, the scores as they are.
+    Estimator full takes full_kl, step 4's exact KL over the vocabulary, in place of an estimate."""
     if not use_kl_in_reward:
         return scores, kl_coef, {}
-    kl = kl_penalty(old_logprobs, ref_logprobs, estimator) * response_mask  # (B, T)
-    next_coef, metrics = kl_controller_step(kl_coef, kl, response_mask, **ctrl)
+    kl = (full_kl if estimator == "full" else kl_penalty(old_logprobs, ref_logprobs, estimator)) * mask
+    next_coef, metrics = kl_controller_step(kl_coef, kl, mask, **ctrl)
     return scores - kl_coef * kl.sum(-1), next_coef, metrics
 
 
@@ -155,7 +155,7 @@ def compute_loss(
     new_logprobs, old_logprobs, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
     clip_ratio_c, loss_agg_mode, ref_logprobs=None, kl_loss_coef=0.0, kl_loss_type="low_var_kl",
     entropy=None, entropy_coeff=0.0, num_tokens=None, num_seqs=None, norm_constant=None, positive=None,
-    rl_loss_coef=1.0, sft_loss_coef=0.0, use_topr_loss=False,
+    rl_loss_coef=1.0, sft_loss_coef=0.0, use_topr_loss=False, full_kl=None,
 ):  # fmt: skip
     """Clipped surrogate with dual-clip, plus optional KL-to-reference and entropy terms.
 
@@ -166,7 +166,8 @@ def compute_loss(
            + sft_loss_coef * agg(-new on the responses that scored > 0: positive), each agg by
     loss_agg_mode over num_tokens / num_seqs (see common.ops.agg_loss); use_topr_loss puts TOPR's
     per-token loss (common.ops.topr_loss) in place of pg. ROLL's terms: rl_loss_coef 1 and
-    sft_loss_coef 0 by default. Returns (loss, metrics).
+    sft_loss_coef 0 by default. kl_loss_type full takes full_kl, the exact per-token KL over the
+    vocabulary (forward_logprobs), in place of an estimate from ref_logprobs. Returns (loss, metrics).
     """
     mask = response_mask
     agg = dict(mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant)
@@ -190,8 +191,8 @@ def compute_loss(
         if entropy_coeff:
             loss = loss - entropy_coeff * agg_loss(entropy, mask, **agg)
         metrics["policy/entropy"] = masked_mean(entropy.detach(), mask)
-    if ref_logprobs is not None:
-        kl = kl_penalty(new_logprobs, ref_logprobs, kl_loss_type)
+    if ref_logprobs is not None or full_kl is not None:
+        kl = full_kl if kl_loss_type == "full" else kl_penalty(new_logprobs, ref_logprobs, kl_loss_type)
         loss = loss + rl_loss_coef * kl_loss_coef * agg_loss(kl, mask, **agg)
         metrics["policy/kl_ref"] = masked_mean(kl.detach(), mask)
     if sft_loss_coef:  # ROLL's: the negative log-likelihood of the responses that scored > 0
@@ -202,45 +203,56 @@ def compute_loss(
 
 
 # --- the steps of the loop ------------------------------------------------------------------------
-def forward_logprobs(model, batch, rows, plan, with_entropy=False):
+def forward_logprobs(model, batch, rows, plan, with_entropy=False, kl_ref=None):
     """Logprobs (and entropy) of the response tokens of batch[rows] under the model, (b, T).
-    The logits are divided by the sampling temperature, as the sampler did."""
+    The logits are divided by the sampling temperature, as the sampler did. With kl_ref (the
+    reference model) also the exact KL(model || kl_ref) of each token's whole next-token
+    distribution (kl_loss_type full), (b, T). Returns (logprobs, entropy or None, KL or None)."""
     mb = take_rows(batch, rows)  # padding columns trimmed; widened back to T below
+    with torch.no_grad():  # the reference's first: one forward of it, outside the policy's graph
+        ref_logits = None if kl_ref is None else response_logits(kl_ref, mb, plan.share_prompts) / plan.temperature
     logits = response_logits(model, mb, share_prompts=plan.share_prompts) / plan.temperature
     widen = (0, batch["responses"].shape[1] - logits.shape[1])
     logprobs = F.pad(logprobs_from_logits(logits, mb["responses"]), widen)
-    return logprobs, (F.pad(entropy_from_logits(logits), widen) if with_entropy else None)
+    entropy = F.pad(entropy_from_logits(logits), widen) if with_entropy else None
+    return logprobs, entropy, (None if kl_ref is None else F.pad(kl_from_logits(logits, ref_logits), widen))
 
 
 @torch.no_grad()
-def old_ref_logprobs(model, ref, batch, plan, source, with_ref):
+def old_ref_logprobs(model, ref, batch, plan, source, with_ref, with_full_kl):
     """Step 4, in micro-batches. Old logprobs (source: RLArgs.old_logprobs_from) from a pass when
     they are needed before the update or set against the engine's ("pass"), or when the policy
     moves before a sample is used (several mini-batches or epochs); otherwise the update pass's
     detached logprobs are exact. "engine" (--bypass-mode) takes the engine's logprobs as the old
-    ones, with no pass. Reference logprobs when a KL term needs them (with_ref)."""
-    t, old_logprobs, ref_logprobs = time.time(), None, None
+    ones, with no pass. Reference logprobs when a KL term estimates from them (with_ref; under
+    LoRA the reference is the policy with its adapter off: common.model.AdapterOff). with_full_kl
+    (--kl-penalty full): the exact KL(policy || ref) at each token, from a pass of both. (B, T) each."""
+    t, old_logprobs, ref_logprobs, full_kl = time.time(), None, None, None
     micro = split_rows(batch, 0, len(batch["rows"]), **plan.micro)
     order = torch.cat(micro).argsort()  # micro-batches may be length-sorted: back to row order
     if source == "engine":  # the engine's logprobs are the old policy: no pass
         old_logprobs = batch["rollout_logprobs"]
     elif source == "pass" or plan.mini_batches_per_step > 1 or plan.epochs > 1:
         old_logprobs = torch.cat([forward_logprobs(model, batch, rows, plan)[0] for rows in micro])[order]
-    if with_ref:  # with LoRA the reference is the base model: the adapter switched off
-        with unwrap(model).disable_adapter() if ref is None else contextlib.nullcontext():
-            ref_logprobs = torch.cat([forward_logprobs(ref or model, batch, rows, plan)[0] for rows in micro])[order]
+    if with_ref:
+        ref_logprobs = torch.cat([forward_logprobs(ref, batch, rows, plan)[0] for rows in micro])[order]
+    if with_full_kl:
+        full_kl = torch.cat([forward_logprobs(model, batch, rows, plan, kl_ref=ref)[2] for rows in micro])[order]
     batch["timing"]["perf/logprobs_s"] = time.time() - t
-    return old_logprobs, ref_logprobs
+    return old_logprobs, ref_logprobs, full_kl
 
 
 def update(
-    policy, plan, batch, advantages, loss_mask, old_logprobs, ref_logprobs, *, grad_clip, loss, rollout_is, use_kl_loss
-):
+    policy, ref, plan, batch, advantages, loss_mask, old_logprobs, ref_logprobs, *, grad_clip, loss, rollout_is,
+    use_kl_loss,
+):  # fmt: skip
     """Step 6: plan.epochs x mini-batches x micro-batches, one optimizer step per mini-batch; then
     one lr-schedule step (knobs: Args.update_kwargs). The rollout correction (rollout_is, off by
     default) weighs each token's advantage by the truncated pi_old / pi_rollout, and its rejection
-    drops the tokens it rejects from the loss mask."""
+    drops the tokens it rejects from the loss mask. --kl-loss-type full runs the reference (ref) on
+    each micro-batch for the exact KL, instead of reading step 4's ref_logprobs."""
     model, optimizer, scheduler = policy
+    kl_ref = ref if use_kl_loss and loss["kl_loss_type"] == "full" else None  # the exact KL: ref on each micro-batch
     is_weights, loss_mask, is_metrics = rollout_correction(old_logprobs, batch["rollout_logprobs"], loss_mask,
                                                            **rollout_is)  # fmt: skip
     advantages = advantages * is_weights  # the advantages themselves when the correction is off
@@ -255,12 +267,12 @@ def update(
             micro = split_rows(batch, start, stop, **plan.micro)
             for k, rows in enumerate(micro):
                 with grad_sync(model, enabled=k == len(micro) - 1):
-                    new_logprobs, entropy = forward_logprobs(model, batch, rows, plan, with_entropy=True)
+                    new_logprobs, entropy, full_kl = forward_logprobs(model, batch, rows, plan, True, kl_ref)
                     # On-policy (one mini-batch, one epoch): old = new at unchanged weights, ratio 1.
                     old = old_logprobs[rows] if old_logprobs is not None else new_logprobs.detach()
                     loss_mb, metrics = compute_loss(
                         new_logprobs, old, advantages[rows], loss_mask[rows], entropy=entropy,
-                        ref_logprobs=ref_logprobs[rows] if use_kl_loss else None,
+                        ref_logprobs=ref_logprobs[rows] if use_kl_loss and kl_ref is None else None, full_kl=full_kl,
                         num_tokens=num_tokens, num_seqs=num_seqs, positive=positive[rows], **loss,
                     )  # fmt: skip
                     # DDP and FSDP2 average gradients over ranks; the loss is already a global mean.
@@ -313,16 +325,17 @@ def main(args: Args) -> dict:
         rewards = condition_rewards(rewards, batch, reward_stats, **args.reward_conditioning_kwargs())  # ROLL's knobs
 
         # 4. old / ref logprobs
-        old_logprobs, ref_logprobs = old_ref_logprobs(model, ref, batch, plan, args.old_logprobs_from, args.needs_ref)
+        old_logprobs, ref_logprobs, full_kl = old_ref_logprobs(model, ref, batch, plan, args.old_logprobs_from,
+                                                              args.ref_pass, args.full_kl_in_reward)  # fmt: skip
 
         # 5. advantages: KL penalty in the reward (if asked), then the leave-one-out baseline; then ROLL's conditioning
-        seq_rewards, kl_coef, kl_metrics = apply_kl_penalty(rewards, old_logprobs, ref_logprobs, mask, kl_coef,
+        seq_rewards, kl_coef, kl_metrics = apply_kl_penalty(rewards, old_logprobs, ref_logprobs, full_kl, mask, kl_coef,
                                                             args.use_kl_in_reward, **args.kl_reward_kwargs())  # fmt: skip
         advantages = compute_advantages(seq_rewards, group_ids, mask)  # RLOO
         advantages = condition_advantages(advantages, mask, batch, **args.advantage_conditioning_kwargs())
 
         # 6. update (with the rollout correction, if asked), then hand the new weights to the engine
-        metrics = update(policy, plan, batch, advantages, mask, old_logprobs, ref_logprobs, **args.update_kwargs())
+        metrics = update(policy, ref, plan, batch, advantages, mask, old_logprobs, ref_logprobs, **args.update_kwargs())
         engine.update_weights(step + 1)
 
         # 7. log

@@ -105,6 +105,10 @@ def test_a_kl_in_the_reward_needs_the_reference_and_old_logprobs_before_the_upda
     assert (rloo().needs_ref, rloo().old_logprobs_from) == (False, "when-stale")
     assert (rloo(use_kl_in_reward=True).needs_ref, rloo(use_kl_in_reward=True).old_logprobs_from) == (True, "pass")
     assert rloo(use_kl_in_reward=True, bypass_mode=True).old_logprobs_from == "engine"
+    # full: the reference runs beside the policy for the exact KL; step 4 has no sampled-token logprobs to make
+    full_loss, full_reward = grpo(use_kl_loss=True, kl_loss_type="full"), rloo(use_kl_in_reward=True, kl_penalty="full")
+    assert full_loss.needs_ref and not full_loss.ref_pass and grpo(use_kl_loss=True).ref_pass
+    assert full_reward.needs_ref and full_reward.full_kl_in_reward and not full_reward.ref_pass
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in (ROOT / "recipes").glob("*.py")))

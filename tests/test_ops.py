@@ -57,6 +57,36 @@ def test_entropy_matches_naive(monkeypatch):
     assert torch.allclose(ops.entropy_from_logits(logits), naive, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_exact_kl_over_the_vocabulary_and_its_gradient(monkeypatch, dtype):
+    """kl_from_logits (kl_penalty full) is sum_v p_v (log p_v - log q_v) at every position, across
+    chunks and a partial one, with the gradient of that formula flowing to the policy's logits only
+    (each chunk is recomputed in the backward); it is 0 where the two distributions agree."""
+    monkeypatch.setattr(ops, "CHUNK_ROWS", 4)  # 3 x 5 = 15 rows: four chunks, the last one partial
+    torch.manual_seed(2)
+    logits = (torch.randn(3, 5, 9) * 2).to(dtype).requires_grad_()
+    ref_logits = (torch.randn(3, 5, 9) * 2).to(dtype)
+    ref_logits[0, 0] = logits[0, 0].detach()  # one position where policy and reference agree
+    out = ops.kl_from_logits(logits, ref_logits)
+    x = logits.detach().float().requires_grad_()
+    logp, logq = torch.log_softmax(x, -1), torch.log_softmax(ref_logits.float(), -1)
+    formula = (logp.exp() * (logp - logq)).sum(-1)
+    categorical = torch.distributions.kl_divergence(
+        torch.distributions.Categorical(logits=x.detach()), torch.distributions.Categorical(logits=ref_logits.float())
+    )
+    assert out.dtype == torch.float32 and out.shape == (3, 5)
+    assert torch.allclose(out, formula, atol=1e-5) and torch.allclose(out, categorical, atol=1e-5)
+    assert (out >= -1e-6).all() and abs(out[0, 0].item()) < 1e-6 and out.min() < out.max()
+    weights = torch.rand(3, 5)  # a weighted sum, so each position's gradient is checked
+    (out * weights).sum().backward()
+    (formula * weights).sum().backward()
+    assert torch.allclose(logits.grad.float(), x.grad, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    with torch.no_grad():  # no graph, no recomputation: the same numbers
+        assert torch.equal(ops.kl_from_logits(logits, ref_logits), out.detach())
+    with pytest.raises(ValueError, match="kl_from_logits"):
+        ops.kl_penalty(out, out, "full")
+
+
 def test_adaptive_kl_controller_follows_its_update_rule():
     # kl above target by more than 20%: the proportional error is clipped at +0.2
     assert ops.update_kl_coef(0.1, 0.5, kind="adaptive", target_kl=0.1, horizon=1000, n_steps=100) == pytest.approx(
@@ -210,3 +240,120 @@ def test_topr_loss_against_its_formula():
     assert loss.tolist() == [pytest.approx(row) for row in want]
     loss.sum().backward()
     assert new.grad.tolist() == [pytest.approx([-1.0, -1.0]), pytest.approx([2 * w_negative[0], 2.0])]
+
+
+# --- verl's rollout correction, written out from its definitions, on random batches -------------------
+# Each reference below is a plain per-row loop in float64 over verl's formulas (decoupled mode, its
+# rollout_corr_helper), so a vectorised shortcut in common.ops that changed the numbers would show.
+# Notation: lr_t = old_t - rollout_t on the response tokens; SAFETY = 20 bounds every exponent.
+
+
+def verl_is_weights(old, rollout, mask, level, threshold, batch_normalize):
+    """rollout_is token / sequence: w_t = exp(clamp(lr_t)) or exp(clamp(sum_t lr_t)) on every token
+    of the row; a number u truncates (min(w, u), TIS), "lo_hi" zeroes the weights outside [lo, hi]
+    (IcePop); zero on padding; batch_normalize divides by the masked mean weight (token) or the
+    mean over non-empty rows of each row's mean weight (sequence), when that mean is above 1e-8."""
+    rows, cols = len(mask), len(mask[0])
+    band = [float(x) for x in threshold.split("_")] if isinstance(threshold, str) else None
+    w = [[0.0] * cols for _ in range(rows)]
+    for b in range(rows):
+        row_sum = sum(old[b][t] - rollout[b][t] for t in range(cols) if mask[b][t])
+        for t in range(cols):
+            if not mask[b][t]:
+                continue
+            x = row_sum if level == "sequence" else old[b][t] - rollout[b][t]
+            raw = math.exp(min(max(x, -20.0), 20.0))
+            w[b][t] = min(raw, threshold) if band is None else (raw if band[0] <= raw <= band[1] else 0.0)
+    if batch_normalize:
+        if level == "token":
+            valid = [w[b][t] for b in range(rows) for t in range(cols) if mask[b][t]]
+            mean = sum(valid) / len(valid)
+        else:
+            row_means = [sum(w[b][t] for t in range(cols) if mask[b][t]) / sum(mask[b]) for b in range(rows)
+                         if sum(mask[b])]  # fmt: skip
+            mean = sum(row_means) / len(row_means)
+        if mean > 1e-8:
+            w = [[x / mean for x in row] for row in w]
+    return w
+
+
+def verl_rejection_keep(old, rollout, mask, option, bound):
+    """rollout_rs option: k1 = -lr, k2 = lr^2 / 2, k3 = exp(lr) - 1 - lr with lr clamped to +-20; the
+    token value, or the row's masked sum / mean / max (0 for an empty row); k1 keeps
+    log(lo) <= value <= log(hi) ("lo_hi", or a bare u: lo = 1/u), k2 and k3 keep value <= u."""
+    level, k = option.rsplit("_", 1)
+    keep = [[0] * len(mask[0]) for _ in mask]
+    for b, row in enumerate(mask):
+        stats = []
+        for t, m in enumerate(row):
+            lr = min(max(old[b][t] - rollout[b][t], -20.0), 20.0)
+            stats.append({"k1": -lr, "k2": lr * lr / 2, "k3": math.exp(lr) - 1 - lr}[k] if m else None)
+        valid = [s for s in stats if s is not None]
+        if level == "seq_sum":
+            seq = sum(valid)
+        elif level == "seq_mean":
+            seq = sum(valid) / len(valid) if valid else 0.0
+        elif level == "seq_max":
+            seq = max(valid) if valid else 0.0
+        for t, m in enumerate(row):
+            value = stats[t] if level == "token" else seq
+            if not m:
+                continue
+            if k == "k1":
+                lo, hi = (float(x) for x in bound.split("_")) if "_" in bound else (1 / float(bound), float(bound))
+                keep[b][t] = int(math.log(lo) <= value <= math.log(hi))
+            else:
+                keep[b][t] = int(value <= float(bound))
+    return keep
+
+
+def random_batch(seed):
+    """Old and rollout logprobs a few tenths of a nat apart, rows of random lengths (one empty), junk
+    on the padding."""
+    g = torch.Generator().manual_seed(seed)
+    rows, cols = 6, 9
+    old = -torch.rand(rows, cols, generator=g, dtype=torch.float64) * 3
+    rollout = old + torch.randn(rows, cols, generator=g, dtype=torch.float64) * 0.3
+    lengths = torch.randint(1, cols + 1, (rows,), generator=g)
+    lengths[seed % rows] = 0
+    mask = (torch.arange(cols)[None] < lengths[:, None]).double()
+    rollout = torch.where(mask > 0, rollout, torch.full_like(rollout, 50.0))
+    return old, rollout, mask
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rollout_is_weights_equal_verls_on_random_batches(seed):
+    old, rollout, mask = random_batch(seed)
+    as_lists = (old.tolist(), rollout.tolist(), mask.int().tolist())
+    cases = [(level, threshold, norm) for level in ("token", "sequence") for threshold in (1.2, 2.0, "0.8_1.25")
+             for norm in (False, True)]  # fmt: skip
+    for level, threshold, norm in cases:
+        weights, loss_mask, metrics = ops.rollout_correction(old, rollout, mask, mode=level, threshold=threshold,
+                                                             batch_normalize=norm)  # fmt: skip
+        want = torch.tensor(verl_is_weights(*as_lists, level, threshold, norm), dtype=torch.float64)
+        torch.testing.assert_close(weights.double(), want, rtol=1e-6, atol=1e-7, msg=f"{level} {threshold} {norm}")
+        assert loss_mask is mask  # the weights never change the loss mask
+        w = want[mask.bool()]  # verl's effective sample size, 1 / mean((w / mean w)^2): unchanged by the rescale
+        ess = 1 / ((w / w.mean()).square().mean()).item()
+        assert metrics["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(ess, rel=1e-6)
+    token = torch.tensor(verl_is_weights(*as_lists, "token", 1.2, False))[mask.bool()]
+    assert (token == 1.2).any() and ((token > 0) & (token < 1.2)).any()  # the cap binds on some tokens only
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rollout_rejection_equals_verls_on_random_batches(seed):
+    old, rollout, mask = random_batch(seed)
+    as_lists = (old.tolist(), rollout.tolist(), mask.int().tolist())
+    bounds = {"k1": ("0.8_1.25", "1.1", "0.95_1.5"), "k2": ("0.01", "0.05"), "k3": ("0.01", "0.05")}
+    seen = set()
+    for option in ops.RS_OPTIONS:
+        for bound in bounds[option.rsplit("_", 1)[1]]:
+            got = ops.rollout_rejection_mask(old, rollout, mask, option, bound)
+            want = verl_rejection_keep(*as_lists, option, bound)
+            assert got.int().tolist() == want, (option, bound)
+            seen.add(sum(map(sum, want)))
+    assert len(seen) > 3  # the bounds really split the batches: kept counts vary across options
+    # two options together keep what both keep
+    both = ops.rollout_rejection_mask(old, rollout, mask, "token_k1,seq_mean_k3", "0.8_1.25,0.01")
+    a, b = verl_rejection_keep(*as_lists, "token_k1", "0.8_1.25"), verl_rejection_keep(*as_lists, "seq_mean_k3", "0.01")
+    assert both.int().tolist() == [[x & y for x, y in zip(r, s)] for r, s in zip(a, b)]

@@ -118,7 +118,7 @@ def kl_args(**over):
 
 def penalty(args, scores, old_logprobs, ref_logprobs, mask, kl_coef):
     """apply_kl_penalty with the knobs of args, as the recipe's main passes them."""
-    return apply_kl_penalty(scores, old_logprobs, ref_logprobs, mask, kl_coef, args.use_kl_in_reward,
+    return apply_kl_penalty(scores, old_logprobs, ref_logprobs, None, mask, kl_coef, args.use_kl_in_reward,
                             **args.kl_reward_kwargs())  # fmt: skip
 
 

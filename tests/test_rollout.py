@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import ROOT, TASK_TEST
+from conftest import ROOT, TASK_TEST, load_recipe
 
 from common.data import load_prompts, pack_sequences
 from common.engines import HFEngine, Sampling
@@ -69,6 +69,43 @@ def test_each_prompt_is_prefilled_once_for_its_n_samples(setup):
         for group, (one,) in zip(got, want):
             for c in group:
                 assert c.token_ids == one.token_ids and c.logprobs == pytest.approx(one.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "ppo"])
+def test_the_exact_kl_to_a_lora_reference_in_a_recipes_forward(setup, tokenizer, recipe):
+    """forward_logprobs with kl_ref (kl_penalty / kl_loss_type full), the reference being the LoRA
+    policy with its adapter off (common.model.AdapterOff): per response token, the KL between the
+    adapted policy's and the base model's whole next-token distributions at the sampling
+    temperature, as full separate passes give it, and its gradient reaches the
+    adapter while the policy keeps its adapter on afterwards."""
+    from types import SimpleNamespace
+
+    from common.model import AdapterOff
+
+    module, (base, prompts, engine) = load_recipe(recipe), setup
+    torch.manual_seed(0)
+    groups = engine.generate(prompts, Sampling(n=2, temperature=1.0, max_tokens=8))
+    flat = [c for g in groups for c in g]
+    batch = pack_sequences([p for p in prompts for _ in range(2)], [c.token_ids for c in flat], tokenizer.pad_token_id)
+    batch["group_ids"] = torch.arange(len(prompts)).repeat_interleave(2)
+    policy = load_policy(SFT, lora_rank=4, lora_alpha=8)
+    with torch.no_grad():  # a trained adapter: B away from its zero start
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    plan, T = SimpleNamespace(share_prompts=True, temperature=0.7), batch["responses"].shape[1]
+    logprobs, _, kl = module.forward_logprobs(policy, batch, torch.arange(8), plan, kl_ref=AdapterOff(policy))
+    keys = ("input_ids", "attention_mask", "position_ids")
+    with torch.no_grad():
+        p = torch.log_softmax(policy(**{k: batch[k] for k in keys}).logits[:, -T - 1 : -1] / 0.7, -1)
+        q = torch.log_softmax(base(**{k: batch[k] for k in keys}).logits[:, -T - 1 : -1] / 0.7, -1)
+    mask = batch["response_mask"][:8].bool()
+    want = (p.exp() * (p - q)).sum(-1)[:8]
+    assert kl.shape == logprobs.shape == (8, T)  # the loss masks padding, as it does the entropy's
+    assert torch.allclose(kl[mask], want[mask], atol=1e-5) and want[mask].max() > 1e-3
+    assert torch.allclose(logprobs[mask], p[:8].gather(-1, batch["responses"][:8, :, None])[..., 0][mask], atol=1e-5)
+    kl[mask].sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in policy.named_parameters() if "lora_B" in n)
 
 
 def test_length_finish_and_greedy(setup, tokenizer):
