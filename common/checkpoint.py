@@ -179,8 +179,16 @@ RESUMABLE_CHANGES = {
 }  # fmt: skip
 
 
+def _flat(flags: dict) -> dict:
+    """A group's flags (a dict: RLArgs.conditioning) beside the others, each by its own name."""
+    out = {}
+    for name, value in flags.items():
+        out.update(value if isinstance(value, dict) else {name: value})
+    return out
+
+
 def _changed_flags(saved: dict, flags: dict) -> list[str]:
-    plain = json.loads(json.dumps(flags, default=str))  # tuples as lists, as the checkpoint holds them
+    saved, plain = _flat(saved), _flat(json.loads(json.dumps(flags, default=str)))  # tuples as lists, as saved
     # A flag only one side knows was added or removed between versions of the library: not a change.
     names = sorted(k for k in set(saved) & set(plain) if k not in RESUMABLE_CHANGES and saved[k] != plain[k])
     return [f"--{k.replace('_', '-')} {saved.get(k)!r} (now {plain.get(k)!r})" for k in names]

@@ -8,11 +8,13 @@ import importlib.util
 import json
 import math
 import os
-from dataclasses import MISSING, asdict, dataclass, field, fields
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+import tyro
 
 from common.engines import Sampling
 from common.envs import read_env_config
@@ -157,10 +159,33 @@ USED_ONLY_WITH = [
 ]  # fmt: skip
 
 
+def flag_defaults(args) -> dict:
+    """{flag: its default} for every flag of args (a dataclass or its class) that has one, the flags
+    of a group (a dataclass field such as RLArgs.conditioning) in place of the group."""
+    out = {}
+    for f in fields(args):
+        if isinstance(f.default_factory, type) and is_dataclass(f.default_factory):
+            out.update(flag_defaults(f.default_factory))
+        elif f.default is not MISSING or f.default_factory is not MISSING:
+            out[f.name] = f.default if f.default is not MISSING else f.default_factory()
+    return out
+
+
+def flag_types(args_class) -> dict:
+    """{flag: its type} for every flag of a dataclass of flags, the flags of a group (a dataclass
+    field such as RLArgs.conditioning) in place of the group."""
+    hints, out = typing.get_type_hints(args_class), {}
+    for f in fields(args_class):
+        if isinstance(f.default_factory, type) and is_dataclass(f.default_factory):
+            out.update(flag_types(f.default_factory))
+        else:
+            out[f.name] = hints[f.name]
+    return out
+
+
 def check_used(args) -> None:
     """USED_ONLY_WITH: a flag set to a value of its own that this run would not read."""
-    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(args)
-                if f.default is not MISSING or f.default_factory is not MISSING}  # fmt: skip
+    defaults = flag_defaults(args)
     for names, decider, used, add in USED_ONLY_WITH:
         if not hasattr(args, decider) or used(args):
             continue
@@ -174,10 +199,10 @@ def check_flags(args) -> None:
     """Every flag's range (FLAG_RULES, for the flags `args` has) and the paths that can be checked
     without loading anything: a local model or reward-model folder must exist and hold a
     config.json, and the output folder must not be a file. Raises UsageError naming the flag."""
-    for f in fields(args):  # NaN passes every comparison's negation, and no flag here means infinity
-        value = getattr(args, f.name)
+    for name in flag_defaults(args):  # NaN passes every comparison's negation, and no flag here means infinity
+        value = getattr(args, name)
         if isinstance(value, float) and not math.isfinite(value):
-            raise UsageError(f"{_flag(f.name)} {value}: must be a finite number")
+            raise UsageError(f"{_flag(name)} {value}: must be a finite number")
     for name, ok, must in FLAG_RULES:
         if hasattr(args, name) and not ok(getattr(args, name)):
             raise UsageError(f"{_flag(name)} {getattr(args, name)!r}: must be {must}")
@@ -566,16 +591,19 @@ class RewardArgs:
     """AutoModelForSequenceClassification folder / hub name; replaces the rule-based score"""
     stop_on_nonfinite_reward: bool = False
     """stop the run at a NaN or infinite reward (default: it scores 0, counted in reward/nonfinite)"""
+
+
+@dataclass
+class ConditioningArgs:
+    """ROLL's reward and advantage conditioning (common.conditioning) and loss terms, every knob off
+    by default. RLArgs holds them as its `conditioning` group: the flags keep their names, --help
+    shows them under one heading, and args.reward_norm reads as args.conditioning.reward_norm."""
+
     reward_normalization_grouping: Literal["state", "batch", "inductive"] = "state"
     """ROLL's reward_normalization.grouping: normalise rewards within a prompt's (seed's) group, the whole
     step, or each data_source (environment tag)"""
     reward_normalization_method: Literal["identity", "mean_std", "asym_clip"] = "identity"
     """ROLL's reward_normalization.method: identity (off), mean_std, or mean_std clipped to [-1, 3]"""
-
-
-@dataclass
-class ConditioningArgs:
-    """ROLL's reward and advantage conditioning (common.conditioning), every knob off by default."""
 
     add_len_reward: bool = False
     """ROLL's add_len_reward, as Kimi k1.5 defines it: within a group, shorter correct responses gain up to
@@ -743,8 +771,7 @@ def _check_env(args) -> None:
     """--env-config: the file, the tags and their groups (summing to the train batch), and no flag the
     run would not read."""
     config = read_env_config(args.env_config)
-    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(args)
-                if f.default is not MISSING or f.default_factory is not MISSING}  # fmt: skip
+    defaults = flag_defaults(args)
     for name in ENV_UNUSED:
         if name in defaults and getattr(args, name) != defaults[name]:
             raise UsageError(f"{_flag(name)} does nothing in an --env-config run (its rows are environment seeds, "
@@ -799,7 +826,6 @@ class ValidationArgs:
 @dataclass
 class RLArgs(
     EnvArgs,
-    ConditioningArgs,
     RewardArgs,
     ValidationArgs,
     AgentArgs,
@@ -827,6 +853,15 @@ class RLArgs(
     """validate every N steps (-1: only at the end); 0 never validates"""
     val_before_train: bool = True
     """validate once before the first step"""
+    conditioning: Annotated[ConditioningArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=ConditioningArgs)
+    """ROLL's reward and advantage conditioning and loss terms (common.conditioning), all off by default"""
+
+    def __getattr__(self, name: str):
+        """A grouped flag, or its group's method, reads as the others do: args.reward_norm is
+        args.conditioning.reward_norm. (Called only for names the object does not hold itself.)"""
+        if not name.startswith("_") and hasattr(ConditioningArgs, name) and "conditioning" in self.__dict__:
+            return getattr(self.__dict__["conditioning"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # Derived values, computed from the flags above (no side effects).
     def data_kwargs(self) -> dict:

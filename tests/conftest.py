@@ -54,6 +54,20 @@ def load_recipe(name: str):
     return module
 
 
+def make_args(args_class, **flags):
+    """args_class(**flags) with the flags of a group (RLArgs.conditioning) given to their group, as
+    the command line gives them: make_args(Args, lr=1e-3, reward_norm="batch")."""
+    from dataclasses import fields, is_dataclass
+
+    for f in fields(args_class):
+        group = f.default_factory
+        if isinstance(group, type) and is_dataclass(group):
+            mine = {g.name for g in fields(group)} & set(flags)
+            if mine:
+                flags[f.name] = group(**{name: flags.pop(name) for name in mine})
+    return args_class(**flags)
+
+
 def load_recipe_refusing_models(name: str, monkeypatch):
     """The recipe module with load_policy replaced by a failure: a test of an error that must come
     before any model loads fails if the recipe gets that far."""

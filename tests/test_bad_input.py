@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import BUNDLED, RL_RECIPES, ROOT, TASK_TEST, TASK_TRAIN, load_recipe_refusing_models
+from conftest import BUNDLED, RL_RECIPES, ROOT, TASK_TEST, TASK_TRAIN, load_recipe_refusing_models, make_args
 
 from common.errors import UsageError
 from common.runlock import holder, process_start_of
@@ -368,7 +368,7 @@ def raises_before_any_model_loads(tmp_path, monkeypatch, files, recipe, table, c
     if "env_config" not in kwargs:  # an environment run reads no files
         kwargs.setdefault("train_files", (str(files / "train256.parquet"),))
     with pytest.raises(UsageError) as error:
-        module.main(module.Args(**kwargs))
+        module.main(make_args(module.Args, **kwargs))
     assert words.format(d=files) in str(error.value)
     assert len(str(error.value)) < 600, "a usage error is a short message"
 

@@ -2,12 +2,13 @@
 hand-computed values, every knob off leaving rewards and advantages untouched, and the flags'
 checks. (Across ranks and through a resumed run: tests/test_rl_recipes.py.)"""
 
+import functools
 import json
 import math
 
 import pytest
 import torch
-from conftest import ROOT, load_recipe, torchrun_plan
+from conftest import ROOT, load_recipe, make_args, torchrun_plan
 
 from common.conditioning import RunningMoments, condition_advantages, condition_rewards, length_reward
 from common.data import load_rl_data
@@ -127,7 +128,7 @@ def test_advantage_whitening_clip_and_weights():
 
 
 def test_the_flags_are_checked_before_anything_loads():
-    args = load_recipe("grpo").Args  # flags are checked as they are parsed
+    args = functools.partial(make_args, load_recipe("grpo").Args)  # flags are checked as they are parsed
     with pytest.raises(UsageError, match="--reward-shift True would change nothing in this run: add --reward-norm"):
         args(reward_shift=True)
     with pytest.raises(UsageError, match="--reward-shift with --reward-scale"):

@@ -1,11 +1,10 @@
-import dataclasses
 import math
 import typing
 
 import pytest
-from conftest import ROOT, load_recipe
+from conftest import ROOT, load_recipe, make_args
 
-from common.config import plan_batches
+from common.config import flag_types, plan_batches
 from common.errors import UsageError
 
 
@@ -117,15 +116,15 @@ def test_every_numeric_flag_has_a_range(recipe):
     is a usage error as the flags are parsed: no numeric flag is left without its check (the
     sentinel -1 of --save-freq, --test-freq and --top-k still passes; -5 does not)."""
     module = load_recipe(recipe)
-    hints = typing.get_type_hints(module.Args)
     checked = []
-    for f in dataclasses.fields(module.Args):
-        kinds = set(typing.get_args(hints[f.name]) or (hints[f.name],))
+    for name, hint in flag_types(module.Args).items():  # a group's flags (RLArgs.conditioning) too
+        kinds = set(typing.get_args(hint) or (hint,))
         if bool in kinds or not kinds & {int, float}:
             continue
         values = [-5] if float not in kinds else [-0.5, math.nan]
-        for value in [(v, 0.9) for v in values] if typing.get_origin(hints[f.name]) is tuple else values:
-            with pytest.raises(UsageError, match=f"--{f.name.replace('_', '-')}"):
-                module.Args(**{f.name: value})
-        checked.append(f.name)
+        for value in [(v, 0.9) for v in values] if typing.get_origin(hint) is tuple else values:
+            with pytest.raises(UsageError, match=f"--{name.replace('_', '-')}"):
+                make_args(module.Args, **{name: value})
+        checked.append(name)
     assert len(checked) >= {"generate": 5, "evaluate": 2}.get(recipe, 20), checked
+    assert recipe in ("sft", "generate", "evaluate") or {"reward_clip", "sft_loss_coef"} <= set(checked)

@@ -13,7 +13,6 @@ grpo.py in that page; `recipes/<recipe>.py` stands for every RL recipe."""
 
 import ast
 import contextlib
-import dataclasses
 import importlib.util
 import io
 import re
@@ -29,6 +28,7 @@ import pytest
 import tyro
 from conftest import RL_RECIPES, ROOT
 
+from common.config import flag_types
 from common.verl import OVERRIDE, Refused, is_override, lookup
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -101,14 +101,11 @@ def recipe_args(name: str):
 
 @cache
 def recipe_flags(name: str) -> dict[str, Flag]:
-    args = recipe_args(name)
-    hints = typing.get_type_hints(args)
     flags = {"--help": Flag(0, "str")}
-    for field in dataclasses.fields(args):
-        flag = "--" + field.name.replace("_", "-")
-        flags[flag] = tyro_flag(hints[field.name])
-        if hints[field.name] is bool:
-            flags["--no-" + field.name.replace("_", "-")] = Flag(0, "str")
+    for field, hint in flag_types(recipe_args(name)).items():  # a group's flags (RLArgs.conditioning) too
+        flags["--" + field.replace("_", "-")] = tyro_flag(hint)
+        if hint is bool:
+            flags["--no-" + field.replace("_", "-")] = Flag(0, "str")
     return flags
 
 

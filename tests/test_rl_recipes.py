@@ -21,6 +21,7 @@ from conftest import (
     SHIPPED_ACCURACY,
     engine_lagging_by,
     load_recipe,
+    make_args,
     read_metrics,
     run_recipe,
     torchrun_plan,
@@ -65,7 +66,8 @@ def test_every_flag_has_one_description(recipe):
     a base) keeps the base's words: copies that drift are how docs start to lie."""
     args_cls = load_recipe(recipe).Args
     declared = {}  # field -> [(class, docstring)] from the most derived class to the base
-    for cls in args_cls.__mro__:
+    groups = [f.default_factory for f in dataclasses.fields(args_cls) if isinstance(f.default_factory, type)]
+    for cls in [*args_cls.__mro__, *groups]:  # a group's flags (RLArgs.conditioning) are flags too
         if dataclasses.is_dataclass(cls) and cls is not object:
             for name, doc in field_docstrings(cls).items():
                 declared.setdefault(name, []).append((cls.__name__, doc))
@@ -134,6 +136,10 @@ def test_help_renders_without_loading_the_libraries(help_pages, recipe):
     for flag in expected.get(recipe, ("--lr", "--model", "--output-dir")):
         assert flag in page, flag
     assert heavy == [], f"{recipe} --help loads {heavy}"
+    if recipe in RL_RECIPES:  # ROLL's knobs under their own heading, with their flat names
+        box = page[page.index("conditioning options") :]
+        assert all(f in box for f in ("--reward-norm", "--whiten-advantages", "--sft-loss-coef", "--use-topr-loss"))
+        assert "--reward-norm" not in page[: page.index("conditioning options")]
 
 
 # --- running -----------------------------------------------------------------------------------------
@@ -162,7 +168,8 @@ def test_smoke_checkpoint_and_exact_resume(tmp_path, small_files, small_args, re
     shutil.rmtree(out / "checkpoints" / "step_4")
     module = load_recipe(recipe)  # the resumed run in-process: the same code, without a second start-up
     module.main(
-        module.Args(
+        make_args(
+            module.Args,
             output_dir=str(out),
             **small_args,
             train_batch_size=8,
@@ -206,7 +213,7 @@ def test_micro_batches_never_change_the_update(tmp_path, small_args, recipe):
     for i, split in enumerate(
         [dict(micro_batch_size_per_gpu=64), dict(micro_batch_size_per_gpu=12), dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=200)]
     ):  # fmt: skip
-        module.main(module.Args(**{**base, "output_dir": str(tmp_path / str(i))}, **split))
+        module.main(make_args(module.Args, **{**base, "output_dir": str(tmp_path / str(i))}, **split))
         results.append(read_metrics(tmp_path / str(i))[-1])
     whole, *others = results
     for other in others:
@@ -290,7 +297,7 @@ def one_step(module, out, files, **flags):
         resume="disable",
         logger=(),
     )
-    module.main(module.Args(**{**args, **flags}))
+    module.main(make_args(module.Args, **{**args, **flags}))
     return read_metrics(out)[-1]
 
 
@@ -394,7 +401,8 @@ def test_learns_the_bundled_task(tmp_path, capsys, recipe):
     out = tmp_path / recipe
     smaller = {"rollout_n": LEARNING_ROLLOUT_N[recipe]} if recipe in LEARNING_ROLLOUT_N else {}
     module.main(
-        module.Args(
+        make_args(
+            module.Args,
             output_dir=str(out),
             total_training_steps=20,
             test_freq=20,
