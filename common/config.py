@@ -853,6 +853,9 @@ class RLArgs(
     """validate every N steps (-1: only at the end); 0 never validates"""
     val_before_train: bool = True
     """validate once before the first step"""
+    use_remove_padding: bool = False
+    """padding-free forward passes (verl's name): each micro-batch's sequences packed into one row, attention
+    kept within each sequence; about 2x faster where lengths spread, slightly slower where they do not"""
     conditioning: Annotated[ConditioningArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=ConditioningArgs)
     """ROLL's reward and advantage conditioning and loss terms (common.conditioning), all off by default"""
 
@@ -927,7 +930,7 @@ class RLArgs(
         """The keyword arguments of common.model.load_rl_models that these flags set, a frozen
         reference among them when a KL term needs one (needs_ref)."""
         return {**self.policy_kwargs(), "strategy": self.strategy, "reward_model": self.reward_model,
-                "with_reference": self.needs_ref}  # fmt: skip
+                "with_reference": self.needs_ref, "remove_padding": self.use_remove_padding}  # fmt: skip
 
     @property
     def needs_ref(self) -> bool:

@@ -5,6 +5,7 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from common.data import pad
 from common.errors import UsageError
@@ -58,8 +59,10 @@ def load_policy(
     lora_rank: int = 0,
     lora_alpha: int = 16,
     target_modules: tuple[str, ...] | list[str] = ("all-linear",),
+    remove_padding: bool = False,
 ):
-    """AutoModelForCausalLM in `dtype`, optionally with LoRA adapters (the base is then frozen)."""
+    """AutoModelForCausalLM in `dtype`, optionally with LoRA adapters (the base is then frozen);
+    remove_padding: its attention is VARLEN, so response_logits packs its batches."""
     from transformers import AutoModelForCausalLM
 
     _check_source(path, "model")
@@ -67,6 +70,7 @@ def load_policy(
         str(Path(path).expanduser()) if Path(path).expanduser().exists() else path,
         dtype=DTYPES[dtype],
         trust_remote_code=trust_remote_code,
+        **({"attn_implementation": register_varlen()} if remove_padding else {}),
     )
     model.config.use_cache = False
     if lora_rank > 0:
@@ -100,13 +104,14 @@ def load_trained_model(
     lora_alpha: int = 16,
     target_modules=("all-linear",),
     mixed_precision: str = "no",
+    remove_padding: bool = False,
 ):
     """The policy (load_policy) wrapped for DDP / FSDP2 (strategy auto|ddp|fsdp2). Returns (model,
     run_info: the layout really in effect, common.parallel.sharding_report)."""
     strategy = resolve_strategy(strategy)
     model = load_policy(
         path, dtype=dtype, trust_remote_code=trust_remote_code, gradient_checkpointing=gradient_checkpointing,
-        lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules,
+        lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules, remove_padding=remove_padding,
     )  # fmt: skip
     model = wrap_model(model, strategy, dist, mixed_precision)
     return model, sharding_report(model, strategy, dist)
@@ -127,6 +132,7 @@ def load_rl_models(
     mixed_precision: str = "no",
     with_reference: bool = False,
     reward_model: str | None = None,
+    remove_padding: bool = False,
 ):
     """The trained policy (load_trained_model); with_reference a frozen copy for KL terms (with
     LoRA no copy: AdapterOff, the policy with its adapter switched off); the optional reward model,
@@ -134,11 +140,12 @@ def load_rl_models(
     model, run_info = load_trained_model(
         path, dist, strategy=strategy, dtype=dtype, trust_remote_code=trust_remote_code,
         mixed_precision=mixed_precision, gradient_checkpointing=gradient_checkpointing, lora_rank=lora_rank,
-        lora_alpha=lora_alpha, target_modules=target_modules,
+        lora_alpha=lora_alpha, target_modules=target_modules, remove_padding=remove_padding,
     )  # fmt: skip
     ref = AdapterOff(model) if with_reference and lora_rank else None
     if with_reference and lora_rank == 0:
-        ref = load_policy(path, dtype=dtype, trust_remote_code=trust_remote_code).eval().requires_grad_(False)
+        ref = load_policy(path, dtype=dtype, trust_remote_code=trust_remote_code, remove_padding=remove_padding)
+        ref = ref.eval().requires_grad_(False)
         shard_ref = resolve_strategy(strategy) == "fsdp2"
         ref = wrap_model(ref, "fsdp2" if shard_ref else "none", dist, mixed_precision)
     rm = RewardModel(reward_model, tokenizer, dist.device, trust_remote_code) if reward_model else None
@@ -170,6 +177,7 @@ def load_critic(
     trust_remote_code: bool = False,
     gradient_checkpointing: bool = False,
     mixed_precision: str = "no",
+    remove_padding: bool = False,
 ):
     """verl's critic: AutoModelForTokenClassification with num_labels=1, a scalar value at every
     position on top of the base model, wrapped for DDP / FSDP2 (always the full model, no LoRA).
@@ -187,7 +195,12 @@ def load_critic(
     hf_logging.set_verbosity_error()  # its load report of the missing head is replaced by the line below
     try:
         model, info = AutoModelForTokenClassification.from_pretrained(
-            source, config=config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, output_loading_info=True
+            source,
+            config=config,
+            dtype=DTYPES[dtype],
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+            **({"attn_implementation": register_varlen()} if remove_padding else {}),
         )
     finally:
         hf_logging.set_verbosity(verbosity)
@@ -258,6 +271,81 @@ def _checkpointing(model) -> bool:
     return bool(getattr(inner, "is_activation_checkpointing", False) or getattr(inner, "gradient_checkpointing", False))
 
 
+# --- padding-free forward passes (verl's use_remove_padding) ------------------------------------------
+VARLEN = "varlen_sdpa"
+
+
+def register_varlen() -> str:
+    """Register VARLEN with transformers and return its name, for attn_implementation.
+
+    It is PyTorch's scaled_dot_product_attention run on each sequence of a packed row on its own,
+    causal within it: where the call carries cu_seq_lens_q (the row's sequence starts, as flash
+    attention's varlen kernels take them), attention costs sum_i n_i^2, not the (sum_i n_i)^2 of a
+    block-diagonal mask over the row. Any other call (padded batches, generation with a cache) is
+    transformers' own sdpa attention with its own mask."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        starts = kwargs.get("cu_seq_lens_q")
+        if starts is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)  # fmt: skip
+        bounds, gqa = starts.tolist(), query.shape[1] != key.shape[1]
+        parts = [
+            F.scaled_dot_product_attention(
+                query[:, :, a:b],
+                key[:, :, a:b],
+                value[:, :, a:b],
+                is_causal=True,
+                dropout_p=dropout if module.training else 0.0,
+                scale=scaling,
+                enable_gqa=gqa,
+            )
+            for a, b in zip(bounds, bounds[1:])
+        ]
+        return torch.cat(parts, 2).transpose(1, 2).contiguous(), None
+
+    def mask(**kwargs):  # a packed row has no padding mask and needs none: each sequence is causal in itself
+        packed = kwargs.get("attention_mask") is None and kwargs["q_length"] == kwargs["kv_length"]
+        return None if packed else sdpa_mask(**kwargs)
+
+    AttentionInterface.register(VARLEN, attention)
+    AttentionMaskInterface.register(VARLEN, mask)
+    return VARLEN
+
+
+def packs(model) -> bool:
+    """Whether response_logits / response_values run this model padding-free: its attention is
+    VARLEN (load_policy / load_critic with remove_padding)."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    return getattr(getattr(inner, "config", None), "_attn_implementation", None) == VARLEN
+
+
+def _packed_outputs(model, batch: dict, keep_logits: bool) -> torch.Tensor:
+    """_response_outputs without padding: every row's real tokens (its prompt, then its response)
+    one after another in one row, each row's positions as they are (restarting at 0), attention
+    kept within each row by the cu_seq_lens given with it; only the outputs that predict a response
+    token are made, then set back in the (b, T, ...) layout (zeros past each response's end)."""
+    T = batch["responses"].shape[1]
+    P = batch["input_ids"].shape[1] - T
+    real = batch["attention_mask"].bool()
+    lengths, prompt_lengths = real.sum(-1), real[:, :P].sum(-1)
+    starts = F.pad(lengths.cumsum(0), (1, 0))
+    t = torch.arange(T, device=real.device)
+    exists = t[None] < (lengths - prompt_lengths)[:, None]  # (b, T): response positions holding a token
+    index = (starts[:-1, None] + prompt_lengths[:, None] - 1 + t[None])[exists]  # the output before each token
+    longest = int(lengths.max())
+    inputs = dict(input_ids=batch["input_ids"][real][None], position_ids=batch["position_ids"][real][None],
+                  cu_seq_lens_q=starts.to(torch.int32), cu_seq_lens_k=starts.to(torch.int32), max_length_q=longest,
+                  max_length_k=longest)  # fmt: skip
+    out = model(**inputs, logits_to_keep=index).logits[0] if keep_logits else model(**inputs).logits[0, index]
+    full = out.new_zeros(len(lengths), T, out.shape[-1])
+    full[exists] = out
+    return full
+
+
 def _response_outputs(model, batch: dict, share_prompts: bool, keep_logits: bool) -> torch.Tensor:
     """The model's `.logits` at the positions that predict each response token, (b, T, ...).
 
@@ -272,6 +360,8 @@ def _response_outputs(model, batch: dict, share_prompts: bool, keep_logits: bool
     """
     from transformers import DynamicCache
 
+    if packs(model):  # padding-free: no pad token reaches the model (each response runs with its own prompt)
+        return _packed_outputs(model, batch, keep_logits)
     T = batch["responses"].shape[1]
     P = batch["input_ids"].shape[1] - T
     keys = ("input_ids", "attention_mask", "position_ids")

@@ -109,7 +109,7 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "model.lora_alpha": Flag("lora_alpha"),
     "actor_rollout_ref.model.target_modules": Flag("target_modules"),
     "model.target_modules": Flag("target_modules"),
-    "actor_rollout_ref.model.use_remove_padding": NoOp("padding never enters the loss here"),
+    "actor_rollout_ref.model.use_remove_padding": Flag("use_remove_padding"),
     "model.use_liger": Fixed(False, "Liger kernels are not built"),
     "actor_rollout_ref.model.use_liger": Fixed(False, "Liger kernels are not built"),
     "actor_rollout_ref.model.external_lib": Fixed(None, EXTERNAL),

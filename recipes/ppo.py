@@ -164,7 +164,7 @@ class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL contr
         fully (no LoRA), with the policy's dtype, precision and strategy."""
         names = ("dtype", "trust_remote_code", "mixed_precision", "gradient_checkpointing")
         return {"path": self.critic_model or self.model, "strategy": resolve_strategy(self.strategy),
-                **{k: getattr(self, k) for k in names}}  # fmt: skip
+                "remove_padding": self.use_remove_padding, **{k: getattr(self, k) for k in names}}  # fmt: skip
 
     def critic_optim(self) -> "Args":  # PPO
         """These flags with --critic-lr as the lr: the critic's AdamW and lr schedule (the policy's otherwise)."""

@@ -46,6 +46,7 @@ def two_process_plan(folder, fixture):
         flags = two_process_flags(strategy)
         runs[strategy] = f"{flags} --total-training-steps 2 --test-freq 2 --save-freq 2 --log-val-generations 40"
         runs[f"{strategy}-plain"] = f"{flags} --total-training-steps 1 --test-freq 0 --no-shared-prompt-forward"
+    runs["fsdp2-packed"] = f"{two_process_flags('fsdp2')} --total-training-steps 1 --test-freq 0 --use-remove-padding"
     return {name: ("grpo", ["--output-dir", folder / name, *fixture("small_files"), *flags.split()])
             for name, flags in runs.items()}  # fmt: skip
 
@@ -80,6 +81,12 @@ def test_two_processes(two_process_runs, small_val, strategy):
     assert a["reward/mean"] == b["reward/mean"]
     assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
     assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-7)
+    if strategy == "fsdp2":  # padding-free: one packed forward per micro-batch on each rank, the same step
+        packed, packed_code = two_process_runs["fsdp2-packed"]
+        c = read_metrics(packed)[0]
+        assert packed_code == 0 and c["reward/mean"] == b["reward/mean"]
+        assert c["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
+        assert c["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-7)
 
 
 def test_verl_style_reward_file_and_failures_are_counted(tmp_path, small_files):

@@ -378,6 +378,25 @@ def test_the_exact_kl_over_the_vocabulary_in_the_loss_and_in_the_reward(tmp_path
     assert abs(steps[0]["reward/kl_penalty"]) < 1e-9 and steps[1]["reward/kl_penalty"] > 1e-4
 
 
+LORA_CHECKPOINTED_KL = dict(lora_rank=4, lora_alpha=8, gradient_checkpointing=True, use_kl_loss=True, kl_loss_type="k3")
+
+
+@pytest.mark.parametrize("recipe, more", [("grpo", {}), ("ppo", {}), ("grpo", LORA_CHECKPOINTED_KL)])
+def test_a_padding_free_step_equals_the_padded_one(tmp_path, small_args, recipe, more):
+    """--use-remove-padding changes how the forward passes are laid out, not what they compute: one
+    step (policy, old logprobs over two mini-batches, ppo's critic; LoRA's adapter-off reference
+    under activation checkpointing) gives the padded step's numbers."""
+    module = load_recipe(recipe)
+    flags = dict(ppo_mini_batch_size=2, micro_batch_size_per_gpu=3, **more)
+    padded = one_step(module, tmp_path / "padded", small_args, **flags)
+    packed = one_step(module, tmp_path / "packed", small_args, **flags, use_remove_padding=True)
+    assert packed["reward/mean"] == padded["reward/mean"]  # the same samples
+    keys = ["train/loss", "train/grad_norm", "policy/approx_kl"] + ["critic/vf_loss"] * (recipe == "ppo")
+    keys += ["policy/kl_ref"] * bool(more)
+    for key in keys:
+        assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-7), key
+
+
 # --- learning -----------------------------------------------------------------------------------------
 # Samples per prompt in the learning test, the fewest of 8 and 12 that keep the margin (the default
 # is 16); forks learn with their defaults. Measured with seeds 1-3 (points gained in 20 steps): at 8

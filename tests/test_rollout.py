@@ -108,6 +108,45 @@ def test_the_exact_kl_to_a_lora_reference_in_a_recipes_forward(setup, tokenizer,
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in policy.named_parameters() if "lora_B" in n)
 
 
+@pytest.mark.parametrize("rows", [slice(0, 12), slice(2, 11), slice(5, 6)])
+def test_a_packed_forward_equals_the_padded_one(setup, tokenizer, rows):
+    """--use-remove-padding: the micro-batch's sequences in one row, attention within each
+    (common.model.VARLEN). The response logprobs and entropies, the critic's values and the
+    gradients equal the padded pass's within float32 summation order, on responses of uneven length."""
+    from common.data import take_rows
+    from common.model import load_critic, packs, response_logits, response_values
+    from common.ops import entropy_from_logits
+
+    base, prompts, engine = setup
+    torch.manual_seed(1)
+    groups = engine.generate(prompts, Sampling(n=3, temperature=1.5, max_tokens=24))
+    flat = [c for g in groups for c in g]
+    assert len({len(c.token_ids) for c in flat}) > 2, "uneven lengths"
+    batch = pack_sequences([p for p in prompts for _ in range(3)], [c.token_ids for c in flat], tokenizer.pad_token_id)
+    batch["group_ids"] = torch.arange(len(prompts)).repeat_interleave(3)
+    mb = take_rows(batch, rows)
+    mask = mb["response_mask"].bool()
+    packed = load_policy(SFT, remove_padding=True)
+    assert packs(packed) and not packs(base)
+    results = []
+    for model in (base, packed):
+        model.train()
+        logits = response_logits(model, mb, share_prompts=False)
+        logprobs, entropy = logprobs_from_logits(logits, mb["responses"]), entropy_from_logits(logits)
+        grads = torch.autograd.grad(logprobs[mask].sum() + entropy[mask].sum(), list(model.parameters()))
+        results.append((logprobs[mask], entropy[mask], grads))
+    (lp, ent, grads), (packed_lp, packed_ent, packed_grads) = results
+    assert torch.allclose(packed_lp, lp, atol=1e-5) and torch.allclose(packed_ent, ent, atol=1e-5)
+    for a, b in zip(packed_grads, grads):
+        assert (a - b).norm() <= 1e-4 * b.norm() + 1e-8
+    dist = type("Single", (), {"world_size": 1, "rank": 0, "device": torch.device("cpu")})()
+    critics = [load_critic(SFT, dist=dist, strategy="ddp", remove_padding=flag) for flag in (False, True)]
+    torch.manual_seed(0)
+    critics[1].score.load_state_dict(critics[0].score.state_dict())  # the same fresh value head
+    values = [response_values(c, mb, share_prompts=False) for c in critics]
+    assert torch.allclose(values[1][mask], values[0][mask], atol=1e-5)
+
+
 def test_length_finish_and_greedy(setup, tokenizer):
     model, prompts, engine = setup
     short = engine.generate(prompts[:2], Sampling(n=2, temperature=1.0, max_tokens=2))

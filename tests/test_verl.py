@@ -104,7 +104,8 @@ def verl_example(recipe: str, tmp_path) -> tuple[list[str], list[str]]:
         flags = [
             "--train-files", str(train), "--val-files", str(test), "--train-batch-size", "8", "--max-prompt-length", "64",
             "--max-response-length", "16", "--filter-overlong-prompts", "--truncation", "error", "--model", str(model),
-            "--lr", "1e-6", "--ppo-mini-batch-size", "4", "--micro-batch-size-per-gpu", "8", "--use-kl-loss",
+            "--lr", "1e-6", "--use-remove-padding", "--ppo-mini-batch-size", "4", "--micro-batch-size-per-gpu", "8",
+            "--use-kl-loss",
             "--kl-loss-coef", "0.001", "--kl-loss-type", "low_var_kl", "--entropy-coeff", "0", "--gradient-checkpointing",
             "--rollout-name", "hf", "--rollout-n", "4", "--logger", "console", "--project-name", "verl_grpo_example_gsm8k",
             "--save-freq", "20", "--test-freq", "5", "--total-epochs", "15", "--total-training-steps", "2",
@@ -141,7 +142,7 @@ def test_verls_examples_translate_and_run(recipe, tmp_path):
     argv, expected = verl_example(recipe, tmp_path)
     flags, said = translate(argv, ARGS[recipe], ESTIMATOR[recipe], f"{recipe}.py")
     assert flags == expected
-    noops = {"grpo": ("algorithm.adv_estimator", "use_remove_padding", "param_offload", "log_prob_micro_batch_size_per_gpu",
+    noops = {"grpo": ("algorithm.adv_estimator", "param_offload", "log_prob_micro_batch_size_per_gpu",
                       "use_kl_in_reward", "trainer.critic_warmup", "trainer.n_gpus_per_node", "trainer.nnodes"),
              "ppo": ("algorithm.kl_ctrl.kl_coef (verl reads it only with algorithm.use_kl_in_reward=True)",
                      "critic.ppo_micro_batch_size_per_gpu", "trainer.nnodes")}[recipe]  # fmt: skip

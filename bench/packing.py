@@ -1,0 +1,131 @@
+"""Padding-free forward passes (--use-remove-padding) against padded ones, in one process on the same
+batches: the trainer's forward and backward over one micro-batch (response logits, logprobs and
+entropy, as every RL recipe's update computes them), median seconds of --repeats after a warm-up.
+Prints for each batch the padded and packed times, their ratio, response tokens per second and the
+share of the padded batch's tokens that were padding; with --profile, the share of each pass's CPU
+time spent in attention.
+
+Two batches: "spread" (responses of 8-512 tokens, as a reasoning run's lengths spread) and
+"uniform" (the bundled addition task's responses, nearly all one length).
+
+    python bench/packing.py                          # the bundled tiny model
+    python bench/packing.py --hidden 256 --layers 6  # a larger random-weight Qwen2 of the same shape family
+"""
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common.data import load_prompts, pack_sequences  # noqa: E402
+from common.model import load_policy, load_tokenizer, register_varlen, response_logits  # noqa: E402
+from common.ops import entropy_from_logits, logprobs_from_logits  # noqa: E402
+
+SFT = ROOT / "bundled" / "tiny-qwen2-sft"
+TEST = ROOT / "bundled" / "addition" / "test.parquet"
+
+
+def models(args, tokenizer):
+    """The padded and the packed model, the same weights."""
+    if not args.hidden:
+        return load_policy(str(SFT)), load_policy(str(SFT), remove_padding=True)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(SFT))
+    config.hidden_size, config.num_hidden_layers = args.hidden, args.layers
+    config.intermediate_size, config.num_attention_heads, config.num_key_value_heads = 4 * args.hidden, 8, 4
+    config.head_dim, config.layer_types = args.hidden // 8, ["full_attention"] * args.layers
+    torch.manual_seed(0)
+    padded = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    packed = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=register_varlen())
+    packed.load_state_dict(padded.state_dict())
+    return padded, packed
+
+
+def batches(args, tokenizer) -> dict:
+    rows, _ = load_prompts([TEST], tokenizer, max_prompt_length=64)
+    prompts = [r["prompt_ids"] for r in rows[: args.seqs]]
+    g = torch.Generator().manual_seed(0)
+    spread = [
+        torch.randint(10, 100, (int(n),), generator=g).tolist()
+        for n in torch.randint(8, 513, (args.seqs,), generator=g)
+    ]
+    answers = [tokenizer(f"<answer>{r['ground_truth']}</answer>", add_special_tokens=False)["input_ids"]
+               for r in rows[: args.seqs]]  # fmt: skip
+    out = {}
+    for name, responses in (("spread", spread), ("uniform", answers)):
+        batch = pack_sequences(prompts, responses, tokenizer.pad_token_id)
+        batch["group_ids"] = torch.arange(len(prompts))
+        out[name] = batch
+    return out
+
+
+def step(model, batch) -> None:
+    logits = response_logits(model, batch, share_prompts=False)
+    mask = batch["response_mask"].bool()
+    loss = logprobs_from_logits(logits, batch["responses"])[mask].sum() + entropy_from_logits(logits)[mask].sum()
+    loss.backward()
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def attention_share(fn) -> float:
+    """The share of one call's CPU time spent in scaled_dot_product_attention, forward and backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    attention = sum(e.self_cpu_time_total for e in events if "scaled_dot_product" in e.key or "attention" in e.key)
+    return attention / total if total else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, default=16, help="sequences in the micro-batch")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--hidden", type=int, default=0, help="build a random Qwen2 of this width (0: the bundled model)"
+    )
+    parser.add_argument("--layers", type=int, default=6, help="with --hidden: its depth")
+    parser.add_argument("--profile", action="store_true", help="also report the attention's share of the time")
+    args = parser.parse_args()
+
+    tokenizer = load_tokenizer(str(SFT))
+    padded, packed = models(args, tokenizer)
+    padded.train(), packed.train()
+    params = sum(p.numel() for p in padded.parameters()) / 1e6
+    print(f"model: {params:.2f}M params, {args.seqs} sequences a micro-batch, median of {args.repeats}, CPU threads "
+          f"{torch.get_num_threads()}")  # fmt: skip
+    for name, batch in batches(args, tokenizer).items():
+        tokens = int(batch["attention_mask"].sum())
+        padding = 1 - tokens / batch["attention_mask"].numel()
+        response_tokens = int(batch["response_mask"].sum())
+        t_padded = timed(lambda: step(padded, batch), args.repeats)  # noqa: B023
+        t_packed = timed(lambda: step(packed, batch), args.repeats)  # noqa: B023
+        print(f"{name}: {tokens} tokens, {padding:.0%} of the padded batch was padding; fwd+bwd padded "
+              f"{t_padded:.3f} s, packed {t_packed:.3f} s: {t_padded / t_packed:.2f}x; response tokens/s "
+              f"{response_tokens / t_padded:.0f} -> {response_tokens / t_packed:.0f}")  # fmt: skip
+        if args.profile:
+            shares = [attention_share(lambda m=m: step(m, batch)) for m in (padded, packed)]  # noqa: B023
+            print(f"  attention's share of the time: padded {shares[0]:.0%}, packed {shares[1]:.0%}")
+
+
+if __name__ == "__main__":
+    main()
