@@ -363,6 +363,9 @@ class ModelArgs:
     """LoRA scaling numerator (scale = lora_alpha / lora_rank)"""
     target_modules: tuple[str, ...] = ("all-linear",)
     """modules that get LoRA adapters: 'all-linear' or names such as q_proj v_proj"""
+    use_remove_padding: bool = False
+    """padding-free forward passes (verl's name): each micro-batch's sequences packed into one row, attention
+    kept within each sequence; about 2x faster where lengths spread, slightly slower where they do not"""
 
     def __post_init__(self):  # every recipe's Args: flags checked as they are parsed (a recipe's own
         check_flags(self)  # __post_init__ calls super().__post_init__() first)
@@ -370,7 +373,8 @@ class ModelArgs:
     def policy_kwargs(self) -> dict:
         """The keyword arguments of common.model.load_rl_models that these flags set."""
         names = ("dtype", "trust_remote_code", "mixed_precision", "gradient_checkpointing", "lora_rank", "lora_alpha")
-        return {**{k: getattr(self, k) for k in names}, "target_modules": self.target_modules}
+        return {**{k: getattr(self, k) for k in names}, "target_modules": self.target_modules,
+                "remove_padding": self.use_remove_padding}  # fmt: skip
 
 
 @dataclass
@@ -853,9 +857,6 @@ class RLArgs(
     """validate every N steps (-1: only at the end); 0 never validates"""
     val_before_train: bool = True
     """validate once before the first step"""
-    use_remove_padding: bool = False
-    """padding-free forward passes (verl's name): each micro-batch's sequences packed into one row, attention
-    kept within each sequence; about 2x faster where lengths spread, slightly slower where they do not"""
     conditioning: Annotated[ConditioningArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=ConditioningArgs)
     """ROLL's reward and advantage conditioning and loss terms (common.conditioning), all off by default"""
 
@@ -930,7 +931,7 @@ class RLArgs(
         """The keyword arguments of common.model.load_rl_models that these flags set, a frozen
         reference among them when a KL term needs one (needs_ref)."""
         return {**self.policy_kwargs(), "strategy": self.strategy, "reward_model": self.reward_model,
-                "with_reference": self.needs_ref, "remove_padding": self.use_remove_padding}  # fmt: skip
+                "with_reference": self.needs_ref}  # fmt: skip
 
     @property
     def needs_ref(self) -> bool:

@@ -323,23 +323,42 @@ def packs(model) -> bool:
     return getattr(getattr(inner, "config", None), "_attn_implementation", None) == VARLEN
 
 
+def _packed(input_ids, attention_mask, position_ids) -> tuple[dict, torch.Tensor]:
+    """(the model's inputs for one row holding every row's real tokens one after another, each at
+    its own position, with the sequence starts VARLEN keeps attention within; those starts)."""
+    real = attention_mask.bool()
+    lengths = real.sum(-1)
+    starts = F.pad(lengths.cumsum(0), (1, 0))
+    cu, longest = starts.to(torch.int32), int(lengths.max())
+    inputs = dict(input_ids=input_ids[real][None], position_ids=position_ids[real][None], cu_seq_lens_q=cu,
+                  cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)  # fmt: skip
+    return inputs, starts
+
+
+def sequence_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """model(input_ids, attention_mask).logits for right-padded rows, (B, L, V); padding-free when
+    the model packs (packs): the same logits at every real token, zeros at padding."""
+    if not packs(model):
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits
+    inputs, _ = _packed(input_ids, attention_mask, (attention_mask.cumsum(-1) - 1).clamp(min=0))
+    out = model(**inputs).logits[0]
+    full = out.new_zeros(*input_ids.shape, out.shape[-1])
+    full[attention_mask.bool()] = out
+    return full
+
+
 def _packed_outputs(model, batch: dict, keep_logits: bool) -> torch.Tensor:
     """_response_outputs without padding: every row's real tokens (its prompt, then its response)
-    one after another in one row, each row's positions as they are (restarting at 0), attention
-    kept within each row by the cu_seq_lens given with it; only the outputs that predict a response
-    token are made, then set back in the (b, T, ...) layout (zeros past each response's end)."""
+    one after another in one row (_packed); only the outputs that predict a response token are
+    made, then set back in the (b, T, ...) layout (zeros past each response's end)."""
     T = batch["responses"].shape[1]
     P = batch["input_ids"].shape[1] - T
+    inputs, starts = _packed(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
     real = batch["attention_mask"].bool()
     lengths, prompt_lengths = real.sum(-1), real[:, :P].sum(-1)
-    starts = F.pad(lengths.cumsum(0), (1, 0))
     t = torch.arange(T, device=real.device)
     exists = t[None] < (lengths - prompt_lengths)[:, None]  # (b, T): response positions holding a token
     index = (starts[:-1, None] + prompt_lengths[:, None] - 1 + t[None])[exists]  # the output before each token
-    longest = int(lengths.max())
-    inputs = dict(input_ids=batch["input_ids"][real][None], position_ids=batch["position_ids"][real][None],
-                  cu_seq_lens_q=starts.to(torch.int32), cu_seq_lens_k=starts.to(torch.int32), max_length_q=longest,
-                  max_length_k=longest)  # fmt: skip
     out = model(**inputs, logits_to_keep=index).logits[0] if keep_logits else model(**inputs).logits[0, index]
     full = out.new_zeros(len(lengths), T, out.shape[-1])
     full[exists] = out

@@ -31,7 +31,7 @@ from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, is_due, p
 from common.data import load_sft, pad, step_rows
 from common.engines import hf_generate_greedy
 from common.errors import UsageError, usage_errors
-from common.model import load_tokenizer, load_trained_model
+from common.model import load_tokenizer, load_trained_model, sequence_logits
 from common.ops import logprobs_from_logits
 from common.parallel import (
     StopSignal,
@@ -118,7 +118,7 @@ def validate(model, tokenizer, val, dist, *, batch_size, max_new_tokens):
         for start in range(0, len(local), batch_size):
             batch = local[start : start + batch_size]
             ids, attention, loss_mask = collate(batch, tokenizer.pad_token_id, dist.device)
-            logits = model(input_ids=ids, attention_mask=attention).logits
+            logits = sequence_logits(model, ids, attention)  # padding-free with --use-remove-padding
             nll += compute_loss(logits, ids, loss_mask, 1.0)[1]
             tokens += loss_mask[:, 1:].sum()
     metrics = {"val/loss": (all_reduce_sum(nll) / all_reduce_sum(tokens).clamp(min=1)).item()}
@@ -161,7 +161,7 @@ def train_step(policy, mine, epoch, pad_id, dist, *, micro_batch_size, grad_clip
     for k, examples in enumerate(micro_batches):
         ids, attention, loss_mask = collate(examples, pad_id, dist.device)
         with grad_sync(model, enabled=k == len(micro_batches) - 1):
-            logits = model(input_ids=ids, attention_mask=attention).logits
+            logits = sequence_logits(model, ids, attention)  # padding-free with --use-remove-padding
             loss, nll_sum = compute_loss(logits, ids, loss_mask, num_tokens)
             # DDP and FSDP2 average gradients over ranks; the loss is already a global mean.
             (loss * dist.world_size).backward()

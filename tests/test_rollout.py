@@ -114,7 +114,7 @@ def test_a_packed_forward_equals_the_padded_one(setup, tokenizer, rows):
     (common.model.VARLEN). The response logprobs and entropies, the critic's values and the
     gradients equal the padded pass's within float32 summation order, on responses of uneven length."""
     from common.data import take_rows
-    from common.model import load_critic, packs, response_logits, response_values
+    from common.model import load_critic, packs, response_logits, response_values, sequence_logits
     from common.ops import entropy_from_logits
 
     base, prompts, engine = setup
@@ -139,6 +139,13 @@ def test_a_packed_forward_equals_the_padded_one(setup, tokenizer, rows):
     assert torch.allclose(packed_lp, lp, atol=1e-5) and torch.allclose(packed_ent, ent, atol=1e-5)
     for a, b in zip(packed_grads, grads):
         assert (a - b).norm() <= 1e-4 * b.norm() + 1e-8
+    full = [torch.cat([mb["input_ids"], torch.zeros_like(mb["input_ids"][:, :3])], 1),
+            torch.cat([mb["attention_mask"], torch.zeros_like(mb["attention_mask"][:, :3])], 1)]  # fmt: skip
+    # sequence_logits (sft.py's forward) on rows padded on both sides: the same logits at every real token
+    real = full[1].bool()
+    with torch.no_grad():
+        a, b = sequence_logits(base, *full), sequence_logits(packed, *full)
+    assert torch.allclose(b[real], a[real], atol=1e-4) and (b[~real] == 0).all()
     dist = type("Single", (), {"world_size": 1, "rank": 0, "device": torch.device("cpu")})()
     critics = [load_critic(SFT, dist=dist, strategy="ddp", remove_padding=flag) for flag in (False, True)]
     torch.manual_seed(0)

@@ -167,6 +167,17 @@ def test_micro_batch_and_checkpointing_invariance(tmp_path, small_files, single_
     assert losses(out, "train/grad_norm") == pytest.approx(losses(single_process_run, "train/grad_norm"), rel=1e-4)
 
 
+def test_a_padding_free_run_equals_the_padded_one(tmp_path, odd_files, single_process_run):
+    """--use-remove-padding packs each micro-batch's examples into one row (common.model.sequence_logits):
+    the same training and validation losses and gradients as the padded run."""
+    out = tmp_path / "packed"
+    run_recipe("sft", *base_flags(out, odd_files, f"{STEPS3} --micro-batch-size-per-gpu 8 --save-freq 0 "
+                                                  "--use-remove-padding"))  # fmt: skip
+    assert losses(out) == pytest.approx(losses(single_process_run), rel=1e-5)
+    assert losses(out, "train/grad_norm") == pytest.approx(losses(single_process_run, "train/grad_norm"), rel=1e-4)
+    assert losses(out, "val/loss") == pytest.approx(losses(single_process_run, "val/loss"), rel=1e-5)
+
+
 @torchrun_plan
 def two_process_plan(folder, fixture):
     """sft.py with 2 processes: DDP and FSDP2 in float32, and FSDP2 under bf16 mixed precision with
