@@ -1,6 +1,8 @@
-"""Rebuild the bundled offline assets: tiny chat tokenizer, random-init tiny Qwen2, addition task.
+"""Rebuild the bundled offline assets: tiny chat tokenizer, random-init tiny Qwen2 (and a tiny Llama
+for the tests), addition task.
 
-    python bundled/build.py            # writes bundled/tiny-qwen2, bundled/addition, calculator's and the games' data
+    python bundled/build.py            # writes bundled/tiny-qwen2, bundled/tiny-llama, bundled/addition,
+                                       # calculator's and the games' data
 
 Deterministic: the same torch version gives the same weights, and any Python gives the same data.
 The shipped SFT checkpoints (bundled/tiny-qwen2-sft, bundled/tiny-qwen2-tools, bundled/tiny-qwen2-games)
@@ -16,7 +18,7 @@ import pyarrow.parquet as pq
 import torch
 from tokenizers import AddedToken
 from tokenizers.pre_tokenizers import ByteLevel
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
 HERE = Path(__file__).resolve().parent
@@ -81,6 +83,28 @@ def build_model(tokenizer) -> Qwen2ForCausalLM:
     )
     torch.manual_seed(SEED)
     return Qwen2ForCausalLM(config)
+
+
+def build_llama(tokenizer) -> LlamaForCausalLM:
+    """A second architecture for the tests that must hold for more than one model family (the
+    padding-free forward's equality): Llama's layout, with what differs from the Qwen2 above: grouped
+    key-value heads (4 query heads share 2), no attention bias, untied embeddings."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(SEED)
+    return LlamaForCausalLM(config)
 
 
 OPS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}
@@ -234,6 +258,9 @@ def main() -> None:
     model_dir = HERE / "tiny-qwen2"
     model.to(torch.bfloat16).save_pretrained(model_dir)  # bf16 on disk keeps the bundle small
     tokenizer.save_pretrained(model_dir)
+    llama_dir = HERE / "tiny-llama"
+    build_llama(tokenizer).to(torch.bfloat16).save_pretrained(llama_dir)
+    tokenizer.save_pretrained(llama_dir)
     build_task(HERE / "addition")
     build_tool_task(HERE / "calculator")
     build_games(HERE / "envs")

@@ -109,15 +109,19 @@ def test_the_exact_kl_to_a_lora_reference_in_a_recipes_forward(setup, tokenizer,
 
 
 @pytest.mark.parametrize("rows", [slice(0, 12), slice(2, 11), slice(5, 6)])
-def test_a_packed_forward_equals_the_padded_one(setup, tokenizer, rows):
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_a_packed_forward_equals_the_padded_one(setup, tokenizer, rows, family):
     """--use-remove-padding: the micro-batch's sequences in one row, attention within each
     (common.model.VARLEN). The response logprobs and entropies, the critic's values and the
-    gradients equal the padded pass's within float32 summation order, on responses of uneven length."""
+    gradients equal the padded pass's within float32 summation order, on responses of uneven length,
+    for both model families the bundle holds (Llama's: grouped key-value heads, no attention bias)."""
     from common.data import take_rows
     from common.model import load_critic, packs, response_logits, response_values, sequence_logits
     from common.ops import entropy_from_logits
 
-    base, prompts, engine = setup
+    qwen, prompts, engine = setup
+    path = SFT if family == "qwen2" else str(ROOT / "bundled" / "tiny-llama")
+    base = qwen if family == "qwen2" else load_policy(path)
     torch.manual_seed(1)
     groups = engine.generate(prompts, Sampling(n=3, temperature=1.5, max_tokens=24))
     flat = [c for g in groups for c in g]
@@ -126,7 +130,7 @@ def test_a_packed_forward_equals_the_padded_one(setup, tokenizer, rows):
     batch["group_ids"] = torch.arange(len(prompts)).repeat_interleave(3)
     mb = take_rows(batch, rows)
     mask = mb["response_mask"].bool()
-    packed = load_policy(SFT, remove_padding=True)
+    packed = load_policy(path, remove_padding=True)
     assert packs(packed) and not packs(base)
     results = []
     for model in (base, packed):
@@ -147,7 +151,7 @@ def test_a_packed_forward_equals_the_padded_one(setup, tokenizer, rows):
         a, b = sequence_logits(base, *full), sequence_logits(packed, *full)
     assert torch.allclose(b[real], a[real], atol=1e-4) and (b[~real] == 0).all()
     dist = type("Single", (), {"world_size": 1, "rank": 0, "device": torch.device("cpu")})()
-    critics = [load_critic(SFT, dist=dist, strategy="ddp", remove_padding=flag) for flag in (False, True)]
+    critics = [load_critic(path, dist=dist, strategy="ddp", remove_padding=flag) for flag in (False, True)]
     torch.manual_seed(0)
     critics[1].score.load_state_dict(critics[0].score.state_dict())  # the same fresh value head
     values = [response_values(c, mb, share_prompts=False) for c in critics]
