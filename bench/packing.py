@@ -5,8 +5,10 @@ Prints for each batch the padded and packed times, their ratio, response tokens 
 share of the padded batch's tokens that were padding; with --profile, the share of each pass's CPU
 time spent in attention.
 
-Two batches: "spread" (responses of 8-512 tokens, as a reasoning run's lengths spread) and
-"uniform" (the bundled addition task's responses, nearly all one length).
+Three batches: "spread" (responses of 8-512 tokens, as a reasoning run's lengths spread), "uniform"
+(the bundled addition task's answers, nearly all one length), and the uniform answers in GRPO's
+groups of 8 responses to one prompt, whose prompt the padded pass runs once per group
+(--shared-prompt-forward, the default) while the packed one runs it with every response.
 
     python bench/packing.py                          # the bundled tiny model
     python bench/packing.py --hidden 256 --layers 6  # a larger random-weight Qwen2 of the same shape family
@@ -64,11 +66,16 @@ def batches(args, tokenizer) -> dict:
         batch = pack_sequences(prompts, responses, tokenizer.pad_token_id)
         batch["group_ids"] = torch.arange(len(prompts))
         out[name] = batch
+    # GRPO's layout: groups of 8 responses to one prompt, which the padded pass runs once per group
+    grouped = [p for p in prompts[: args.seqs // 8] for _ in range(8)]
+    batch = pack_sequences(grouped, answers[: len(grouped)], tokenizer.pad_token_id)
+    batch["group_ids"] = torch.arange(len(grouped)) // 8
+    out["uniform, groups of 8 sharing a prompt"] = batch
     return out
 
 
 def step(model, batch) -> None:
-    logits = response_logits(model, batch, share_prompts=False)
+    logits = response_logits(model, batch, share_prompts=True)  # the recipes' default (--shared-prompt-forward)
     mask = batch["response_mask"].bool()
     loss = logprobs_from_logits(logits, batch["responses"])[mask].sum() + entropy_from_logits(logits)[mask].sum()
     loss.backward()
