@@ -72,6 +72,7 @@ def load_policy(
         trust_remote_code=trust_remote_code,
         **({"attn_implementation": register_varlen()} if remove_padding else {}),
     )
+    _check_packs(model, path, remove_padding)
     model.config.use_cache = False
     if lora_rank > 0:
         from peft import LoraConfig, get_peft_model
@@ -204,6 +205,7 @@ def load_critic(
         )
     finally:
         hf_logging.set_verbosity(verbosity)
+    _check_packs(model, path, remove_padding)
     fresh = sorted(k for k in info["missing_keys"] if not k.startswith("model."))
     if fresh:
         log.info("critic %s: value head %s freshly initialised (not in the checkpoint)", path, ", ".join(fresh))
@@ -314,6 +316,16 @@ def register_varlen() -> str:
     AttentionInterface.register(VARLEN, attention)
     AttentionMaskInterface.register(VARLEN, mask)
     return VARLEN
+
+
+def _check_packs(model, path: str, remove_padding: bool) -> None:
+    """A model class with attention code of its own (no transformers attention interface) would run
+    a packed row as one sequence, its sequences attending to each other: refused, not trusted."""
+    if remove_padding and not type(model).is_backend_compatible():
+        raise UsageError(
+            f"--use-remove-padding: {type(model).__name__} ({path}) runs attention code of its own, which would let "
+            f"packed sequences attend to each other; drop the flag"
+        )
 
 
 def packs(model) -> bool:

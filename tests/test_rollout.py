@@ -158,6 +158,19 @@ def test_a_packed_forward_equals_the_padded_one(setup, tokenizer, rows, family):
     assert torch.allclose(values[1][mask], values[0][mask], atol=1e-5)
 
 
+def test_a_model_with_its_own_attention_code_is_not_packed(monkeypatch):
+    """A model class that keeps its own attention (transformers' is_backend_compatible False) would
+    let packed sequences attend to each other: --use-remove-padding refuses it, naming it."""
+    from transformers import Qwen2ForCausalLM
+
+    from common.errors import UsageError
+
+    monkeypatch.setattr(Qwen2ForCausalLM, "_supports_attention_backend", False)
+    with pytest.raises(UsageError, match="--use-remove-padding: Qwen2ForCausalLM .* runs attention code of its own"):
+        load_policy(SFT, remove_padding=True)
+    assert load_policy(SFT) is not None  # padded, it loads as ever
+
+
 def test_length_finish_and_greedy(setup, tokenizer):
     model, prompts, engine = setup
     short = engine.generate(prompts[:2], Sampling(n=2, temperature=1.0, max_tokens=2))
