@@ -363,9 +363,10 @@ class ModelArgs:
     """LoRA scaling numerator (scale = lora_alpha / lora_rank)"""
     target_modules: tuple[str, ...] = ("all-linear",)
     """modules that get LoRA adapters: 'all-linear' or names such as q_proj v_proj"""
-    use_remove_padding: bool = False
-    """padding-free forward passes (verl's name): each micro-batch's sequences packed into one row, attention
-    kept within each sequence; about 2x faster where lengths spread, slightly slower where they do not"""
+    use_remove_padding: Literal["auto"] | bool = "auto"
+    """padding-free forward passes (verl's name): a micro-batch's sequences packed into one row, attention kept
+    within each sequence; about 2x faster where lengths spread, slower where they do not. auto: the micro-batches
+    whose padded pass would run 1.25x their real tokens or more; True: every one; False: none"""
 
     def __post_init__(self):  # every recipe's Args: flags checked as they are parsed (a recipe's own
         check_flags(self)  # __post_init__ calls super().__post_init__() first)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from common.data import pad
 from common.errors import UsageError
-from common.parallel import is_fsdp, resolve_strategy, sharding_report, unwrap, wrap_model
+from common.parallel import all_reduce_sum, is_fsdp, resolve_strategy, sharding_report, unwrap, wrap_model
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,11 @@ def load_policy(
     lora_rank: int = 0,
     lora_alpha: int = 16,
     target_modules: tuple[str, ...] | list[str] = ("all-linear",),
-    remove_padding: bool = False,
+    remove_padding: bool | str = False,
 ):
     """AutoModelForCausalLM in `dtype`, optionally with LoRA adapters (the base is then frozen);
-    remove_padding: its attention is VARLEN, so response_logits packs its batches."""
+    remove_padding: True or "auto", its attention is VARLEN and response_logits packs its batches
+    (every one, or where packing runs fewer tokens: pack_mode)."""
     from transformers import AutoModelForCausalLM
 
     _check_source(path, "model")
@@ -105,7 +106,7 @@ def load_trained_model(
     lora_alpha: int = 16,
     target_modules=("all-linear",),
     mixed_precision: str = "no",
-    remove_padding: bool = False,
+    remove_padding: bool | str = False,
 ):
     """The policy (load_policy) wrapped for DDP / FSDP2 (strategy auto|ddp|fsdp2). Returns (model,
     run_info: the layout really in effect, common.parallel.sharding_report)."""
@@ -133,7 +134,7 @@ def load_rl_models(
     mixed_precision: str = "no",
     with_reference: bool = False,
     reward_model: str | None = None,
-    remove_padding: bool = False,
+    remove_padding: bool | str = False,
 ):
     """The trained policy (load_trained_model); with_reference a frozen copy for KL terms (with
     LoRA no copy: AdapterOff, the policy with its adapter switched off); the optional reward model,
@@ -149,7 +150,11 @@ def load_rl_models(
         ref = ref.eval().requires_grad_(False)
         shard_ref = resolve_strategy(strategy) == "fsdp2"
         ref = wrap_model(ref, "fsdp2" if shard_ref else "none", dist, mixed_precision)
-    rm = RewardModel(reward_model, tokenizer, dist.device, trust_remote_code) if reward_model else None
+    rm = (
+        RewardModel(reward_model, tokenizer, dist.device, trust_remote_code, remove_padding=remove_padding)
+        if reward_model
+        else None
+    )
     return model, ref, rm, run_info
 
 
@@ -178,7 +183,7 @@ def load_critic(
     trust_remote_code: bool = False,
     gradient_checkpointing: bool = False,
     mixed_precision: str = "no",
-    remove_padding: bool = False,
+    remove_padding: bool | str = False,
 ):
     """verl's critic: AutoModelForTokenClassification with num_labels=1, a scalar value at every
     position on top of the base model, wrapped for DDP / FSDP2 (always the full model, no LoRA).
@@ -223,12 +228,30 @@ class RewardModel:
     chat template and tokenizer (verl's return_raw_input_ids case).
     """
 
-    def __init__(self, path: str, policy_tokenizer, device, trust_remote_code: bool = False, batch_size: int = 64):
+    def __init__(
+        self,
+        path: str,
+        policy_tokenizer,
+        device,
+        trust_remote_code: bool = False,
+        batch_size: int = 64,
+        remove_padding: bool | str = False,
+    ):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.device, self.batch_size = device, batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            path, trust_remote_code=trust_remote_code,
+            **({"attn_implementation": register_varlen()} if remove_padding else {}),
+        )  # fmt: skip
+        if remove_padding and not hasattr(self.model, "score"):  # transformers' causal-LM classifiers' head
+            if remove_padding is True:
+                raise UsageError(f"--use-remove-padding: reward model {path} ({type(self.model).__name__}) has no "
+                                 f"`score` head to apply to packed sequences; set --use-remove-padding False")  # fmt: skip
+            self.model.set_attn_implementation("sdpa")
+            remove_padding = False
+        _check_packs(self.model, path, remove_padding)
         self.model.to(device).eval().requires_grad_(False)
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
@@ -254,8 +277,19 @@ class RewardModel:
                 chunk = ids[start : start + self.batch_size]
                 input_ids = pad(chunk, self.model.config.pad_token_id).to(self.device)
                 attention = pad([[1] * len(x) for x in chunk], 0).to(self.device)
-                out.append(self.model(input_ids=input_ids, attention_mask=attention).logits[:, 0].float())
+                out.append(self._scores(input_ids, attention))
         return torch.cat(out)
+
+    def _scores(self, input_ids, attention) -> torch.Tensor:
+        """One logit per right-padded row, read where transformers' classifier reads it: at the row's
+        last token that is not the pad token (a packed batch reads the same token of each sequence)."""
+        if not _packs_batch(self.model, attention.sum(), attention.numel()):
+            return self.model(input_ids=input_ids, attention_mask=attention).logits[:, 0].float()
+        inputs, starts = _packed(input_ids, attention, (attention.cumsum(-1) - 1).clamp(min=0))
+        kept = (input_ids != self.model.config.pad_token_id) & attention.bool()
+        last = (torch.arange(input_ids.shape[1], device=input_ids.device) * kept).argmax(-1)
+        hidden = self.model.base_model(**inputs).last_hidden_state[0]
+        return self.model.score(hidden[starts[:-1] + last])[:, 0].float()
 
 
 def is_lora(model) -> bool:
@@ -318,21 +352,57 @@ def register_varlen() -> str:
     return VARLEN
 
 
-def _check_packs(model, path: str, remove_padding: bool) -> None:
-    """A model class with attention code of its own (no transformers attention interface) would run
-    a packed row as one sequence, its sequences attending to each other: refused, not trusted."""
+def _check_packs(model, path: str, remove_padding: bool | str) -> None:
+    """Records the mode on the model (pack_mode reads it). A model class with attention code of its
+    own (no transformers attention interface) would run a packed row as one sequence, its sequences
+    attending to each other: refused when packing was asked for, run padded (and said) under auto."""
     if remove_padding and not type(model).is_backend_compatible():
-        raise UsageError(
-            f"--use-remove-padding: {type(model).__name__} ({path}) runs attention code of its own, which would let "
-            f"packed sequences attend to each other; drop the flag"
-        )
+        if remove_padding is True:
+            raise UsageError(
+                f"--use-remove-padding: {type(model).__name__} ({path}) runs attention code of its own, which would "
+                f"let packed sequences attend to each other; set --use-remove-padding False"
+            )
+        log.info("%s (%s) runs attention code of its own: its forward passes stay padded", type(model).__name__, path)
+        model.set_attn_implementation("sdpa")
+        remove_padding = False
+    model.padding_free = remove_padding
+
+
+def pack_mode(model) -> bool | str:
+    """How response_logits / response_values / sequence_logits lay this model's batches out: False
+    (padded), True (every micro-batch padding-free) or "auto" (those whose padded pass would run at
+    least PACK_GAIN times the real tokens: _packs_batch). Only a VARLEN model packs."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    if getattr(getattr(inner, "config", None), "_attn_implementation", None) != VARLEN:
+        return False
+    return getattr(inner, "padding_free", True)
 
 
 def packs(model) -> bool:
-    """Whether response_logits / response_values run this model padding-free: its attention is
-    VARLEN (load_policy / load_critic with remove_padding)."""
-    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    return getattr(getattr(inner, "config", None), "_attn_implementation", None) == VARLEN
+    """Whether the model can run padding-free (pack_mode True or auto)."""
+    return bool(pack_mode(model))
+
+
+# Measured on CPU (bench/packing.py): packing loses 10-20% where it removes little padding (its
+# attention runs per sequence) and wins from about a fifth of the padded tokens removed.
+PACK_GAIN = 1.25
+
+
+def _packs_batch(model, real_tokens: torch.Tensor, padded_tokens: int) -> bool:
+    """Whether this micro-batch runs packed: always under pack_mode True, and under auto when its
+    padded pass would run PACK_GAIN times its real tokens or more. Under FSDP every rank's forwards
+    are collective (and a padded pass may be two calls: the shared prompt, then the responses), so
+    the ranks decide together, on their summed tokens."""
+    mode = pack_mode(model)
+    if mode != "auto":
+        return bool(mode)
+    tokens = torch.stack(
+        [real_tokens.sum().to(torch.float64), real_tokens.new_tensor(padded_tokens, dtype=torch.float64)]
+    )
+    if is_fsdp(model):
+        tokens = all_reduce_sum(tokens)
+    real, padded = tokens.tolist()
+    return padded >= PACK_GAIN * real
 
 
 def _packed(input_ids, attention_mask, position_ids) -> tuple[dict, torch.Tensor]:
@@ -349,8 +419,8 @@ def _packed(input_ids, attention_mask, position_ids) -> tuple[dict, torch.Tensor
 
 def sequence_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """model(input_ids, attention_mask).logits for right-padded rows, (B, L, V); padding-free when
-    the model packs (packs): the same logits at every real token, zeros at padding."""
-    if not packs(model):
+    the model packs this batch (_packs_batch): the same logits at every real token, zeros at padding."""
+    if not packs(model) or not _packs_batch(model, attention_mask.sum(), attention_mask.numel()):
         return model(input_ids=input_ids, attention_mask=attention_mask).logits
     inputs, _ = _packed(input_ids, attention_mask, (attention_mask.cumsum(-1) - 1).clamp(min=0))
     out = model(**inputs).logits[0]
@@ -386,13 +456,12 @@ def _response_outputs(model, batch: dict, share_prompts: bool, keep_logits: bool
     concatenated sequences (a rollout_n-fold saving on the prompt tokens). Falls back to the one
     pass with activation checkpointing (transformers drops the cache there) or without groups, but
     never under FSDP: its forwards are collective, so every rank must make the same two calls
-    whether or not its own micro-batch shares a prompt. keep_logits: the model takes
+    whether or not its own micro-batch shares a prompt. A model that packs runs the micro-batch
+    padding-free instead where _packs_batch says so (_packed_outputs). keep_logits: the model takes
     logits_to_keep (causal LMs), so only the needed positions reach the vocabulary head.
     """
     from transformers import DynamicCache
 
-    if packs(model):  # padding-free: no pad token reaches the model (each response runs with its own prompt)
-        return _packed_outputs(model, batch, keep_logits)
     T = batch["responses"].shape[1]
     P = batch["input_ids"].shape[1] - T
     keys = ("input_ids", "attention_mask", "position_ids")
@@ -400,7 +469,11 @@ def _response_outputs(model, batch: dict, share_prompts: bool, keep_logits: bool
     starts = torch.ones_like(group_ids, dtype=torch.bool)
     starts[1:] = group_ids[1:] != group_ids[:-1]
     keep = (lambda n: {"logits_to_keep": n}) if keep_logits else (lambda n: {})  # noqa: E731
-    if not share_prompts or _checkpointing(model) or (bool(starts.all()) and not is_fsdp(model)):
+    one_pass = not share_prompts or _checkpointing(model) or (bool(starts.all()) and not is_fsdp(model))
+    padded_tokens = len(group_ids) * (P + T) if one_pass else int(starts.sum()) * P + len(group_ids) * T
+    if packs(model) and _packs_batch(model, batch["attention_mask"].sum(), padded_tokens):
+        return _packed_outputs(model, batch, keep_logits)  # no pad token reaches the model
+    if one_pass:
         return model(**{k: batch[k] for k in keys}, **keep(T + 1)).logits[:, -T - 1 : -1]
     first = starts.nonzero().squeeze(-1)  # each prompt's first row
     owner = starts.cumsum(0) - 1  # which distinct prompt each row answers

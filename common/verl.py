@@ -112,6 +112,7 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "actor_rollout_ref.model.use_remove_padding": Flag("use_remove_padding"),
     "critic.model.use_remove_padding": Flag("use_remove_padding"),  # one switch here for policy and critic
     "use_remove_padding": Flag("use_remove_padding"),  # verl's SFT trainer
+    "reward_model.model.use_remove_padding": Flag("use_remove_padding"),
     "model.use_liger": Fixed(False, "Liger kernels are not built"),
     "actor_rollout_ref.model.use_liger": Fixed(False, "Liger kernels are not built"),
     "actor_rollout_ref.model.external_lib": Fixed(None, EXTERNAL),

@@ -46,7 +46,9 @@ def two_process_plan(folder, fixture):
         flags = two_process_flags(strategy)
         runs[strategy] = f"{flags} --total-training-steps 2 --test-freq 2 --save-freq 2 --log-val-generations 40"
         runs[f"{strategy}-plain"] = f"{flags} --total-training-steps 1 --test-freq 0 --no-shared-prompt-forward"
-    runs["fsdp2-packed"] = f"{two_process_flags('fsdp2')} --total-training-steps 1 --test-freq 0 --use-remove-padding"
+    runs["fsdp2-packed"] = (
+        f"{two_process_flags('fsdp2')} --total-training-steps 1 --test-freq 0 --use-remove-padding True"
+    )
     return {name: ("grpo", ["--output-dir", folder / name, *fixture("small_files"), *flags.split()])
             for name, flags in runs.items()}  # fmt: skip
 

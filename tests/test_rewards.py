@@ -157,6 +157,34 @@ def test_reward_model_reuses_or_retemplates(tmp_path, tokenizer):
     assert score.shape == (1,) and torch.allclose(score[0], direct, atol=1e-5)
 
 
+def test_a_packed_reward_model_scores_as_the_padded_one(tmp_path, tokenizer):
+    """--use-remove-padding on the reward model: the conversations of a batch in one row, each scored
+    at the token transformers' classifier reads (the last one that is not the pad token, so a
+    response ending in pad tokens is read before them), equal to the padded scores."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from common.model import pack_mode
+
+    config = AutoConfig.from_pretrained(TINY, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    g = torch.Generator().manual_seed(0)
+    prompt_ids = [tokenizer("1+2=?", add_special_tokens=False)["input_ids"]] * 4
+    response_ids = [torch.randint(10, 200, (n,), generator=g).tolist() for n in (1, 40, 7, 25)]
+    response_ids[2] += [tokenizer.pad_token_id] * 2
+    args = ([[{"role": "user", "content": "1+2=?"}]] * 4, [""] * 4, prompt_ids, response_ids)
+    padded = RewardModel(str(tmp_path / "rm"), tokenizer, device="cpu", remove_padding=False)
+    scores = {}
+    for mode in (True, "auto"):
+        packed = RewardModel(str(tmp_path / "rm"), tokenizer, device="cpu", remove_padding=mode)
+        assert pack_mode(packed.model) == mode
+        scores[mode] = packed.score(*args)
+    want = padded.score(*args)
+    assert torch.allclose(scores[True], want, atol=1e-5) and torch.allclose(scores["auto"], want, atol=1e-5)
+    assert len(set(want.tolist())) == 4
+
+
 def test_a_reward_file_runs_only_in_workers_and_a_hang_at_import_is_an_error(tmp_path, monkeypatch):
     """The user's file is imported in the worker processes, never in the trainer's; one that hangs
     while importing ends as a UsageError after the start-up timeout instead of stopping the run."""

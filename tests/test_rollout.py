@@ -1,6 +1,8 @@
+import json
+
 import pytest
 import torch
-from conftest import ROOT, TASK_TEST, load_recipe
+from conftest import ROOT, TASK_TEST, load_recipe, torchrun_plan
 
 from common.data import load_prompts, pack_sequences
 from common.engines import HFEngine, Sampling
@@ -169,6 +171,126 @@ def test_a_model_with_its_own_attention_code_is_not_packed(monkeypatch):
     with pytest.raises(UsageError, match="--use-remove-padding: Qwen2ForCausalLM .* runs attention code of its own"):
         load_policy(SFT, remove_padding=True)
     assert load_policy(SFT) is not None  # padded, it loads as ever
+
+
+def test_auto_leaves_a_model_with_its_own_attention_code_padded(monkeypatch, caplog):
+    """Under the default (auto) such a model is not refused: it runs padded, and the log says so."""
+    from transformers import Qwen2ForCausalLM
+
+    from common.model import pack_mode
+
+    monkeypatch.setattr(Qwen2ForCausalLM, "_supports_attention_backend", False)
+    with caplog.at_level("INFO", logger="common.model"):
+        model = load_policy(SFT, remove_padding="auto")
+    assert pack_mode(model) is False and model.config._attn_implementation == "sdpa"
+    assert "runs attention code of its own: its forward passes stay padded" in caplog.text
+
+
+def counting_packed(monkeypatch) -> list:
+    """Every call of common.model._packed_outputs (a packed forward) appends 1 to the list returned."""
+    import common.model
+
+    calls, packed = [], common.model._packed_outputs
+    monkeypatch.setattr(common.model, "_packed_outputs", lambda *a, **k: calls.append(1) or packed(*a, **k))
+    return calls
+
+
+def test_auto_packs_where_the_padded_pass_runs_a_quarter_more_tokens(setup, tokenizer, monkeypatch):
+    """--use-remove-padding auto (the default) packs a micro-batch whose padded pass would run at least
+    PACK_GAIN times its real tokens, counting the shared-prompt pass's saving, and runs the others
+    padded; packed or not, the logprobs are the padded model's."""
+    from common.model import PACK_GAIN, _packs_batch, pack_mode, response_logits
+
+    base, prompts, _ = setup
+    auto = load_policy(SFT, remove_padding="auto")
+    assert pack_mode(auto) == "auto" and pack_mode(load_policy(SFT, remove_padding=True)) is True
+    assert pack_mode(base) is False
+    real = torch.tensor(100)
+    assert _packs_batch(auto, real, int(100 * PACK_GAIN)) and not _packs_batch(auto, real, int(100 * PACK_GAIN) - 1)
+    calls = counting_packed(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    spread = [torch.randint(10, 100, (n,), generator=g).tolist() for n in (2, 60, 5, 48)]
+    uniform = [torch.randint(10, 100, (12,), generator=g).tolist() for _ in range(8)]
+    wide = [torch.randint(10, 100, (n,), generator=g).tolist() for n in (2, 120, 3, 100)]
+    cases = {  # name: (prompts, responses, group ids, packed?)
+        "spread, one response a prompt": (prompts, spread, torch.arange(4), True),
+        "uniform, one response a prompt": (prompts[:2] * 4, uniform, torch.arange(8), False),
+        # the padded pass runs the prompt once, but its responses are mostly padding
+        "spread, groups sharing a prompt": ([prompts[0]] * 4, wide, torch.zeros(4, dtype=torch.long), True),
+        # 4 responses of 12 tokens to one prompt: the padded pass runs the prompt once, packing 4 times
+        "uniform, groups sharing a prompt": ([prompts[0]] * 4, uniform[:4], torch.zeros(4, dtype=torch.long), False),
+    }
+    for name, (ps, responses, groups, want) in cases.items():
+        batch = pack_sequences(ps, responses, tokenizer.pad_token_id)
+        batch["group_ids"] = groups
+        mask = batch["response_mask"].bool()
+        calls.clear()
+        with torch.no_grad():
+            got = logprobs_from_logits(response_logits(auto, batch), batch["responses"])
+            padded = logprobs_from_logits(response_logits(base, batch), batch["responses"])
+        assert bool(calls) == want, name
+        assert torch.allclose(got[mask], padded[mask], atol=1e-5), name
+
+
+def rank_batch(rank: int, tokenizer) -> dict:
+    """Rank 0's micro-batch: responses of 2-200 tokens, one to each prompt (alone, packed). Rank 1's:
+    4 responses of 12 tokens sharing one prompt (alone, padded, the prompt run once)."""
+    rows, _ = load_prompts([TASK_TEST], tokenizer, max_prompt_length=64)
+    g = torch.Generator().manual_seed(rank)
+    lengths = (2, 200, 3, 180) if rank == 0 else (12,) * 4
+    responses = [torch.randint(10, 100, (n,), generator=g).tolist() for n in lengths]
+    prompts = [r["prompt_ids"] for r in rows[:4]] if rank == 0 else [rows[0]["prompt_ids"]] * 4
+    batch = pack_sequences(prompts, responses, tokenizer.pad_token_id)
+    batch["group_ids"] = torch.arange(4) if rank == 0 else torch.zeros(4, dtype=torch.long)
+    return batch
+
+
+AUTO_UNDER_FSDP2 = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[2])
+import common.model
+from test_rollout import rank_batch
+from common.model import load_policy, load_tokenizer, response_logits
+from common.ops import logprobs_from_logits
+from common.parallel import init_distributed, wrap_model
+dist = init_distributed()
+model = wrap_model(load_policy(sys.argv[1], remove_padding="auto"), "fsdp2", dist)
+calls, packed = [], common.model._packed_outputs
+common.model._packed_outputs = lambda *a, **k: calls.append(1) or packed(*a, **k)
+batch = rank_batch(dist.rank, load_tokenizer(sys.argv[1]))
+with torch.no_grad():
+    logprobs = logprobs_from_logits(response_logits(model, batch), batch["responses"])
+common.model._packed_outputs = packed
+with open(f"{sys.argv[3]}/rank{dist.rank}.json", "w") as f:
+    json.dump({"packed": bool(calls), "logprobs": logprobs[batch["response_mask"].bool()].tolist()}, f)
+"""
+
+
+@torchrun_plan
+def auto_plan(folder, fixture):
+    (folder / "auto.py").write_text(AUTO_UNDER_FSDP2)
+    return {"auto": (folder / "auto.py", [SFT, ROOT / "tests", folder])}
+
+
+def test_fsdp2_ranks_decide_to_pack_together(torchrun_runs, tokenizer, monkeypatch):
+    """Under FSDP2 every rank's forward is collective (and a padded pass with a shared prompt is two
+    calls), so auto decides on every rank's tokens: two ranks whose micro-batches alone would go
+    different ways both pack, and each gets the padded model's logprobs."""
+    from common.model import response_logits
+
+    folder, codes = torchrun_runs[__name__]
+    assert codes == {"auto": 0}
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
+    auto, padded = load_policy(SFT, remove_padding="auto"), load_policy(SFT)
+    calls = counting_packed(monkeypatch)
+    for rank, got in enumerate(ranks):
+        batch = rank_batch(rank, tokenizer)
+        calls.clear()
+        with torch.no_grad():
+            response_logits(auto, batch)  # alone: rank 0 packs, rank 1 does not
+            want = logprobs_from_logits(response_logits(padded, batch), batch["responses"])
+        assert bool(calls) == (rank == 0) and got["packed"]
+        assert got["logprobs"] == pytest.approx(want[batch["response_mask"].bool()].tolist(), rel=1e-5, abs=1e-5)
 
 
 def test_length_finish_and_greedy(setup, tokenizer):

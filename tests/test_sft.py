@@ -147,7 +147,7 @@ def single_process_run(tmp_path_factory, odd_files):
     out = tmp_path_factory.mktemp("single")
     run_recipe(
         "sft",
-        *base_flags(out, odd_files, f"{STEPS3} --micro-batch-size-per-gpu 16 --save-freq 0"),
+        *base_flags(out, odd_files, f"{STEPS3} --micro-batch-size-per-gpu 16 --save-freq 0 --use-remove-padding False"),
     )
     return out
 
@@ -172,7 +172,7 @@ def test_a_padding_free_run_equals_the_padded_one(tmp_path, odd_files, single_pr
     the same training and validation losses and gradients as the padded run."""
     out = tmp_path / "packed"
     run_recipe("sft", *base_flags(out, odd_files, f"{STEPS3} --micro-batch-size-per-gpu 8 --save-freq 0 "
-                                                  "--use-remove-padding"))  # fmt: skip
+                                                  "--use-remove-padding True"))  # fmt: skip
     assert losses(out) == pytest.approx(losses(single_process_run), rel=1e-5)
     assert losses(out, "train/grad_norm") == pytest.approx(losses(single_process_run, "train/grad_norm"), rel=1e-4)
     assert losses(out, "val/loss") == pytest.approx(losses(single_process_run, "val/loss"), rel=1e-5)

@@ -104,7 +104,7 @@ def verl_example(recipe: str, tmp_path) -> tuple[list[str], list[str]]:
         flags = [
             "--train-files", str(train), "--val-files", str(test), "--train-batch-size", "8", "--max-prompt-length", "64",
             "--max-response-length", "16", "--filter-overlong-prompts", "--truncation", "error", "--model", str(model),
-            "--lr", "1e-6", "--use-remove-padding", "--ppo-mini-batch-size", "4", "--micro-batch-size-per-gpu", "8",
+            "--lr", "1e-6", "--use-remove-padding", "True", "--ppo-mini-batch-size", "4", "--micro-batch-size-per-gpu", "8",
             "--use-kl-loss",
             "--kl-loss-coef", "0.001", "--kl-loss-type", "low_var_kl", "--entropy-coeff", "0", "--gradient-checkpointing",
             "--rollout-name", "hf", "--rollout-n", "4", "--logger", "console", "--project-name", "verl_grpo_example_gsm8k",
