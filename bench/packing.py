@@ -1,13 +1,13 @@
 """Padding-free forward passes (--use-remove-padding) against padded ones, in one process on the same
 batches: the trainer's forward and backward over one micro-batch (response logits, logprobs and
 entropy, as every RL recipe's update computes them), median seconds of --repeats after a warm-up.
-Prints for each batch the padded and packed times, their ratio, response tokens per second and the
-share of the padded batch's tokens that were padding; with --profile, the share of each pass's CPU
-time spent in attention.
+Prints for each batch the padded and packed times, their ratio, response tokens per second, the
+share of the padded batch's tokens that were padding and the layout the default (auto) picks; with
+--profile, the share of each pass's CPU time spent in attention.
 
-Three batches: "spread" (responses of 8-512 tokens, as a reasoning run's lengths spread), "uniform"
-(the bundled addition task's answers, nearly all one length), and the uniform answers in GRPO's
-groups of 8 responses to one prompt, whose prompt the padded pass runs once per group
+Four batches: "spread" (responses of 8-512 tokens, as a reasoning run's lengths spread), "uniform"
+(the bundled addition task's answers, nearly all one length), and each of them in GRPO's groups of
+8 responses to one prompt, whose prompt the padded pass runs once per group
 (--shared-prompt-forward, the default) while the packed one runs it with every response.
 
     python bench/packing.py                          # the bundled tiny model
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.data import load_prompts, pack_sequences  # noqa: E402
-from common.model import load_policy, load_tokenizer, register_varlen, response_logits  # noqa: E402
+from common.model import forward_layout, load_policy, load_tokenizer, register_varlen, response_logits  # noqa: E402
 from common.ops import entropy_from_logits, logprobs_from_logits  # noqa: E402
 
 SFT = ROOT / "bundled" / "tiny-qwen2-sft"
@@ -68,9 +68,10 @@ def batches(args, tokenizer) -> dict:
         out[name] = batch
     # GRPO's layout: groups of 8 responses to one prompt, which the padded pass runs once per group
     grouped = [p for p in prompts[: args.seqs // 8] for _ in range(8)]
-    batch = pack_sequences(grouped, answers[: len(grouped)], tokenizer.pad_token_id)
-    batch["group_ids"] = torch.arange(len(grouped)) // 8
-    out["uniform, groups of 8 sharing a prompt"] = batch
+    for name, responses in (("uniform", answers), ("spread", spread)):
+        batch = pack_sequences(grouped, responses[: len(grouped)], tokenizer.pad_token_id)
+        batch["group_ids"] = torch.arange(len(grouped)) // 8
+        out[f"{name}, groups of 8 sharing a prompt"] = batch
     return out
 
 
@@ -79,6 +80,15 @@ def step(model, batch) -> None:
     mask = batch["response_mask"].bool()
     loss = logprobs_from_logits(logits, batch["responses"])[mask].sum() + entropy_from_logits(logits)[mask].sum()
     loss.backward()
+
+
+def auto_layout(packed, batch) -> str:
+    """The layout the default, --use-remove-padding auto, gives this batch."""
+    packed.padding_free = "auto"
+    try:
+        return forward_layout(packed, batch)
+    finally:
+        packed.padding_free = True
 
 
 def timed(fn, repeats: int) -> float:
@@ -128,7 +138,8 @@ def main() -> None:
         t_packed = timed(lambda: step(packed, batch), args.repeats)  # noqa: B023
         print(f"{name}: {tokens} tokens, {padding:.0%} of the padded batch was padding; fwd+bwd padded "
               f"{t_padded:.3f} s, packed {t_packed:.3f} s: {t_padded / t_packed:.2f}x; response tokens/s "
-              f"{response_tokens / t_padded:.0f} -> {response_tokens / t_packed:.0f}")  # fmt: skip
+              f"{response_tokens / t_padded:.0f} -> {response_tokens / t_packed:.0f}; auto runs it "
+              f"{auto_layout(packed, batch)}")  # fmt: skip
         if args.profile:
             shares = [attention_share(lambda m=m: step(m, batch)) for m in (padded, packed)]  # noqa: B023
             print(f"  attention's share of the time: padded {shares[0]:.0%}, packed {shares[1]:.0%}")

@@ -314,11 +314,13 @@ VARLEN = "varlen_sdpa"
 def register_varlen() -> str:
     """Register VARLEN with transformers and return its name, for attn_implementation.
 
-    It is PyTorch's scaled_dot_product_attention run on each sequence of a packed row on its own,
-    causal within it: where the call carries cu_seq_lens_q (the row's sequence starts, as flash
-    attention's varlen kernels take them), attention costs sum_i n_i^2, not the (sum_i n_i)^2 of a
-    block-diagonal mask over the row. Any other call (padded batches, generation with a cache) is
-    transformers' own sdpa attention with its own mask."""
+    Where a call carries cu_seq_lens_q (the packed row's sequence starts, as flash attention's
+    varlen kernels take them), each sequence attends causally within itself: on a GPU in float16 /
+    bfloat16 through PyTorch's flash-attention varlen kernel (torch.nn.attention.varlen), otherwise
+    PyTorch's scaled_dot_product_attention on each sequence in turn. Either way attention costs
+    sum_i n_i^2, not the (sum_i n_i)^2 of a block-diagonal mask over the row. A layer's sliding
+    window is kept (a key at most window - 1 tokens back, as transformers' mask). Any other call
+    (padded batches, generation with a cache) is transformers' own sdpa attention with its mask."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
@@ -328,19 +330,29 @@ def register_varlen() -> str:
         if starts is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)  # fmt: skip
-        bounds, gqa = starts.tolist(), query.shape[1] != key.shape[1]
-        parts = [
-            F.scaled_dot_product_attention(
-                query[:, :, a:b],
-                key[:, :, a:b],
-                value[:, :, a:b],
-                is_causal=True,
-                dropout_p=dropout if module.training else 0.0,
-                scale=scaling,
-                enable_gqa=gqa,
-            )
-            for a, b in zip(bounds, bounds[1:])
-        ]
+        unknown = [k for k in ("softcap", "s_aux") if kwargs.get(k) is not None]
+        if unknown:  # logit soft-capping, attention sinks: terms these kernels do not apply
+            raise UsageError(f"--use-remove-padding: {type(module).__name__} applies {' and '.join(unknown)} in "
+                             f"its attention, which the padding-free path does not; set --use-remove-padding False")  # fmt: skip
+        window, gqa = kwargs.get("sliding_window"), query.shape[1] != key.shape[1]
+        dropout = dropout if module.training else 0.0
+        kernel = _varlen_kernel(query) if not dropout else None
+        if kernel is not None:
+            longest = kwargs["max_length_q"]
+            out = kernel(
+                *(x[0].transpose(0, 1) for x in (query, key, value)), starts, starts, longest, longest,
+                scale=scaling, window_size=(window - 1, 0) if window else (-1, 0), enable_gqa=gqa,
+            )  # fmt: skip
+            return out[None], None
+        bounds, parts = starts.tolist(), []
+        for a, b in zip(bounds, bounds[1:]):
+            band = None
+            if window and b - a > window:
+                i = torch.arange(b - a, device=query.device)
+                band = (i[:, None] >= i[None]) & (i[:, None] - i[None] < window)
+            q, k, v = query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]
+            parts.append(F.scaled_dot_product_attention(q, k, v, attn_mask=band, is_causal=band is None,
+                                                        dropout_p=dropout, scale=scaling, enable_gqa=gqa))  # fmt: skip
         return torch.cat(parts, 2).transpose(1, 2).contiguous(), None
 
     def mask(**kwargs):  # a packed row has no padding mask and needs none: each sequence is causal in itself
@@ -352,17 +364,38 @@ def register_varlen() -> str:
     return VARLEN
 
 
+def _varlen_kernel(query):
+    """PyTorch's flash-attention varlen kernel where it runs (CUDA, float16 / bfloat16, a torch that
+    has it), else None: VARLEN then attends one sequence at a time."""
+    if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)):
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _why_not_packed(model) -> str | None:
+    """What keeps this model's attention from running packed, or None."""
+    if not type(model).is_backend_compatible():  # no transformers attention interface: one sequence per row
+        return "runs attention code of its own, which would let packed sequences attend to each other"
+    if getattr(model.config, "attn_logit_softcapping", None):
+        return "caps its attention logits (attn_logit_softcapping), which the padding-free attention does not"
+    if any(name.endswith(".sinks") for name, _ in model.named_parameters()):
+        return "has attention sinks, which the padding-free attention does not apply"
+    return None
+
+
 def _check_packs(model, path: str, remove_padding: bool | str) -> None:
-    """Records the mode on the model (pack_mode reads it). A model class with attention code of its
-    own (no transformers attention interface) would run a packed row as one sequence, its sequences
-    attending to each other: refused when packing was asked for, run padded (and said) under auto."""
-    if remove_padding and not type(model).is_backend_compatible():
-        if remove_padding is True:
-            raise UsageError(
-                f"--use-remove-padding: {type(model).__name__} ({path}) runs attention code of its own, which would "
-                f"let packed sequences attend to each other; set --use-remove-padding False"
-            )
-        log.info("%s (%s) runs attention code of its own: its forward passes stay padded", type(model).__name__, path)
+    """Records the mode on the model (pack_mode reads it). A model whose attention the padding-free
+    path cannot run (_why_not_packed) is refused when packing was asked for, and run padded (and
+    said) under auto."""
+    why = _why_not_packed(model) if remove_padding else None
+    if why and remove_padding is True:
+        raise UsageError(f"--use-remove-padding: {type(model).__name__} ({path}) {why}; set --use-remove-padding False")
+    if why:
+        log.info("%s (%s) %s: its forward passes stay padded", type(model).__name__, path, why)
         model.set_attn_implementation("sdpa")
         remove_padding = False
     model.padding_free = remove_padding
@@ -447,6 +480,27 @@ def _packed_outputs(model, batch: dict, keep_logits: bool) -> torch.Tensor:
     return full
 
 
+def forward_layout(model, batch: dict, share_prompts: bool = True) -> str:
+    """How _response_outputs runs this micro-batch: "packed" (padding-free, _packed_outputs), "one
+    pass" (the padded rows) or "shared prompts" (each group's prompt once, then its responses).
+    Under FSDP with auto packing the ranks decide together: call it once a micro-batch on every rank."""
+    T = batch["responses"].shape[1]
+    P = batch["input_ids"].shape[1] - T
+    starts = _group_starts(batch["group_ids"])
+    one_pass = not share_prompts or _checkpointing(model) or (bool(starts.all()) and not is_fsdp(model))
+    padded_tokens = len(starts) * (P + T) if one_pass else int(starts.sum()) * P + len(starts) * T
+    if packs(model) and _packs_batch(model, batch["attention_mask"].sum(), padded_tokens):
+        return "packed"
+    return "one pass" if one_pass else "shared prompts"
+
+
+def _group_starts(group_ids: torch.Tensor) -> torch.Tensor:
+    """Whether each row starts a group (a prompt the rows before it did not answer)."""
+    starts = torch.ones_like(group_ids, dtype=torch.bool)
+    starts[1:] = group_ids[1:] != group_ids[:-1]
+    return starts
+
+
 def _response_outputs(model, batch: dict, share_prompts: bool, keep_logits: bool) -> torch.Tensor:
     """The model's `.logits` at the positions that predict each response token, (b, T, ...).
 
@@ -457,24 +511,21 @@ def _response_outputs(model, batch: dict, share_prompts: bool, keep_logits: bool
     pass with activation checkpointing (transformers drops the cache there) or without groups, but
     never under FSDP: its forwards are collective, so every rank must make the same two calls
     whether or not its own micro-batch shares a prompt. A model that packs runs the micro-batch
-    padding-free instead where _packs_batch says so (_packed_outputs). keep_logits: the model takes
-    logits_to_keep (causal LMs), so only the needed positions reach the vocabulary head.
+    padding-free instead where that runs fewer tokens (forward_layout). keep_logits: the model
+    takes logits_to_keep (causal LMs), so only the needed positions reach the vocabulary head.
     """
     from transformers import DynamicCache
 
+    layout = forward_layout(model, batch, share_prompts)
+    if layout == "packed":
+        return _packed_outputs(model, batch, keep_logits)  # no pad token reaches the model
     T = batch["responses"].shape[1]
     P = batch["input_ids"].shape[1] - T
     keys = ("input_ids", "attention_mask", "position_ids")
-    group_ids = batch["group_ids"]
-    starts = torch.ones_like(group_ids, dtype=torch.bool)
-    starts[1:] = group_ids[1:] != group_ids[:-1]
     keep = (lambda n: {"logits_to_keep": n}) if keep_logits else (lambda n: {})  # noqa: E731
-    one_pass = not share_prompts or _checkpointing(model) or (bool(starts.all()) and not is_fsdp(model))
-    padded_tokens = len(group_ids) * (P + T) if one_pass else int(starts.sum()) * P + len(group_ids) * T
-    if packs(model) and _packs_batch(model, batch["attention_mask"].sum(), padded_tokens):
-        return _packed_outputs(model, batch, keep_logits)  # no pad token reaches the model
-    if one_pass:
+    if layout == "one pass":
         return model(**{k: batch[k] for k in keys}, **keep(T + 1)).logits[:, -T - 1 : -1]
+    starts = _group_starts(batch["group_ids"])
     first = starts.nonzero().squeeze(-1)  # each prompt's first row
     owner = starts.cumsum(0) - 1  # which distinct prompt each row answers
     cache = DynamicCache()  # passed in: a token-classification output carries no cache of its own

@@ -55,3 +55,35 @@ def test_engine_logprobs_match_the_trainer_forward_on_gpu(tokenizer):
     )
     print(f"\nlargest |engine - trainer| logprob difference on {torch.cuda.get_device_name()}: {worst:.2e}")
     assert worst < 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_packed_forward_equals_the_padded_one_on_gpu(tokenizer, dtype):
+    """--use-remove-padding on a GPU: bfloat16 runs PyTorch's flash-attention varlen kernel
+    (common.model.VARLEN), float32 the per-sequence attention; the logprobs and gradients equal the
+    padded pass's within the dtype's rounding."""
+    from common.data import load_prompts, pack_sequences
+    from common.model import load_policy, response_logits
+    from common.ops import logprobs_from_logits
+
+    sft = str(ROOT / "bundled" / "tiny-qwen2-sft")
+    rows, _ = load_prompts([TASK_TEST], tokenizer, max_prompt_length=64)
+    g = torch.Generator().manual_seed(0)
+    responses = [
+        torch.randint(10, 100, (int(n),), generator=g).tolist() for n in torch.randint(2, 300, (8,), generator=g)
+    ]
+    batch = pack_sequences([r["prompt_ids"] for r in rows[:8]], responses, tokenizer.pad_token_id, "cuda")
+    batch["group_ids"] = torch.arange(8, device="cuda")
+    mask = batch["response_mask"].bool()
+    results = []
+    for remove_padding in (False, True):
+        model = load_policy(sft, dtype=dtype, remove_padding=remove_padding).cuda().train()
+        logprobs = logprobs_from_logits(response_logits(model, batch).float(), batch["responses"])[mask]
+        grads = torch.autograd.grad(logprobs.sum(), list(model.parameters()))
+        results.append((logprobs, torch.cat([x.float().flatten() for x in grads])))
+    (lp, grad), (packed_lp, packed_grad) = results
+    tolerance = 1e-4 if dtype == "float32" else 5e-2
+    worst = (packed_lp - lp).abs().max().item()
+    print(f"\n{dtype}: largest |packed - padded| logprob difference {worst:.2e}")
+    assert worst < tolerance
+    assert (packed_grad - grad).norm() <= (1e-3 if dtype == "float32" else 5e-2) * grad.norm()

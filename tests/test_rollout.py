@@ -1,3 +1,4 @@
+import copy
 import json
 
 import pytest
@@ -160,6 +161,87 @@ def test_a_packed_forward_equals_the_padded_one(setup, tokenizer, rows, family):
     assert torch.allclose(values[1][mask], values[0][mask], atol=1e-5)
 
 
+def test_a_sliding_window_is_kept_packed(setup, tokenizer):
+    """A layer with a sliding window (Qwen2's use_sliding_window, Mistral's) attends, packed, to the
+    same keys as transformers' padded mask: the logits equal the padded model's, and differ from the
+    same weights without the window (so the window is really in play)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common.model import register_varlen, response_logits
+
+    base, prompts, _ = setup
+    config = AutoConfig.from_pretrained(SFT, use_sliding_window=True, sliding_window=6)
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    windowed = {}
+    for attn in ("sdpa", register_varlen()):
+        windowed[attn] = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn)
+        windowed[attn].load_state_dict(base.state_dict())
+        windowed[attn].padding_free = True
+    g = torch.Generator().manual_seed(0)
+    batch = pack_sequences(prompts, [torch.randint(10, 100, (n,), generator=g).tolist() for n in (3, 20, 9, 14)],
+                           tokenizer.pad_token_id)  # fmt: skip
+    batch["group_ids"] = torch.arange(4)
+    mask = batch["response_mask"].bool()
+    with torch.no_grad():
+        padded, packed, full = (response_logits(m, batch)[mask] for m in (*windowed.values(), base))
+    assert torch.allclose(packed, padded, atol=1e-4)
+    assert not torch.allclose(padded, full, atol=1e-2)
+
+
+def stand_in_varlen_attn(calls):
+    """torch.nn.attention.varlen.varlen_attn's documented contract, computed on CPU one sequence at a
+    time: (total tokens, heads, head dim) tensors, int32 sequence starts, window_size (left, right)
+    keys back and ahead of each query (-1: no bound), a (total tokens, heads, head dim) output."""
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        assert q.dim() == 3 and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k) and max_q == max_k
+        calls.append(window_size)
+        left, right = window_size
+        out = []
+        for a, b in zip(cu_q.tolist(), cu_q.tolist()[1:]):
+            i = torch.arange(b - a)
+            back = i[:, None] - i[None]  # how far each key lies behind each query
+            allowed = ((back <= left) | (left < 0)) & ((-back <= right) | (right < 0))
+            out.append(torch.nn.functional.scaled_dot_product_attention(
+                *(x[a:b].transpose(0, 1) for x in (q, k, v)), attn_mask=allowed, scale=scale, enable_gqa=enable_gqa,
+            ).transpose(0, 1))  # fmt: skip
+        return torch.cat(out)
+
+    return kernel
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_the_gpu_varlen_kernel_is_called_as_documented(setup, tokenizer, monkeypatch, window):
+    """On a GPU in bfloat16 VARLEN hands the packed row to PyTorch's varlen kernel. Its call (layout,
+    sequence starts, causal or sliding window, grouped heads, scale) is checked on CPU against a
+    stand-in computing the kernel's documented contract: the logits equal the padded model's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import common.model
+
+    base, prompts, _ = setup
+    config = AutoConfig.from_pretrained(SFT, use_sliding_window=window is not None, sliding_window=window)
+    config.layer_types = ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
+    models = [
+        AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=a)
+        for a in ("sdpa", common.model.register_varlen())
+    ]
+    for model in models:
+        model.load_state_dict(base.state_dict())
+    models[1].padding_free = True
+    calls = []
+    monkeypatch.setattr(common.model, "_varlen_kernel", lambda query: stand_in_varlen_attn(calls))
+    g = torch.Generator().manual_seed(0)
+    batch = pack_sequences(prompts, [torch.randint(10, 100, (n,), generator=g).tolist() for n in (3, 20, 9, 14)],
+                           tokenizer.pad_token_id)  # fmt: skip
+    batch["group_ids"] = torch.arange(4)
+    mask = batch["response_mask"].bool()
+    with torch.no_grad():
+        padded, packed = (common.model.response_logits(m, batch)[mask] for m in models)
+    assert calls == [(window - 1, 0) if window else (-1, 0)] * config.num_hidden_layers
+    assert torch.allclose(packed, padded, atol=1e-4)
+
+
 def test_a_model_with_its_own_attention_code_is_not_packed(monkeypatch):
     """A model class that keeps its own attention (transformers' is_backend_compatible False) would
     let packed sequences attend to each other: --use-remove-padding refuses it, naming it."""
@@ -183,7 +265,26 @@ def test_auto_leaves_a_model_with_its_own_attention_code_padded(monkeypatch, cap
     with caplog.at_level("INFO", logger="common.model"):
         model = load_policy(SFT, remove_padding="auto")
     assert pack_mode(model) is False and model.config._attn_implementation == "sdpa"
-    assert "runs attention code of its own: its forward passes stay padded" in caplog.text
+    assert "runs attention code of its own, which would let packed sequences attend to each other: its forward " \
+           "passes stay padded" in caplog.text  # fmt: skip
+
+
+def test_a_model_with_capped_attention_logits_is_not_packed(tmp_path, caplog):
+    """Logit soft-capping (Gemma 2's attn_logit_softcapping) is a term the padding-free attention does
+    not apply: True refuses such a model before it runs, auto runs it padded."""
+    import shutil
+
+    from common.errors import UsageError
+    from common.model import pack_mode
+
+    shutil.copytree(SFT, tmp_path / "capped")
+    config = json.loads((tmp_path / "capped" / "config.json").read_text())
+    (tmp_path / "capped" / "config.json").write_text(json.dumps({**config, "attn_logit_softcapping": 50.0}))
+    with pytest.raises(UsageError, match=r"--use-remove-padding: .* caps its attention logits .*; set --use-remove"):
+        load_policy(str(tmp_path / "capped"), remove_padding=True)
+    with caplog.at_level("INFO", logger="common.model"):
+        assert pack_mode(load_policy(str(tmp_path / "capped"), remove_padding="auto")) is False
+    assert "caps its attention logits" in caplog.text
 
 
 def counting_packed(monkeypatch) -> list:
