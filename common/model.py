@@ -2,6 +2,7 @@
 name; LoRA through peft; the forward passes that give response logits and values."""
 
 import logging
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -480,6 +481,11 @@ def _packed_outputs(model, batch: dict, keep_logits: bool) -> torch.Tensor:
     return full
 
 
+# forward_layout's choices for models that can pack, since common.tracking.step_metrics last read
+# them for perf/packed_share: {"packed": n, "one pass": n, "shared prompts": n}.
+LAYOUTS: Counter = Counter()
+
+
 def forward_layout(model, batch: dict, share_prompts: bool = True) -> str:
     """How _response_outputs runs this micro-batch: "packed" (padding-free, _packed_outputs), "one
     pass" (the padded rows) or "shared prompts" (each group's prompt once, then its responses).
@@ -489,9 +495,12 @@ def forward_layout(model, batch: dict, share_prompts: bool = True) -> str:
     starts = _group_starts(batch["group_ids"])
     one_pass = not share_prompts or _checkpointing(model) or (bool(starts.all()) and not is_fsdp(model))
     padded_tokens = len(starts) * (P + T) if one_pass else int(starts.sum()) * P + len(starts) * T
-    if packs(model) and _packs_batch(model, batch["attention_mask"].sum(), padded_tokens):
-        return "packed"
-    return "one pass" if one_pass else "shared prompts"
+    if not packs(model):
+        return "one pass" if one_pass else "shared prompts"
+    layout = "packed" if _packs_batch(model, batch["attention_mask"].sum(), padded_tokens) else None
+    layout = layout or ("one pass" if one_pass else "shared prompts")
+    LAYOUTS[layout] += 1
+    return layout
 
 
 def _group_starts(group_ids: torch.Tensor) -> torch.Tensor:

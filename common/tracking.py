@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from common.errors import RunStopped
+from common.model import LAYOUTS
 from common.ops import rollout_is_metrics as rollout_is_metrics  # re-exported for older forks
 from common.parallel import all_reduce_sum, barrier, gather_objects
 from common.parallel import setup_logging as setup_logging  # re-exported for older forks
@@ -279,6 +280,13 @@ def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
     metrics.update(batch["timing"])
     seconds = time.time() - batch["started"]  # the step so far: since its generation began
     metrics.update({"train/epoch": batch["epoch"], "perf/step_s": seconds, "perf/tokens_per_s": tokens / seconds})
+    counts = torch.tensor(
+        [LAYOUTS["packed"], LAYOUTS.total()], dtype=torch.float64, device=batch["attention_mask"].device
+    )
+    packed, total = all_reduce_sum(counts).tolist()
+    LAYOUTS.clear()
+    if total:  # a model that can run padding-free (--use-remove-padding auto or True): the share that did
+        metrics["perf/packed_share"] = packed / total
     return metrics
 
 

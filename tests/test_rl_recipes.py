@@ -159,6 +159,7 @@ def test_smoke_checkpoint_and_exact_resume(tmp_path, small_files, small_args, re
     assert [r["step"] for r in want] == [1, 2, 3, 4] and "val/accuracy" in want[1] and "val/accuracy" in want[3]
     for key in ("train/loss", "reward/mean", "response/length_mean", "perf/step_s", "train/grad_norm"):
         assert key in want[-1], key
+    assert want[-1]["perf/packed_share"] == 0.0, "--use-remove-padding auto: the task's micro-batches run padded"
     console = first.stdout + first.stderr
     assert "step 2/4" in console and "step 4/4" in console, "the every-N-steps console line"
     assert f"final model: {out / 'checkpoints' / 'step_4' / 'hf'}" in console
@@ -391,6 +392,7 @@ def test_a_padding_free_step_equals_the_padded_one(tmp_path, small_args, recipe,
     padded = one_step(module, tmp_path / "padded", small_args, **flags, use_remove_padding=False)
     packed = one_step(module, tmp_path / "packed", small_args, **flags, use_remove_padding=True)
     assert packed["reward/mean"] == padded["reward/mean"]  # the same samples
+    assert packed["perf/packed_share"] == 1.0 and "perf/packed_share" not in padded
     keys = ["train/loss", "train/grad_norm", "policy/approx_kl"] + ["critic/vf_loss"] * (recipe == "ppo")
     keys += ["policy/kl_ref"] * bool(more)
     for key in keys:
