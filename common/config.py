@@ -120,6 +120,9 @@ FLAG_RULES = [
     ("max_num_gen_batches", lambda v: v >= 0, ">= 0 (0: no limit)"),
     ("overlong_buffer_len", lambda v: v >= 0, ">= 0 (0: off)"),
     ("overlong_penalty_factor", lambda v: v >= 0, ">= 0"),
+    ("jsd_beta", lambda v: 0 <= v <= 1, "in [0, 1] (0: forward KL, 1: reverse KL)"),
+    ("kl_discount", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("beta", lambda v: v >= 0, ">= 0 (the task reward's weight beside the teacher's)"),
 ]
 
 
@@ -153,6 +156,8 @@ USED_ONLY_WITH = [
     (("len_reward_coef",), "add_len_reward", lambda a: a.add_len_reward, "add --add-len-reward"),
     (("reward_normalization_grouping",), "reward_normalization_method",
      lambda a: a.reward_normalization_method != "identity", "add --reward-normalization-method mean_std or asym_clip"),
+    (("jsd_beta",), "loss", lambda a: a.loss == "gkd", "add --loss gkd"),
+    (("kl_discount",), "loss", lambda a: a.loss == "reverse_kl", "drop --loss gkd (its divergence is per token)"),
     (("env_tags", "env_n_groups", "env_train_seeds", "env_val_seeds", "max_env_steps", "format_penalty",
       "max_traj_per_env", "env_manager", "env_gamma", "env_timeout", "env_workers"), "env_config",
      lambda a: a.env_config, "add --env-config"),
@@ -212,7 +217,7 @@ def check_flags(args) -> None:
             "--temperature 0: greedy rollouts give every response of a group the same text, so there is nothing to "
             "compare; training samples (e.g. 1.0). Greedy validation is --val-temperature 0 (the default)"
         )
-    for name in ("model", "reward_model", "critic_model"):
+    for name in ("model", "reward_model", "critic_model", "teacher_model"):
         path = getattr(args, name, None)
         if not path or not looks_local(path):
             continue
@@ -933,6 +938,12 @@ class RLArgs(
         reference among them when a KL term needs one (needs_ref)."""
         return {**self.policy_kwargs(), "strategy": self.strategy, "reward_model": self.reward_model,
                 "with_reference": self.needs_ref}  # fmt: skip
+
+    def frozen_kwargs(self) -> dict:
+        """The keyword arguments of common.model.load_frozen (a model that only runs forward passes, such
+        as distill.py's teacher) that these flags set: the policy's dtype, precision, layout and placement."""
+        names = ("dtype", "trust_remote_code", "mixed_precision", "remove_padding")
+        return {**{k: v for k, v in self.policy_kwargs().items() if k in names}, "strategy": self.strategy}
 
     @property
     def needs_ref(self) -> bool:

@@ -147,16 +147,54 @@ def load_rl_models(
     )  # fmt: skip
     ref = AdapterOff(model) if with_reference and lora_rank else None
     if with_reference and lora_rank == 0:
-        ref = load_policy(path, dtype=dtype, trust_remote_code=trust_remote_code, remove_padding=remove_padding)
-        ref = ref.eval().requires_grad_(False)
-        shard_ref = resolve_strategy(strategy) == "fsdp2"
-        ref = wrap_model(ref, "fsdp2" if shard_ref else "none", dist, mixed_precision)
+        ref = load_frozen(path, dist, strategy=strategy, dtype=dtype, trust_remote_code=trust_remote_code,
+                          mixed_precision=mixed_precision, remove_padding=remove_padding)  # fmt: skip
     rm = (
         RewardModel(reward_model, tokenizer, dist.device, trust_remote_code, remove_padding=remove_padding)
         if reward_model
         else None
     )
     return model, ref, rm, run_info
+
+
+def load_frozen(
+    path: str,
+    dist,
+    *,
+    strategy: str,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    mixed_precision: str = "no",
+    remove_padding: bool | str = False,
+):
+    """A causal LM that only runs forward passes (a reference, a teacher): no gradient, eval mode,
+    sharded like the policy under FSDP2 (its forwards then collective), else on this rank's device."""
+    model = load_policy(path, dtype=dtype, trust_remote_code=trust_remote_code, remove_padding=remove_padding)
+    model = model.eval().requires_grad_(False)
+    return wrap_model(model, "fsdp2" if resolve_strategy(strategy) == "fsdp2" else "none", dist, mixed_precision)
+
+
+def check_teacher(path: str, tokenizer, trust_remote_code: bool = False) -> None:
+    """A teacher scores the student's tokens by id, so it must read them as the student does: the
+    same vocabulary (token -> id) in its tokenizer, else a UsageError naming the first difference.
+    Reads only the tokenizer files: it runs before any model loads."""
+    from transformers import AutoTokenizer
+
+    _check_source(path, "teacher model")
+    theirs = AutoTokenizer.from_pretrained(
+        str(Path(path).expanduser()) if Path(path).expanduser().exists() else path, trust_remote_code=trust_remote_code
+    ).get_vocab()
+    ours = tokenizer.get_vocab()
+    if theirs != ours:
+        moved = sorted(t for t in ours.keys() & theirs.keys() if ours[t] != theirs[t])
+        only = sorted(ours.keys() ^ theirs.keys())
+        example = (f"{moved[0]!r} is id {ours[moved[0]]} for the student, {theirs[moved[0]]} for the teacher"
+                   if moved else f"{only[0]!r} is in one vocabulary only")  # fmt: skip
+        raise UsageError(
+            f"--teacher-model {path}: its tokenizer differs from the student's ({len(moved)} tokens with other ids, "
+            f"{len(only)} in one vocabulary only; {example}); distillation compares the two models token by token, "
+            f"so give a teacher of the student's family"
+        )
 
 
 class AdapterOff:

@@ -50,6 +50,13 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     return out if shift_mean else out + mean
 
 
+def masked_mean_all_ranks(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """The mean of x over the masked elements of every rank (0 where there are none). Collective."""
+    mask = mask.to(x.dtype)
+    total, n = all_reduce_sum(torch.stack([(x * mask).sum(), mask.sum()])).tolist()
+    return total / n if n else 0.0
+
+
 def masked_whiten_all_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """masked_whiten over the masked elements of every rank together, as verl whitens the whole
     batch on its driver: (x - mean) / sqrt(var + eps), unbiased var (0 under two elements), zero
@@ -108,14 +115,43 @@ def kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tens
     is recomputed in the backward (activation checkpointing), so only one chunk's float32
     log-softmaxes are alive at a time, in the forward and in the backward. The gradient flows to
     logits only: the reference is constant."""
-    flat, flat_ref = logits.reshape(-1, logits.shape[-1]), ref_logits.detach().reshape(-1, logits.shape[-1])
-    if flat.shape[0] != flat_ref.shape[0]:
-        raise ValueError(f"logits {tuple(logits.shape)} and reference logits {tuple(ref_logits.shape)} differ")
+    return _rowwise(_kl_rows, logits, ref_logits)
+
+
+def _jsd_rows(logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float) -> torch.Tensor:
+    s, t = torch.log_softmax(logits.float(), dim=-1), torch.log_softmax(teacher_logits.float(), dim=-1)
+    if beta == 0:
+        return (t.exp() * (t - s)).sum(-1)
+    if beta == 1:
+        return (s.exp() * (s - t)).sum(-1)
+    m = torch.logsumexp(torch.stack([s + math.log(1 - beta), t + math.log(beta)]), dim=0)
+    return beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
+
+
+def jsd_from_logits(logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float) -> torch.Tensor:
+    """GKD's generalised Jensen-Shannon divergence (Agarwal et al. 2024, arXiv:2306.13649) between
+    the teacher's next-token distribution p = softmax(teacher_logits) and the student's
+    q = softmax(logits) at each position, (..., V) -> (...), float32:
+        JSD_beta = beta KL(p || m) + (1 - beta) KL(q || m),  m = beta p + (1 - beta) q,
+    with the ends as TRL's GKD trainer takes them: beta 0 the forward KL(p || q), beta 1 the reverse
+    KL(q || p). Chunked and recomputed in the backward as kl_from_logits; the gradient flows to the
+    student's logits only."""
+    if not 0 <= beta <= 1:
+        raise ValueError(f"jsd beta {beta} is outside [0, 1]")
+    return _rowwise(_jsd_rows, logits, teacher_logits, beta)
+
+
+def _rowwise(fn, logits: torch.Tensor, other: torch.Tensor, *extra) -> torch.Tensor:
+    """fn(rows of logits, the same rows of other, *extra) -> (rows,), chunk by chunk over the rows
+    (each recomputed in the backward when logits need a gradient); other is constant."""
+    flat, flat_other = logits.reshape(-1, logits.shape[-1]), other.detach().reshape(-1, other.shape[-1])
+    if flat.shape != flat_other.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and the other model's {tuple(other.shape)} differ")
     grad = torch.is_grad_enabled() and flat.requires_grad
     out = [
-        torch.utils.checkpoint.checkpoint(_kl_rows, flat[rows], flat_ref[rows], use_reentrant=False)
+        torch.utils.checkpoint.checkpoint(fn, flat[rows], flat_other[rows], *extra, use_reentrant=False)
         if grad
-        else _kl_rows(flat[rows], flat_ref[rows])
+        else fn(flat[rows], flat_other[rows], *extra)
         for rows in _row_chunks(flat.shape[0])
     ]
     return torch.cat(out).reshape(logits.shape[:-1]) if out else flat.new_zeros(logits.shape[:-1], dtype=torch.float32)

@@ -365,6 +365,7 @@ def raises_before_any_model_loads(tmp_path, monkeypatch, files, recipe, table, c
     fill = lambda v: v.format(d=files) if isinstance(v, str) else v  # noqa: E731
     kwargs = {k: tuple(map(fill, v)) if isinstance(v, tuple) else fill(v) for k, v in kwargs.items()}
     kwargs.setdefault("output_dir", str(tmp_path / "run"))
+    kwargs.setdefault("train_batch_size", 16)  # the cases' files and words are written for it (distill's is 64)
     if "env_config" not in kwargs:  # an environment run reads no files
         kwargs.setdefault("train_files", (str(files / "train256.parquet"),))
     with pytest.raises(UsageError) as error:

@@ -1,0 +1,398 @@
+"""On-policy distillation: the student samples, a teacher scores every sampled token, and the
+student climbs the per-token reverse KL to the teacher on its own samples (Agarwal et al. 2024,
+GKD, arXiv:2306.13649; Gu et al. 2024, MiniLLM, arXiv:2306.08543; as Qwen3's and Thinking
+Machines' on-policy distillation run it).
+
+A fork of grpo.py that differs in the advantage and the loss:
+1. Advantage per token: A_t = -(log pi_old(y_t) - log pi_teacher(y_t)) on the student's sampled
+   token y_t, the negative of a one-sample estimate of the reverse KL there; --kl-discount gamma
+   sums the rest of the sequence into it, A_t = sum_{k>=t} gamma^(k-t) A_k (0: each token its own).
+   --beta mixes in a task reward where the data has one: + beta x GRPO's group-standardised reward.
+2. Loss: grpo.py's clipped surrogate on those advantages (ratio pi / pi_old). --loss gkd instead
+   takes GKD's generalised Jensen-Shannon divergence to the teacher over the whole next-token
+   distribution (--jsd-beta 0: forward KL(teacher || student), 1: reverse KL(student || teacher))
+   on the student's samples, plus the surrogate on beta x the task advantage.
+3. The teacher is any causal LM with the student's tokenizer (refused before any model loads
+   otherwise; a larger vocabulary head is cut to the smaller one's width for gkd). It runs like the
+   reference: micro-batched forward passes, no gradient, sharded under FSDP2.
+4. Old logprobs come from a no-grad pass before the update (the advantage is made from them), or
+   from the engine under --bypass-mode; --loss gkd takes them as grpo.py does.
+--beta is not TRL's GKD beta, the divergence's interpolation: that one is --jsd-beta here.
+
+Run (the tests run the same commands, shortened):
+    python recipes/distill.py                 # bundled SFT student, its GRPO-trained teacher, CPU
+    python recipes/distill.py --teacher-model Qwen/Qwen2.5-7B-Instruct --model Qwen/Qwen2.5-0.5B-Instruct \
+        --train-files ~/data/gsm8k/train.parquet --val-files ~/data/gsm8k/test.parquet --lr 1e-6
+"""
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+import tyro
+
+from common.checkpoint import find_resume, resume, save_checkpoint
+from common.conditioning import RunningMoments, condition_advantages, condition_rewards
+from common.config import BUNDLED, RLArgs, is_due
+from common.data import load_rl_data, split_rows, take_rows
+from common.errors import usage_errors
+from common.model import check_teacher, load_frozen, load_rl_models, load_tokenizer, response_logits
+from common.ops import (
+    agg_loss,
+    entropy_from_logits,
+    jsd_from_logits,
+    kl_from_logits,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_mean,
+    masked_mean_all_ranks,
+    rollout_correction,
+    topr_loss,
+)
+from common.parallel import (
+    StopSignal,
+    all_reduce_sum,
+    clip_grad_norm,
+    grad_sync,
+    init_distributed,
+    seed_everything,
+)
+from common.rewards import start_reward_pool
+from common.rollout import Rollout, start_engine
+from common.runlock import claim_run_dir
+from common.tracking import Tracker, describe_run, step_metrics
+from common.verl import verl_args
+
+RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
+PLOTS = ("val/accuracy", "reward/mean", "distill/*", "policy/*", "train/grad_norm")  # panels of curves.png
+
+
+# --- config ---------------------------------------------------------------------------------------
+@dataclass
+class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and reward flags come from RLArgs
+    teacher_model: str = str(BUNDLED / "tiny-qwen2-teacher")
+    """the teacher: a local Hugging Face folder or a hub name, with the student's tokenizer"""
+    loss: Literal["reverse_kl", "gkd"] = "reverse_kl"
+    """reverse_kl: the clipped surrogate on -(log student - log teacher) of each sampled token; gkd: GKD's
+    generalised JSD to the teacher over the whole vocabulary"""
+    jsd_beta: float = 0.5
+    """--loss gkd: 0 the forward KL(teacher || student), 1 the reverse KL(student || teacher), between: the JSD"""
+    kl_discount: float = 0.0
+    """gamma: a token's advantage adds the teacher's advantages of the tokens after it, discounted (0: its own)"""
+    beta: float = 0.0
+    """weight of the task reward's GRPO advantage beside the teacher's (0: distillation alone)"""
+    norm_adv_by_std_in_grpo: bool = True
+    """--beta's task advantage: divide by the group std (off: Dr.GRPO)"""
+    train_batch_size: int = 64  # with no groups to compare, more prompts and fewer samples of each
+    """prompts per step, over all processes"""
+    rollout_n: int = 4
+    """responses sampled per prompt (the group)"""
+    total_training_steps: int | None = 30
+    """stop after this many optimizer steps (overrides total_epochs)"""
+    test_freq: int = 10
+    """validate every N steps (-1: only at the end); 0 never validates"""
+    clip_ratio: float = 0.2
+    """PPO clip range; clip_ratio_low / clip_ratio_high override each side"""
+    clip_ratio_low: float | None = None
+    """lower clip range: the ratio is kept above 1 - clip_ratio_low (default clip_ratio)"""
+    clip_ratio_high: float | None = None
+    """upper clip range: the ratio is kept below 1 + clip_ratio_high (DAPO clip-higher uses e.g. 0.28)"""
+    clip_ratio_c: float = 3.0
+    """dual-clip bound for negative advantages (> 1; 3 as in Ye et al. 2020, arXiv:1912.09729, and verl)"""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """how per-token losses become one number"""
+    use_kl_loss: bool = False
+    """add a KL(policy || reference) term to the loss"""
+    kl_loss_coef: float = 0.001
+    """weight of the KL term in the loss"""
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = "low_var_kl"
+    """KL estimator for the loss term (see common.ops.kl_penalty; full: the exact KL over the vocabulary)"""
+    entropy_coeff: float = 0.0
+    """entropy bonus weight"""
+
+    def update_kwargs(self) -> dict:
+        """update's knobs: the grad clip, the rollout correction, compute_loss's (the clip range, each side
+        defaulting to clip_ratio, dual-clip, the aggregation and its constant, the entropy and KL weights) and
+        whether the KL to the reference is in the loss."""
+        loss = dict(
+            clip_ratio_low=self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low,
+            clip_ratio_high=self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high,
+            clip_ratio_c=self.clip_ratio_c, loss_agg_mode=self.loss_agg_mode, norm_constant=self.max_response_length,
+            entropy_coeff=self.entropy_coeff, kl_loss_coef=self.kl_loss_coef, kl_loss_type=self.kl_loss_type,
+            **self.loss_terms_kwargs(),
+        )  # fmt: skip
+        return dict(
+            grad_clip=self.grad_clip, rollout_is=self.rollout_is_kwargs(), loss=loss, use_kl_loss=self.use_kl_loss,
+            jsd_beta=self.jsd_beta if self.loss == "gkd" else None,
+        )  # fmt: skip
+
+    @property
+    def old_logprobs_from(self) -> str:  # the teacher's advantage is made from them, before the update
+        return "pass" if self.loss == "reverse_kl" and not self.bypass_mode else super().old_logprobs_from
+
+
+# --- the algorithm ------------------------------------------------------------------------------------
+def compute_advantages(rewards, group_ids, response_mask, norm_by_std=True, eps=1e-6):
+    """GRPO outcome advantage: (r - mean_g) / (std_g + eps), broadcast over response tokens.
+
+    rewards (B,), group_ids (B,) ints (equal for responses to the same prompt), response_mask
+    (B, T). std is unbiased (n-1); a group of one has mean 0, std 1. norm_by_std=False: r - mean_g.
+    Returns (B, T), zero on padding.
+    """
+    scores = torch.zeros_like(rewards, dtype=torch.float32)
+    for g in torch.unique(group_ids):
+        idx = group_ids == g
+        r = rewards[idx].float()
+        mean, std = (r.mean(), r.std()) if r.numel() > 1 else (r.new_tensor(0.0), r.new_tensor(1.0))
+        scores[idx] = (r - mean) / (std + eps) if norm_by_std else r - mean
+    return scores.unsqueeze(-1) * response_mask
+
+
+def teacher_advantages(old_logprobs, teacher_logprobs, response_mask, kl_discount=0.0):
+    """The teacher's per-token advantage on the student's sampled tokens: A_t = -(old_t - teacher_t),
+    the negative of a one-sample estimate of KL(student || teacher) at t; with kl_discount gamma,
+    A_t = sum_{k>=t} gamma^(k-t) A_k within each response. All (B, T); zero on padding."""
+    advantages = -(old_logprobs - teacher_logprobs) * response_mask
+    if kl_discount:
+        running = torch.zeros_like(advantages[:, 0])
+        for t in reversed(range(advantages.shape[1])):
+            running = advantages[:, t] + kl_discount * running
+            advantages[:, t] = running
+    return advantages * response_mask
+
+
+def compute_loss(
+    new_logprobs, old_logprobs, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
+    clip_ratio_c, loss_agg_mode, ref_logprobs=None, kl_loss_coef=0.0, kl_loss_type="low_var_kl",
+    entropy=None, entropy_coeff=0.0, num_tokens=None, num_seqs=None, norm_constant=None, positive=None,
+    rl_loss_coef=1.0, sft_loss_coef=0.0, use_topr_loss=False, full_kl=None, jsd=None,
+):  # fmt: skip
+    """Clipped surrogate with dual-clip, plus optional KL-to-reference and entropy terms.
+
+    All tensors (B, T). ratio = exp(clamp(new - old, +-20)); per token
+        pg = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))
+        pg = min(pg, -A * clip_ratio_c)  where A < 0  (dual-clip bounds the loss of bad samples)
+    loss = rl_loss_coef * (agg(pg) + kl_loss_coef * agg(kl(new, ref))) - entropy_coeff * agg(entropy)
+           + sft_loss_coef * agg(-new on the responses that scored > 0: positive), each agg by
+    loss_agg_mode over num_tokens / num_seqs (see common.ops.agg_loss); use_topr_loss puts TOPR's
+    per-token loss (common.ops.topr_loss) in place of pg. ROLL's terms: rl_loss_coef 1 and
+    sft_loss_coef 0 by default. kl_loss_type full takes full_kl, the exact per-token KL over the
+    vocabulary (forward_logprobs), in place of an estimate from ref_logprobs. --loss gkd adds jsd, the
+    per-token divergence to the teacher (forward_logprobs), aggregated the same way. Returns (loss, metrics).
+    """
+    mask = response_mask
+    agg = dict(mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant)
+    log_ratio = torch.clamp(new_logprobs - old_logprobs, min=-20.0, max=20.0)  # exp overflow guard
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    pg = torch.maximum(loss_unclipped, loss_clipped)
+    dual = -advantages * clip_ratio_c
+    pg_dual = torch.where(advantages < 0, torch.minimum(pg, dual), pg)
+    if use_topr_loss:  # ROLL's TOPR instead of the clipped surrogate (common.ops.topr_loss)
+        pg_dual = topr_loss(new_logprobs, old_logprobs, advantages, positive)
+    loss = rl_loss_coef * agg_loss(pg_dual, mask, **agg)
+    metrics = {
+        "policy/pg_loss": loss.detach(),
+        "policy/clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
+        "policy/clipfrac_dual": masked_mean(((pg > dual) & (advantages < 0)).float(), mask),
+        "policy/approx_kl": masked_mean(-log_ratio.detach(), mask),
+    }
+    if entropy is not None:
+        if entropy_coeff:
+            loss = loss - entropy_coeff * agg_loss(entropy, mask, **agg)
+        metrics["policy/entropy"] = masked_mean(entropy.detach(), mask)
+    if ref_logprobs is not None or full_kl is not None:
+        kl = full_kl if kl_loss_type == "full" else kl_penalty(new_logprobs, ref_logprobs, kl_loss_type)
+        loss = loss + rl_loss_coef * kl_loss_coef * agg_loss(kl, mask, **agg)
+        metrics["policy/kl_ref"] = masked_mean(kl.detach(), mask)
+    if jsd is not None:  # --loss gkd: the divergence to the teacher over the vocabulary
+        loss = loss + agg_loss(jsd, mask, **agg)
+        metrics["distill/jsd"] = masked_mean(jsd.detach(), mask)
+    if sft_loss_coef:  # ROLL's: the negative log-likelihood of the responses that scored > 0
+        sft = agg_loss(-new_logprobs, mask * positive, **agg)
+        loss = loss + sft_loss_coef * sft
+        metrics["policy/sft_loss"] = sft.detach()
+    return loss, metrics
+
+
+# --- the steps of the loop ------------------------------------------------------------------------
+def forward_logprobs(model, batch, rows, plan, with_entropy=False, kl_ref=None, teacher=None, jsd_beta=None):
+    """Logprobs (and entropy) of the response tokens of batch[rows] under the model, (b, T).
+    The logits are divided by the sampling temperature, as the sampler did. With kl_ref (the
+    reference model) also the exact KL(model || kl_ref) of each token's whole next-token
+    distribution (kl_loss_type full), (b, T); with teacher (--loss gkd) GKD's divergence to it,
+    over the vocabulary both heads have. Returns (logprobs, entropy or None, KL or None, JSD or None)."""
+    mb = take_rows(batch, rows)  # padding columns trimmed; widened back to T below
+    with torch.no_grad():  # the other models' first: one forward each, outside the policy's graph
+        ref_logits = None if kl_ref is None else response_logits(kl_ref, mb, plan.share_prompts) / plan.temperature
+        teacher_logits = None if teacher is None else response_logits(teacher, mb, plan.share_prompts)
+    logits = response_logits(model, mb, share_prompts=plan.share_prompts) / plan.temperature
+    widen = (0, batch["responses"].shape[1] - logits.shape[1])
+    logprobs = F.pad(logprobs_from_logits(logits, mb["responses"]), widen)
+    entropy = F.pad(entropy_from_logits(logits), widen) if with_entropy else None
+    kl = None if kl_ref is None else F.pad(kl_from_logits(logits, ref_logits), widen)
+    if teacher is None:
+        return logprobs, entropy, kl, None
+    width = min(logits.shape[-1], teacher_logits.shape[-1])  # a head padded past the tokenizer's ids is cut
+    jsd = jsd_from_logits(logits[..., :width], teacher_logits[..., :width] / plan.temperature, jsd_beta)
+    return logprobs, entropy, kl, F.pad(jsd, widen)
+
+
+@torch.no_grad()
+def old_ref_logprobs(model, ref, teacher, batch, plan, source, with_ref, with_teacher):
+    """Step 4, in micro-batches. Old logprobs (source: RLArgs.old_logprobs_from) from a pass when
+    they are needed before the update or set against the engine's ("pass"), or when the policy
+    moves before a sample is used (several mini-batches or epochs); otherwise the update pass's
+    detached logprobs are exact. "engine" (--bypass-mode) takes the engine's logprobs as the old
+    ones, with no pass. Reference logprobs when a KL term estimates from them (with_ref; under
+    LoRA the reference is the policy with its adapter off: common.model.AdapterOff); the teacher's
+    of the sampled tokens for its advantage (with_teacher)."""
+    t, old_logprobs, ref_logprobs, teacher_logprobs = time.time(), None, None, None
+    micro = split_rows(batch, 0, len(batch["rows"]), **plan.micro)
+    order = torch.cat(micro).argsort()  # micro-batches may be length-sorted: back to row order
+    if source == "engine":  # the engine's logprobs are the old policy: no pass
+        old_logprobs = batch["rollout_logprobs"]
+    elif source == "pass" or plan.mini_batches_per_step > 1 or plan.epochs > 1:
+        old_logprobs = torch.cat([forward_logprobs(model, batch, rows, plan)[0] for rows in micro])[order]
+    if with_ref:
+        ref_logprobs = torch.cat([forward_logprobs(ref, batch, rows, plan)[0] for rows in micro])[order]
+    if with_teacher:
+        teacher_logprobs = torch.cat([forward_logprobs(teacher, batch, rows, plan)[0] for rows in micro])[order]
+    batch["timing"]["perf/logprobs_s"] = time.time() - t
+    return old_logprobs, ref_logprobs, teacher_logprobs
+
+
+def update(
+    policy, ref, teacher, plan, batch, advantages, loss_mask, old_logprobs, ref_logprobs, *, grad_clip, loss,
+    rollout_is, use_kl_loss, jsd_beta,
+):  # fmt: skip
+    """Step 6: plan.epochs x mini-batches x micro-batches, one optimizer step per mini-batch; then
+    one lr-schedule step (knobs: Args.update_kwargs). The rollout correction (rollout_is, off by
+    default) weighs each token's advantage by the truncated pi_old / pi_rollout, and its rejection
+    drops the tokens it rejects from the loss mask. --kl-loss-type full runs the reference (ref) on
+    each micro-batch for the exact KL, instead of reading step 4's ref_logprobs; --loss gkd (jsd_beta
+    given) the teacher, for its divergence."""
+    model, optimizer, scheduler = policy
+    kl_ref = ref if use_kl_loss and loss["kl_loss_type"] == "full" else None  # the exact KL: ref on each micro-batch
+    is_weights, loss_mask, is_metrics = rollout_correction(old_logprobs, batch["rollout_logprobs"], loss_mask,
+                                                           **rollout_is)  # fmt: skip
+    advantages = advantages * is_weights  # the advantages themselves when the correction is off
+    positive = (batch["rewards"] > 0).float().unsqueeze(-1)  # the responses that scored: --sft-loss-coef, TOPR
+    t, stats, grad_norms, loss_sum = time.time(), [], [], 0.0
+    for _ in range(plan.epochs):
+        for m in range(plan.mini_batches_per_step):
+            start, stop = m * plan.local_mini_batch, (m + 1) * plan.local_mini_batch
+            # Normalise by the whole mini-batch (every micro-batch, every rank), not per micro-batch.
+            num_tokens = all_reduce_sum(loss_mask[start:stop].sum())
+            num_seqs = all_reduce_sum((loss_mask[start:stop].sum(-1) > 0).sum().float())
+            micro = split_rows(batch, start, stop, **plan.micro)
+            for k, rows in enumerate(micro):
+                with grad_sync(model, enabled=k == len(micro) - 1):
+                    new_logprobs, entropy, full_kl, jsd = forward_logprobs(
+                        model, batch, rows, plan, True, kl_ref, teacher if jsd_beta is not None else None, jsd_beta
+                    )
+                    # On-policy (one mini-batch, one epoch): old = new at unchanged weights, ratio 1.
+                    old = old_logprobs[rows] if old_logprobs is not None else new_logprobs.detach()
+                    loss_mb, metrics = compute_loss(
+                        new_logprobs, old, advantages[rows], loss_mask[rows], entropy=entropy,
+                        ref_logprobs=ref_logprobs[rows] if use_kl_loss and kl_ref is None else None, full_kl=full_kl,
+                        num_tokens=num_tokens, num_seqs=num_seqs, positive=positive[rows], jsd=jsd, **loss,
+                    )  # fmt: skip
+                    # DDP and FSDP2 average gradients over ranks; the loss is already a global mean.
+                    (loss_mb * plan.world_size).backward()
+                stats.append((batch["response_mask"][rows].sum().item(), {k: float(v) for k, v in metrics.items()}))
+                loss_sum += loss_mb.item()
+            grad_norms.append(clip_grad_norm(model, grad_clip))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    weight = sum(w for w, _ in stats) or 1.0
+    metrics = {k: sum(w * m[k] for w, m in stats) / weight for k in stats[0][1]}
+    metrics["train/loss"] = all_reduce_sum(torch.tensor(loss_sum)).item() / len(grad_norms)
+    metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics["train/lr"] = scheduler.get_last_lr()[0]
+    metrics.update(is_metrics)
+    scheduler.step()
+    batch["timing"]["perf/update_s"] = time.time() - t
+    return metrics
+
+
+# --- main ---------------------------------------------------------------------------------------
+def main(args: Args) -> dict:
+    # Setup: process group; batch arithmetic and flags checked before anything loads.
+    dist = init_distributed()
+    plan, run_dir = args.batch_plan(dist.world_size), claim_run_dir(args.run_dir(RECIPE), dist, args.force_unlock)
+    seed_everything(args.seed + dist.rank)  # ranks sample different responses
+
+    # Data, the run to resume and rewards (a reward dry run), then the models, engine and optimizer.
+    tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
+    check_teacher(args.teacher_model, tokenizer, args.trust_remote_code)  # the same token ids, before any model loads
+    train, stats, val = load_rl_data(args.train_files, args.val_files, tokenizer, **args.data_kwargs())
+    total_steps = args.total_steps(len(train))
+    checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps, flags=dataclasses.asdict(args))
+    pool = start_reward_pool(**args.reward_kwargs(run_dir, tokenizer, train + val))
+    model, ref, reward_model, run_info = load_rl_models(args.model, dist, tokenizer, **args.model_kwargs())
+    teacher = load_frozen(args.teacher_model, dist, **args.frozen_kwargs())
+    policy = args.trainable(model, total_steps)  # the policy with its AdamW and lr schedule
+    state = resume(checkpoint, policy, dist=dist)
+    start_step = state["step"]
+    reward_stats = RunningMoments.from_state(state.get("reward_stats"))  # --reward-norm running: its moments resume
+    engine = start_engine(model, tokenizer, dist, start_step, **args.engine_kwargs(train, total_steps, pool))
+    rollout = Rollout(train, val, engine, pool, tokenizer, dist, reward_model=reward_model, **args.rollout_kwargs())
+    tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
+    tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
+    if start_step == 0 and val and args.val_before_train:
+        tracker.log(rollout.validate(), step=0)
+    stop = StopSignal(dist)  # SIGUSR1 / SIGTERM (Slurm, before the time limit): save after this step, exit 0
+    for step in range(start_step, total_steps):
+        # 1-3. sample prompts (this rank's share), generate rollout_n responses each, score them
+        batch = rollout.step(step)
+        rewards, group_ids, mask = batch["rewards"], batch["group_ids"], batch["response_mask"].float()  # B, B, B x T
+        rewards = condition_rewards(rewards, batch, reward_stats, **args.reward_conditioning_kwargs())  # ROLL's knobs
+
+        # 4. old / ref / teacher logprobs (the teacher's of the sampled tokens, for --loss reverse_kl)
+        old_logprobs, ref_logprobs, teacher_logprobs = old_ref_logprobs(
+            model, ref, teacher, batch, plan, args.old_logprobs_from, args.ref_pass, args.loss == "reverse_kl"
+        )
+
+        # 5. advantages: the teacher's per token, beta x GRPO's on the task reward; then ROLL's conditioning
+        advantages = mask * 0  # --loss gkd: none from the teacher, whose divergence is the loss
+        if teacher_logprobs is not None:
+            advantages = teacher_advantages(old_logprobs, teacher_logprobs, mask, args.kl_discount)
+        if args.beta:
+            task = compute_advantages(rewards, group_ids, mask, norm_by_std=args.norm_adv_by_std_in_grpo)
+            advantages = advantages + args.beta * task
+        advantages = condition_advantages(advantages, mask, batch, **args.advantage_conditioning_kwargs())
+
+        # 6. update (with the rollout correction, if asked), then hand the new weights to the engine
+        metrics = update(policy, ref, teacher, plan, batch, advantages, mask, old_logprobs, ref_logprobs,
+                         **args.update_kwargs())  # fmt: skip
+        engine.update_weights(step + 1)
+
+        # 7. log (the reverse KL to the teacher: its one-sample estimate on the student's tokens)
+        metrics.update(step_metrics(batch, rewards, advantages, old_logprobs))
+        if teacher_logprobs is not None:
+            metrics["distill/reverse_kl"] = masked_mean_all_ranks(old_logprobs - teacher_logprobs, mask)
+
+        # 8. validate / save (and, after a stop signal, save and end the run here)
+        if val and is_due(step + 1, args.test_freq, total_steps):
+            metrics.update(rollout.validate())
+        tracker.log(metrics, step=step + 1)
+        if (stopping := stop.requested()) or is_due(step + 1, args.save_freq, total_steps):  # every rank stops together
+            save_checkpoint(run_dir, step + 1, policy, dist=dist, tokenizer=tokenizer, **args.save_kwargs(RECIPE),
+                            trainer_state={"epoch": batch["epoch"], "reward_stats": reward_stats.state()})  # fmt: skip
+        if stopping:
+            break
+    pool.close()
+    return tracker.finish(PLOTS, saved=args.save_freq != 0, stopped=stop.stopping)
+
+
+if __name__ == "__main__":
+    with usage_errors():  # a bad flag, path or file: one line naming it, exit status 2
+        main(tyro.cli(Args, args=verl_args(Args, "grpo")))  # verl's key=value arguments work too
