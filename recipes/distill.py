@@ -84,9 +84,9 @@ class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and rewa
     kl_discount: float = 0.0
     """gamma: a token's advantage adds the teacher's advantages of the tokens after it, discounted (0: its own)"""
     beta: float = 0.0
-    """weight of the task reward's GRPO advantage beside the teacher's (0: distillation alone)"""
+    """weight of the task reward's GRPO advantage (--norm-adv-by-std-in-grpo) beside the teacher's (0: none)"""
     norm_adv_by_std_in_grpo: bool = True
-    """--beta's task advantage: divide by the group std (off: Dr.GRPO)"""
+    """divide by the group std (off: Dr.GRPO)"""
     train_batch_size: int = 64  # with no groups to compare, more prompts and fewer samples of each
     """prompts per step, over all processes"""
     rollout_n: int = 4
