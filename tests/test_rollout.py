@@ -161,29 +161,37 @@ def test_a_packed_forward_equals_the_padded_one(setup, tokenizer, rows, family):
     assert torch.allclose(values[1][mask], values[0][mask], atol=1e-5)
 
 
-def test_a_sliding_window_is_kept_packed(setup, tokenizer):
-    """A layer with a sliding window (Qwen2's use_sliding_window, Mistral's) attends, packed, to the
-    same keys as transformers' padded mask: the logits equal the padded model's, and differ from the
-    same weights without the window (so the window is really in play)."""
+def windowed_pair(base, prompts, tokenizer, window):
+    """The padded (sdpa) and the packed (VARLEN) model with base's weights, every layer with a sliding
+    window of `window` tokens (None: none), and a batch of 4 responses of 3-20 tokens with its mask."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from common.model import register_varlen, response_logits
+    from common.model import register_varlen
 
-    base, prompts, _ = setup
-    config = AutoConfig.from_pretrained(SFT, use_sliding_window=True, sliding_window=6)
-    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
-    windowed = {}
-    for attn in ("sdpa", register_varlen()):
-        windowed[attn] = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn)
-        windowed[attn].load_state_dict(base.state_dict())
-        windowed[attn].padding_free = True
+    config = AutoConfig.from_pretrained(SFT, use_sliding_window=window is not None, sliding_window=window)
+    config.layer_types = ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
+    models = []
+    for attn in ("sdpa", register_varlen()):  # each its own config: from_config sets the attention on it
+        models.append(AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn))
+        models[-1].load_state_dict(base.state_dict())
+    models[1].padding_free = True
     g = torch.Generator().manual_seed(0)
     batch = pack_sequences(prompts, [torch.randint(10, 100, (n,), generator=g).tolist() for n in (3, 20, 9, 14)],
                            tokenizer.pad_token_id)  # fmt: skip
     batch["group_ids"] = torch.arange(4)
-    mask = batch["response_mask"].bool()
+    return models, batch, batch["response_mask"].bool()
+
+
+def test_a_sliding_window_is_kept_packed(setup, tokenizer):
+    """A layer with a sliding window (Qwen2's use_sliding_window, Mistral's) attends, packed, to the
+    same keys as transformers' padded mask: the logits equal the padded model's, and differ from the
+    same weights without the window (so the window is really in play)."""
+    from common.model import response_logits
+
+    base, prompts, _ = setup
+    models, batch, mask = windowed_pair(base, prompts, tokenizer, 6)
     with torch.no_grad():
-        padded, packed, full = (response_logits(m, batch)[mask] for m in (*windowed.values(), base))
+        padded, packed, full = (response_logits(m, batch)[mask] for m in (*models, base))
     assert torch.allclose(packed, padded, atol=1e-4)
     assert not torch.allclose(padded, full, atol=1e-2)
 
@@ -215,30 +223,15 @@ def test_the_gpu_varlen_kernel_is_called_as_documented(setup, tokenizer, monkeyp
     """On a GPU in bfloat16 VARLEN hands the packed row to PyTorch's varlen kernel. Its call (layout,
     sequence starts, causal or sliding window, grouped heads, scale) is checked on CPU against a
     stand-in computing the kernel's documented contract: the logits equal the padded model's."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     import common.model
 
     base, prompts, _ = setup
-    config = AutoConfig.from_pretrained(SFT, use_sliding_window=window is not None, sliding_window=window)
-    config.layer_types = ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
-    models = [
-        AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=a)
-        for a in ("sdpa", common.model.register_varlen())
-    ]
-    for model in models:
-        model.load_state_dict(base.state_dict())
-    models[1].padding_free = True
+    models, batch, mask = windowed_pair(base, prompts, tokenizer, window)
     calls = []
     monkeypatch.setattr(common.model, "_varlen_kernel", lambda query: stand_in_varlen_attn(calls))
-    g = torch.Generator().manual_seed(0)
-    batch = pack_sequences(prompts, [torch.randint(10, 100, (n,), generator=g).tolist() for n in (3, 20, 9, 14)],
-                           tokenizer.pad_token_id)  # fmt: skip
-    batch["group_ids"] = torch.arange(4)
-    mask = batch["response_mask"].bool()
     with torch.no_grad():
         padded, packed = (common.model.response_logits(m, batch)[mask] for m in models)
-    assert calls == [(window - 1, 0) if window else (-1, 0)] * config.num_hidden_layers
+    assert calls == [(window - 1, 0) if window else (-1, 0)] * base.config.num_hidden_layers
     assert torch.allclose(packed, padded, atol=1e-4)
 
 
