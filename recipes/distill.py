@@ -157,7 +157,10 @@ def compute_advantages(rewards, group_ids, response_mask, norm_by_std=True, eps=
 def teacher_advantages(old_logprobs, teacher_logprobs, response_mask, kl_discount=0.0):
     """The teacher's per-token advantage on the student's sampled tokens: A_t = -(old_t - teacher_t),
     the negative of a one-sample estimate of KL(student || teacher) at t; with kl_discount gamma,
-    A_t = sum_{k>=t} gamma^(k-t) A_k within each response. All (B, T); zero on padding."""
+    A_t = sum_{k>=t} gamma^(k-t) A_k within each response. All (B, T); zero on padding, and zero
+    everywhere without teacher_logprobs (--loss gkd: the teacher's divergence is the loss instead)."""
+    if teacher_logprobs is None:
+        return response_mask * 0
     advantages = -(old_logprobs - teacher_logprobs) * response_mask
     if kl_discount:
         running = torch.zeros_like(advantages[:, 0])
@@ -362,9 +365,7 @@ def main(args: Args) -> dict:
         )
 
         # 5. advantages: the teacher's per token, beta x GRPO's on the task reward; then ROLL's conditioning
-        advantages = mask * 0  # --loss gkd: none from the teacher, whose divergence is the loss
-        if teacher_logprobs is not None:
-            advantages = teacher_advantages(old_logprobs, teacher_logprobs, mask, args.kl_discount)
+        advantages = teacher_advantages(old_logprobs, teacher_logprobs, mask, args.kl_discount)
         if args.beta:
             task = compute_advantages(rewards, group_ids, mask, norm_by_std=args.norm_adv_by_std_in_grpo)
             advantages = advantages + args.beta * task
