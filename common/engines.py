@@ -4,7 +4,10 @@ One interface for every engine (DESIGN.md section 7):
     engine.generate(prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]
 one list of `sampling.n` completions per prompt, each with the response token ids, the logprob of
 every sampled token as the sampler saw it (after temperature / top-k / top-p), and the finish
-reason ("stop" at an eos token, "length" at max_tokens). Lifecycle hooks (`sleep`, `wake_up`,
+reason ("stop" at an eos token, "length" at max_tokens). Both engines also score:
+    engine.score(prompts, responses, temperature) -> list[list[float]]
+the model's logprob of each response token after its prompt (distill.py's teacher served by an
+engine): the HF engine by a forward pass, vLLM by its prompt logprobs. Lifecycle hooks (`sleep`, `wake_up`,
 `reset_cache`) and `update_weights(version)` let engines that hold their own copy of the policy
 (vLLM, remote) plug into the same loop; for the HF engine, which generates with the live policy,
 they only keep the bookkeeping.
@@ -18,8 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.data import pad
+from common.data import pack_sequences, pad
 from common.errors import RunStopped
+from common.model import response_logits
+from common.ops import logprobs_from_logits
 from common.parallel import is_fsdp, unwrap
 from common.weight_sync import check_against, checkpoint_shapes, hf_weights
 
@@ -155,6 +160,27 @@ class HFEngine:
             for start in range(0, len(prompts), self.batch_size):
                 batch = prompts[start : start + self.batch_size]
                 out.extend(self._generate_batch(inner, batch, config, warpers, sampling.n))
+        inner.train(was_training)
+        return out
+
+    @torch.no_grad()
+    def score(
+        self, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0
+    ) -> list[list[float]]:
+        """The model's logprob of each response token after its prompt and the response tokens before
+        it, the logits divided by temperature as the trainer's passes divide them; one list per
+        response. Forward passes of batch_size sequences (not collective: no FSDP2 model here)."""
+        inner = unwrap(self.model)
+        was_training = inner.training
+        inner.eval()
+        out = []
+        for start in range(0, len(prompts), self.batch_size):
+            chunk = responses[start : start + self.batch_size]
+            batch = pack_sequences(prompts[start : start + self.batch_size], chunk, self.pad_id, self.device)
+            batch["group_ids"] = torch.arange(len(chunk), device=self.device)  # each row its own prompt
+            logits = response_logits(inner, batch, share_prompts=False).float() / temperature
+            logprobs = logprobs_from_logits(logits, batch["responses"]).tolist()
+            out.extend(row[: len(response)] for row, response in zip(logprobs, chunk))
         inner.train(was_training)
         return out
 
@@ -345,6 +371,36 @@ class VLLMEngine:
                 group.append(Completion(list(c.token_ids), logprobs, "stop" if stopped else "length"))
             groups.append(group)
         return groups
+
+    def score(
+        self, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0
+    ) -> list[list[float]]:
+        """The model's logprob of each response token after its prompt, from vLLM's prompt logprobs
+        of prompt + response; one list per response. vLLM runs no sampling processor on prompt
+        tokens, so these are the model's own distribution: temperature must be 1."""
+        from vllm import SamplingParams
+
+        if temperature != 1.0:
+            raise ValueError(f"vLLM's prompt logprobs are at temperature 1, not {temperature}")
+        for prompt, response in zip(prompts, responses):
+            if len(prompt) + len(response) + 1 > self.max_model_len:  # + the one token vLLM must generate
+                raise ValueError(
+                    f"a sequence of {len(prompt) + len(response)} tokens exceeds the vLLM engine's max_model_len "
+                    f"{self.max_model_len} less the one token it generates"
+                )
+        # 0: the scored token's logprob only; the one token vLLM must generate, greedy, draws no random number
+        params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, detokenize=False)
+        self.wake_up()
+        rng = torch.get_rng_state()  # and the trainer's sampling goes on as if no engine had run
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(p) + list(r)} for p, r in zip(prompts, responses)], params, use_tqdm=False
+        )
+        torch.set_rng_state(rng)
+        self.sleep()
+        return [
+            [step[token].logprob for step, token in zip(out.prompt_logprobs[len(prompt) :], response)]
+            for out, prompt, response in zip(outputs, prompts, responses)
+        ]
 
 
 def hf_generate_greedy(

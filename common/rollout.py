@@ -14,6 +14,7 @@ from common.data import pack_sequences, step_rows
 from common.engines import Completion, HFEngine, Sampling, VLLMEngine
 from common.engines import hf_generate_greedy as hf_generate_greedy  # re-exported for older forks
 from common.env_manager import EnvLoop
+from common.model import load_frozen
 from common.parallel import Dist, gather_objects, shard_evenly
 from common.remote import RemoteEngines
 from common.rewards import Scored
@@ -66,6 +67,35 @@ def start_engine(model, tokenizer, dist, version: int = 0, *, rollout_name: str 
         engine.update_weights(version)
         return engine
     return VLLMEngine(model, eos_ids=[tokenizer.eos_token_id], dist=dist, version=version, **vllm_kwargs)
+
+
+def start_teacher(path: str, dist, tokenizer, *, engine: str = "hf", placement: str = "colocated",
+                  frozen: dict | None = None, vllm: dict | None = None, remote: dict | None = None):  # fmt: skip
+    """distill.py's teacher as --teacher-engine and --teacher-placement ask (common.config.TeacherArgs
+    gives the keyword arguments): hf colocated is the model itself (common.model.load_frozen: forward
+    passes in the trainer, sharded under FSDP2); the others are engines that serve its logprobs of
+    the sampled tokens (engine_logprobs), holding path's weights as they are: a VLLMEngine in this
+    process (vLLM's prompt logprobs), or common.remote.RemoteEngines, HF or vLLM engines in Ray actors."""
+    if placement == "colocated" and engine == "hf":
+        return load_frozen(path, dist, **frozen)
+    if placement == "colocated":
+        return VLLMEngine(None, model_path=path, eos_ids=[tokenizer.eos_token_id], dist=dist, **vllm)
+    return RemoteEngines(None, dist, 0, model_path=path, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id],
+                         vllm=vllm if engine == "vllm" else None, role="teacher engine", **remote)  # fmt: skip
+
+
+def engine_logprobs(engine, batch: dict, temperature: float) -> torch.Tensor:
+    """The logprob an engine's model gives each response token of a trainer batch (common.engines'
+    score of each row's prompt and response, read off the batch's tensors), (B, T) on the batch's
+    device, 0 past each response. Collective for remote engines, as generate is."""
+    T = batch["responses"].shape[1]
+    P = batch["input_ids"].shape[1] - T
+    ids, real = batch["input_ids"].cpu(), batch["attention_mask"].cpu().bool()
+    prompts = [row[:P][keep[:P]].tolist() for row, keep in zip(ids, real)]
+    responses = [row[P:][keep[P:]].tolist() for row, keep in zip(ids, real)]
+    scored = engine.score(prompts, responses, temperature)
+    padded = [logprobs + [0.0] * (T - len(logprobs)) for logprobs in scored]
+    return torch.tensor(padded, dtype=torch.float32, device=batch["responses"].device)
 
 
 def pack_groups(rows: list[tuple], n: int, tokenizer, device) -> dict:

@@ -14,7 +14,8 @@ A fork of grpo.py that differs in the advantage and the loss:
    on the student's samples, plus the surrogate on beta x the task advantage.
 3. The teacher is any causal LM with the student's tokenizer (refused before any model loads
    otherwise; a larger vocabulary head is cut to the smaller one's width for gkd). It runs like the
-   reference: micro-batched forward passes, no gradient, sharded under FSDP2.
+   reference: micro-batched forward passes, no gradient, sharded under FSDP2; or, for reverse_kl, an
+   engine serves it (--teacher-engine vllm, --teacher-placement remote: common.config.TeacherArgs).
 4. Old logprobs come from a no-grad pass before the update (the advantage is made from them), or
    from the engine under --bypass-mode; --loss gkd takes them as grpo.py does.
 --beta is not TRL's GKD beta, the divergence's interpolation: that one is --jsd-beta here.
@@ -37,10 +38,10 @@ import tyro
 
 from common.checkpoint import find_resume, resume, save_checkpoint
 from common.conditioning import RunningMoments, condition_advantages, condition_rewards
-from common.config import BUNDLED, RLArgs, is_due
+from common.config import BUNDLED, RLArgs, TeacherArgs, is_due
 from common.data import load_rl_data, split_rows, take_rows
 from common.errors import usage_errors
-from common.model import check_teacher, load_frozen, load_rl_models, load_tokenizer, response_logits
+from common.model import check_teacher, load_rl_models, load_tokenizer, response_logits
 from common.ops import (
     agg_loss,
     entropy_from_logits,
@@ -62,7 +63,7 @@ from common.parallel import (
     seed_everything,
 )
 from common.rewards import start_reward_pool
-from common.rollout import Rollout, start_engine
+from common.rollout import Rollout, engine_logprobs, start_engine, start_teacher
 from common.runlock import claim_run_dir
 from common.tracking import Tracker, describe_run, step_metrics
 from common.verl import verl_args
@@ -73,7 +74,7 @@ PLOTS = ("val/accuracy", "reward/mean", "distill/*", "policy/*", "train/grad_nor
 
 # --- config ---------------------------------------------------------------------------------------
 @dataclass
-class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and reward flags come from RLArgs
+class Args(TeacherArgs, RLArgs):  # RLArgs: model, data, optim, trainer, rollout, validation and reward flags
     teacher_model: str = str(BUNDLED / "tiny-qwen2-teacher")
     """the teacher: a local Hugging Face folder or a hub name, with the student's tokenizer"""
     loss: Literal["reverse_kl", "gkd"] = "reverse_kl"
@@ -256,7 +257,7 @@ def old_ref_logprobs(model, ref, teacher, batch, plan, source, with_ref, with_te
     detached logprobs are exact. "engine" (--bypass-mode) takes the engine's logprobs as the old
     ones, with no pass. Reference logprobs when a KL term estimates from them (with_ref; under
     LoRA the reference is the policy with its adapter off: common.model.AdapterOff); the teacher's
-    of the sampled tokens for its advantage (with_teacher)."""
+    of the sampled tokens for its advantage (with_teacher), from its passes or the engine serving it."""
     t, old_logprobs, ref_logprobs, teacher_logprobs = time.time(), None, None, None
     micro = split_rows(batch, 0, len(batch["rows"]), **plan.micro)
     order = torch.cat(micro).argsort()  # micro-batches may be length-sorted: back to row order
@@ -266,8 +267,10 @@ def old_ref_logprobs(model, ref, teacher, batch, plan, source, with_ref, with_te
         old_logprobs = torch.cat([forward_logprobs(model, batch, rows, plan)[0] for rows in micro])[order]
     if with_ref:
         ref_logprobs = torch.cat([forward_logprobs(ref, batch, rows, plan)[0] for rows in micro])[order]
-    if with_teacher:
+    if with_teacher and isinstance(teacher, torch.nn.Module):
         teacher_logprobs = torch.cat([forward_logprobs(teacher, batch, rows, plan)[0] for rows in micro])[order]
+    elif with_teacher:  # an engine serves the teacher (--teacher-engine vllm, --teacher-placement remote)
+        teacher_logprobs = engine_logprobs(teacher, batch, plan.temperature)
     batch["timing"]["perf/logprobs_s"] = time.time() - t
     return old_logprobs, ref_logprobs, teacher_logprobs
 
@@ -298,9 +301,8 @@ def update(
             micro = split_rows(batch, start, stop, **plan.micro)
             for k, rows in enumerate(micro):
                 with grad_sync(model, enabled=k == len(micro) - 1):
-                    new_logprobs, entropy, full_kl, jsd = forward_logprobs(
-                        model, batch, rows, plan, True, kl_ref, teacher if jsd_beta is not None else None, jsd_beta
-                    )
+                    new_logprobs, entropy, full_kl, jsd = forward_logprobs(model, batch, rows, plan, True, kl_ref,
+                        teacher if jsd_beta is not None else None, jsd_beta)  # fmt: skip
                     # On-policy (one mini-batch, one epoch): old = new at unchanged weights, ratio 1.
                     old = old_logprobs[rows] if old_logprobs is not None else new_logprobs.detach()
                     loss_mb, metrics = compute_loss(
@@ -341,7 +343,7 @@ def main(args: Args) -> dict:
     checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps, flags=dataclasses.asdict(args))
     pool = start_reward_pool(**args.reward_kwargs(run_dir, tokenizer, train + val))
     model, ref, reward_model, run_info = load_rl_models(args.model, dist, tokenizer, **args.model_kwargs())
-    teacher = load_frozen(args.teacher_model, dist, **args.frozen_kwargs())
+    teacher = start_teacher(args.teacher_model, dist, tokenizer, **args.teacher_kwargs())  # a model, or an engine
     policy = args.trainable(model, total_steps)  # the policy with its AdamW and lr schedule
     state = resume(checkpoint, policy, dist=dist)
     start_step = state["step"]
@@ -360,9 +362,8 @@ def main(args: Args) -> dict:
         rewards = condition_rewards(rewards, batch, reward_stats, **args.reward_conditioning_kwargs())  # ROLL's knobs
 
         # 4. old / ref / teacher logprobs (the teacher's of the sampled tokens, for --loss reverse_kl)
-        old_logprobs, ref_logprobs, teacher_logprobs = old_ref_logprobs(
-            model, ref, teacher, batch, plan, args.old_logprobs_from, args.ref_pass, args.loss == "reverse_kl"
-        )
+        old_logprobs, ref_logprobs, teacher_logprobs = old_ref_logprobs(model, ref, teacher, batch, plan,
+            args.old_logprobs_from, args.ref_pass, args.loss == "reverse_kl")  # fmt: skip
 
         # 5. advantages: the teacher's per token, beta x GRPO's on the task reward; then ROLL's conditioning
         advantages = teacher_advantages(old_logprobs, teacher_logprobs, mask, args.kl_discount)

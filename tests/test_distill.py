@@ -3,6 +3,7 @@ a teacher equal to the student teaching nothing, a teacher with another tokenize
 any model loads, and distillation closing the gap to the bundled teacher. What every RL recipe
 must do (resume, micro-batches, two processes, errors, learning) is in tests/test_rl_recipes.py."""
 
+import importlib.util
 import math
 
 import pytest
@@ -139,3 +140,51 @@ def test_gkd_flags_are_checked():
         make_args(distill.Args, loss="gkd", kl_discount=0.9)
     with pytest.raises(UsageError, match=r"--teacher-model .*: folder does not exist"):
         make_args(distill.Args, teacher_model="/no/such/teacher")
+
+
+def test_an_engine_scores_the_batch_as_the_teachers_passes(tokenizer):
+    """common.rollout.engine_logprobs (what an engine serving the teacher gives step 4) equals
+    forward_logprobs of the teacher on the same batch: prompts and responses of several lengths,
+    read off the batch's padded tensors, at a sampling temperature, zero past each response."""
+    from common.data import load_prompts
+    from common.engines import HFEngine
+    from common.rollout import engine_logprobs
+
+    teacher = load_policy(distill.Args.teacher_model)
+    rows, _ = load_prompts([BUNDLED / "addition" / "test.parquet"], tokenizer, max_prompt_length=64)
+    prompts = [r["prompt_ids"] for r in rows[:4]]
+    prompts[1] = prompts[1][5:]  # prompts of different lengths
+    g = torch.Generator().manual_seed(0)
+    responses = [torch.randint(10, 100, (n,), generator=g).tolist() for n in (3, 9, 1, 7)]
+    batch = pack_sequences(prompts, responses, tokenizer.pad_token_id)
+    batch["group_ids"] = torch.arange(4)
+    plan = type("Plan", (), {"share_prompts": True, "temperature": 0.7})()
+    with torch.no_grad():
+        want = distill.forward_logprobs(teacher, batch, torch.arange(4), plan)[0]
+    engine = HFEngine(teacher, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu",
+                      batch_size=3)  # fmt: skip
+    got, mask = engine_logprobs(engine, batch, 0.7), batch["response_mask"]
+    assert got.shape == want.shape and torch.allclose(got, want * mask, atol=1e-5)
+    assert (got[mask == 0] == 0).all() and (got[mask == 1] < 0).all()
+
+
+def test_teacher_engine_flags_are_checked():
+    """An engine serves the teacher's logprobs of the sampled tokens only (no GKD), vLLM's at
+    temperature 1; the remote engines' own flags need --teacher-placement remote."""
+    with pytest.raises(UsageError, match=r"--loss gkd with --teacher-engine hf --teacher-placement remote: GKD"):
+        make_args(distill.Args, loss="gkd", teacher_placement="remote")
+    with pytest.raises(UsageError, match=r"--teacher-engine vllm with --temperature 0.7: vLLM's prompt logprobs"):
+        make_args(distill.Args, teacher_engine="vllm", temperature=0.7)
+    with pytest.raises(UsageError, match=r"--teacher-num-engines 2 would change nothing .*--teacher-placement remote"):
+        make_args(distill.Args, teacher_num_engines=2)
+    with pytest.raises(UsageError, match=r"--teacher-gpu-memory-utilization 0.2 would .*add --teacher-engine vllm"):
+        make_args(distill.Args, teacher_gpu_memory_utilization=0.2)
+    with pytest.raises(UsageError, match=r"--teacher-engine-num-cpus 0.0: must be > 0"):
+        make_args(distill.Args, teacher_placement="remote", teacher_engine_num_cpus=0.0)
+    with pytest.raises(UsageError, match=r"--ray-address applies to remote .*remote \(or --teacher-placement remote\)"):
+        make_args(distill.Args, ray_address="10.0.0.1:6379")
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(UsageError, match=r"--teacher-engine vllm: vLLM is not installed; pip install"):
+            make_args(distill.Args, teacher_engine="vllm")
+    args = make_args(distill.Args, teacher_placement="remote", ray_address="10.0.0.1:6379", engine_timeout=60.0)
+    assert args.teacher_kwargs()["remote"]["ray_address"] == "10.0.0.1:6379"

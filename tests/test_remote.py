@@ -63,14 +63,14 @@ def task(tokenizer):
     return train
 
 
-def start(model, tokenizer, *, model_path=SFT, engines=2, staleness=0, timeout=120, schedule=None, steps=0):
+def start(model, tokenizer, *, model_path=SFT, engines=2, staleness=0, timeout=120, schedule=None, steps=0, **kw):
     from common.remote import RemoteEngines
 
     return RemoteEngines(
         model, Dist(0, 1, 0, torch.device("cpu")), 0, model_path=str(model_path), num_engines=engines,
         engine_num_cpus=1, engine_num_gpus=0, ray_address=None, max_staleness=staleness, timeout=timeout, seed=7,
         dtype="float32", trust_remote_code=False, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id],
-        batch_size=64, schedule=schedule, total_steps=steps,
+        batch_size=64, schedule=schedule, total_steps=steps, **kw,
     )  # fmt: skip
 
 
@@ -265,5 +265,37 @@ def test_a_killed_engine_is_restarted_synced_and_loses_no_prompt(ray_session, to
             torch.set_num_threads(threads)
         assert [[c.token_ids for c in g] for g in step2[half:]] == [[c.token_ids for c in g] for g in again]
         assert len(step0) == len(step1) == BATCH
+    finally:
+        engines.close()
+
+
+def test_a_teacher_engine_scores_its_own_weights_and_survives_a_kill(ray_session, tokenizer, task):
+    """Engines with no policy (distill.py's --teacher-placement remote) serve model_path as it is:
+    their logprobs of given responses are the HF engine's on that model (split over both engines,
+    at a temperature), with no weight sync. An engine killed while it scores is restarted, loads
+    the model again and scores its chunk again: the same numbers, one restart counted."""
+    import threading
+
+    import ray
+
+    from common.model import load_policy
+
+    teacher = ROOT / "bundled" / "tiny-qwen2-teacher"
+    engines = start(None, tokenizer, model_path=teacher, role="teacher engine")
+    try:
+        g = torch.Generator().manual_seed(0)
+        prompts = [row["prompt_ids"] for row in task[:6]]
+        responses = [torch.randint(10, 100, (n,), generator=g).tolist() for n in (3, 9, 1, 7, 5, 2)]
+        local = HFEngine(load_policy(str(teacher)), pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id],
+                         device="cpu").score(prompts, responses, 0.7)  # fmt: skip
+        served = engines.score(prompts, responses, 0.7)
+        assert [len(s) for s in served] == [len(r) for r in responses]
+        assert torch.allclose(torch.tensor(sum(served, [])), torch.tensor(sum(local, [])), atol=1e-5)
+        assert engines.versions() == [0, 0] and engines.stats()["rollout/engine_restarts"] == 0
+        pid = ray.get(engines.actors[1].slow_down.remote(3.0))  # engine 1 sleeps in its chunk: killed there
+        threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+        again = engines.score(prompts, responses, 0.7)
+        assert engines.stats()["rollout/engine_restarts"] == 1
+        assert torch.allclose(torch.tensor(sum(again, [])), torch.tensor(sum(local, [])), atol=1e-5)
     finally:
         engines.close()

@@ -170,3 +170,22 @@ def test_a_stopped_trainer_leaves_no_ray_process(stopped_runs, how):
         assert list((run / "checkpoints").glob("step_*"))
     else:
         assert code != 0
+
+
+@pytest.mark.slow
+def test_distill_with_a_remote_teacher_trains_as_with_the_teacher_in_the_trainer(tmp_path, ray_cluster):
+    """--teacher-placement remote under 2 FSDP2 trainer processes: two Ray engines serve the teacher's
+    logprobs of both ranks' sampled tokens (through rank 0), and the run's every number is the run's
+    with the teacher's sharded forward passes in the trainer (the same samples, the same teacher
+    logprobs to float precision, so the same update)."""
+    short = ["--total-training-steps", "2", *SMALL_STEPS, "--test-freq", "0", "--save-freq", "0", "--strategy", "fsdp2"]
+    run_recipe("distill", *short, "--output-dir", tmp_path / "local", nproc=2)
+    run_recipe("distill", *short, "--output-dir", tmp_path / "remote", "--teacher-placement", "remote",
+               "--teacher-num-engines", "2", "--ray-address", ray_cluster, nproc=2)  # fmt: skip
+    local, remote = ([m for m in read_metrics(tmp_path / run) if "train/loss" in m] for run in ("local", "remote"))
+    assert len(local) == len(remote) == 2
+    for a, b in zip(local, remote):
+        assert a["reward/mean"] == b["reward/mean"] and a["response/length_mean"] == b["response/length_mean"]
+        for key in ("distill/reverse_kl", "train/loss", "train/grad_norm", "policy/entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert local[1]["distill/reverse_kl"] != local[0]["distill/reverse_kl"]  # the second step's samples are new

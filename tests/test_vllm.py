@@ -136,6 +136,28 @@ def test_a_prompt_past_max_model_len_is_refused_before_vllm(setup):
     assert len(engine.generate([list(range(10, 250))], GREEDY)[0]) == 1  # exactly at the limit: served
 
 
+def test_prompt_logprobs_score_responses_as_the_trainer_and_leave_its_rng_alone(setup, tokenizer):
+    """VLLMEngine.score (distill.py's --teacher-engine vllm): vLLM's prompt logprobs of prompt +
+    response are the trainer's logprobs of each response token at temperature 1, and scoring draws
+    nothing from torch's generator, so the trainer samples next as if no engine had run."""
+    engine, prompts = setup
+    model = load_policy(SFT)
+    use(engine, model, 7)
+    g = torch.Generator().manual_seed(0)
+    responses = [torch.randint(10, 100, (n,), generator=g).tolist() for n in (1, 9, 4, 6, 3, 8, 2, 5)]
+    state = torch.get_rng_state()
+    scored = engine.score(prompts, responses)
+    assert torch.equal(torch.get_rng_state(), state)
+    completions = [type("C", (), {"token_ids": r})() for r in responses]
+    with torch.no_grad():
+        trainer = trainer_logprobs(model, prompts, completions, tokenizer, 1.0)
+    assert [len(s) for s in scored] == [len(r) for r in responses]
+    for i, s in enumerate(scored):
+        assert torch.allclose(trainer[i, : len(s)], torch.tensor(s), atol=1e-4)
+    with pytest.raises(ValueError, match="temperature 1, not 0.7"):
+        engine.score(prompts, responses, 0.7)
+
+
 def test_the_agent_loop_on_vllm_gives_the_hf_engines_conversations_and_masks(setup, tokenizer, tmp_path):
     """Calculator prompts through the agent loop, greedy: on the vLLM engine and on the HF engine
     the conversations are the same tokens under the same mask (the tool's replies masked out), and
@@ -376,3 +398,22 @@ def test_grpo_with_remote_vllm_engines_gets_the_weights_every_step(tmp_path):
     assert len(steps) == 4 and all(m["rollout/staleness_max"] == 0 for m in steps)
     assert all(m["rollout/logprob_diff_max"] < 1e-3 for m in steps), [m["rollout/logprob_diff_max"] for m in steps]
     assert not wait_until_no_ray()
+
+
+def test_distill_with_a_vllm_teacher_trains_as_with_the_teacher_in_the_trainer(tmp_path):
+    """--teacher-engine vllm: a second vLLM engine in the trainer process, holding the teacher's
+    weights as they are, serves its prompt logprobs of the sampled tokens; the run's numbers are
+    the run's with the teacher's forward passes (the same samples: scoring leaves the trainer's
+    generator alone; the same logprobs to float precision)."""
+    from conftest import read_metrics, run_recipe
+
+    short = ["--total-training-steps", "2", "--train-batch-size", "8", "--ppo-mini-batch-size", "8", "--rollout-n",
+             "4", "--no-val-before-train", "--test-freq", "0", "--save-freq", "0"]  # fmt: skip
+    run_recipe("distill", *short, "--output-dir", tmp_path / "local")
+    run_recipe("distill", *short, "--output-dir", tmp_path / "vllm", "--teacher-engine", "vllm")
+    local, served = ([m for m in read_metrics(tmp_path / run) if "train/loss" in m] for run in ("local", "vllm"))
+    assert len(local) == len(served) == 2
+    for a, b in zip(local, served):
+        assert a["reward/mean"] == b["reward/mean"] and a["response/length_mean"] == b["response/length_mean"]
+        for key in ("distill/reverse_kl", "train/loss", "train/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
