@@ -31,4 +31,5 @@ LAYERS = (
     "env_manager",  # ROLL's environment manager: groups of Gymnasium environments played over any engine
     "rollout",  # start_engine, a step's sampled and scored batch, validation
     "config",  # the flag dataclasses every recipe builds on, and their checks
+    "check",  # --check: the launch-time proof that the engine samples what the trainer trains, on this stack
 )

@@ -663,6 +663,9 @@ class RolloutArgs:
     """rollout rejection's bounds, one or one per option: lo_hi for k1 (e.g. 0.5_2.0), an upper bound for k2 / k3"""
     bypass_mode: bool = False
     """take the engine's logprobs as the old policy (saves the trainer's old-logprob pass)"""
+    check: Literal["fast", "warn", "off"] = "fast"
+    """before step 1, prove on this stack that the engine samples what the trainer trains (common.check):
+    fast stops the run on a failed item, warn only says so"""
 
 
 @dataclass
@@ -994,6 +997,12 @@ class RLArgs(
         reward pool's tool workers (common.rewards.start_reward_pool)."""
         return {**super().engine_kwargs(self.val_batch_size), **self.placement_kwargs(train, total_steps),
                 **self.agent_kwargs(pool.tools, pool.interactions), **self.env_kwargs(pool)}  # fmt: skip
+
+    def check_kwargs(self, version: int) -> dict:
+        """The keyword arguments of common.check.launch_check: the dtype the trainer computes in, whether
+        the engine holds weights of its own (their sync is checked) and the version it holds."""
+        dtype = torch.bfloat16 if self.mixed_precision == "bf16" else getattr(torch, self.dtype)
+        return dict(dtype=dtype, own_weights=self.engine_holds_own_weights, version=version)
 
     @property
     def engine_holds_own_weights(self) -> bool:

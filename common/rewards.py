@@ -171,6 +171,7 @@ class RewardPool:
         self.spec, self.timeout = spec, timeout
         self.tools = self.interactions = None  # the agent loop's pools (start_agent_pools), closed with this one
         self.envs = None  # the environment workers of an --env-config run (start_env_pool), closed with it
+        self.dry_run_report = None  # (every row scored, what dry_run scored in words): common.check
         self.output = _WorkerOutput(log_path)
         self.workers = [self._start() for _ in range(max(1, workers))]
         self.restarts = [0] * len(self.workers)  # per worker slot: how often it was replaced
@@ -326,6 +327,7 @@ class RewardPool:
                 tried[r["data_source"]].append(r)
         picked = [r for group in tried.values() for r in group]
         name = (self.spec or "built-in rewards").removeprefix(BATCH_PREFIX)
+        start = time.time()
         extras = [r.get("extra_info") for r in picked]  # tool_agent rows: with what a conversation adds
         extras = [{**(e or {}), **conversation_extra_info(r)} if conversation_extra_info(r) else e
                   for r, e in zip(picked, extras)]  # fmt: skip
@@ -344,6 +346,12 @@ class RewardPool:
         if scored.errors + scored.timeouts:
             log.warning("reward dry run (%s): %d of %d rows failed: %s", name,
                         scored.errors + scored.timeouts, len(picked), reason[0])  # fmt: skip
+        failed = scored.errors + scored.timeouts
+        self.dry_run_report = (failed == 0, (
+            f"{name} scored {len(picked) - failed} of {len(picked)} real rows ({len(tried)} data_source"
+            f"{'s' if len(tried) > 1 else ''}) in {time.time() - start:.1f}s (--reward-timeout {self.timeout:g}s)"
+            + (f"; {scored.errors} raised, {scored.timeouts} timed out: {reason[0]}" if failed else "")
+        ))  # fmt: skip
 
     def close(self) -> None:
         for side in (self.tools, self.interactions, self.envs):

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 
+from common.check import launch_check
 from common.checkpoint import find_resume, resume, save_checkpoint
 from common.conditioning import RunningMoments, condition_advantages, condition_rewards
 from common.config import KLRewardArgs, RLArgs, is_due
@@ -460,6 +461,7 @@ def main(args: Args) -> dict:
     rollout = Rollout(train, val, engine, pool, tokenizer, dist, reward_model=reward_model, **args.rollout_kwargs())
     tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
+    tracker.write(launch_check(args.check, model, engine, rollout, **args.check_kwargs(start_step)))  # this stack
     if start_step == 0 and val and args.val_before_train:
         tracker.log(rollout.validate(), step=0)
     stop = StopSignal(dist)  # SIGUSR1 / SIGTERM (Slurm, before the time limit): save after this step, exit 0

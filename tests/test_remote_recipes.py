@@ -189,3 +189,49 @@ def test_distill_with_a_remote_teacher_trains_as_with_the_teacher_in_the_trainer
         for key in ("distill/reverse_kl", "train/loss", "train/grad_norm", "policy/entropy"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
     assert local[1]["distill/reverse_kl"] != local[0]["distill/reverse_kl"]  # the second step's samples are new
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plant", [None, "stale", "lora", "stale-warn"])
+def test_the_launch_check_proves_the_remote_engines_sync(tmp_path, ray_cluster, monkeypatch, plant):
+    """--check (on by default) before step 1: with the sync sound, every item passes and prints its
+    figure; with a planted stale sync (the engines keep their first weights) or a planted LoRA sync
+    that sends the base weights without the adapter, the weight-sync item fails and the run stops
+    (exit 1) with what to check; under --check warn the stale run goes on, warned."""
+    import common.weight_sync
+    from common.remote import RemoteEngines
+
+    if plant and plant.startswith("stale"):
+        real = RemoteEngines.update_weights
+
+        def stale(self, version, engines=None):  # the first sync (at start) only
+            if self.weight_version < 0:
+                return real(self, version, engines)
+            self.weight_version = version if engines is None else self.weight_version
+
+        monkeypatch.setattr(RemoteEngines, "update_weights", stale)
+    if plant == "lora":
+        monkeypatch.setattr(common.weight_sync, "_delta", lambda layer: 0.0)
+    lora = ["--lora-rank", "8", "--lora-alpha", "16"] if plant in (None, "lora") else []
+    warn = ["--check", "warn"] if plant == "stale-warn" else []
+    proc = run_recipe("grpo", "--rollout-placement", "remote", "--num-rollout-engines", "1", "--total-training-steps",
+                      "1", *SMALL_STEPS, "--test-freq", "0", "--save-freq", "0", "--output-dir", tmp_path, "--ray-address",
+                      ray_cluster, *lora, *warn, check=plant in (None, "stale-warn"))  # fmt: skip
+    if plant is None:
+        for item in ("engine logprobs", "weight sync", "packing", "rewards"):
+            assert f"check {item:<16} pass" in proc.stdout, proc.stdout
+        served = float(proc.stdout.split("after the sync the engine is ")[1].split(" ")[0])
+        assert served < 1e-5, proc.stdout  # the LoRA's merged weights, within float32 rounding
+        return
+    if plant == "stale-warn":
+        assert (
+            "check weight sync      FAIL" in proc.stdout and "warning: weight sync: the engine does not" in proc.stdout
+        )
+        assert "1 steps in" in proc.stdout
+        return
+    assert proc.returncode == 1 and "check weight sync      FAIL" in proc.stderr, proc.stderr[-2000:]
+    assert "weight sync: the engine does not serve the weights the trainer synced" in proc.stderr
+    assert ("the base weights without the adapter merged" in proc.stderr) == (plant == "lora")
+    assert (
+        "train/loss" not in (tmp_path / "metrics.jsonl").read_text() if (tmp_path / "metrics.jsonl").exists() else True
+    )

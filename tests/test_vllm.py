@@ -417,3 +417,38 @@ def test_distill_with_a_vllm_teacher_trains_as_with_the_teacher_in_the_trainer(t
         assert a["reward/mean"] == b["reward/mean"] and a["response/length_mean"] == b["response/length_mean"]
         for key in ("distill/reverse_kl", "train/loss", "train/grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("plant", [None, "stale", "lora"])
+def test_the_launch_check_proves_the_vllm_engines_sync(tmp_path, monkeypatch, plant):
+    """--check before step 1 with --rollout-name vllm: the engine's logprobs match the trainer's and a
+    moved policy (a LoRA one too) reaches vLLM through the sync; a planted stale sync (vLLM keeps
+    its first weights) or a LoRA sync that sends the base weights fails the weight-sync item and
+    stops the run (exit 1) before any step."""
+    from conftest import run_recipe
+
+    import common.weight_sync
+
+    if plant == "stale":
+        real = VLLMEngine.load_weights
+
+        def stale(self, weights, version):  # the first load (at start) only
+            if self.weight_version < 0:
+                return real(self, weights, version)
+            for _ in weights:  # the stream is consumed (FSDP2 gathers are collective), then dropped
+                pass
+            self.weight_version = version
+
+        monkeypatch.setattr(VLLMEngine, "load_weights", stale)
+    if plant == "lora":
+        monkeypatch.setattr(common.weight_sync, "_delta", lambda layer: 0.0)
+    lora = ["--lora-rank", "8", "--lora-alpha", "16"] if plant != "stale" else []
+    proc = run_recipe("grpo", "--rollout-name", "vllm", "--total-training-steps", "1", "--train-batch-size", "8",
+                      "--rollout-n", "4", "--no-val-before-train", "--test-freq", "0", "--save-freq", "0",
+                      "--output-dir", tmp_path, *lora, check=plant is None)  # fmt: skip
+    if plant is None:
+        for item in ("engine logprobs", "weight sync", "packing", "rewards"):
+            assert f"check {item:<16} pass" in proc.stdout, proc.stdout
+        return
+    assert proc.returncode == 1 and "check weight sync      FAIL" in proc.stderr, proc.stderr[-2000:]
+    assert ("the base weights without the adapter merged" in proc.stderr) == (plant == "lora")

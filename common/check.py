@@ -1,0 +1,219 @@
+"""--check: the run proves on its own stack (model, dtype, engine, launch) that the engine samples
+what the trainer trains, before step 1. Each item prints pass / fail with its figure; a failure
+stops the run with what to do, or (--check warn) only says so.
+
+- engine logprobs: a few real prompts sampled by the run's engine at its temperature (no top-k /
+  top-p, so both sides use the same distribution), each sampled token's logprob as the engine
+  reports it against the trainer's forward pass on the same tokens: the largest and mean gap
+  against TOLERANCE for the dtype the trainer computes in.
+- weight sync (engines with their own copy of the policy: vLLM, remote): the trainable weights are
+  moved (LoRA: the adapter's), synced, and the engine's logprobs of the probe responses must move to
+  the trainer's new values, then come back with the weights; a stale engine, or one given the base
+  model without the LoRA, serves the old values and fails here. The weights the run trains are
+  restored bit for bit (a copy of this rank's share), and synced again.
+- packing: where the model may run padding-free (--use-remove-padding auto or True), the probe's
+  logprobs packed and padded must agree.
+- rewards: the reward pool's dry run (common.rewards) scored real rows of every data_source.
+"""
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from common.data import pack_sequences
+from common.engines import Sampling
+from common.errors import RunStopped
+from common.model import is_lora, response_logits
+from common.ops import logprobs_from_logits
+from common.parallel import all_reduce_sum, unwrap
+from common.rollout import engine_logprobs
+
+log = logging.getLogger(__name__)
+
+# The largest and mean |trainer - engine| logprob over the probe's response tokens that pass, by the
+# dtype the trainer computes in. float32: the bundled model measures 2e-6 to 7e-6 (vLLM) and below
+# 1e-5 (HF), so a real gap (stale weights, a wrong position, another chat template) is orders
+# above the bound. Half precision rounds each side differently: a token's logprob may move by
+# tenths of a nat, the mean far less.
+TOLERANCE = {torch.float32: (1e-3, 1e-4), torch.bfloat16: (0.5, 0.05), torch.float16: (0.25, 0.02)}
+REWARD_ADVICE = (
+    "the reward function raised or timed out on real rows (each row's ground truth standing in for a "
+    "response): see reward_workers.log in the run folder, or raise --reward-timeout"
+)
+PROBE_PROMPTS = 4
+PROBE_TOKENS = 16
+
+
+@dataclass
+class Item:
+    name: str
+    ok: bool | None  # None: does not apply to this run
+    figure: str
+    advice: str = ""
+
+    def line(self) -> str:
+        verdict = {True: "pass", False: "FAIL", None: "n/a"}[self.ok]
+        return f"  check {self.name:<16} {verdict:<5} {self.figure}"
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """(largest, mean) |a - b| over the masked tokens of every rank."""
+    diff = (a - b).abs() * mask
+    largest = all_reduce_max_float(diff.max())
+    total = all_reduce_sum(torch.stack([diff.sum(), mask.sum()]).double())
+    return largest, float(total[0] / total[1].clamp(min=1))
+
+
+def all_reduce_max_float(value: torch.Tensor) -> float:
+    import torch.distributed as tdist
+
+    value = value.detach().float().reshape(1).clone()
+    if tdist.is_available() and tdist.is_initialized():
+        if tdist.get_backend() == "nccl":
+            value = value.cuda()
+        tdist.all_reduce(value, op=tdist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def _trainer_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = response_logits(model, batch, share_prompts=False).float() / temperature
+    return logprobs_from_logits(logits, batch["responses"])
+
+
+def _probe(engine, tokenizer, rows: list[dict], temperature: float, device) -> tuple[dict, torch.Tensor]:
+    """The probe batch (PROBE_PROMPTS real prompts, one sampled response each, packed for the
+    trainer) and the engine's logprob of each sampled token, (B, T)."""
+    prompts = [r["prompt_ids"] for r in rows[:PROBE_PROMPTS]]
+    sampling = Sampling(n=1, temperature=temperature, max_tokens=PROBE_TOKENS)
+    completions = [group[0] for group in engine.generate(prompts, sampling)]
+    batch = pack_sequences(prompts, [c.token_ids for c in completions], tokenizer.pad_token_id, device)
+    batch["group_ids"] = torch.arange(len(prompts), device=device)
+    width = batch["responses"].shape[1]
+    reported = [c.logprobs + [0.0] * (width - len(c.logprobs)) for c in completions]
+    return batch, torch.tensor(reported, dtype=torch.float32, device=device)
+
+
+def check_engine_logprobs(model, batch, reported, temperature, dtype) -> Item:
+    largest, mean = _gap(_trainer_logprobs(model, batch, temperature), reported, batch["response_mask"].float())
+    bound = TOLERANCE[dtype]
+    ok = largest <= bound[0] and mean <= bound[1]
+    figure = f"max gap {largest:.2g}, mean {mean:.2g} ({str(dtype).removeprefix('torch.')} bounds {bound[0]:g}, {bound[1]:g})"
+    advice = (
+        "the engine's logprobs of its own samples differ from the trainer's forward pass on the same tokens: a "
+        "different model, dtype or attention kernel on one side, or positions that differ (padding); compare "
+        "--dtype and --rollout-name, and the engine's version against transformers'"
+    )
+    return Item("engine logprobs", ok, figure, advice)
+
+
+def _trainable(model) -> list[torch.Tensor]:
+    """The tensors this rank holds of the weights the run trains (LoRA: the adapter's), in place."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in unwrap(model).parameters() if p.requires_grad]
+    return [p.to_local() if isinstance(p, DTensor) else p.data for p in params]
+
+
+def check_weight_sync(model, engine, batch, version: int, dtype) -> Item:
+    """Move the trainable weights, sync, and the engine must serve the moved model; then restore."""
+    mask = batch["response_mask"].float()
+    bound = TOLERANCE[dtype]
+    before = _trainer_logprobs(model, batch, 1.0)
+    tensors = _trainable(model)
+    saved = [t.detach().to("cpu", copy=True) for t in tensors]
+    g = torch.Generator().manual_seed(1234)
+    moved, scale = 0.0, 0.05
+    try:
+        for _ in range(4):  # a larger move until the trainer's own logprobs move clearly past the bound
+            with torch.no_grad():
+                for t, copy in zip(tensors, saved):
+                    size = copy.float().abs().mean().item() or 0.02  # a LoRA B starts at zero
+                    noise = torch.randn(copy.shape, generator=g) * scale * size
+                    t.copy_((copy.float() + noise).to(t.dtype))
+            after = _trainer_logprobs(model, batch, 1.0)
+            moved = _gap(after, before, mask)[1]
+            if moved > 4 * bound[1]:
+                break
+            scale *= 4
+        engine.update_weights(version)
+        served = engine_logprobs(engine, batch, 1.0)
+    finally:
+        with torch.no_grad():
+            for t, copy in zip(tensors, saved):
+                t.copy_(copy.to(t.device))
+    engine.update_weights(version)
+    back = engine_logprobs(engine, batch, 1.0)
+    new_gap, old_gap, back_gap = _gap(served, after, mask), _gap(served, before, mask), _gap(back, before, mask)
+    ok = new_gap[0] <= bound[0] and new_gap[1] <= bound[1] and back_gap[1] <= bound[1] and moved > 4 * bound[1]
+    figure = (
+        f"weights moved the probe's logprobs by {moved:.2g} (mean); after the sync the engine is {new_gap[1]:.2g} "
+        f"from the moved model, {old_gap[1]:.2g} from the old; restored: {back_gap[1]:.2g}"
+    )
+    lora = " (a LoRA policy: the engine may be getting the base weights without the adapter merged)" if is_lora(
+        unwrap(model)) else ""  # fmt: skip
+    advice = (
+        f"the engine does not serve the weights the trainer synced{lora}: its rollouts would come from stale "
+        f"weights; check the engine's weight loading (common.weight_sync) for this model and engine version"
+    )
+    return Item("weight sync", ok, figure, advice)
+
+
+def check_packing(model, batch) -> Item:
+    """Packed and padded forward passes of the probe agree (the same logprobs of every token)."""
+    from common.model import pack_mode
+
+    inner = unwrap(model)
+    mode = pack_mode(model)
+    if not mode:
+        return Item("packing", None, "the model runs padded (--use-remove-padding False, or its attention cannot pack)")
+    mask = batch["response_mask"].float()
+    results = {}
+    try:
+        for packed in (True, False):
+            inner.padding_free = packed
+            results[packed] = _trainer_logprobs(model, batch, 1.0)
+    finally:
+        inner.padding_free = mode
+    largest, mean = _gap(results[True], results[False], mask)
+    ok = largest <= 1e-3 if next(inner.parameters()).dtype == torch.float32 else mean <= 0.05
+    return Item("packing", ok, f"packed vs padded: max gap {largest:.2g}, mean {mean:.2g}",
+                "padding-free attention disagrees with the padded pass on this model: set --use-remove-padding False "
+                "and report the model")  # fmt: skip
+
+
+def launch_check(mode: str, model, engine, rollout, *, dtype, own_weights: bool, version: int) -> str:
+    """Run the items before step 1 (collective) and return the lines to print. A failed item stops the
+    run (RunStopped, naming it and what to do) unless mode is "warn"."""
+    if mode == "off":
+        return ""
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        return _launch_check(mode, model, engine, rollout, dtype, own_weights, version)
+    finally:  # the run samples on as it would have without the check (and a resumed run as the one it resumes)
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state_all(rng[1])
+
+
+def _launch_check(mode, model, engine, rollout, dtype, own_weights, version) -> str:
+    t = time.time()
+    rows = rollout.val or rollout.train
+    engine = getattr(engine, "engine", engine)  # the agent / environment loop's own engine
+    batch, reported = _probe(engine, rollout.tokenizer, rows, rollout.sampling.temperature, rollout.dist.device)
+    items = [check_engine_logprobs(model, batch, reported, rollout.sampling.temperature, dtype)]
+    if own_weights:
+        items.append(check_weight_sync(model, engine, batch, version, dtype))
+    else:
+        items.append(Item("weight sync", None, "the HF engine samples with the trainer's own weights"))
+    items.append(check_packing(model, batch))
+    dry = rollout.pool.dry_run_report
+    items.append(Item("rewards", None, "no reward function dry run (a reward model or environments score)")
+                 if dry is None else Item("rewards", dry[0], dry[1], REWARD_ADVICE))  # fmt: skip
+    lines = [f"launch check ({time.time() - t:.1f}s; --check off skips it):", *(i.line() for i in items)]
+    failed = [i for i in items if i.ok is False]
+    if failed and mode != "warn":
+        raise RunStopped("\n".join([*lines, *(f"{i.name}: {i.advice}; --check warn goes on anyway" for i in failed)]))
+    return "\n".join(lines + [f"  warning: {i.name}: {i.advice}" for i in failed])

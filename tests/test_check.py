@@ -1,0 +1,77 @@
+"""common.check (--check): each item passes on a sound stack and fails on the fault it is there to
+catch. The engine with weights of its own (remote here; vLLM in tests/test_vllm.py) gets a planted
+stale sync and a planted LoRA-not-merged sync, each caught before step 1 with what to do; --check
+warn goes on. Every RL recipe run in the suite runs the fast check, so a check that failed on a
+sound stack would fail them all."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import BUNDLED
+
+from common.check import check_engine_logprobs, launch_check
+from common.data import load_prompts
+from common.engines import HFEngine
+from common.errors import RunStopped
+from common.model import load_policy
+from common.parallel import Dist
+
+SFT = str(BUNDLED / "tiny-qwen2-sft")
+TEACHER = str(BUNDLED / "tiny-qwen2-teacher")
+ONE_STEP = ["--total-training-steps", "1", "--no-val-before-train", "--test-freq", "0", "--save-freq", "0"]
+
+
+def rollout_of(engine, tokenizer):
+    rows, _ = load_prompts([BUNDLED / "addition" / "test.parquet"], tokenizer, max_prompt_length=64)
+    pool = SimpleNamespace(dry_run_report=(True, "2 of 2 rows"))
+    return SimpleNamespace(val=rows[:8], train=[], tokenizer=tokenizer, sampling=SimpleNamespace(temperature=1.0),
+                           dist=Dist(0, 1, 0, torch.device("cpu")), pool=pool)  # fmt: skip
+
+
+def test_an_engine_serving_another_model_fails_the_logprob_item(tokenizer):
+    """The engine's own logprobs of its samples against the trainer's pass: the same model passes far
+    inside the float32 bound; an engine serving another model (here the teacher checkpoint, as a
+    stale or wrongly loaded engine would) fails, and the run stops naming the item and what to check,
+    or under --check warn goes on with a warning."""
+    from common.check import _probe
+
+    policy = load_policy(SFT)
+    rollout = rollout_of(None, tokenizer)
+    for served, want in ((policy, True), (load_policy(TEACHER), False)):
+        engine = HFEngine(served, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu")
+        batch, reported = _probe(engine, tokenizer, rollout.val, 1.0, "cpu")
+        item = check_engine_logprobs(policy, batch, reported, 1.0, torch.float32)
+        assert item.ok is want, item.figure
+        rollout.engine = engine
+        if want:
+            assert float(item.figure.split("max gap ")[1].split(",")[0]) < 1e-4
+            continue
+        kwargs = dict(dtype=torch.float32, own_weights=False, version=0)
+        with pytest.raises(
+            RunStopped, match=r"(?s)engine logprobs +FAIL +max gap .*engine logprobs: the engine's logprobs"
+        ):
+            launch_check("fast", policy, engine, rollout, **kwargs)
+        lines = launch_check("warn", policy, engine, rollout, **kwargs)
+        assert "FAIL" in lines and "warning: engine logprobs" in lines
+
+
+def test_the_check_leaves_the_samplers_generator_where_it_was(tokenizer):
+    """The check samples its probe with the run's engine; the run then samples as it would have without
+    it (so a resumed run, which checks again, samples as the run it resumes)."""
+    policy = load_policy(SFT)
+    engine = HFEngine(policy, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu")
+    torch.manual_seed(3)
+    want = torch.rand(4)
+    torch.manual_seed(3)
+    launch_check("fast", policy, engine, rollout_of(engine, tokenizer), dtype=torch.float32, own_weights=False,
+                 version=0)  # fmt: skip
+    assert torch.equal(torch.rand(4), want)
+
+
+def test_check_off_and_warn_are_flags_of_every_rl_recipe():
+    from conftest import RL_RECIPES, load_recipe, make_args
+
+    for name in RL_RECIPES:
+        args = make_args(load_recipe(name).Args, check="warn")
+        assert args.check == "warn" and args.check_kwargs(3) == dict(dtype=torch.float32, own_weights=False, version=3)
