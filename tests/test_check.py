@@ -4,6 +4,7 @@ stale sync and a planted LoRA-not-merged sync, each caught before step 1 with wh
 warn goes on. Every RL recipe run in the suite runs the fast check, so a check that failed on a
 sound stack would fail them all."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -75,3 +76,47 @@ def test_check_off_and_warn_are_flags_of_every_rl_recipe():
     for name in RL_RECIPES:
         args = make_args(load_recipe(name).Args, check="warn")
         assert args.check == "warn" and args.check_kwargs(3) == dict(dtype=torch.float32, own_weights=False, version=3)
+
+
+def test_the_tested_versions_hold_for_this_environment():
+    """common.check.TESTED declares the versions the CI runs the suite on; this environment (the CI's
+    when .ci/run runs it) must lie inside, or the table is wrong: widen it once the suite passes."""
+    from common.check import STACK, TESTED, _minor, environment_report, installed
+
+    for name in STACK:
+        version = installed(name)
+        if version is not None:
+            low, high = TESTED[name]
+            assert _minor(low) <= _minor(version) <= _minor(high), f"{name} {version}: widen common.check.TESTED"
+    lines, warnings = environment_report()
+    assert not warnings and any(line.split()[0] == "torch" and "tested" in line for line in lines), lines
+
+
+def test_an_untested_version_is_a_warning_with_the_range(monkeypatch):
+    import common.check
+
+    monkeypatch.setattr(common.check, "installed", lambda name: "9.1.0" if name == "transformers" else None)
+    lines, warnings = common.check.environment_report()
+    assert "  transformers  9.1.0          UNTESTED (CI: 5.19-5.24)" in lines
+    assert warnings == ["transformers 9.1.0 is outside the versions the CI has tested (5.19-5.24)"]
+
+
+def test_python_m_common_check_runs_a_recipe_up_to_its_check(tmp_path, capsys, monkeypatch):
+    """`python -m common.check grpo FLAGS`: the recipe's own setup with the user's flags, its launch
+    check printed, and no step trained (exit 0); an item that fails exits 1 with what to do; --env
+    prints the report alone."""
+    import common.check
+
+    assert common.check.main(["--env"]) == 0 and "torch" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)
+    assert common.check.main(["grpo", "--output-dir", str(tmp_path / "ok")]) == 0
+    out = capsys.readouterr().out
+    assert "check engine logprobs  pass" in out and "check rewards          pass" in out
+    assert not (tmp_path / "ok" / "metrics.jsonl").exists() or "train/loss" not in (
+        tmp_path / "ok" / "metrics.jsonl").read_text()  # fmt: skip
+    probe = common.check._probe
+    monkeypatch.setattr(common.check, "_probe", lambda *a: (lambda b, r: (b, r - 0.5))(*probe(*a)))  # a wrong engine
+    assert common.check.main(["grpo", "--output-dir", str(tmp_path / "bad")]) == 1
+    assert "engine logprobs: the engine's logprobs" in capsys.readouterr().err
+    assert common.check.main(["nosuch"]) == 2 and "no recipe 'nosuch'" in capsys.readouterr().err
+    assert common.check.STOP_AFTER_CHECK not in os.environ  # the recipes this process runs next train

@@ -452,3 +452,11 @@ def test_the_launch_check_proves_the_vllm_engines_sync(tmp_path, monkeypatch, pl
         return
     assert proc.returncode == 1 and "check weight sync      FAIL" in proc.stderr, proc.stderr[-2000:]
     assert ("the base weights without the adapter merged" in proc.stderr) == (plant == "lora")
+
+
+def test_the_vllm_version_is_one_the_check_calls_tested():
+    """common.check.TESTED names the vLLM the CI's vLLM environment runs (this one)."""
+    from common.check import TESTED, _minor, installed
+
+    low, high = TESTED["vllm"]
+    assert _minor(low) <= _minor(installed("vllm")) <= _minor(high), installed("vllm")
