@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.data import pack_sequences
+from common.data import pack_sequences, render_chat
 from common.engines import Sampling
 from common.errors import RunStopped
 from common.model import is_lora, response_logits
@@ -47,8 +47,9 @@ log = logging.getLogger(__name__)
 # tenths of a nat, the mean far less.
 TOLERANCE = {torch.float32: (1e-3, 1e-4), torch.bfloat16: (0.5, 0.05), torch.float16: (0.25, 0.02)}
 REWARD_ADVICE = (
-    "the reward function raised or timed out on real rows (each row's ground truth standing in for a "
-    "response): see reward_workers.log in the run folder, or raise --reward-timeout"
+    "the reward function raised or timed out on some real rows (each row's ground truth standing in for a "
+    "response); such responses score 0 and are counted (reward/errors, reward/timeouts): see reward_workers.log "
+    "in the run folder, or raise --reward-timeout"
 )
 PROBE_PROMPTS = 4
 PROBE_TOKENS = 16
@@ -116,12 +117,12 @@ def environment_report() -> tuple[list[str], list[str]]:
 @dataclass
 class Item:
     name: str
-    ok: bool | None  # None: does not apply to this run
+    ok: bool | str | None  # None: does not apply to this run; "warn": said, never stops it
     figure: str
     advice: str = ""
 
     def line(self) -> str:
-        verdict = {True: "pass", False: "FAIL", None: "n/a"}[self.ok]
+        verdict = {True: "pass", False: "FAIL", None: "n/a", "warn": "warn"}[self.ok]
         return f"  check {self.name:<16} {verdict:<5} {self.figure}"
 
 
@@ -150,10 +151,19 @@ def _trainer_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
     return logprobs_from_logits(logits, batch["responses"])
 
 
-def _probe(engine, tokenizer, rows: list[dict], temperature: float, device) -> tuple[dict, torch.Tensor]:
-    """The probe batch (PROBE_PROMPTS real prompts, one sampled response each, packed for the
-    trainer) and the engine's logprob of each sampled token, (B, T)."""
-    prompts = [r["prompt_ids"] for r in rows[:PROBE_PROMPTS]]
+def probe_prompts(rows: list[dict], tokenizer) -> list[list[int]]:
+    """PROBE_PROMPTS real prompts of the data; where its rows have none before they are played (an
+    environment's first observation comes from its reset), one fixed chat-templated question."""
+    prompts = [r["prompt_ids"] for r in rows if r.get("prompt_ids")][:PROBE_PROMPTS]
+    if not prompts:
+        question = [{"role": "user", "content": "Name three colours."}]
+        prompts = [render_chat(tokenizer, question, add_generation_prompt=True)]
+    return prompts
+
+
+def _probe(engine, tokenizer, prompts: list[list[int]], temperature: float, device) -> tuple[dict, torch.Tensor]:
+    """The probe batch (the prompts, one sampled response each, packed for the trainer) and the
+    engine's logprob of each sampled token, (B, T)."""
     sampling = Sampling(n=1, temperature=temperature, max_tokens=PROBE_TOKENS)
     completions = [group[0] for group in engine.generate(prompts, sampling)]
     batch = pack_sequences(prompts, [c.token_ids for c in completions], tokenizer.pad_token_id, device)
@@ -251,46 +261,116 @@ def check_packing(model, batch) -> Item:
                 "and report the model")  # fmt: skip
 
 
-def launch_check(mode: str, model, engine, rollout, *, dtype, own_weights: bool, version: int) -> str:
-    """Run the items before step 1 (collective) and return the lines to print. A failed item stops the
-    run (RunStopped, naming it and what to do) unless mode is "warn"."""
+class _KeepRng:
+    """torch's generators as they were on entry, back on exit: the run samples on as it would have
+    without the check (and a resumed run, which checks again, as the run it resumes)."""
+
+    def __enter__(self):
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def __exit__(self, *exc):
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+@dataclass
+class Check:
+    """The launch check's probe, kept for --check-freq (during)."""
+
+    mode: str
+    freq: int
+    model: object = None
+    engine: object = None
+    rollout: object = None
+    dtype: torch.dtype = torch.float32
+    own_weights: bool = False
+    batch: dict | None = None
+
+    def during(self, step: int, stop) -> dict:
+        """Every --check-freq steps, after the step's weight sync (collective): the engine's logprobs
+        of the launch probe's responses (vLLM, remote: the sync's proof) or of fresh samples of its
+        prompts (HF) against the trainer's. Returns check/engine_gap_max and _mean; a gap past the
+        dtype's bounds asks `stop` (common.parallel.StopSignal) to end the run after this step's
+        checkpoint, naming what diverged (under --check warn: a warning)."""
+        if self.mode == "off" or not self.freq or step % self.freq or self.batch is None:
+            return {}
+        with _KeepRng():
+            if self.own_weights:
+                batch, temperature = self.batch, 1.0
+                served = engine_logprobs(self.engine, batch, temperature)
+            else:
+                temperature = self.rollout.sampling.temperature
+                prompts = self._prompts()
+                batch, served = _probe(
+                    self.engine, self.rollout.tokenizer, prompts, temperature, self.rollout.dist.device
+                )
+            largest, mean = _gap(_trainer_logprobs(self.model, batch, temperature), served,
+                                 batch["response_mask"].float())  # fmt: skip
+        bound = TOLERANCE[self.dtype]
+        if largest > bound[0] or mean > bound[1]:
+            message = (
+                f"--check-freq at step {step}: {type(self.engine).__name__}'s logprobs of the probe are {largest:.2g} "
+                f"(largest) and {mean:.2g} (mean) from the trainer's after the sync to version {step}, past the "
+                f"{str(self.dtype).removeprefix('torch.')} bounds {bound[0]:g} and {bound[1]:g}; the engine holds "
+                f"version {getattr(self.engine, 'weight_version', '?')}. The engine no longer samples what the "
+                f"trainer trains: check its weight sync and dtype (--dtype, --rollout-name); --check warn goes on"
+            )
+            if self.mode == "warn":
+                log.warning(message)
+            else:
+                stop.fail(message)
+        return {"check/engine_gap_max": largest, "check/engine_gap_mean": mean}
+
+    def _prompts(self) -> list[list[int]]:
+        T = self.batch["responses"].shape[1]
+        P = self.batch["input_ids"].shape[1] - T
+        real = self.batch["attention_mask"][:, :P].bool()
+        return [row[:P][keep].tolist() for row, keep in zip(self.batch["input_ids"], real)]
+
+
+def launch_check(mode: str, model, engine, rollout, tracker, *, dtype, own_weights: bool, version: int,
+                 freq: int = 0) -> Check:  # fmt: skip
+    """Run the items before step 1 (collective), print them (tracker.write) and return the Check that
+    --check-freq repeats (Check.during). A failed item stops the run (RunStopped, naming it and what
+    to do) unless mode is "warn"."""
+    check = Check(mode, freq, model, getattr(engine, "engine", engine), rollout, dtype, own_weights)
     if mode == "off":
-        return ""
-    rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        return _launch_check(mode, model, engine, rollout, dtype, own_weights, version)
-    finally:  # the run samples on as it would have without the check (and a resumed run as the one it resumes)
-        torch.set_rng_state(rng[0])
-        if rng[1] is not None:
-            torch.cuda.set_rng_state_all(rng[1])
+        return check
+    with _KeepRng():
+        report = _launch_check(check, version)
+    if os.environ.get(STOP_AFTER_CHECK):  # python -m common.check RECIPE: the report is the product
+        if rollout.dist.is_main:
+            print(report, flush=True)
+        raise SystemExit(0)
+    tracker.write(report)
+    return check
 
 
-def _launch_check(mode, model, engine, rollout, dtype, own_weights, version) -> str:
+def _launch_check(check: Check, version: int) -> str:
     t = time.time()
-    rows = rollout.val or rollout.train
-    engine = getattr(engine, "engine", engine)  # the agent / environment loop's own engine
-    batch, reported = _probe(engine, rollout.tokenizer, rows, rollout.sampling.temperature, rollout.dist.device)
+    model, engine, rollout, dtype = check.model, check.engine, check.rollout, check.dtype
+    prompts = probe_prompts(rollout.val + rollout.train[:PROBE_PROMPTS], rollout.tokenizer)
+    batch, reported = _probe(engine, rollout.tokenizer, prompts, rollout.sampling.temperature, rollout.dist.device)
+    check.batch = batch
     items = [check_engine_logprobs(model, batch, reported, rollout.sampling.temperature, dtype)]
-    if own_weights:
+    if check.own_weights:
         items.append(check_weight_sync(model, engine, batch, version, dtype))
     else:
         items.append(Item("weight sync", None, "the HF engine samples with the trainer's own weights"))
     items.append(check_packing(model, batch))
     dry = rollout.pool.dry_run_report
     items.append(Item("rewards", None, "no reward function dry run (a reward model or environments score)")
-                 if dry is None else Item("rewards", dry[0], dry[1], REWARD_ADVICE))  # fmt: skip
+                 if dry is None else Item("rewards", True if dry[0] else "warn", dry[1], REWARD_ADVICE))  # fmt: skip
     stack, untested = environment_report()
     lines = [f"launch check ({time.time() - t:.1f}s; --check off skips it):", *stack, *(i.line() for i in items)]
     lines += [f"  warning: {w}" for w in untested]
     failed = [i for i in items if i.ok is False]
-    if failed and mode != "warn":
+    if failed and check.mode != "warn":
         raise RunStopped("\n".join([*lines, *(f"{i.name}: {i.advice}; --check warn goes on anyway" for i in failed)]))
-    report = "\n".join(lines + [f"  warning: {i.name}: {i.advice}" for i in failed])
-    if os.environ.get(STOP_AFTER_CHECK):  # python -m common.check RECIPE: the report is the product
-        if rollout.dist.is_main:
-            print(report, flush=True)
-        raise SystemExit(0)
-    return report
+    warned = failed + [i for i in items if i.ok == "warn"]
+    return "\n".join(lines + [f"  warning: {i.name}: {i.advice}" for i in warned])
 
 
 STOP_AFTER_CHECK = "RECIPES_STOP_AFTER_CHECK"  # set by `python -m common.check RECIPE`: the run ends after its check

@@ -78,6 +78,7 @@ FLAG_RULES = [
     ("batch_size", lambda v: v >= 1, ">= 1"),
     ("val_batch_size", lambda v: v >= 1, ">= 1"),
     ("num_rollout_engines", lambda v: v >= 1, ">= 1"),
+    ("check_freq", lambda v: v >= 0, ">= 0 (0: never during training)"),
     ("teacher_num_engines", lambda v: v >= 1, ">= 1"),
     ("teacher_engine_num_cpus", lambda v: v > 0, "> 0"),
     ("teacher_engine_num_gpus", lambda v: v >= 0, ">= 0"),
@@ -143,6 +144,7 @@ USED_ONLY_WITH = [
     (("rollout_is_threshold", "rollout_is_batch_normalize"), "rollout_is", lambda a: a.rollout_is is not None,
      "add --rollout-is token|sequence"),
     (("rollout_rs_threshold",), "rollout_rs", lambda a: a.rollout_rs is not None, "add --rollout-rs"),
+    (("check_freq",), "check", lambda a: a.check != "off", "drop --check off (the probe comes from the launch check)"),
     (("gpu_memory_utilization",), "rollout_name", lambda a: a.rollout_name == "vllm", "add --rollout-name vllm"),
     (("enforce_eager", "max_num_seqs", "max_num_batched_tokens", "enable_sleep_mode"), "rollout_name",
      lambda a: a.rollout_name == "vllm" or getattr(a, "teacher_engine", "hf") == "vllm",
@@ -666,6 +668,9 @@ class RolloutArgs:
     check: Literal["fast", "warn", "off"] = "fast"
     """before step 1, prove on this stack that the engine samples what the trainer trains (common.check):
     fast stops the run on a failed item, warn only says so"""
+    check_freq: int = 10
+    """every N steps, after the sync, the engine's logprobs of the check's probe against the trainer's
+    (check/engine_gap_*); past the bounds the run saves and stops (0: never)"""
 
 
 @dataclass
@@ -1000,9 +1005,9 @@ class RLArgs(
 
     def check_kwargs(self, version: int) -> dict:
         """The keyword arguments of common.check.launch_check: the dtype the trainer computes in, whether
-        the engine holds weights of its own (their sync is checked) and the version it holds."""
+        the engine holds weights of its own (their sync is checked), the version it holds, and --check-freq."""
         dtype = torch.bfloat16 if self.mixed_precision == "bf16" else getattr(torch, self.dtype)
-        return dict(dtype=dtype, own_weights=self.engine_holds_own_weights, version=version)
+        return dict(dtype=dtype, own_weights=self.engine_holds_own_weights, version=version, freq=self.check_freq)
 
     @property
     def engine_holds_own_weights(self) -> bool:

@@ -362,12 +362,17 @@ class StopSignal:
     SIGNALS = ("SIGUSR1", "SIGTERM")
 
     def __init__(self, dist: Dist):
-        self.device, self.received, self.stopping = dist.device, None, False
+        self.device, self.received, self.stopping, self.failure = dist.device, None, False, None
         for name in self.SIGNALS:
             signal.signal(getattr(signal, name), self._handle)
 
     def _handle(self, signum, frame) -> None:
         self.received = signal.Signals(signum).name
+
+    def fail(self, message: str) -> None:
+        """Stop after this step's checkpoint as a signal would, but as a failure: the run ends with
+        `message` and exit status 1 (common.tracking.Tracker.finish; common.check's --check-freq)."""
+        self.received, self.failure = self.received or "failure", message
 
     def requested(self) -> bool:
         """Whether any rank got a signal, on every rank (once true, it stays true)."""

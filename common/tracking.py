@@ -181,11 +181,13 @@ class Tracker:
         if self.is_main:
             (self.bar.write if self.bar is not None else print)(message)
 
-    def finish(self, plot_keys: tuple[str, ...] = (), saved: bool = False, stopped: bool = False) -> dict:
+    def finish(self, plot_keys: tuple[str, ...] = (), saved: bool = False, stopped: bool = False,
+               failure: str | None = None) -> dict:  # fmt: skip
         """Collective (every rank calls it). Close the loggers, draw the curves and print the
         closing summary: val accuracy before (step 0) -> after (the latest val/ metrics logged),
         steps, time, run folder and, when the run saved, the exported model folder; a run that a
-        signal stopped (common.parallel.StopSignal) says where its checkpoint is and how to go on.
+        signal stopped (common.parallel.StopSignal) says where its checkpoint is and how to go on,
+        and one stopped by a failure (StopSignal.fail) ends with it: RunStopped, exit status 1.
         Returns the summary."""
         barrier()
         first_val = self.val_first
@@ -201,10 +203,15 @@ class Tracker:
             f"{summary['steps']} steps in {summary['seconds']:.0f}s; run folder {self.run_dir}"
             + (f"; curves {png}" if png else "")
         )
+        checkpoint = self.run_dir / "checkpoints" / f"step_{self.last_step}"
+        if failure:
+            raise RunStopped(
+                f"{failure}\nstopped after step {self.last_step} of {self.total_steps}; checkpoint {checkpoint}"
+            )
         if stopped:
             self.write(
                 f"stopped by a signal after step {self.last_step} of {self.total_steps}; checkpoint "
-                f"{self.run_dir / 'checkpoints' / f'step_{self.last_step}'}; the same command (--resume auto) continues"
+                f"{checkpoint}; the same command (--resume auto) continues"
             )
         elif saved:
             final = self.run_dir / "checkpoints" / f"step_{self.total_steps}" / "hf"

@@ -339,7 +339,7 @@ def main(args: Args) -> dict:
     rollout = Rollout(train, val, engine, pool, tokenizer, dist, reward_model=reward_model, **args.rollout_kwargs())
     tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
-    tracker.write(launch_check(args.check, model, engine, rollout, **args.check_kwargs(start_step)))  # this stack
+    check = launch_check(args.check, model, engine, rollout, tracker, **args.check_kwargs(start_step))  # this stack
     if start_step == 0 and val and args.val_before_train:
         tracker.log(rollout.validate(), step=0)
     stop = StopSignal(dist)  # SIGUSR1 / SIGTERM (Slurm, before the time limit): save after this step, exit 0
@@ -365,6 +365,7 @@ def main(args: Args) -> dict:
 
         # 7. log
         metrics.update(step_metrics(batch, rewards, advantages, old_logprobs), **batch["dapo"])
+        metrics.update(check.during(step + 1, stop))  # --check-freq: the engine still serves the trainer's weights
 
         # 8. validate / save (and, after a stop signal, save and end the run here)
         if val and is_due(step + 1, args.test_freq, total_steps):
@@ -377,7 +378,7 @@ def main(args: Args) -> dict:
         if stopping:
             break
     pool.close()
-    return tracker.finish(PLOTS, saved=args.save_freq != 0, stopped=stop.stopping)
+    return tracker.finish(PLOTS, saved=args.save_freq != 0, stopped=stop.stopping, failure=stop.failure)
 
 
 if __name__ == "__main__":

@@ -353,7 +353,7 @@ def main(args: Args) -> dict:
     rollout = Rollout(train, val, engine, pool, tokenizer, dist, reward_model=reward_model, **args.rollout_kwargs())
     tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
-    tracker.write(launch_check(args.check, model, engine, rollout, **args.check_kwargs(start_step)))  # this stack
+    check = launch_check(args.check, model, engine, rollout, tracker, **args.check_kwargs(start_step))  # this stack
     if start_step == 0 and val and args.val_before_train:
         tracker.log(rollout.validate(), step=0)
     stop = StopSignal(dist)  # SIGUSR1 / SIGTERM (Slurm, before the time limit): save after this step, exit 0
@@ -381,6 +381,7 @@ def main(args: Args) -> dict:
 
         # 7. log (the reverse KL to the teacher: its one-sample estimate on the student's tokens)
         metrics.update(step_metrics(batch, rewards, advantages, old_logprobs))
+        metrics.update(check.during(step + 1, stop))  # --check-freq: the engine still serves the trainer's weights
         if teacher_logprobs is not None:
             metrics["distill/reverse_kl"] = masked_mean_all_ranks(old_logprobs - teacher_logprobs, mask)
 
@@ -394,7 +395,7 @@ def main(args: Args) -> dict:
         if stopping:
             break
     pool.close()
-    return tracker.finish(PLOTS, saved=args.save_freq != 0, stopped=stop.stopping)
+    return tracker.finish(PLOTS, saved=args.save_freq != 0, stopped=stop.stopping, failure=stop.failure)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,16 @@ TEACHER = str(BUNDLED / "tiny-qwen2-teacher")
 ONE_STEP = ["--total-training-steps", "1", "--no-val-before-train", "--test-freq", "0", "--save-freq", "0"]
 
 
+class Written:
+    """A stand-in for common.tracking.Tracker's write."""
+
+    def __init__(self):
+        self.text = ""
+
+    def write(self, message: str) -> None:
+        self.text += message + "\n"
+
+
 def rollout_of(engine, tokenizer):
     rows, _ = load_prompts([BUNDLED / "addition" / "test.parquet"], tokenizer, max_prompt_length=64)
     pool = SimpleNamespace(dry_run_report=(True, "2 of 2 rows"))
@@ -41,7 +51,7 @@ def test_an_engine_serving_another_model_fails_the_logprob_item(tokenizer):
     rollout = rollout_of(None, tokenizer)
     for served, want in ((policy, True), (load_policy(TEACHER), False)):
         engine = HFEngine(served, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu")
-        batch, reported = _probe(engine, tokenizer, rollout.val, 1.0, "cpu")
+        batch, reported = _probe(engine, tokenizer, [r["prompt_ids"] for r in rollout.val[:4]], 1.0, "cpu")
         item = check_engine_logprobs(policy, batch, reported, 1.0, torch.float32)
         assert item.ok is want, item.figure
         rollout.engine = engine
@@ -52,9 +62,10 @@ def test_an_engine_serving_another_model_fails_the_logprob_item(tokenizer):
         with pytest.raises(
             RunStopped, match=r"(?s)engine logprobs +FAIL +max gap .*engine logprobs: the engine's logprobs"
         ):
-            launch_check("fast", policy, engine, rollout, **kwargs)
-        lines = launch_check("warn", policy, engine, rollout, **kwargs)
-        assert "FAIL" in lines and "warning: engine logprobs" in lines
+            launch_check("fast", policy, engine, rollout, Written(), **kwargs)
+        written = Written()
+        launch_check("warn", policy, engine, rollout, written, **kwargs)
+        assert "FAIL" in written.text and "warning: engine logprobs" in written.text
 
 
 def test_the_check_leaves_the_samplers_generator_where_it_was(tokenizer):
@@ -65,8 +76,8 @@ def test_the_check_leaves_the_samplers_generator_where_it_was(tokenizer):
     torch.manual_seed(3)
     want = torch.rand(4)
     torch.manual_seed(3)
-    launch_check("fast", policy, engine, rollout_of(engine, tokenizer), dtype=torch.float32, own_weights=False,
-                 version=0)  # fmt: skip
+    launch_check("fast", policy, engine, rollout_of(engine, tokenizer), Written(), dtype=torch.float32,
+                 own_weights=False, version=0)  # fmt: skip
     assert torch.equal(torch.rand(4), want)
 
 
@@ -75,7 +86,8 @@ def test_check_off_and_warn_are_flags_of_every_rl_recipe():
 
     for name in RL_RECIPES:
         args = make_args(load_recipe(name).Args, check="warn")
-        assert args.check == "warn" and args.check_kwargs(3) == dict(dtype=torch.float32, own_weights=False, version=3)
+        want = dict(dtype=torch.float32, own_weights=False, version=3, freq=10)
+        assert args.check == "warn" and args.check_kwargs(3) == want
 
 
 def test_the_tested_versions_hold_for_this_environment():
@@ -120,3 +132,30 @@ def test_python_m_common_check_runs_a_recipe_up_to_its_check(tmp_path, capsys, m
     assert "engine logprobs: the engine's logprobs" in capsys.readouterr().err
     assert common.check.main(["nosuch"]) == 2 and "no recipe 'nosuch'" in capsys.readouterr().err
     assert common.check.STOP_AFTER_CHECK not in os.environ  # the recipes this process runs next train
+
+
+def test_check_freq_measures_the_engine_and_stops_a_run_that_diverged(tokenizer):
+    """Check.during every --check-freq steps: the HF engine's fresh samples of the probe prompts against
+    the trainer's pass, logged as check/engine_gap_*; when the engine no longer serves the trainer's
+    model, the stop signal is asked to end the run after this step's checkpoint, with a message naming
+    the engine and its version (under --check warn, nothing stops)."""
+    from common.parallel import StopSignal
+
+    policy = load_policy(SFT)
+    engine = HFEngine(policy, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu")
+    rollout = rollout_of(engine, tokenizer)
+    check = launch_check("fast", policy, engine, rollout, Written(), dtype=torch.float32, own_weights=False,
+                         version=0, freq=2)  # fmt: skip
+    stop = StopSignal(rollout.dist)
+    assert check.during(1, stop) == {}  # not due
+    metrics = check.during(2, stop)
+    assert set(metrics) == {"check/engine_gap_max", "check/engine_gap_mean"} and metrics["check/engine_gap_max"] < 1e-4
+    assert stop.failure is None and not stop.requested()
+    check.engine = HFEngine(load_policy(TEACHER), pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id],
+                            device="cpu")  # fmt: skip
+    assert check.during(4, stop)["check/engine_gap_mean"] > 1e-2
+    assert stop.requested() and "--check-freq at step 4: HFEngine's logprobs of the probe are" in stop.failure
+    warned = StopSignal(rollout.dist)
+    check.mode = "warn"
+    check.during(6, warned)
+    assert warned.failure is None and not warned.requested()

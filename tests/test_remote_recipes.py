@@ -235,3 +235,33 @@ def test_the_launch_check_proves_the_remote_engines_sync(tmp_path, ray_cluster, 
     assert (
         "train/loss" not in (tmp_path / "metrics.jsonl").read_text() if (tmp_path / "metrics.jsonl").exists() else True
     )
+
+
+@pytest.mark.slow
+def test_check_freq_stops_a_run_whose_engine_went_stale_with_a_checkpoint(tmp_path, ray_cluster, monkeypatch):
+    """The syncs after the launch check land nowhere (a planted stale engine that still reports the
+    version it was sent): after step 1, --check-freq 1 finds the engine's logprobs of the probe away
+    from the trainer's updated weights, and the run saves step 1's checkpoint and stops (exit 1)
+    naming the engine and the version it claims, with the gap logged."""
+    from conftest import read_metrics
+
+    from common.remote import RemoteEngines
+
+    real, calls = RemoteEngines.update_weights, []
+
+    def stale_after_the_check(self, version, engines=None):  # the start's sync and the check's two land
+        calls.append(version)
+        if len(calls) <= 3:
+            return real(self, version, engines)
+        self.weight_version = version if engines is None else self.weight_version
+
+    monkeypatch.setattr(RemoteEngines, "update_weights", stale_after_the_check)
+    proc = run_recipe("grpo", "--rollout-placement", "remote", "--num-rollout-engines", "1", "--total-training-steps",
+                      "4", *SMALL_STEPS, "--test-freq", "0", "--save-freq", "0", "--check-freq", "1", "--output-dir",
+                      tmp_path, "--ray-address", ray_cluster, check=False)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "--check-freq at step 1: RemoteEngines's logprobs of the probe are" in proc.stderr
+    assert "the engine holds version 1" in proc.stderr and "stopped after step 1 of 4; checkpoint" in proc.stderr
+    assert (tmp_path / "checkpoints" / "step_1").is_dir()
+    steps = [m for m in read_metrics(tmp_path) if "train/loss" in m]
+    assert len(steps) == 1 and steps[0]["check/engine_gap_mean"] > 1e-3
