@@ -129,12 +129,12 @@ class Item:
 def _gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
     """(largest, mean) |a - b| over the masked tokens of every rank."""
     diff = (a - b).abs() * mask
-    largest = all_reduce_max_float(diff.max())
+    largest = _all_reduce_max(diff.max())
     total = all_reduce_sum(torch.stack([diff.sum(), mask.sum()]).double())
     return largest, float(total[0] / total[1].clamp(min=1))
 
 
-def all_reduce_max_float(value: torch.Tensor) -> float:
+def _all_reduce_max(value: torch.Tensor) -> float:
     import torch.distributed as tdist
 
     value = value.detach().float().reshape(1).clone()
