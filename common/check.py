@@ -35,7 +35,7 @@ from common.engines import Sampling
 from common.errors import RunStopped
 from common.model import is_lora, response_logits
 from common.ops import logprobs_from_logits
-from common.parallel import all_reduce_sum, unwrap
+from common.parallel import all_reduce_max, all_reduce_sum, unwrap
 from common.rollout import engine_logprobs
 
 log = logging.getLogger(__name__)
@@ -129,20 +129,9 @@ class Item:
 def _gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
     """(largest, mean) |a - b| over the masked tokens of every rank."""
     diff = (a - b).abs() * mask
-    largest = _all_reduce_max(diff.max())
+    largest = all_reduce_max(float(diff.max()))
     total = all_reduce_sum(torch.stack([diff.sum(), mask.sum()]).double())
     return largest, float(total[0] / total[1].clamp(min=1))
-
-
-def _all_reduce_max(value: torch.Tensor) -> float:
-    import torch.distributed as tdist
-
-    value = value.detach().float().reshape(1).clone()
-    if tdist.is_available() and tdist.is_initialized():
-        if tdist.get_backend() == "nccl":
-            value = value.cuda()
-        tdist.all_reduce(value, op=tdist.ReduceOp.MAX)
-    return float(value.item())
 
 
 def _trainer_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
@@ -287,6 +276,7 @@ class Check:
     dtype: torch.dtype = torch.float32
     own_weights: bool = False
     batch: dict | None = None
+    prompts: list | None = None  # the probe's prompt ids
 
     def during(self, step: int, stop) -> dict:
         """Every --check-freq steps, after the step's weight sync (collective): the engine's logprobs
@@ -302,9 +292,8 @@ class Check:
                 served = engine_logprobs(self.engine, batch, temperature)
             else:
                 temperature = self.rollout.sampling.temperature
-                prompts = self._prompts()
                 batch, served = _probe(
-                    self.engine, self.rollout.tokenizer, prompts, temperature, self.rollout.dist.device
+                    self.engine, self.rollout.tokenizer, self.prompts, temperature, self.rollout.dist.device
                 )
             largest, mean = _gap(_trainer_logprobs(self.model, batch, temperature), served,
                                  batch["response_mask"].float())  # fmt: skip
@@ -322,12 +311,6 @@ class Check:
             else:
                 stop.fail(message)
         return {"check/engine_gap_max": largest, "check/engine_gap_mean": mean}
-
-    def _prompts(self) -> list[list[int]]:
-        T = self.batch["responses"].shape[1]
-        P = self.batch["input_ids"].shape[1] - T
-        real = self.batch["attention_mask"][:, :P].bool()
-        return [row[:P][keep].tolist() for row, keep in zip(self.batch["input_ids"], real)]
 
 
 def launch_check(mode: str, model, engine, rollout, tracker, *, dtype, own_weights: bool, version: int,
@@ -353,7 +336,7 @@ def _launch_check(check: Check, version: int) -> str:
     model, engine, rollout, dtype = check.model, check.engine, check.rollout, check.dtype
     prompts = probe_prompts(rollout.val + rollout.train[:PROBE_PROMPTS], rollout.tokenizer)
     batch, reported = _probe(engine, rollout.tokenizer, prompts, rollout.sampling.temperature, rollout.dist.device)
-    check.batch = batch
+    check.batch, check.prompts = batch, prompts
     items = [check_engine_logprobs(model, batch, reported, rollout.sampling.temperature, dtype)]
     if check.own_weights:
         items.append(check_weight_sync(model, engine, batch, version, dtype))

@@ -281,14 +281,15 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def all_reduce_max(value: int) -> int:
-    """The largest of every rank's int (e.g. a micro-batch count every rank must then use)."""
+def all_reduce_max(value: int | float) -> int | float:
+    """The largest of every rank's number (e.g. a micro-batch count every rank must then use), of its type."""
     if tdist.is_available() and tdist.is_initialized():
         # NCCL reduces only CUDA tensors; gloo only CPU ones.
         device = torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else "cpu"
-        t = torch.tensor([value], dtype=torch.long, device=device)
+        kind = float if isinstance(value, float) else int
+        t = torch.tensor([value], dtype=torch.float64 if kind is float else torch.long, device=device)
         tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
-        value = int(t.item())
+        value = kind(t.item())
     return value
 
 
