@@ -206,10 +206,12 @@ def gpu_config_launches():
     """`accelerate launch --config_file configs/<config>.yaml recipes/grpo.py` for each GPU config,
     the launches run side by side (each is mostly interpreter start-up): {config: CompletedProcess}."""
     procs = {}
-    for config in GPU_CONFIGS:
+    for i, config in enumerate(GPU_CONFIGS):
         size = ["--num_processes", "1"] if config == "single_gpu" else ["--num_processes", "2", "--num_machines", "1"]
+        # Side by side, each launch needs its own rendezvous port (they all default to 29500).
+        port = ["--main_process_port", str(29500 + os.getpid() % 1000 + 100 + i)]
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/{config}.yaml", *size,
-               "recipes/grpo.py"]  # fmt: skip
+               *port, "recipes/grpo.py"]  # fmt: skip
         procs[config] = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done = {}
     for config, proc in procs.items():
