@@ -9,6 +9,7 @@ imports a recipe.
 """
 
 LAYERS = (
+    "watchdog",  # no silent hang: waits under a deadline (--wait-timeout), and who waits on whom when one passes
     "errors",  # UsageError, RunStopped and usage_errors: what every layer raises and how recipes report it
     "verl",  # verl's key=value overrides translated into our flags: the one table of verl's keys
     "optim",  # AdamW and the lr schedules

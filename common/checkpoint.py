@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common import watchdog
 from common.errors import UsageError
 from common.model import is_lora
 from common.parallel import Dist, barrier, unwrap
@@ -373,11 +374,12 @@ def save_checkpoint(
     to_save = {"model": model_sd, "optim": optim_sd}
     for name, (extra, extra_optimizer, _) in extra_models.items():
         to_save[name] = dict(zip(("model", "optim"), get_state_dict(extra, extra_optimizer)))
-    dcp.save(to_save, checkpoint_id=str(tmp / "state"))
-    torch.save(_rng_state(), tmp / f"rng_{dist.rank}.pt")
-    export_hf(model, tokenizer, tmp / "hf", dist, merged_lora=merged_lora)
-    for name, (extra, _, _) in extra_models.items():
-        export_hf(extra, tokenizer, tmp / f"hf_{name}", dist)
+    with watchdog.waiting(f"saving the checkpoint of step {step} (collective)", collective=True):
+        dcp.save(to_save, checkpoint_id=str(tmp / "state"))
+        torch.save(_rng_state(), tmp / f"rng_{dist.rank}.pt")
+        export_hf(model, tokenizer, tmp / "hf", dist, merged_lora=merged_lora)
+        for name, (extra, _, _) in extra_models.items():
+            export_hf(extra, tokenizer, tmp / f"hf_{name}", dist)
     if dist.is_main:
         state = {
             **trainer_state,

@@ -87,6 +87,7 @@ FLAG_RULES = [
     ("engine_num_gpus", lambda v: v >= 0, ">= 0"),
     ("max_staleness", lambda v: v >= 0, ">= 0 (0 is synchronous)"),
     ("engine_timeout", lambda v: v > 0, "> 0 seconds"),
+    ("wait_timeout", lambda v: v > 0, "> 0 seconds"),
     ("max_assistant_turns", lambda v: v >= 1, ">= 1"),
     ("max_user_turns", lambda v: v >= 1, ">= 1"),
     ("tool_timeout", lambda v: v > 0, "> 0 seconds"),
@@ -468,7 +469,14 @@ class OptimArgs:
 
 
 @dataclass
-class TrainerArgs:
+class WaitArgs:
+    wait_timeout: float = 1800.0
+    """seconds without progress (stuck in a collective, an engine request, a sync, a save) before the run prints
+    who waits on whom and ends with exit status 124 instead of blocking forever (common.watchdog)"""
+
+
+@dataclass
+class TrainerArgs(WaitArgs):
     output_dir: str = ""
     """run folder (default: runs/<experiment_name>); one live run at a time (run.lock names it)"""
     force_unlock: bool = False
@@ -665,9 +673,10 @@ class RolloutArgs:
     """rollout rejection's bounds, one or one per option: lo_hi for k1 (e.g. 0.5_2.0), an upper bound for k2 / k3"""
     bypass_mode: bool = False
     """take the engine's logprobs as the old policy (saves the trainer's old-logprob pass)"""
-    check: Literal["fast", "warn", "off"] = "fast"
+    check: Literal["fast", "full", "warn", "off"] = "fast"
     """before step 1, prove on this stack that the engine samples what the trainer trains (common.check):
-    fast stops the run on a failed item, warn only says so"""
+    fast stops the run on a failed item, full also proves that a resumed step equals the uninterrupted
+    one (two short child runs first), warn only says so"""
     check_freq: int = 10
     """every N steps, after the sync, the engine's logprobs of the check's probe against the trainer's
     (check/engine_gap_*); past the bounds the run saves and stops (0: never)"""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common import watchdog
 from common.data import pack_sequences, pad
 from common.errors import RunStopped
 from common.model import response_logits
@@ -123,6 +124,7 @@ class HFEngine:
 
     def update_weights(self, version: int) -> None:
         self.weight_version = version
+        watchdog.note(version=version)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
@@ -160,6 +162,7 @@ class HFEngine:
             for start in range(0, len(prompts), self.batch_size):
                 batch = prompts[start : start + self.batch_size]
                 out.extend(self._generate_batch(inner, batch, config, warpers, sampling.n))
+                watchdog.progress()
         inner.train(was_training)
         return out
 
@@ -331,7 +334,9 @@ class VLLMEngine:
     def update_weights(self, version: int) -> None:
         """Collective under FSDP2 (every rank gathers every parameter in the same order)."""
         weights = check_against(hf_weights(self.model, self.dtype), self.shapes, f"the vLLM engine of rank {self.rank}")
-        self.load_weights(weights, version)
+        with watchdog.waiting(f"the weight sync to the vLLM engine (version {version})", collective=True):
+            self.load_weights(weights, version)
+        watchdog.note(version=version)
 
     def load_weights(self, weights, version: int) -> None:
         """Load (checkpoint name, tensor) pairs, checked by the caller, and hold `version`."""
@@ -360,7 +365,8 @@ class VLLMEngine:
             stop_token_ids=self.eos_ids, detokenize=False,
         ) for budget in budgets]  # fmt: skip
         self.wake_up()
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        with watchdog.waiting(f"the vLLM engine's generate ({len(prompts)} prompts x {sampling.n})"):
+            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         self.sleep()
         groups = []
         for out in outputs:

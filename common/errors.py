@@ -8,6 +8,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import watchdog
+
 # Flags whose value the user gave another way (common.verl: a verl key, or verl's default for a key
 # the command left out) -> how, so that a usage error naming the flag names what the user typed.
 ORIGINS: dict[str, str] = {}
@@ -28,7 +30,7 @@ def usage_errors():
     """Wraps a recipe's `main(tyro.cli(Args))`: a UsageError is printed as `error: <message>` on
     stderr (once per launch: report_once) and the process exits with status 2, as tyro does for a
     bad flag; a RunStopped is printed the same way, with status 1. Any other exception keeps its
-    traceback."""
+    traceback. The run's watchdog (common.watchdog) stops watching when it ends, however it ends."""
     try:
         yield
     except (UsageError, RunStopped) as e:
@@ -41,6 +43,8 @@ def usage_errors():
             )
         )
         raise SystemExit(2 if isinstance(e, UsageError) else 1) from None
+    finally:
+        watchdog.disarm()
 
 
 def _names(message: str, field: str) -> bool:

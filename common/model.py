@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from common import watchdog
 from common.data import pad
 from common.errors import UsageError
 from common.parallel import all_reduce_sum, is_fsdp, resolve_strategy, sharding_report, unwrap, wrap_model
@@ -592,6 +593,7 @@ def response_logits(model, batch: dict, share_prompts: bool = True) -> torch.Ten
     """Logits predicting each response token of a (micro-)batch from common.data.pack_sequences /
     take_rows plus `group_ids`, shape (b, T, V): the logit at response position t predicts token t.
     With share_prompts each group's prompt runs once (see _response_outputs)."""
+    watchdog.progress()
     return _response_outputs(model, batch, share_prompts, keep_logits=True)
 
 

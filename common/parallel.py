@@ -11,6 +11,7 @@ import random
 import signal
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from common import watchdog
 from common.errors import UsageError
 
 
@@ -49,9 +51,11 @@ def setup_logging(rank: int) -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def init_distributed() -> Dist:
-    """Start (or join) the process group via accelerate, check it matches the launcher's, and set
-    up logging (rank 0 logs info, the others warnings).
+def init_distributed(wait_timeout: float = 1800.0) -> Dist:
+    """Start (or join) the process group via accelerate, check it matches the launcher's, set up
+    logging (rank 0 logs info, the others warnings) and arm the watchdog (common.watchdog): no
+    progress for wait_timeout seconds (--wait-timeout) ends the process with who waits on whom. The
+    process group's own timeout is a minute longer, so that the watchdog speaks first.
 
     Works under `accelerate launch` and `torchrun`. Without CUDA it asks accelerate for CPU/gloo
     itself: left to decide, accelerate gives torchrun's CPU processes no process group, each
@@ -65,7 +69,7 @@ def init_distributed() -> Dist:
     cpu = wants_cpu or not torch.cuda.is_available()
     # FSDP2's CPU offload reduces CPU tensors (gradient norms), which NCCL cannot: give them gloo.
     backend = {"backend": "cuda:nccl,cpu:gloo"} if fsdp_options()["offload"] and not cpu else {}
-    state = PartialState(cpu=cpu, **backend)
+    state = PartialState(cpu=cpu, timeout=timedelta(seconds=wait_timeout + 60), **backend)
     if state.num_processes != launched:
         raise UsageError(
             f"the launcher started {launched} processes but the process group has "
@@ -77,6 +81,7 @@ def init_distributed() -> Dist:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     setup_logging(state.process_index)
+    watchdog.arm(wait_timeout, state.process_index)
     return Dist(
         rank=state.process_index,
         world_size=state.num_processes,
@@ -250,34 +255,39 @@ def is_fsdp(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def grad_sync(model: nn.Module, enabled: bool):
-    """Skip the gradient all-reduce / reduce-scatter on accumulation micro-batches."""
-    if isinstance(model, nn.parallel.DistributedDataParallel) and not enabled:
-        with model.no_sync():
+    """Skip the gradient all-reduce / reduce-scatter on accumulation micro-batches. The block (a
+    micro-batch's forward and backward) is a wait on the other ranks for the watchdog: FSDP2 gathers
+    and reduces inside it, DDP all-reduces."""
+    with watchdog.waiting("a micro-batch's forward and backward (FSDP2 / DDP collectives)", collective=True):
+        if isinstance(model, nn.parallel.DistributedDataParallel) and not enabled:
+            with model.no_sync():
+                yield
+        elif is_fsdp(model):
+            model.set_requires_gradient_sync(enabled)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        else:
             yield
-    elif is_fsdp(model):
-        model.set_requires_gradient_sync(enabled)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    else:
-        yield
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     """Global grad norm (over all ranks and shards), clipped to max_norm when max_norm > 0."""
     params = [p for p in model.parameters() if p.grad is not None]
     limit = max_norm if max_norm > 0 else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_(params, limit)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
+    with watchdog.waiting("clip_grad_norm (the global norm's all-reduce)", collective=True):
+        norm = torch.nn.utils.clip_grad_norm_(params, limit)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
     return float(norm)
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     if tdist.is_available() and tdist.is_initialized():
         value = value.clone()
-        tdist.all_reduce(value, op=tdist.ReduceOp.SUM)
+        with watchdog.waiting("all_reduce_sum", collective=True):
+            tdist.all_reduce(value, op=tdist.ReduceOp.SUM)
     return value
 
 
@@ -288,7 +298,8 @@ def all_reduce_max(value: int | float) -> int | float:
         device = torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else "cpu"
         kind = float if isinstance(value, float) else int
         t = torch.tensor([value], dtype=torch.float64 if kind is float else torch.long, device=device)
-        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        with watchdog.waiting("all_reduce_max", collective=True):
+            tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
         value = kind(t.item())
     return value
 
@@ -302,16 +313,22 @@ def gather_objects(obj) -> list:
     if not (tdist.is_available() and tdist.is_initialized()):
         return [obj]
     out = [None] * tdist.get_world_size()
-    tdist.all_gather_object(out, obj)
+    with watchdog.waiting("gather_objects (all_gather_object)", collective=True):
+        tdist.all_gather_object(out, obj)
     return out
 
 
-def broadcast_object(obj):
-    """Rank 0's obj, on every rank."""
+def broadcast_object(obj, wait_s: float | None = None):
+    """Rank 0's obj, on every rank. wait_s: how long the others may wait for it, when rank 0 has a
+    longer job first than the process group's timeout allows (a gloo group of its own waits)."""
     if not (tdist.is_available() and tdist.is_initialized()):
         return obj
     box = [obj]
-    tdist.broadcast_object_list(box, src=0)
+    group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=wait_s)) if wait_s else None
+    with watchdog.waiting("broadcast_object from rank 0", timeout=wait_s, collective=True):
+        tdist.broadcast_object_list(box, src=0, group=group)
+    if group is not None:
+        tdist.destroy_process_group(group)
     return box[0]
 
 
@@ -320,13 +337,15 @@ def scatter_objects(objs: list | None):
     if not (tdist.is_available() and tdist.is_initialized()):
         return objs[0]
     box = [None]
-    tdist.scatter_object_list(box, objs if tdist.get_rank() == 0 else None, src=0)
+    with watchdog.waiting("scatter_objects from rank 0", collective=True):
+        tdist.scatter_object_list(box, objs if tdist.get_rank() == 0 else None, src=0)
     return box[0]
 
 
 def barrier() -> None:
     if tdist.is_available() and tdist.is_initialized():
-        tdist.barrier()
+        with watchdog.waiting("barrier", collective=True):
+            tdist.barrier()
 
 
 def sharding_report(model: nn.Module, strategy: str, dist: Dist) -> dict:

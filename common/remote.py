@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common import watchdog
 from common.data import step_rows
 from common.engines import Completion, HFEngine, Sampling, VLLMEngine
 from common.errors import RunStopped
@@ -230,6 +231,7 @@ class RemoteEngines:
         self.weight_version, self.restarts, self.prefetch_misses, self.stale_resent, self.calls = -1, 0, 0, 0, 0
         self.engine_seconds, self.waited = 0.0, 0.0
         self.requests: dict[int, _Request] = {}
+        self.collecting: _Request | None = None  # the request generate waits on (rank 0)
         self.next_step = version  # the first step whose request is not yet sent
         self.actors, self.groups, self.incarnations, self.dtypes, self.ray_started = [], [], [], [], False
         if dist.is_main:
@@ -242,7 +244,20 @@ class RemoteEngines:
             # At any exit (the end, an error, Ctrl-C, the stop signal). Registered after ray.init,
             # so it runs before Ray's own exit handler, while Ray's processes are still ours.
             atexit.register(self.close)
+            watchdog.probe(f"{role}s", self.queues)
         self.update_weights(version)
+
+    def queues(self) -> str:
+        """Where the requests stand (the watchdog's dump): the generate waited on, the chunks it
+        still awaits and from which engines; the steps asked for ahead, with their chunks in flight."""
+        now = self.collecting
+        waited = "no generate waited on" if now is None else (
+            f"the generate waited on awaits {sum(r is None for r in now.results)} of {len(now.results)} chunk(s) "
+            f"from engines {sorted(set(now.engines))}")  # fmt: skip
+        steps = {s: sum(f is not None for f in r.futures) for s, r in sorted(self.requests.items())}
+        ahead = ", ".join(f"step {s + 1}: {n} chunk(s) in flight" for s, n in steps.items()) or "none"
+        return (f"{len(self.actors)} engines holding weights version {self.weight_version}; {waited}; asked ahead: "
+                f"{ahead}; {self.restarts} restarts")  # fmt: skip
 
     # --- setup (rank 0) ---------------------------------------------------------------------------
     def _start(self, model_path, n, cpus, gpus, address, dtype, trust_remote_code, pad_id, eos_ids, batch_size, vllm):
@@ -285,11 +300,14 @@ class RemoteEngines:
         import ray
 
         try:
-            return ray.get(ref, timeout=self.timeout)
+            with watchdog.waiting(f"{self.role} {index} to {what} (Ray)", timeout=self.timeout):
+                try:
+                    return ray.get(ref, timeout=self.timeout)
+                except ray.exceptions.GetTimeoutError:  # said while the wait is on, so the report shows it
+                    raise RunStopped(f"{self.role} {index} did not {what} within --engine-timeout "
+                                     f"{self.timeout:g}s\n{watchdog.report(stack=False)}") from None  # fmt: skip
         except ray.exceptions.RayActorError:
             raise EngineDied(index) from None
-        except ray.exceptions.GetTimeoutError:
-            raise RunStopped(f"{self.role} {index} did not {what} within --engine-timeout {self.timeout:g}s") from None
         except ray.exceptions.RayTaskError as e:
             cause = e.as_instanceof_cause()
             if isinstance(cause, NotSynced):
@@ -332,6 +350,7 @@ class RemoteEngines:
                              f"command resumes from the last checkpoint")  # fmt: skip
         if engines is None:
             self.weight_version = version
+            watchdog.note(version=version)
             if self.dist.is_main:
                 for step in [s for s in self.requests if s < version]:  # its step passed without asking for it
                     del self.requests[step]
@@ -344,6 +363,7 @@ class RemoteEngines:
         failed = set()
         receipts = [self.actors[i].receive.remote(version) for i in targets] if self.dist.is_main else []
         for position, (_, tensor) in enumerate(hf_weights(self.model)):
+            watchdog.progress()  # each tensor sent (gloo's own timeout is --engine-timeout)
             if not self.dist.is_main:
                 continue
             sends = []  # (engine, the tensor as sent, kept alive until its send is done, the send)
@@ -491,6 +511,7 @@ class RemoteEngines:
                 del self.requests[self.weight_version]
             else:  # not this step's prompts (validation, a DAPO round): sampled now, on the current weights
                 request = self._submit(flat, sampling, self._seed(None))
+        self.collecting = request
         for _ in range(8):
             dead = broadcast_object(self._collect(request) if self.dist.is_main else None)
             if dead:  # restarted by Ray: the current weights first, then their chunks again
@@ -514,7 +535,7 @@ class RemoteEngines:
             sizes = [len(s) for s in shares]
             bounds = [sum(sizes[:r]) for r in range(len(sizes) + 1)]
             parts = [groups[a:b] for a, b in zip(bounds, bounds[1:])]
-        self.waited += time.time() - t
+        self.waited, self.collecting = self.waited + time.time() - t, None
         return scatter_objects(parts)
 
     def score(

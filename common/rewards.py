@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+from common import watchdog
 from common.envs import check_envs, load_env_host, read_env_config
 from common.errors import UsageError
 from common.scoring import builtin_scorer as builtin_scorer  # re-exported for older forks
@@ -196,7 +197,8 @@ class RewardPool:
         self.output.follow(proc.stdout)
         theirs.close()
         conn = Connection(mine.detach())
-        status, detail = conn.recv() if conn.poll(STARTUP_TIMEOUT) else ("hung", "")
+        with watchdog.waiting("a reward worker to start (its own deadline)", timeout=STARTUP_TIMEOUT):
+            status, detail = conn.recv() if conn.poll(STARTUP_TIMEOUT) else ("hung", "")
         if status != "ready":
             proc.kill()
             proc.wait()
@@ -291,6 +293,7 @@ class RewardPool:
                     busy[slot] = (index, time.time())
             deadline = min(start for _, start in busy.values()) + self.timeout
             ready = wait([self.workers[s][1] for s in busy], timeout=max(0.0, deadline - time.time()))
+            watchdog.progress()  # a worker answered or overran (--reward-timeout): this wait has its own deadline
             for slot in list(busy):
                 worker, (index, start) = self.workers[slot], busy[slot]
                 if worker[1] in ready:

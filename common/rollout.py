@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common import watchdog
 from common.agent import AgentLoop
 from common.data import pack_sequences, step_rows
 from common.engines import Completion, HFEngine, Sampling, VLLMEngine
@@ -252,6 +253,7 @@ class Rollout:
     log_val_generations: int = 0
 
     def step(self, step: int) -> dict:
+        watchdog.note(step=step + 1)
         epoch, ranks = step_rows(step, self.train, self.batch_size, self.seed, self.shuffle, self.dist.world_size)
         batch = generate_and_score(ranks[self.dist.rank], self.engine, self.sampling, self.pool, self.tokenizer,
                                    self.dist.device, self.reward_model)  # fmt: skip

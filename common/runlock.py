@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from common import watchdog
 from common.errors import UsageError
 from common.parallel import Dist, broadcast_object
 
@@ -30,9 +31,11 @@ log = logging.getLogger(__name__)
 
 
 def claim_run_dir(folder, dist: Dist, force_unlock: bool = False) -> Path:
-    """Take `folder`/run.lock for this run (claim). Returns the folder."""
+    """Take `folder`/run.lock for this run (claim). Returns the folder, where the ranks' watchdogs
+    now share their state (common.watchdog)."""
     folder = Path(folder)
     claim(folder / "run.lock", f"run folder {folder}", "--output-dir", dist, force_unlock)
+    watchdog.share_state_in(folder)
     return folder
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from common import watchdog
 from common.errors import RunStopped
 from common.model import LAYOUTS
 from common.ops import rollout_is_metrics as rollout_is_metrics  # re-exported for older forks
@@ -105,6 +106,7 @@ class Tracker:
         val/ metrics are also kept (on every rank) for the closing summary. Logged generations
         (val/generations, see common.rollout.evaluate) go to val_generations.jsonl, one line each,
         and to wandb as a table."""
+        watchdog.progress()
         metrics = dict(metrics)
         self.last_step = max(self.last_step, step)
         generations = metrics.pop("val/generations", None)

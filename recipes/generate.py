@@ -47,7 +47,7 @@ from typing import Literal
 import torch
 import tyro
 
-from common.config import BUNDLED, AgentArgs, EngineArgs, EnvPlayArgs, check_flags
+from common.config import BUNDLED, AgentArgs, EngineArgs, EnvPlayArgs, WaitArgs, check_flags
 from common.errors import UsageError, usage_errors
 from common.parallel import barrier, init_distributed
 from common.runlock import claim_output
@@ -64,7 +64,7 @@ OUTPUT_FLAGS = ("data_path", "prompt_key", "n_samples", "batch_size", "model", "
 
 # --- config ---------------------------------------------------------------------------------------
 @dataclass
-class Args(EnvPlayArgs, AgentArgs, EngineArgs):  # the engines', the agent loop's and the environments' flags
+class Args(EnvPlayArgs, AgentArgs, EngineArgs, WaitArgs):  # the engines', the agent loop's, the environments' flags
     data_path: str = str(BUNDLED / "addition" / "test.parquet")
     """input parquet in verl's format (a prompt column; other columns are copied to the output)"""
     prompt_key: str = "prompt"
@@ -229,7 +229,7 @@ def main(args: Args) -> dict:
     from common.rewards import start_agent_pools, start_env_pool
     from common.rollout import sample, start_engine
 
-    dist = init_distributed()
+    dist = init_distributed(args.wait_timeout)
     out = claim_output(args.output(), dist, args.force_unlock)  # one live run per output file
     parts = out.with_name(out.name + ".parts")
 

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 
-from common.check import launch_check
+from common.check import launch_check, prove_resume
 from common.checkpoint import find_resume, resume, save_checkpoint
 from common.conditioning import RunningMoments, condition_advantages, condition_rewards
 from common.config import RLArgs, is_due
@@ -276,7 +276,7 @@ def update(
 # --- main ---------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     # Setup: process group; batch arithmetic and flags checked before anything loads.
-    dist = init_distributed()
+    dist = init_distributed(args.wait_timeout)
     plan, run_dir = args.batch_plan(dist.world_size), claim_run_dir(args.run_dir(RECIPE), dist, args.force_unlock)
     seed_everything(args.seed + dist.rank)  # ranks sample different responses
 
@@ -286,6 +286,7 @@ def main(args: Args) -> dict:
     total_steps = args.total_steps(len(train))
     checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps, flags=dataclasses.asdict(args))
     pool = start_reward_pool(**args.reward_kwargs(run_dir, tokenizer, train + val))
+    resumed = prove_resume(args.check, dist)  # --check full: save, resume, a step, in child runs of this command
     model, ref, reward_model, run_info = load_rl_models(args.model, dist, tokenizer, **args.model_kwargs())
     policy = args.trainable(model, total_steps)  # the policy with its AdamW and lr schedule
     state = resume(checkpoint, policy, dist=dist)
@@ -295,7 +296,7 @@ def main(args: Args) -> dict:
     rollout = Rollout(train, val, engine, pool, tokenizer, dist, reward_model=reward_model, **args.rollout_kwargs())
     tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
-    check = launch_check(args.check, model, engine, rollout, tracker, **args.check_kwargs(start_step))  # this stack
+    check = launch_check(args.check, model, engine, rollout, tracker, resumed, **args.check_kwargs(start_step))
     if start_step == 0 and val and args.val_before_train:
         tracker.log(rollout.validate(), step=0)
     stop = StopSignal(dist)  # SIGUSR1 / SIGTERM (Slurm, before the time limit): save after this step, exit 0

@@ -184,7 +184,7 @@ def train_step(policy, mine, epoch, pad_id, dist, *, micro_batch_size, grad_clip
 # --- main ---------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     # Setup: process group, batch arithmetic (before any model loads), run folder, seeds.
-    dist = init_distributed()
+    dist = init_distributed(args.wait_timeout)
     plan = plan_batches(world_size=dist.world_size, train_batch_size=args.train_batch_size,
                         micro_batch_size_per_gpu=args.micro_batch_size_per_gpu)  # fmt: skip
     run_dir = claim_run_dir(args.run_dir(RECIPE), dist, args.force_unlock)

@@ -45,6 +45,17 @@ def _restore_signal_handlers():
         signal.signal(s, handler)
 
 
+@pytest.fixture(autouse=True)
+def _disarm_the_watchdog():
+    """A recipe's main called directly (not through its `__main__` block, whose usage_errors stops
+    it) leaves common.watchdog armed: this process would end if a later test made no progress for
+    --wait-timeout."""
+    yield
+    from common import watchdog
+
+    watchdog.disarm()
+
+
 def load_recipe(name: str):
     """Import recipes/<name>.py as a module (recipes are scripts, not a package)."""
     spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")

@@ -5,6 +5,7 @@ warn goes on. Every RL recipe run in the suite runs the fast check, so a check t
 sound stack would fail them all."""
 
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -159,3 +160,38 @@ def test_check_freq_measures_the_engine_and_stops_a_run_that_diverged(tokenizer)
     check.mode = "warn"
     check.during(6, warned)
     assert warned.failure is None and not warned.requested()
+
+
+SMALL = ["--train-batch-size", "8", "--ppo-mini-batch-size", "8", "--rollout-n", "4", "--micro-batch-size-per-gpu",
+         "16", "--no-val-before-train", "--test-freq", "0"]  # fmt: skip
+
+
+def test_check_full_proves_a_resumed_step_equals_the_uninterrupted_one(tmp_path, capsys, monkeypatch, small_files):
+    """--check full: two child runs of the command line (2 steps; a fresh process resumed from step
+    1's checkpoint) give the same step 2, metrics and weights, before the run's models load. A resume
+    that forgets torch's generator (planted in the children) samples another step 2: the item fails
+    naming what differs and keeps the children's folders, the run stops with exit 1."""
+    import common.check
+
+    flags = ["grpo", "--check", "full", *small_files, *SMALL]
+    assert common.check.main([*flags, "--output-dir", str(tmp_path / "ok")]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "check resume" in x)
+    assert "pass" in line and "step 2 resumed from step 1's checkpoint vs uninterrupted (1 process;" in line
+    assert "largest gaps 0 (relative) and 0" in line, line
+
+    plant = tmp_path / "plant"
+    plant.mkdir()  # the children import it at start-up (sitecustomize), before the recipe
+    (plant / "sitecustomize.py").write_text(
+        "import common.checkpoint\ncommon.checkpoint._set_rng_state = lambda s: None\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(plant), os.environ.get("PYTHONPATH", "")]))
+    assert common.check.main([*flags, "--output-dir", str(tmp_path / "bad")]) == 1
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if "check resume" in x)
+    assert "FAIL" in line and "a repeat of the uninterrupted run differs by 0 and 0" in line, line
+    assert "resume: a run resumed from its checkpoint does not continue as the uninterrupted run (most:" in err
+    kept = err.split("the child runs' folders are kept in ")[1].split()[0]
+    assert (Path(kept) / "resumed" / "console.log").is_file()
+    metrics = tmp_path / "bad" / "metrics.jsonl"
+    assert not metrics.exists() or "train/loss" not in metrics.read_text(), "the run stopped before its first step"

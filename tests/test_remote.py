@@ -5,6 +5,7 @@ One trainer process (this one) and two engine actors share a Ray started for the
 recipe tests start their own. No Ray process may outlive a test that started Ray."""
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -173,9 +174,17 @@ def test_a_hung_engine_is_named_within_the_timeout(ray_session, tokenizer):
     try:
         ray.get(engines.actors[0].slow_down.remote(60))
         t = time.time()
-        with pytest.raises(RunStopped, match=r"rollout engine 0 did not generate within --engine-timeout 4s"):
+        with pytest.raises(RunStopped, match=r"rollout engine 0 did not generate within --engine-timeout 4s") as e:
             engines.generate([[1, 2, 3]], SAMPLING)
         assert time.time() - t < 15
+        # who waits on whom: this rank, the wait and its caller, the engines' queues (common.watchdog)
+        assert re.search(
+            r"\nrank 0 \(pid \d+ on [^)]+\): step None, policy version 0\n  waits in rollout engine 0 "
+            r"to generate \(Ray\) since \d+\.\ds ago \(from common/remote.py:\d+ in \w+",
+            str(e.value),
+        ), e.value
+        assert ("rollout engines: 1 engines holding weights version 0; the generate waited on awaits 1 of 1 chunk(s) "
+                "from engines [0]; asked ahead: none; 0 restarts") in str(e.value)  # fmt: skip
     finally:
         engines.close()
 

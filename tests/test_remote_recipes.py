@@ -195,7 +195,7 @@ def test_distill_with_a_remote_teacher_trains_as_with_the_teacher_in_the_trainer
 @pytest.mark.parametrize("plant", [None, "stale", "lora", "stale-warn"])
 def test_the_launch_check_proves_the_remote_engines_sync(tmp_path, ray_cluster, monkeypatch, plant):
     """--check (on by default) before step 1: with the sync sound, every item passes and prints its
-    figure; with a planted stale sync (the engines keep their first weights) or a planted LoRA sync
+    figure (--check full: a resumed step 2 equals the uninterrupted one, engines and LoRA remote); with a planted stale sync (the engines keep their first weights) or a planted LoRA sync
     that sends the base weights without the adapter, the weight-sync item fails and the run stops
     (exit 1) with what to check; under --check warn the stale run goes on, warned."""
     import common.weight_sync
@@ -213,13 +213,14 @@ def test_the_launch_check_proves_the_remote_engines_sync(tmp_path, ray_cluster, 
     if plant == "lora":
         monkeypatch.setattr(common.weight_sync, "_delta", lambda layer: 0.0)
     lora = ["--lora-rank", "8", "--lora-alpha", "16"] if plant in (None, "lora") else []
-    warn = ["--check", "warn"] if plant == "stale-warn" else []
+    warn = {"stale-warn": ["--check", "warn"], None: ["--check", "full"]}.get(plant, [])
     proc = run_recipe("grpo", "--rollout-placement", "remote", "--num-rollout-engines", "1", "--total-training-steps",
                       "1", *SMALL_STEPS, "--test-freq", "0", "--save-freq", "0", "--output-dir", tmp_path, "--ray-address",
                       ray_cluster, *lora, *warn, check=plant in (None, "stale-warn"))  # fmt: skip
     if plant is None:
-        for item in ("engine logprobs", "weight sync", "packing", "rewards"):
+        for item in ("engine logprobs", "weight sync", "packing", "rewards", "resume"):
             assert f"check {item:<16} pass" in proc.stdout, proc.stdout
+        assert "largest gaps 0 (relative) and 0" in proc.stdout, proc.stdout  # --check full's children, remote too
         served = float(proc.stdout.split("after the sync the engine is ")[1].split(" ")[0])
         assert served < 1e-5, proc.stdout  # the LoRA's merged weights, within float32 rounding
         return

@@ -422,7 +422,8 @@ def test_distill_with_a_vllm_teacher_trains_as_with_the_teacher_in_the_trainer(t
 @pytest.mark.parametrize("plant", [None, "stale", "lora"])
 def test_the_launch_check_proves_the_vllm_engines_sync(tmp_path, monkeypatch, plant):
     """--check before step 1 with --rollout-name vllm: the engine's logprobs match the trainer's and a
-    moved policy (a LoRA one too) reaches vLLM through the sync; a planted stale sync (vLLM keeps
+    moved policy (a LoRA one too) reaches vLLM through the sync; --check full's children, LoRA and
+    vLLM, resume step 2 exactly as the uninterrupted run trained it; a planted stale sync (vLLM keeps
     its first weights) or a LoRA sync that sends the base weights fails the weight-sync item and
     stops the run (exit 1) before any step."""
     from conftest import run_recipe
@@ -443,12 +444,14 @@ def test_the_launch_check_proves_the_vllm_engines_sync(tmp_path, monkeypatch, pl
     if plant == "lora":
         monkeypatch.setattr(common.weight_sync, "_delta", lambda layer: 0.0)
     lora = ["--lora-rank", "8", "--lora-alpha", "16"] if plant != "stale" else []
+    full = ["--check", "full"] if plant is None else []  # and a resumed step equals the uninterrupted one
     proc = run_recipe("grpo", "--rollout-name", "vllm", "--total-training-steps", "1", "--train-batch-size", "8",
                       "--rollout-n", "4", "--no-val-before-train", "--test-freq", "0", "--save-freq", "0",
-                      "--output-dir", tmp_path, *lora, check=plant is None)  # fmt: skip
+                      "--output-dir", tmp_path, *lora, *full, check=plant is None)  # fmt: skip
     if plant is None:
-        for item in ("engine logprobs", "weight sync", "packing", "rewards"):
+        for item in ("engine logprobs", "weight sync", "packing", "rewards", "resume"):
             assert f"check {item:<16} pass" in proc.stdout, proc.stdout
+        assert "largest gaps 0 (relative) and 0" in proc.stdout, proc.stdout
         return
     assert proc.returncode == 1 and "check weight sync      FAIL" in proc.stderr, proc.stderr[-2000:]
     assert ("the base weights without the adapter merged" in proc.stderr) == (plant == "lora")
@@ -460,3 +463,44 @@ def test_the_vllm_version_is_one_the_check_calls_tested():
 
     low, high = TESTED["vllm"]
     assert _minor(low) <= _minor(installed("vllm")) <= _minor(high), installed("vllm")
+
+
+VLLM_HANG = """
+import time
+import vllm
+from common import watchdog
+real = vllm.LLM.generate
+def generate(self, *args, **kwargs):
+    if watchdog._state["step"] == 2:  # step 2's rollout never returns
+        time.sleep(600)
+    return real(self, *args, **kwargs)
+vllm.LLM.generate = generate
+"""
+
+
+def test_a_hung_vllm_generate_ends_the_run_with_the_dump(tmp_path):
+    """vLLM's generate hangs in step 2 (planted): after --wait-timeout without progress the run
+    prints where it waits (the vLLM engine's generate, from the recipe's rollout), the step and
+    the policy version, and exits 124, within the deadline plus start-up, not after the 600 s.
+    (The deadline leaves room for vLLM's first generate, which compiles its kernels: over 20 s on
+    a loaded 2-core machine.)"""
+    import time
+
+    from conftest import run_recipe
+
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text(VLLM_HANG)
+    env = {"PYTHONPATH": os.pathsep.join([str(plant), os.environ.get("PYTHONPATH", "")])}
+    t = time.time()
+    proc = run_recipe("grpo", "--rollout-name", "vllm", "--total-training-steps", "3", "--train-batch-size", "8",
+                      "--rollout-n", "4", "--no-val-before-train", "--test-freq", "0", "--save-freq", "0",
+                      "--output-dir", tmp_path / "run", "--wait-timeout", "45", fresh=True, env=env, check=False,
+                      timeout=400)  # fmt: skip
+    assert proc.returncode == 124, proc.stderr[-3000:]
+    assert time.time() - t < 360, "it ended long after the deadline"
+    err = proc.stderr
+    assert "error: no progress for 45s (--wait-timeout)" in err
+    assert "rank 0 (pid" in err and "step 2, policy version 1" in err, err[-3000:]
+    assert "waits in the vLLM engine's generate (8 prompts x 4) since" in err, err[-3000:]
+    assert "called from recipes/grpo.py:" in err and "in sitecustomize" not in err.split("main thread's stack")[0]
