@@ -17,7 +17,8 @@ stops the run with what to do, or (--check warn) only says so.
 - resume (--check full; prove_resume, before the models load): two short child runs of the run's
   own command line, one resumed in a fresh process from the other's step-1 checkpoint, train the
   same step 2 (metrics and weights).
-The check's first line is the environment report (environment_report): the versions of the stack,
+sft.py has no engine or rewards: its check (trainer_check) is the environment report and the resume
+item. The check's first line is the environment report (environment_report): the versions of the stack,
 each against the range the CI has run the suite on (TESTED); an untested one is a warning.
 
     python -m common.check --env                 # the environment report alone
@@ -326,18 +327,42 @@ def launch_check(mode: str, model, engine, rollout, tracker, resumed: Item | Non
     check = Check(mode, freq, model, getattr(engine, "engine", engine), rollout, dtype, own_weights)
     if mode == "off":
         return check
+    t = time.time()
     with _KeepRng():
-        report = _launch_check(check, version, resumed)
-    if os.environ.get(STOP_AFTER_CHECK):  # python -m common.check RECIPE: the report is the product
-        if rollout.dist.is_main:
-            print(report, flush=True)
-        raise SystemExit(0)
-    tracker.write(report)
+        items = _launch_items(check, version)
+    _report(mode, [*items, resumed or NO_RESUME], time.time() - t, tracker, rollout.dist.is_main)
     return check
 
 
-def _launch_check(check: Check, version: int, resumed: Item | None) -> str:
-    t = time.time()
+def trainer_check(mode: str, tracker, resumed: Item | None, is_main: bool) -> None:
+    """The check of a recipe without an engine or rewards (sft): the environment report and, under
+    --check full, prove_resume's item; printed and judged as launch_check's."""
+    if mode != "off":
+        _report(mode, [resumed or NO_RESUME], 0.0, tracker, is_main)
+
+
+NO_RESUME = Item("resume", None, "--check full proves it (two short child runs of these flags)")
+
+
+def _report(mode: str, items: list[Item], seconds: float, tracker, is_main: bool) -> None:
+    """Print the environment report and the items (tracker.write; python -m common.check: stdout, then
+    exit 0). A failed item stops the run (RunStopped, with what to do) unless mode is "warn"."""
+    stack, untested = environment_report()
+    lines = [f"launch check ({seconds:.1f}s; --check off skips it):", *stack, *(i.line() for i in items)]
+    lines += [f"  warning: {w}" for w in untested]
+    failed = [i for i in items if i.ok is False]
+    if failed and mode != "warn":
+        raise RunStopped("\n".join([*lines, *(f"{i.name}: {i.advice}; --check warn goes on anyway" for i in failed)]))
+    warned = failed + [i for i in items if i.ok == "warn"]
+    report = "\n".join(lines + [f"  warning: {i.name}: {i.advice}" for i in warned])
+    if os.environ.get(STOP_AFTER_CHECK):  # python -m common.check RECIPE: the report is the product
+        if is_main:
+            print(report, flush=True)
+        raise SystemExit(0)
+    tracker.write(report)
+
+
+def _launch_items(check: Check, version: int) -> list[Item]:
     model, engine, rollout, dtype = check.model, check.engine, check.rollout, check.dtype
     prompts = probe_prompts(rollout.val + rollout.train[:PROBE_PROMPTS], rollout.tokenizer)
     batch, reported = _probe(engine, rollout.tokenizer, prompts, rollout.sampling.temperature, rollout.dist.device)
@@ -351,15 +376,7 @@ def _launch_check(check: Check, version: int, resumed: Item | None) -> str:
     dry = rollout.pool.dry_run_report
     items.append(Item("rewards", None, "no reward function dry run (a reward model or environments score)")
                  if dry is None else Item("rewards", True if dry[0] else "warn", dry[1], REWARD_ADVICE))  # fmt: skip
-    items.append(resumed or Item("resume", None, "--check full proves it (two short child runs of these flags)"))
-    stack, untested = environment_report()
-    lines = [f"launch check ({time.time() - t:.1f}s; --check off skips it):", *stack, *(i.line() for i in items)]
-    lines += [f"  warning: {w}" for w in untested]
-    failed = [i for i in items if i.ok is False]
-    if failed and check.mode != "warn":
-        raise RunStopped("\n".join([*lines, *(f"{i.name}: {i.advice}; --check warn goes on anyway" for i in failed)]))
-    warned = failed + [i for i in items if i.ok == "warn"]
-    return "\n".join(lines + [f"  warning: {i.name}: {i.advice}" for i in warned])
+    return items
 
 
 STOP_AFTER_CHECK = "RECIPES_STOP_AFTER_CHECK"  # set by `python -m common.check RECIPE`: the run ends after its check

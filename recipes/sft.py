@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 import tyro
 
+from common.check import prove_resume, trainer_check
 from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, is_due, plan_batches
 from common.data import load_sft, pad, step_rows
@@ -204,12 +205,14 @@ def main(args: Args) -> dict:
     checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps, flags=dataclasses.asdict(args))
 
     # Model, optimizer, schedule; then resume.
+    resumed = prove_resume(args.check, dist)  # --check full: save, resume, a step, in child runs of this command
     model, run_info = load_trained_model(args.model, dist, strategy=args.strategy, **args.policy_kwargs())
     policy = args.trainable(model, total_steps)  # the model with its AdamW and lr schedule
     start_step = resume(checkpoint, policy, dist=dist)["step"]
     tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, bar_keys=("train/loss", "val/accuracy"),
                       **args.tracker_kwargs(RECIPE, run_info))  # fmt: skip
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
+    trainer_check(args.check, tracker, resumed, dist.is_main)  # the stack's versions; resume under --check full
 
     validation = dict(batch_size=args.val_batch_size, max_new_tokens=args.max_new_tokens)
     if val and args.val_before_train and start_step == 0:

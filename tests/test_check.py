@@ -91,6 +91,21 @@ def test_check_off_and_warn_are_flags_of_every_rl_recipe():
         assert args.check == "warn" and args.check_kwargs(3) == want
 
 
+def test_every_training_recipe_takes_the_resume_proofs_flags_last():
+    """--check full's children run the user's command line with RESUME_FLAGS after it: every recipe
+    that trains (sft too) parses them, and they win over the user's own."""
+    import tyro
+    from conftest import RL_RECIPES, load_recipe
+
+    from common.check import RESUME_FLAGS
+
+    for name in [*RL_RECIPES, "sft"]:
+        user = ["--total-training-steps", "50", "--save-freq", "10", "--check", "full", "--logger", "wandb"]
+        args = tyro.cli(load_recipe(name).Args, args=[*user, *RESUME_FLAGS, "--output-dir", "x"])
+        assert (args.total_training_steps, args.save_freq, args.check, args.logger) == (2, 1, "off", ("console",))
+        assert args.max_ckpt_to_keep == 0 and args.test_freq == 0 and not args.val_before_train, name
+
+
 def test_the_tested_versions_hold_for_this_environment():
     """common.check.TESTED declares the versions the CI runs the suite on; this environment (the CI's
     when .ci/run runs it) must lie inside, or the table is wrong: widen it once the suite passes."""

@@ -189,6 +189,31 @@ def test_a_hung_engine_is_named_within_the_timeout(ray_session, tokenizer):
         engines.close()
 
 
+def test_a_weight_stream_to_a_hung_engine_is_named_within_the_timeout(ray_session, tokenizer):
+    """An engine that hangs instead of taking the weights (planted): the stream's gloo sends and the
+    wait for its receipt each end within --engine-timeout, and the run stops naming the engine,
+    with who waits on whom."""
+    import ray
+
+    from common.model import load_policy
+
+    engines = start(load_policy(str(SFT)), tokenizer, engines=1)
+    try:
+        engines.timeout = 4  # after the start; the stream's group joined again with it
+        engines.groups = [engines._join(i) for i in range(len(engines.actors))]
+        ray.get(engines.actors[0].slow_down.remote(60, ("receive",)))
+        t = time.time()
+        with pytest.raises(
+            RunStopped, match=r"rollout engine 0 did not take the weights within --engine-timeout 4s"
+        ) as e:
+            engines.update_weights(1)
+        assert time.time() - t < 20
+        assert "waits in rollout engine 0 to take the weights (Ray) since" in str(e.value), e.value
+        assert "rollout engines: 1 engines holding weights version 0" in str(e.value)
+    finally:
+        engines.close()
+
+
 def run_steps(engines, model, task, steps, trainer_seconds=0.0):
     """A trainer loop: each step asks for its prompts' completions, 'trains' and syncs. Returns
     per step (the versions that sampled, the completions, the seconds it waited)."""

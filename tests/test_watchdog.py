@@ -2,7 +2,8 @@
 waits on whom (rank, step, policy version, the wait it is in and its caller, the last collective,
 the other ranks) and ends with exit status 124 within the deadline. Planted hangs: a rank stuck
 outside any wait while its peer waits in a collective (here); a remote engine that never answers
-(tests/test_remote.py::test_a_hung_engine_is_named_within_the_timeout); the vLLM engine's generate
+(tests/test_remote.py::test_a_hung_engine_is_named_within_the_timeout) or never takes the weights
+(::test_a_weight_stream_to_a_hung_engine_is_named_within_the_timeout); the vLLM engine's generate
 (tests/test_vllm.py::test_a_hung_vllm_generate_ends_the_run_with_the_dump). Reward, tool and
 environment workers have their own deadlines that end a call, never the run (tests/test_rewards.py,
 tests/test_agent.py, tests/test_envs.py)."""
