@@ -86,10 +86,6 @@ def disarm() -> None:
         _last_collective[0] = None  # a later run in this process starts with none
 
 
-def armed() -> bool:
-    return _armed["timeout"] is not None
-
-
 def share_state_in(folder) -> None:
     """Where the ranks of this launch write their state for each other's dumps (the run folder)."""
     path = Path(folder) / ".watchdog"
