@@ -93,11 +93,11 @@ if os.environ.get("RANK") == "1":  # rank 1 stops in step 2's rollout, outside a
 
 
 def test_a_rank_stuck_outside_a_wait_ends_the_launch_within_the_deadline_with_who_waits_on_whom(tmp_path, small_files):
-    """2 processes; rank 1 hangs in step 2 (a planted sleep). Rank 0 waits for it in a collective;
-    after --wait-timeout 15 s without progress both print the dump (rank 0 names its collective
-    and caller, and rank 1 as in no wait at step 2; rank 1 names itself and its stack) and exit
-    124; torchrun ends the launch. It ends within the deadline plus start-up slack, not after
-    the planted 600 s."""
+    """2 processes; rank 1 hangs in step 2 (a planted sleep). Rank 0 waits for it in a collective.
+    After --wait-timeout 15 s without progress a rank prints the dump and exits 124, and torchrun
+    ends the launch: the dump shows rank 0 in its collective with its caller in the recipe and
+    rank 1 in no wait at step 2 (each rank's own line, or the other's from its state file). It
+    ends within the deadline plus start-up slack, not after the planted 600 s."""
     plant = tmp_path / "plant"
     plant.mkdir()
     (plant / "sitecustomize.py").write_text(PLANT)
@@ -112,11 +112,14 @@ def test_a_rank_stuck_outside_a_wait_ends_the_launch_within_the_deadline_with_wh
     assert ended - float(mark.read_text()) < 15 + 45, "ended long after the deadline"
     assert "exitcode  : 124" in out or "exitcode: 124" in out.replace("  ", " "), out[-3000:]
     assert "error: no progress for 15s (--wait-timeout)" in out, out[-3000:]
-    dumps = out.split("error: no progress for 15s")[1:]
-    rank0 = next(d for d in dumps if "\nrank 0 (pid" in d)
-    assert re.search(r"rank 0 \(pid \d+ on [^)]+\): step 2, policy version 1\n  waits in \S", rank0), rank0[:1500]
-    assert re.search(r"\(from recipes/grpo.py:\d+ in \w+\)", rank0), rank0[:1500]
-    assert re.search(r"rank 1 \(pid \d+ on [^,]+, as of \d+s ago\): step 2, in no wait; no progress for", rank0), rank0
-    rank1 = next((d for d in dumps if "\nrank 1 (pid" in d), None)
-    if rank1 is not None:  # torchrun may end rank 1 before its own watchdog speaks
-        assert "in no wait on another process" in rank1 and "sitecustomize.py" in rank1, rank1[:2000]
+    # Whichever rank's watchdog speaks first (rank 1, idle longest, usually) names the other from
+    # its state file, and torchrun may end the other before it speaks: read the dumps together.
+    dumps = "".join(out.split("error: no progress for 15s")[1:])
+    assert re.search(r"rank 0 \(pid \d+ on [^)]+\): step 2, policy version 1\n  waits in [^\n]+called from "
+                     r"recipes/grpo.py:\d+ in \w+", dumps) or re.search(r"rank 0 \(pid \d+ on [^,]+, as of \d+s ago\): "
+                     r"step 2, waits in [^\n]+called from recipes/grpo.py:\d+ in \w+", dumps), dumps[:3000]  # fmt: skip
+    assert re.search(r"rank 1 \(pid \d+ on [^)]+\): step 2, policy version 1\n  in no wait on another process",
+                     dumps) or re.search(r"rank 1 \(pid \d+ on [^,]+, as of \d+s ago\): step 2, in no wait; no "
+                     r"progress for", dumps), dumps[:3000]  # fmt: skip
+    if "\nrank 1 (pid" in dumps:  # rank 1's own dump shows where it is stuck
+        assert "sitecustomize.py" in dumps.split("\nrank 1 (pid")[1], dumps[:3000]
