@@ -231,7 +231,8 @@ def play(env, seed: int, actions: list[str]) -> list[dict]:
 def build_games(out: Path) -> None:
     """SFT conversations for the bundled games, played by shortest-path players: FrozenLake
     (breadth-first over the lake) and Sokoban (breadth-first over the player's and box's cells),
-    the latter twice: as games.yaml draws the room, and with sokoban.yaml's describe line."""
+    the latter three times: as games.yaml draws the room, with the room described as well, and as
+    sokoban.yaml plays it (described, the whole solution in one reply)."""
     lake = _load_env(out / "frozen_lake.py", "TextFrozenLake")(size=4, p=0.8, is_slippery=False)
     sokoban = _load_env(out / "sokoban.py", "SimpleSokoban")
     solve = _load_env(out / "sokoban.py", "solve")
@@ -243,6 +244,12 @@ def build_games(out: Path) -> None:
             "SimpleSokoban",
             sokoban(describe=True),
             lambda env: solve(env.walls, env.target, env.box, env.player),
+        ),
+        (
+            "sokoban_plan",
+            "SimpleSokoban",
+            sokoban(describe=True, moves_per_turn=6),
+            lambda env: [" ".join(solve(env.walls, env.target, env.box, env.player))],
         ),
     ]:
         records = []

@@ -17,6 +17,13 @@ push-down. A shortest solution never makes such a move, so the SFT games are the
 With describe, each observation ends with a line saying where the box and the target stand from
 the player ("box: 1 up 2 right; target: 2 up"), so that a model too small to find two letters in a
 grid of bytes can still read the room from a few tokens.
+
+With moves_per_turn N, an action is a plan of 1 to N moves separated by spaces ("up up left"),
+played in order: the game ends on the move that solves it (or, with end_on_noop, on a move that
+changes nothing), and a plan of more moves or with a word that is not a move is invalid and
+changes nothing. A room's shortest solution then fits one reply, so the model reads the room once
+and answers with its plan, as it answers a question; move by move, the earlier rooms of the
+conversation mislead a tiny model's later turns (docs/environments.md).
 """
 
 import random
@@ -116,11 +123,12 @@ class SimpleSokoban(gymnasium.Env):
         max_moves: int = 6,
         end_on_noop: bool = False,
         describe: bool = False,
+        moves_per_turn: int = 1,
     ):
         self.size, self.pulls, self.moves = size, (min_pulls, max_pulls), (min_moves, max_moves)
-        self.end_on_noop, self.describe = end_on_noop, describe
+        self.end_on_noop, self.describe, self.moves_per_turn = end_on_noop, describe, moves_per_turn
         self.observation_space = gymnasium.spaces.Text(max_length=size * (size + 1) + 64)
-        self.action_space = gymnasium.spaces.Text(max_length=5)
+        self.action_space = gymnasium.spaces.Text(max_length=6 * moves_per_turn)
 
     def render_text(self) -> str:
         lines = []
@@ -153,11 +161,14 @@ class SimpleSokoban(gymnasium.Env):
         return self.render_text(), {}
 
     def step(self, action: str):
-        if action not in ACTIONS:
+        moves = action.split()
+        if not 1 <= len(moves) <= self.moves_per_turn or any(move not in ACTIONS for move in moves):
             return self.render_text(), 0.0, False, False, {"action_is_valid": False}
-        before = (self.player, self.box)
-        self.player, self.box = step_state(self.walls, self.player, self.box, action)
-        if self.end_on_noop and (self.player, self.box) == before:
-            return self.render_text(), 0.0, True, False, {"success": False}
-        solved = self.box == self.target
-        return self.render_text(), float(solved), solved, False, {"success": True} if solved else {}
+        for move in moves:
+            before = (self.player, self.box)
+            self.player, self.box = step_state(self.walls, self.player, self.box, move)
+            if self.end_on_noop and (self.player, self.box) == before:
+                return self.render_text(), 0.0, True, False, {"success": False}
+            if self.box == self.target:
+                return self.render_text(), 1.0, True, False, {"success": True}
+        return self.render_text(), 0.0, False, False, {}
