@@ -127,11 +127,12 @@ def waiting(what: str, timeout: float | None = None, collective: bool = False):
 
 
 def _deadline() -> float | None:
-    if _armed["timeout"] is None:
-        return None
-    with _lock:
+    with _lock:  # disarm() may clear the timeout meanwhile: read it once, under the lock
+        timeout = _armed["timeout"]
+        if timeout is None:
+            return None
         own = [w.start + w.timeout for w in _waits if w.timeout]
-    return max([_armed["progress"] + _armed["timeout"], *own])
+        return max([_armed["progress"] + timeout, *own])
 
 
 def _ago(t: float) -> str:
@@ -220,9 +221,11 @@ def _watch() -> None:
         _publish()
         if deadline > time.monotonic():
             continue
-        generation = _armed["generation"]
+        generation, timeout = _armed["generation"], _armed["timeout"]
+        if timeout is None:
+            continue  # disarmed since the deadline was read
         message = (
-            f"\nerror: no progress for {_armed['timeout']:g}s (--wait-timeout): the run is stuck waiting, and "
+            f"\nerror: no progress for {timeout:g}s (--wait-timeout): the run is stuck waiting, and "
             f"ends here (exit {HANG_EXIT}) instead of blocking forever.\n{report()}\n"
             f"Raise --wait-timeout if a step's phase legitimately takes longer (a long generation, a large save)."
         )

@@ -57,6 +57,30 @@ def test_the_deadline_counts_from_the_last_progress_and_a_longer_wait_holds_it_o
         watchdog.disarm()
 
 
+class DisarmedOnSecondRead(dict):
+    """The watchdog's settings as the watching thread sees them when disarm() runs in the main
+    thread between two of its reads of the timeout."""
+
+    reads = 0
+
+    def __getitem__(self, key):
+        if key == "timeout":
+            self.reads += 1
+            if self.reads > 1:
+                return None
+        return super().__getitem__(key)
+
+
+def test_a_disarm_racing_the_watching_thread_reads_as_disarmed(monkeypatch):
+    """The watching thread reads the deadline once a second while a run in this process may end
+    (disarm) at any moment: the deadline is one reading of the timeout, never a sum with the None a
+    disarm leaves (in CI this killed the thread with a TypeError, leaving later runs unwatched)."""
+    armed = DisarmedOnSecondRead(watchdog._armed, timeout=5.0, progress=time.monotonic())
+    monkeypatch.setattr(watchdog, "_armed", armed)
+    assert watchdog._deadline() == armed["progress"] + 5.0
+    assert watchdog._deadline() is None
+
+
 def test_every_rank_writes_where_it_is_for_the_others(tmp_path):
     watchdog.arm(1000.0, rank=1)
     try:
