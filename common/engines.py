@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from common import watchdog
 from common.data import pack_sequences, pad
 from common.errors import RunStopped
-from common.model import response_logits
+from common.model import cache_kwarg, response_logits
 from common.ops import logprobs_from_logits
 from common.parallel import is_fsdp, unwrap
 from common.weight_sync import check_against, checkpoint_shapes, hf_weights
@@ -204,7 +204,7 @@ class HFEngine:
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
             inner(
                 input_ids=ids[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
-                past_key_values=cache, use_cache=True, logits_to_keep=1,
+                **{cache_kwarg(inner): cache}, use_cache=True, logits_to_keep=1,
             )  # fmt: skip
             cache.batch_repeat_interleave(n)
         ids, attention = ids.repeat_interleave(n, 0), attention.repeat_interleave(n, 0)
@@ -212,7 +212,7 @@ class HFEngine:
         result = inner.generate(
             input_ids=ids,
             attention_mask=attention,
-            past_key_values=cache,
+            **{cache_kwarg(inner): cache},
             generation_config=config,
             logits_processor=LogitsProcessorList([*warpers, recorder]),
             synced_gpus=is_fsdp(self.model) and self.world_size > 1,

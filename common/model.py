@@ -1,6 +1,7 @@
 """Load the policy, its tokenizer, the critic and the reward model from a local folder or a hub
 name; LoRA through peft; the forward passes that give response logits and values."""
 
+import inspect
 import logging
 from collections import Counter
 from pathlib import Path
@@ -577,16 +578,27 @@ def _response_outputs(model, batch: dict, share_prompts: bool, keep_logits: bool
     first = starts.nonzero().squeeze(-1)  # each prompt's first row
     owner = starts.cumsum(0) - 1  # which distinct prompt each row answers
     cache = DynamicCache()  # passed in: a token-classification output carries no cache of its own
-    prompt = model(**{k: batch[k][first, :P] for k in keys}, past_key_values=cache, use_cache=True, **keep(1))
+    kv = cache_kwarg(model)
+    prompt = model(**{k: batch[k][first, :P] for k in keys}, **{kv: cache}, use_cache=True, **keep(1))
     cache.batch_select_indices(owner)
     out = model(
         input_ids=batch["responses"],
         attention_mask=batch["attention_mask"],
         position_ids=batch["position_ids"][:, P:],
-        past_key_values=cache,
+        **{kv: cache},
         use_cache=True,
     )
     return torch.cat([prompt.logits[owner, -1:], out.logits[:, :-1]], 1)
+
+
+def cache_kwarg(model) -> str:
+    """The keyword by which a model's forward and generate take a KV cache: transformers 5.24 named it
+    `cache` (past_key_values warns there and goes in 5.40), earlier 5.x releases and a model of its
+    own code (trust_remote_code) may know only past_key_values. Read from the forward's signature,
+    through DDP and a PEFT wrapper."""
+    base = unwrap(model)
+    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def response_logits(model, batch: dict, share_prompts: bool = True) -> torch.Tensor:

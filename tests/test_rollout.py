@@ -1,5 +1,6 @@
 import copy
 import json
+import warnings
 
 import pytest
 import torch
@@ -47,16 +48,21 @@ def test_sampler_logprobs_match_the_trainer_forward(setup, tokenizer, temperatur
 
 def test_each_prompt_is_prefilled_once_for_its_n_samples(setup):
     """The prompt forward runs on the prompts, not on n copies of each; its samples start from
-    copies of that KV cache and get what n separate greedy runs get (left padding included)."""
+    copies of that KV cache and get what n separate greedy runs get (left padding included). The
+    cache goes by the keyword the model's forward declares (common.model.cache_kwarg), so
+    transformers never warns that the old one is going."""
     model, prompts, engine = setup
     widths = []
     hook = model.register_forward_pre_hook(
         lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape), with_kwargs=True
     )
     try:
-        shared = engine.generate(prompts, Sampling(n=3, temperature=0, max_tokens=8))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            shared = engine.generate(prompts, Sampling(n=3, temperature=0, max_tokens=8))
     finally:
         hook.remove()
+    assert not [w for w in caught if "past_key_values" in str(w.message)], [str(w.message) for w in caught]
     longest = max(len(p) for p in prompts)
     assert widths[0] == (len(prompts), longest - 1), "the prompt forward, once per prompt"
     assert all(w[0] == 3 * len(prompts) and w[1] <= 1 for w in widths[1:]), "then one token at a time for 3n rows"
@@ -72,6 +78,28 @@ def test_each_prompt_is_prefilled_once_for_its_n_samples(setup):
         for group, (one,) in zip(got, want):
             for c in group:
                 assert c.token_ids == one.token_ids and c.logprobs == pytest.approx(one.logprobs, abs=1e-5)
+
+
+def test_a_model_of_its_own_code_gets_the_cache_by_its_old_name(setup):
+    """A forward that knows only past_key_values (a trust_remote_code model, transformers before
+    5.24) gets the cache by that name; the bundled model gets the name its forward declares, through
+    a PEFT wrapper too."""
+    import inspect
+
+    from peft import LoraConfig, get_peft_model
+
+    from common.model import cache_kwarg
+
+    class OwnCode(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None):
+            return input_ids
+
+    model = setup[0]
+    declared = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    assert cache_kwarg(OwnCode()) == "past_key_values"
+    assert cache_kwarg(model) == declared
+    wrapped = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert cache_kwarg(wrapped) == declared
 
 
 @pytest.mark.parametrize("recipe", ["grpo", "ppo"])
