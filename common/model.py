@@ -1,6 +1,7 @@
 """Load the policy, its tokenizer, the critic and the reward model from a local folder or a hub
 name; LoRA through peft; the forward passes that give response logits and values."""
 
+import functools
 import inspect
 import logging
 from collections import Counter
@@ -598,7 +599,12 @@ def cache_kwarg(model) -> str:
     through DDP and a PEFT wrapper."""
     base = unwrap(model)
     base = base.get_base_model() if hasattr(base, "get_base_model") else base
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    return _cache_kwarg_of(type(base).forward)
+
+
+@functools.cache
+def _cache_kwarg_of(forward) -> str:  # once per model class: it is asked on every forward
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def response_logits(model, batch: dict, share_prompts: bool = True) -> torch.Tensor:
