@@ -12,12 +12,17 @@ Four batches: "spread" (responses of 8-512 tokens, as a reasoning run's lengths 
 
     python bench/packing.py                          # the bundled tiny model
     python bench/packing.py --hidden 256 --layers 6  # a larger random-weight Qwen2 of the same shape family
+    python bench/packing.py --shape qwen2.5-0.5b --device cuda --dtype bfloat16 --profile   # a GPU
+
+On a GPU each pass also reports its MFU (the model FLOPs of the work the batch needs a second, over
+the device's peak: common.perf), and --profile the top kernels of each pass by GPU time.
 """
 
 import argparse
 import copy
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from common.data import load_prompts, pack_sequences  # noqa: E402
 from common.model import forward_layout, load_policy, load_tokenizer, register_varlen, response_logits  # noqa: E402
 from common.ops import entropy_from_logits, logprobs_from_logits  # noqa: E402
+from common.perf import device_peak, flop_terms, needed_tokens, update_flops  # noqa: E402
 
 SFT = ROOT / "bundled" / "tiny-qwen2-sft"
 TEST = ROOT / "bundled" / "addition" / "test.parquet"
@@ -36,8 +42,13 @@ TEST = ROOT / "bundled" / "addition" / "test.parquet"
 
 def models(args, tokenizer):
     """The padded and the packed model, the same weights."""
+    if args.shape:
+        from throughput import random_model
+
+        path = str(random_model(args.shape, Path(args.cache) / args.shape))
+        return load_policy(path, dtype=args.dtype), load_policy(path, dtype=args.dtype, remove_padding=True)
     if not args.hidden:
-        return load_policy(str(SFT)), load_policy(str(SFT), remove_padding=True)
+        return load_policy(str(SFT), dtype=args.dtype), load_policy(str(SFT), dtype=args.dtype, remove_padding=True)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(SFT))
@@ -45,8 +56,9 @@ def models(args, tokenizer):
     config.intermediate_size, config.num_attention_heads, config.num_key_value_heads = 4 * args.hidden, 8, 4
     config.head_dim, config.layer_types = args.hidden // 8, ["full_attention"] * args.layers
     torch.manual_seed(0)
-    padded = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
-    packed = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=register_varlen())
+    dtype = getattr(torch, args.dtype)
+    padded = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=dtype)
+    packed = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=register_varlen(), dtype=dtype)
     packed.load_state_dict(padded.state_dict())
     return padded, packed
 
@@ -63,14 +75,14 @@ def batches(args, tokenizer) -> dict:
                for r in rows[: args.seqs]]  # fmt: skip
     out = {}
     for name, responses in (("spread", spread), ("uniform", answers)):
-        batch = pack_sequences(prompts, responses, tokenizer.pad_token_id)
-        batch["group_ids"] = torch.arange(len(prompts))
+        batch = pack_sequences(prompts, responses, tokenizer.pad_token_id, args.device)
+        batch["group_ids"] = torch.arange(len(prompts), device=args.device)
         out[name] = batch
     # GRPO's layout: groups of 8 responses to one prompt, which the padded pass runs once per group
     grouped = [p for p in prompts[: args.seqs // 8] for _ in range(8)]
     for name, responses in (("uniform", answers), ("spread", spread)):
-        batch = pack_sequences(grouped, responses[: len(grouped)], tokenizer.pad_token_id)
-        batch["group_ids"] = torch.arange(len(grouped)) // 8
+        batch = pack_sequences(grouped, responses[: len(grouped)], tokenizer.pad_token_id, args.device)
+        batch["group_ids"] = torch.arange(len(grouped), device=args.device) // 8
         out[f"{name}, groups of 8 sharing a prompt"] = batch
     return out
 
@@ -91,14 +103,31 @@ def auto_layout(packed, batch) -> str:
         packed.padding_free = True
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn, repeats: int) -> float:
     fn()
+    sync()
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        sync()
         seconds.append(time.perf_counter() - start)
     return statistics.median(seconds)
+
+
+def top_kernels(fn, limit: int = 12) -> str:
+    """The kernels of one call that took the most GPU time, as torch.profiler's table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    return prof.key_averages().table(sort_by="self_device_time_total", row_limit=limit, max_name_column_width=60)
 
 
 def attention_share(fn) -> float:
@@ -121,26 +150,45 @@ def main() -> None:
         "--hidden", type=int, default=0, help="build a random Qwen2 of this width (0: the bundled model)"
     )
     parser.add_argument("--layers", type=int, default=6, help="with --hidden: its depth")
-    parser.add_argument("--profile", action="store_true", help="also report the attention's share of the time")
+    parser.add_argument("--shape", default=None, help="a random-initialised model of a real shape: "
+                        "bench/throughput.py's SHAPES (qwen2.5-0.5b, qwen2.5-1.5b, smollm2-135m)")  # fmt: skip
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
+    parser.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "recipes-throughput"),
+                        help="with --shape: where its random-initialised model is kept")  # fmt: skip
+    parser.add_argument("--profile", action="store_true", help="also report the attention's share of the time "
+                        "(on a GPU: the top kernels)")  # fmt: skip
     args = parser.parse_args()
 
     tokenizer = load_tokenizer(str(SFT))
     padded, packed = models(args, tokenizer)
-    padded.train(), packed.train()
+    padded, packed = padded.to(args.device).train(), packed.to(args.device).train()
     params = sum(p.numel() for p in padded.parameters()) / 1e6
-    print(f"model: {params:.2f}M params, {args.seqs} sequences a micro-batch, median of {args.repeats}, CPU threads "
-          f"{torch.get_num_threads()}")  # fmt: skip
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU threads {torch.get_num_threads()}"
+    terms, dtype = flop_terms(padded), getattr(torch, args.dtype)
+    peak, source = device_peak(args.device, dtype, torch.cuda.current_device() if args.device == "cuda" else 0)
+    print(f"model: {params:.2f}M params ({args.shape or 'bundled' if not args.hidden else f'hidden {args.hidden}'}, "
+          f"{args.dtype}), {args.seqs} sequences a micro-batch, median of {args.repeats}, {where}; peak "
+          f"{peak / 1e12:.4g} TFLOP/s ({source})")  # fmt: skip
     for name, batch in batches(args, tokenizer).items():
         tokens = int(batch["attention_mask"].sum())
         padding = 1 - tokens / batch["attention_mask"].numel()
         response_tokens = int(batch["response_mask"].sum())
         t_padded = timed(lambda: step(padded, batch), args.repeats)  # noqa: B023
         t_packed = timed(lambda: step(packed, batch), args.repeats)  # noqa: B023
+        lengths = batch["attention_mask"].sum(-1).double()
+        work = update_flops(
+            terms, *needed_tokens(lengths, lengths - batch["response_mask"].sum(-1), batch["group_ids"])
+        )
         print(f"{name}: {tokens} tokens, {padding:.0%} of the padded batch was padding; fwd+bwd padded "
               f"{t_padded:.3f} s, packed {t_packed:.3f} s: {t_padded / t_packed:.2f}x; response tokens/s "
-              f"{response_tokens / t_padded:.0f} -> {response_tokens / t_packed:.0f}; auto runs it "
+              f"{response_tokens / t_padded:.0f} -> {response_tokens / t_packed:.0f}; MFU "
+              f"{float(work) / t_padded / peak:.1%} -> {float(work) / t_packed / peak:.1%}; auto runs it "
               f"{auto_layout(packed, batch)}")  # fmt: skip
-        if args.profile:
+        if args.profile and args.device == "cuda":
+            for label, m in (("padded", padded), ("packed", packed)):
+                print(f"  top kernels, {label}:\n{top_kernels(lambda m=m: step(m, batch))}")  # noqa: B023
+        elif args.profile:
             shares = [attention_share(lambda m=m: step(m, batch)) for m in (padded, packed)]  # noqa: B023
             print(f"  attention's share of the time: padded {shares[0]:.0%}, packed {shares[1]:.0%}")
 

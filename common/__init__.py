@@ -17,6 +17,7 @@ LAYERS = (
     "runlock",  # one live run per run folder (and per generate / evaluate output): the lock and its holder
     "data",  # parquet rows, chat templating, truncation, padding, micro-batches
     "ops",  # masked maths, logprobs and entropy from logits, KL estimators, loss aggregation
+    "perf",  # the update's model FLOPs, the device's peak, MFU
     "conditioning",  # ROLL's reward and advantage conditioning: length reward, normalisation, whitening, clip, weights
     "scoring",  # verl's compute_score built-ins and the loaders of user code (no processes)
     "tools",  # --tool-config / --interaction-config read without running them; tool calls in text

@@ -1006,8 +1006,10 @@ class RLArgs(
                     dry_run_rows=[] if self.reward_model else list(rows))  # fmt: skip
 
     def tracker_kwargs(self, recipe: str, run_info: dict) -> dict:
-        """TrainerArgs.tracker_kwargs, plus whether a NaN or infinite reward stops the run."""
-        return {**super().tracker_kwargs(recipe, run_info), "stop_on_nonfinite_reward": self.stop_on_nonfinite_reward}
+        """TrainerArgs.tracker_kwargs, plus whether a NaN or infinite reward stops the run and what
+        perf/mfu needs (run_info's FLOP terms, devices and compute dtype; the passes over a step)."""
+        return {**super().tracker_kwargs(recipe, run_info), "stop_on_nonfinite_reward": self.stop_on_nonfinite_reward,
+                "perf": {**run_info, "epochs": self.ppo_epochs}}  # fmt: skip
 
     def engine_kwargs(self, train: list, total_steps: int, pool) -> dict:
         """EngineArgs.engine_kwargs (validation's prompts per generate call as the batch), the

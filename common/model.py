@@ -14,6 +14,7 @@ from common import watchdog
 from common.data import pad
 from common.errors import UsageError
 from common.parallel import all_reduce_sum, is_fsdp, resolve_strategy, sharding_report, unwrap, wrap_model
+from common.perf import compute_dtype, flop_terms
 
 log = logging.getLogger(__name__)
 
@@ -113,14 +114,16 @@ def load_trained_model(
     remove_padding: bool | str = False,
 ):
     """The policy (load_policy) wrapped for DDP / FSDP2 (strategy auto|ddp|fsdp2). Returns (model,
-    run_info: the layout really in effect, common.parallel.sharding_report)."""
+    run_info: the layout really in effect, common.parallel.sharding_report, with the model's FLOP
+    terms and the dtype its matmuls run in, for MFU: common.perf)."""
     strategy = resolve_strategy(strategy)
     model = load_policy(
         path, dtype=dtype, trust_remote_code=trust_remote_code, gradient_checkpointing=gradient_checkpointing,
         lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules, remove_padding=remove_padding,
     )  # fmt: skip
     model = wrap_model(model, strategy, dist, mixed_precision)
-    return model, sharding_report(model, strategy, dist)
+    compute = str(compute_dtype(dtype, mixed_precision)).removeprefix("torch.")
+    return model, {**sharding_report(model, strategy, dist), "flops": flop_terms(model), "compute_dtype": compute}
 
 
 def load_rl_models(
@@ -378,13 +381,19 @@ def register_varlen() -> str:
                              f"its attention, which the padding-free path does not; set --use-remove-padding False")  # fmt: skip
         window, gqa = kwargs.get("sliding_window"), query.shape[1] != key.shape[1]
         dropout = dropout if module.training else 0.0
+        if torch.is_autocast_enabled(query.device.type):  # rotary embeddings in float32 promote q and k to it
+            half = torch.get_autocast_dtype(query.device.type)
+            query, key, value = query.to(half), key.to(half), value.to(half)
         kernel = _varlen_kernel(query) if not dropout else None
-        if kernel is not None:
+        takes = _keywords(kernel) if kernel is not None else set()
+        if kernel is not None and "window_size" in takes:
+            if gqa and "enable_gqa" not in takes:  # torch 2.11's kernel: each key / value head repeated for its queries
+                key, value = (x.repeat_interleave(query.shape[1] // key.shape[1], dim=1) for x in (key, value))
+            extra = {"window_size": (window - 1, 0) if window else (-1, 0)}  # (-1, 0): causal
+            extra |= {"enable_gqa": gqa} if "enable_gqa" in takes else {}
             longest = kwargs["max_length_q"]
-            out = kernel(
-                *(x[0].transpose(0, 1) for x in (query, key, value)), starts, starts, longest, longest,
-                scale=scaling, window_size=(window - 1, 0) if window else (-1, 0), enable_gqa=gqa,
-            )  # fmt: skip
+            out = kernel(*(x[0].transpose(0, 1) for x in (query, key, value)), starts, starts, longest, longest,
+                         scale=scaling, **extra)  # fmt: skip
             return out[None], None
         bounds, parts = starts.tolist(), []
         for a, b in zip(bounds, bounds[1:]):
@@ -416,6 +425,12 @@ def _varlen_kernel(query):
     except ImportError:
         return None
     return varlen_attn
+
+
+@functools.cache
+def _keywords(kernel) -> frozenset:
+    """The keyword arguments a kernel takes (torch's varlen kernel gained some across releases)."""
+    return frozenset(inspect.signature(kernel).parameters)
 
 
 def _why_not_packed(model) -> str | None:

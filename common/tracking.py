@@ -18,6 +18,7 @@ from common.model import LAYOUTS
 from common.ops import rollout_is_metrics as rollout_is_metrics  # re-exported for older forks
 from common.parallel import all_reduce_sum, barrier, gather_objects
 from common.parallel import setup_logging as setup_logging  # re-exported for older forks
+from common.perf import device_peak, needed_tokens, update_flops
 from common.scoring import hit
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class Tracker:
         bar_keys: tuple[str, ...] = ("train/loss", "reward/mean", "val/accuracy"),
         log_interval: int = 0,
         stop_on_nonfinite_reward: bool = False,
+        perf: dict | None = None,
     ):
         self.is_main, self.stop_on_nonfinite_reward = is_main, stop_on_nonfinite_reward
         self.total_steps, self.start_step, self.log_interval = total_steps, start_step, log_interval
@@ -67,6 +69,7 @@ class Tracker:
         self.bar = None
         self.val_first, self.val_last = {}, {}  # before training (step 0), and the latest
         self.zero_grad_steps, self.warned_zero_grad = 0, False
+        self.perf = _perf_context(perf) if perf and perf.get("flops") else None
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -105,9 +108,13 @@ class Tracker:
         """Append a record for `step` (nothing when metrics is empty) and move the bar to it. The
         val/ metrics are also kept (on every rank) for the closing summary. Logged generations
         (val/generations, see common.rollout.evaluate) go to val_generations.jsonl, one line each,
-        and to wandb as a table."""
+        and to wandb as a table. A step's sequence lengths (step_metrics' _sequence_tokens) and its
+        perf/update_s give perf/train_tokens_per_s, perf/update_tflop and perf/mfu."""
         watchdog.progress()
         metrics = dict(metrics)
+        sums = metrics.pop("_sequence_tokens", None)
+        if sums and self.perf and metrics.get("perf/update_s"):
+            metrics.update(update_metrics(self.perf, *sums, metrics["perf/update_s"]))
         self.last_step = max(self.last_step, step)
         generations = metrics.pop("val/generations", None)
         if generations and self.is_main:
@@ -284,11 +291,17 @@ def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
         metrics.update(env_metrics(rows))
     if old_logprobs is not None and old_logprobs is not batch["rollout_logprobs"]:  # bypass: nothing to compare
         metrics.update(logprob_diff_metrics(old_logprobs, batch["rollout_logprobs"], batch["response_mask"]))
-    tokens = all_reduce_sum(batch["attention_mask"].sum().float()).item()
+    lengths = batch["attention_mask"].sum(-1).double()  # each sequence's real tokens, prompt and response
+    needed = needed_tokens(lengths, lengths - batch["response_mask"].sum(-1), batch["group_ids"])
+    sums = torch.stack([lengths.sum(), *needed, batch["response_mask"].sum().double()])
+    tokens, needed, needed_sq, generated = all_reduce_sum(sums).tolist()
     metrics.update(batch.get("conditioning", {}))  # common.conditioning's, when a knob is on
     metrics.update(batch["timing"])
     seconds = time.time() - batch["started"]  # the step so far: since its generation began
-    metrics.update({"train/epoch": batch["epoch"], "perf/step_s": seconds, "perf/tokens_per_s": tokens / seconds})
+    metrics.update({"train/epoch": batch["epoch"], "perf/step_s": seconds, "perf/tokens_per_s": tokens / seconds,
+                    "perf/total_num_tokens": tokens, "_sequence_tokens": (tokens, needed, needed_sq)})  # fmt: skip
+    if batch["timing"].get("perf/generate_s"):
+        metrics["perf/generate_tokens_per_s"] = generated / batch["timing"]["perf/generate_s"]
     counts = torch.tensor(
         [LAYOUTS["packed"], LAYOUTS.total()], dtype=torch.float64, device=batch["attention_mask"].device
     )
@@ -297,6 +310,26 @@ def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
     if total:  # a model that can run padding-free (--use-remove-padding auto or True): the share that did
         metrics["perf/packed_share"] = packed / total
     return metrics
+
+
+def _perf_context(perf: dict) -> dict:
+    """What perf/mfu needs from a run (common.model.load_trained_model's run_info and the passes
+    over each step, ppo_epochs): the FLOP terms, the summed peak of its devices and its source."""
+    index = torch.cuda.current_device() if perf["device"] == "cuda" else 0
+    peak, source = device_peak(perf["device"], getattr(torch, perf["compute_dtype"]), index)
+    return {"flops": perf["flops"], "epochs": perf.get("epochs", 1), "peak": peak * perf["world_size"],
+            "peak_source": f"{perf['world_size']} x {peak / 1e12:.4g} TFLOP/s ({source})"}  # fmt: skip
+
+
+def update_metrics(perf: dict, tokens: float, needed: float, needed_sq: float, update_s: float) -> dict:
+    """perf/train_tokens_per_s (sequence tokens through the update, every pass and rank, a
+    second), perf/update_tflop (the model FLOPs of the work it needs, common.perf: needed and
+    needed_sq sum the tokens and squared sequence lengths with each group's prompt once) and
+    perf/mfu (those FLOPs a second over the peak of every device). Padding, prompts run again for
+    each response and recomputed activations are work, but not needed work: they lower MFU."""
+    flops = perf["epochs"] * update_flops(perf["flops"], needed, needed_sq)
+    return {"perf/train_tokens_per_s": perf["epochs"] * tokens / update_s, "perf/update_tflop": flops / 1e12,
+            "perf/mfu": flops / update_s / perf["peak"]}  # fmt: skip
 
 
 def env_metrics(rows: list[tuple], prefix: str = "env") -> dict:

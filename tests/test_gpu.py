@@ -57,11 +57,9 @@ def test_engine_logprobs_match_the_trainer_forward_on_gpu(tokenizer):
     assert worst < 1e-4
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_packed_forward_equals_the_padded_one_on_gpu(tokenizer, dtype):
-    """--use-remove-padding on a GPU: bfloat16 runs PyTorch's flash-attention varlen kernel
-    (common.model.VARLEN), float32 the per-sequence attention; the logprobs and gradients equal the
-    padded pass's within the dtype's rounding."""
+def packed_and_padded(tokenizer, device: str, layouts) -> dict:
+    """{(dtype, remove_padding): (logprobs of the response tokens, flat gradients)} of the bundled SFT
+    model on 8 random responses of 2-300 tokens, for each (dtype, remove_padding) in layouts."""
     from common.data import load_prompts, pack_sequences
     from common.model import load_policy, response_logits
     from common.ops import logprobs_from_logits
@@ -72,18 +70,38 @@ def test_a_packed_forward_equals_the_padded_one_on_gpu(tokenizer, dtype):
     responses = [
         torch.randint(10, 100, (int(n),), generator=g).tolist() for n in torch.randint(2, 300, (8,), generator=g)
     ]
-    batch = pack_sequences([r["prompt_ids"] for r in rows[:8]], responses, tokenizer.pad_token_id, "cuda")
-    batch["group_ids"] = torch.arange(8, device="cuda")
+    batch = pack_sequences([r["prompt_ids"] for r in rows[:8]], responses, tokenizer.pad_token_id, device)
+    batch["group_ids"] = torch.arange(8, device=device)
     mask = batch["response_mask"].bool()
-    results = []
-    for remove_padding in (False, True):
-        model = load_policy(sft, dtype=dtype, remove_padding=remove_padding).cuda().train()
+    results = {}
+    for dtype, remove_padding in layouts:
+        model = load_policy(sft, dtype=dtype, remove_padding=remove_padding).to(device).train()
         logprobs = logprobs_from_logits(response_logits(model, batch).float(), batch["responses"])[mask]
         grads = torch.autograd.grad(logprobs.sum(), list(model.parameters()))
-        results.append((logprobs, torch.cat([x.float().flatten() for x in grads])))
-    (lp, grad), (packed_lp, packed_grad) = results
-    tolerance = 1e-4 if dtype == "float32" else 5e-2
-    worst = (packed_lp - lp).abs().max().item()
-    print(f"\n{dtype}: largest |packed - padded| logprob difference {worst:.2e}")
-    assert worst < tolerance
-    assert (packed_grad - grad).norm() <= (1e-3 if dtype == "float32" else 5e-2) * grad.norm()
+        results[dtype, remove_padding] = (logprobs.detach(), torch.cat([x.float().flatten() for x in grads]))
+    return results
+
+
+def test_a_packed_forward_equals_the_padded_one_on_gpu(tokenizer):
+    """--use-remove-padding on a GPU: bfloat16 runs PyTorch's flash-attention varlen kernel
+    (common.model.VARLEN), float32 the per-sequence attention. float32: the logprobs and gradients
+    equal the padded pass's within float32 rounding. bfloat16 rounds each layout differently (on an
+    H100 a token's logprob moved by up to 0.32 between them, as bfloat16 padded moves from float32 by
+    up to 0.77 on a CPU), so each bfloat16 layout is held to the float32 result: the packed one may
+    be no further from it than the padded one, give or take half (a kernel that attended across
+    sequences or ignored causality missed by several nats)."""
+    layouts = [("float32", False), ("float32", True), ("bfloat16", False), ("bfloat16", True)]
+    results = packed_and_padded(tokenizer, "cuda", layouts)
+    (lp, grad), (packed_lp, packed_grad) = results["float32", False], results["float32", True]
+    print(f"\nfloat32: largest |packed - padded| logprob difference {(packed_lp - lp).abs().max().item():.2e}")
+    assert (packed_lp - lp).abs().max().item() < 1e-4
+    assert (packed_grad - grad).norm() <= 1e-3 * grad.norm()
+    errors = {}
+    for remove_padding in (False, True):
+        half_lp, half_grad = results["bfloat16", remove_padding]
+        gap = (half_lp - lp).abs()
+        errors[remove_padding] = (gap.mean().item(), gap.max().item(), ((half_grad - grad).norm() / grad.norm()).item())
+    print(f"bfloat16 against float32 (mean, max logprob gap, relative gradient gap): padded {errors[False]}, "
+          f"packed {errors[True]}")  # fmt: skip
+    for padded, packed in zip(errors[False], errors[True]):
+        assert packed <= 1.5 * padded

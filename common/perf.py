@@ -1,0 +1,125 @@
+"""How fast a run is against what its hardware can do: the update's model FLOPs, the device's peak
+and their ratio (MFU, model FLOPs utilisation).
+
+FLOPs are counted as PaLM's appendix B (Chowdhery et al. 2022, arXiv:2204.02311) and verl's
+FlopsCounter count them, so an MFU here reads like theirs. For a sequence of n tokens, forward and
+backward of a dense decoder:
+    6 * N * n                      every weight matrix: 2 FLOPs a weight a token forward, 4 backward
+  + 12 * layers * heads * head_dim * n^2   attention's QK^T and AV (forward 4 * ... * n^2, backward twice that)
+N counts the weights that multiply activations: every parameter but the input embedding, plus the
+output projection (lm_head) even when it shares the embedding's weights. The attention term counts
+each token against the whole sequence, as both of them do; a causal kernel does about half of it.
+Sharing a group's prompt (--shared-prompt-forward) or recomputing activations (gradient
+checkpointing) does not change the count: MFU measures the model's work done per second.
+"""
+
+import functools
+import time
+
+import torch
+
+# Dense (no structured sparsity) peak TFLOP/s from each vendor's datasheet: bfloat16 / float16 on the
+# tensor cores, float32 without them (torch's default for a float32 matmul) and TF32 (what a float32
+# matmul runs as under torch.set_float32_matmul_precision("high")). The first name contained in
+# torch.cuda.get_device_name() wins, so the variants come before their family. A device not listed
+# is measured by a matmul probe instead (device_peak).
+PEAK_TFLOPS = (  # name, bf16 (= fp16), fp32, tf32
+    ("H100 PCIe", 756.0, 51.0, 378.0),  # NVIDIA H100 datasheet (PCIe)
+    ("H100 NVL", 835.0, 60.0, 418.0),  # NVIDIA H100 datasheet (NVL)
+    ("H200 NVL", 835.0, 60.0, 418.0),  # NVIDIA H200 datasheet (NVL)
+    ("H100", 989.4, 67.0, 494.7),  # NVIDIA H100 datasheet (SXM5)
+    ("H800", 989.4, 67.0, 494.7),  # as the H100 SXM5
+    ("H200", 989.4, 67.0, 494.7),  # NVIDIA H200 datasheet (SXM)
+    ("A100", 312.0, 19.5, 156.0),  # NVIDIA A100 datasheet
+    ("A800", 312.0, 19.5, 156.0),  # as the A100
+    ("L40S", 362.05, 91.6, 183.0),  # NVIDIA L40S datasheet
+    ("L4", 121.0, 30.3, 60.0),  # NVIDIA L4 datasheet
+    ("A10", 125.0, 31.2, 62.5),  # NVIDIA A10 datasheet
+    ("RTX 4090", 165.2, 82.6, 82.6),  # NVIDIA Ada Lovelace architecture whitepaper (fp32 accumulate)
+    ("MI300X", 1307.4, 163.4, 653.7),  # AMD Instinct MI300X datasheet (matrix cores)
+)
+
+
+def matmul_parameters(model) -> int:
+    """N above: every parameter but the input embedding's, plus the output projection's (counted
+    again when it is tied to the embedding: its matmul runs either way). Works through DDP, PEFT
+    and FSDP2 (a DTensor's numel is the global one)."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    seen, total = set(), 0
+    for p in inner.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    embedding, head = inner.get_input_embeddings(), inner.get_output_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    return total - (0 if tied else embedding.weight.numel())
+
+
+def flop_terms(model) -> dict:
+    """The model's two FLOP coefficients: per token (6 N) and per squared sequence length
+    (12 layers heads head_dim), from its parameters and configuration."""
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return {"per_token": 6 * matmul_parameters(model), "per_token_sq": 12 * config.num_hidden_layers * heads * head_dim}
+
+
+def update_flops(terms: dict, sum_tokens: float, sum_tokens_sq: float) -> float:
+    """Forward and backward FLOPs over sequences whose lengths sum to sum_tokens and whose squared
+    lengths sum to sum_tokens_sq."""
+    return terms["per_token"] * sum_tokens + terms["per_token_sq"] * sum_tokens_sq
+
+
+def needed_tokens(lengths, prompt_lengths, group_ids) -> tuple:
+    """The tokens and squared sequence lengths, summed, of the work an update over these sequences
+    needs: each group's prompt once however many of its responses share it (the recipes run it once:
+    --shared-prompt-forward), so the second and later responses of a group count their prompt as
+    already computed. lengths, prompt_lengths (B,) real tokens; group_ids (B,) equal for responses to
+    one prompt. Returns two 0-d tensors."""
+    _, owner = torch.unique(group_ids, return_inverse=True)
+    rows = torch.arange(len(group_ids), device=group_ids.device)
+    first = torch.full((int(owner.max()) + 1 if len(rows) else 0,), len(rows), device=rows.device)
+    first = first.scatter_reduce(0, owner, rows, "amin")
+    repeated = torch.where(rows == first[owner], 0, prompt_lengths).to(lengths.dtype)
+    return lengths.sum() - repeated.sum(), (lengths**2).sum() - (repeated**2).sum()
+
+
+def compute_dtype(dtype: str, mixed_precision: str) -> torch.dtype:
+    """The dtype the matmuls run in: bfloat16 under --mixed-precision bf16, else the weights'."""
+    return torch.bfloat16 if mixed_precision == "bf16" else getattr(torch, dtype)
+
+
+def device_peak(device_type: str, dtype: torch.dtype, index: int = 0) -> tuple[float, str]:
+    """(FLOP/s, where the figure comes from) for one device computing in dtype: the datasheet's
+    dense peak for a GPU in PEAK_TFLOPS, otherwise (a CPU, an unlisted GPU) the best of a short
+    matmul probe on it, which a run can reach but not pass."""
+    if device_type == "cuda":
+        name = torch.cuda.get_device_name(index)
+        for key, half, fp32, tf32 in PEAK_TFLOPS:
+            if key in name:
+                if dtype in (torch.bfloat16, torch.float16):
+                    return half * 1e12, f"{name} datasheet, dense {str(dtype).removeprefix('torch.')}"
+                high = torch.get_float32_matmul_precision() != "highest"
+                return (tf32 if high else fp32) * 1e12, f"{name} datasheet, dense {'tf32' if high else 'fp32'}"
+    device = torch.device(device_type, index) if device_type == "cuda" else torch.device(device_type)
+    return matmul_probe(device, dtype), f"measured by a {str(dtype).removeprefix('torch.')} matmul on {device_type}"
+
+
+@functools.cache  # once a process: a run's trackers and benchmarks ask again
+def matmul_probe(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
+    """The best FLOP/s of square matmuls (1024 on a CPU, 8192 on a GPU) over about `seconds`, after
+    one warm-up."""
+    size = 8192 if device.type == "cuda" else 1024
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a, b = (torch.randn(size, size, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best

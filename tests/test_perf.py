@@ -1,0 +1,96 @@
+"""common.perf: the update's model FLOPs against a hand count and against torch's own FLOP counter,
+the work a group's shared prompt saves, the device peaks, and perf/mfu in a run's metrics."""
+
+import pytest
+import torch
+from conftest import BUNDLED, read_metrics, run_recipe
+
+from common.model import load_policy
+from common.perf import device_peak, flop_terms, matmul_parameters, needed_tokens, update_flops
+from common.tracking import Tracker
+
+
+def test_the_flop_terms_of_the_bundled_model_equal_a_hand_count():
+    # tiny-qwen2: hidden 128, MLP 512, 4 layers of 4 heads of 32, vocabulary 261, lm_head tied to the embedding.
+    attention = 4 * 128 * 128 + 3 * 128  # q, k, v, o and the q, k, v biases
+    mlp = 3 * 128 * 512  # gate, up, down
+    norms = 2 * 128
+    layers = 4 * (attention + mlp + norms)
+    head = 261 * 128  # the tied lm_head's matmul counts; the embedding lookup does not
+    n = layers + 128 + head  # + the final norm
+    model = load_policy(str(BUNDLED / "tiny-qwen2"))
+    assert matmul_parameters(model) == n == 1_084_672
+    assert flop_terms(model) == {"per_token": 6 * n, "per_token_sq": 12 * 4 * 4 * 32}
+    # two sequences of 10 and 30 tokens
+    assert update_flops(flop_terms(model), 40, 10**2 + 30**2) == 6 * n * 40 + 12 * 4 * 4 * 32 * 1000
+
+
+def test_an_untied_lm_head_counts_once_and_the_embedding_not_at_all():
+    model = load_policy(str(BUNDLED / "tiny-llama"))  # tie_word_embeddings false
+    total = sum(p.numel() for p in model.parameters())
+    assert matmul_parameters(model) == total - 261 * 128
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-llama"])
+def test_the_count_equals_torch_flop_counter_on_a_forward_and_backward(name):
+    """torch.utils.flop_counter counts every matmul of a real forward and backward (attention too, as
+    the batched matmuls of SDPA's math kernel): the attention term equals its count exactly, and the
+    whole within 1% (our N also holds the norms and biases, 0.3% of it here)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = load_policy(str(BUNDLED / name)).train()
+    n = 40
+    ids = torch.randint(0, 250, (2, n), generator=torch.Generator().manual_seed(0))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(input_ids=ids).logits.float().sum().backward()
+    terms = flop_terms(model)
+    counts = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
+    assert counts["aten.bmm"] == terms["per_token_sq"] * 2 * n**2
+    assert counter.get_total_flops() == pytest.approx(update_flops(terms, 2 * n, 2 * n**2), rel=0.01)
+
+
+def test_a_shared_prompt_is_needed_work_once_a_group():
+    # two groups: prompt 10 with responses 5 and 7; prompt 4 with responses 2, 2, 3 (rows interleaved)
+    group_ids = torch.tensor([0, 1, 0, 1, 1])
+    prompts = torch.tensor([10, 4, 10, 4, 4])
+    lengths = prompts + torch.tensor([5, 2, 7, 2, 3])
+    tokens, tokens_sq = needed_tokens(lengths.double(), prompts, group_ids)
+    assert tokens.item() == (10 + 5 + 7) + (4 + 2 + 2 + 3)
+    assert tokens_sq.item() == (15**2 + 17**2 - 10**2) + (6**2 + 6**2 + 7**2 - 2 * 4**2)
+
+
+def test_device_peaks_come_from_the_datasheets_or_a_probe(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H100 80GB HBM3")
+    assert device_peak("cuda", torch.bfloat16) == (989.4e12, "NVIDIA H100 80GB HBM3 datasheet, dense bfloat16")
+    assert device_peak("cuda", torch.float32)[0] == 67e12  # torch's default float32 matmul: no TF32
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H100 PCIe")
+    assert device_peak("cuda", torch.bfloat16)[0] == 756e12  # the variant before its family
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert device_peak("cuda", torch.float32)[0] == 378e12  # TF32 where torch was told to use it
+    flops, source = device_peak("cpu", torch.float32)
+    assert flops > 1e8 and source == "measured by a float32 matmul on cpu"
+
+
+def test_the_tracker_turns_a_steps_lengths_into_mfu(tmp_path):
+    terms = {"per_token": 600, "per_token_sq": 12}
+    perf = {"flops": terms, "device": "cpu", "compute_dtype": "float32", "world_size": 2, "epochs": 3}
+    tracker = Tracker(tmp_path, loggers=(), perf=perf)
+    peak = device_peak("cpu", torch.float32)[0]
+    tracker.log({"perf/update_s": 0.5, "_sequence_tokens": (120.0, 100.0, 2000.0)}, step=1)
+    (record,) = read_metrics(tmp_path)
+    flops = 3 * (600 * 100 + 12 * 2000)  # three passes over the needed work
+    assert "_sequence_tokens" not in record
+    assert record["perf/update_tflop"] == pytest.approx(flops / 1e12)
+    assert record["perf/mfu"] == pytest.approx(flops / 0.5 / (2 * peak))
+    assert record["perf/train_tokens_per_s"] == pytest.approx(3 * 120 / 0.5)
+
+
+def test_every_step_of_a_run_logs_its_mfu_and_token_rates(tmp_path, small_files):
+    run_recipe("grpo", "--output-dir", tmp_path, *small_files, "--total-training-steps", "2", "--check", "off")
+    steps = [r for r in read_metrics(tmp_path) if "train/loss" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert 0 < r["perf/mfu"] < 1, r
+        assert r["perf/generate_tokens_per_s"] > 0 and r["perf/train_tokens_per_s"] > 0
+        assert r["perf/total_num_tokens"] * 1 / r["perf/update_s"] == pytest.approx(r["perf/train_tokens_per_s"])
