@@ -29,7 +29,12 @@ timeout "${PACKING_S:-70}" python3 bench/packing.py --shape qwen2.5-0.5b --devic
 echo "packing: exit $?"
 grep -E "^model|^spread|^uniform" "$OUT/packing.txt"
 
-# 3. the launch check on the 0.5B-shaped model (bf16 gaps, weight sync, resume), beside the GPU tests
+# 3. the vocabulary's share of the update: op by op against the fused logprob and entropy pass
+timeout "${VOCAB_S:-60}" python3 bench/vocab_ops.py --device cuda --dtype bfloat16 --rows 8192 >"$OUT/vocab.txt" 2>&1
+echo "vocab_ops: exit $?"
+tail -3 "$OUT/vocab.txt"
+
+# 4. the launch check on the 0.5B-shaped model (bf16 gaps, weight sync, resume), beside the GPU tests
 timeout "${CHECK_S:-200}" python3 -m common.check grpo --model "$CACHE/qwen2.5-0.5b" --mixed-precision bf16 \
     --check full --train-batch-size 8 --rollout-n 4 --max-response-length 64 --output-dir /tmp/gpu-tier-check \
     >"$OUT/check.txt" 2>&1 &

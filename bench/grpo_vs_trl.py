@@ -4,12 +4,14 @@ Same model (bundled SFT checkpoint), data (bundled addition task), prompts per s
 response length, learning rate (constant), clip, loss (token-mean; TRL's loss_type="dapo"), no KL,
 no gradient checkpointing, no weight decay, grad clip 1.0, CPU. Each side runs in its own
 process, one after the other, and both final models are scored by the same greedy evaluation on
-the 500-row test split. Prints the median step time of each, the time of the first ten steps (a
-short run's, start-up work inside the loop included) against ten median steps, the ratios, our
-phase breakdown and the accuracy before and after.
+the 500-row test split. Prints, for each side and their ratio, the steady step time measured from
+outside (the wall time of a 40-step run less that of a 10-step run, over 30: everything a step costs,
+none of the start-up), the wall time of the 10-step run (start-up included) and the median step
+inside the loop; then our phases and the accuracy before and after. The sides alternate: short,
+short, long, long.
 
     pip install -e ".[bench]"
-    python bench/grpo_vs_trl.py --steps 20 --prompts 8 --group 8
+    python bench/grpo_vs_trl.py                        # 16 prompts x 4 samples, 12 new tokens
 """
 
 import argparse
@@ -57,22 +59,25 @@ def run_logged(cmd, log: Path) -> None:
         sys.exit(f"{' '.join(map(str, cmd))} failed:\n{log.read_text()[-4000:]}")
 
 
-def run_ours(args, out: Path) -> dict:
+def run_ours(args, out: Path, steps: int) -> dict:
     cmd = [
         sys.executable, str(ROOT / "recipes" / "grpo.py"), "--output-dir", str(out), "--resume", "disable",
-        "--total-training-steps", str(args.steps), "--train-batch-size", str(args.prompts),
+        "--total-training-steps", str(steps), "--train-batch-size", str(args.prompts),
         "--ppo-mini-batch-size", str(args.prompts), "--rollout-n", str(args.group),
         "--micro-batch-size-per-gpu", str(args.prompts * args.group), "--max-response-length", str(args.max_tokens),
         "--lr", str(args.lr), "--lr-scheduler", "constant", "--weight-decay", "0", "--test-freq", "0",
-        "--no-val-before-train", "--save-freq", str(args.steps), "--seed", str(args.seed), "--logger",
+        "--no-val-before-train", "--save-freq", str(steps), "--seed", str(args.seed), "--logger",
     ]  # fmt: skip
-    run_logged(cmd, out.parent / "ours.log")
+    start = time.time()
+    run_logged(cmd, out.parent / f"ours-{steps}.log")
+    wall = time.time() - start
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     phases = ("generate", "score", "logprobs", "update")
     return {
         "step_s": [r["perf/step_s"] for r in records],
         "phases": {p: statistics.median(r[f"perf/{p}_s"] for r in records) for p in phases},
-        "model": out / "checkpoints" / f"step_{args.steps}" / "hf",
+        "model": out / "checkpoints" / f"step_{steps}" / "hf",
+        "wall": wall,
     }
 
 
@@ -103,12 +108,12 @@ def trl_worker(args, out: Path) -> None:
             times.append(time.time() - self.t0)
 
     config = GRPOConfig(
-        output_dir=str(out), use_cpu=True, bf16=False, max_steps=args.steps, learning_rate=args.lr,
+        output_dir=str(out), use_cpu=True, bf16=False, max_steps=args.worker_steps, learning_rate=args.lr,
         lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, seed=args.seed,
         per_device_train_batch_size=args.prompts * args.group, gradient_accumulation_steps=1,
         num_generations=args.group, steps_per_generation=1, max_completion_length=args.max_tokens,
         temperature=1.0, top_k=0, top_p=1.0, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
-        num_iterations=1, gradient_checkpointing=False, logging_steps=args.steps, save_strategy="no", report_to=[],
+        num_iterations=1, gradient_checkpointing=False, logging_steps=args.worker_steps, save_strategy="no", report_to=[],
         dataloader_num_workers=0,
     )  # fmt: skip
     tokenizer = load_tokenizer(str(SFT))
@@ -127,20 +132,24 @@ def trl_worker(args, out: Path) -> None:
     (out / "times.json").write_text(json.dumps(times))
 
 
-def run_trl(args, out: Path) -> dict:
-    run_logged([sys.executable, __file__, "--trl-worker", str(out), *sys.argv[1:]], out.parent / "trl.log")
-    return {"step_s": json.loads((out / "times.json").read_text()), "model": out / "final"}
+def run_trl(args, out: Path, steps: int) -> dict:
+    start = time.time()
+    cmd = [sys.executable, __file__, "--trl-worker", str(out), "--worker-steps", str(steps), *sys.argv[1:]]
+    run_logged(cmd, out.parent / f"trl-{steps}.log")
+    wall = time.time() - start
+    return {"step_s": json.loads((out / "times.json").read_text()), "model": out / "final", "wall": wall}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
-    parser.add_argument("--group", type=int, default=8, help="samples per prompt")
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=40, help="steps of the long run (the short one runs 10)")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    parser.add_argument("--group", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-steps", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
         return trl_worker(args, Path(args.trl_worker))
@@ -149,23 +158,35 @@ def main() -> None:
     except ImportError:
         sys.exit('TRL is not installed: pip install -e ".[bench]"')
 
+    short = 10
     with tempfile.TemporaryDirectory() as tmp:
-        ours = run_ours(args, Path(tmp) / "ours")
-        theirs = run_trl(args, Path(tmp) / "trl")
+        # Short and long runs of each side, the sides alternating, so a drift of the machine's speed
+        # falls on both; the long runs train the models that are scored.
+        ours_short = run_ours(args, Path(tmp) / "ours-short", short)
+        trl_short = run_trl(args, Path(tmp) / "trl-short", short)
+        ours = run_ours(args, Path(tmp) / "ours", args.steps)
+        theirs = run_trl(args, Path(tmp) / "trl", args.steps)
         before = greedy_accuracy(SFT)
         acc_ours, acc_trl = greedy_accuracy(ours["model"]), greedy_accuracy(theirs["model"])
-    # The first step of each side includes one-off warm-up; the median is over steps 2..N.
+    # From outside: the long run's wall less the short one's is args.steps - 10 steady steps, with
+    # everything a step costs (logging, probes, collectives), and none of the start-up.
+    steady = [
+        (long["wall"] - first["wall"]) / (args.steps - short)
+        for long, first in ((ours, ours_short), (theirs, trl_short))
+    ]
     med_ours, med_trl = statistics.median(ours["step_s"][1:]), statistics.median(theirs["step_s"][1:])
-    print(
-        f"\nGRPO, {args.steps} steps of {args.prompts} prompts x {args.group} samples, {args.max_tokens} new tokens, lr {args.lr}, CPU"
+    print(f"\nGRPO, {args.prompts} prompts x {args.group} samples, {args.max_tokens} new tokens, lr {args.lr}, CPU")
+    print(f"{'':40}{'recipes/grpo.py':>18}{'TRL GRPOTrainer':>18}{'ratio':>8}")
+    rows = (
+        (f"steady step, s (wall {args.steps} - wall {short}) / {args.steps - short}", *steady),
+        (f"first {short} steps, s (wall of {short}, start-up in)", ours_short["wall"], trl_short["wall"]),
+        ("median step inside the loop, s", med_ours, med_trl),
     )
-    print(f"{'':24}{'recipes/grpo.py':>18}{'TRL GRPOTrainer':>18}")
-    print(f"{'median step time (s)':24}{med_ours:>18.3f}{med_trl:>18.3f}")
-    print(f"{'greedy accuracy':24}{f'{before:.1%} -> {acc_ours:.1%}':>18}{f'{before:.1%} -> {acc_trl:.1%}':>18}")
-    first = [sum(side["step_s"][:10]) for side in (ours, theirs)]
-    print(f"{'first 10 steps (s)':24}{first[0]:>18.2f}{first[1]:>18.2f}")
-    print(f"{'  / 10 median steps':24}{first[0] / (10 * med_ours):>18.2f}{first[1] / (10 * med_trl):>18.2f}")
-    print(f"step time ratio ours / TRL: {med_ours / med_trl:.2f}; first 10 steps: {first[0] / first[1]:.2f}")
+    for label, a, b in rows:
+        print(f"{label:40}{a:>18.3f}{b:>18.3f}{a / b:>8.2f}")
+    print(f"{'greedy accuracy':40}{f'{before:.1%} -> {acc_ours:.1%}':>18}{f'{before:.1%} -> {acc_trl:.1%}':>18}")
+    print(f"steady-state ratio ours / TRL: {steady[0] / steady[1]:.2f}; first {short} steps: "
+          f"{ours_short['wall'] / trl_short['wall']:.2f}")  # fmt: skip
     print("our phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in ours["phases"].items()))
 
 

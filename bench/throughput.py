@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="prompts a step (--train-batch-size)")
     parser.add_argument("--group", type=int, default=4, help="responses a prompt (--rollout-n)")
     parser.add_argument("--response-length", type=int, default=0, help="--max-response-length (0: 16 bundled, "
-                        "64 on a CPU, 256 on a GPU)")  # fmt: skip
+                        "32 on a CPU, 256 on a GPU)")  # fmt: skip
     parser.add_argument("--micro-batch", type=int, default=16, help="--micro-batch-size-per-gpu")
     parser.add_argument("--mixed-precision", choices=["no", "bf16"], default="no")
     parser.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "recipes-throughput"),
@@ -134,7 +134,7 @@ def main() -> None:
     table, work = [], Path(tempfile.mkdtemp(prefix="throughput-"))
     for model, engine, processes, layout in rows(args, cuda, vllm):
         path = BUNDLED / "tiny-qwen2-sft" if model == "bundled" else random_model(model, Path(args.cache) / model)
-        length = args.response_length or (16 if model == "bundled" else 256 if cuda else 64)
+        length = args.response_length or (16 if model == "bundled" else 256 if cuda else 32)
         remove_padding = {"auto": "auto", "padded": "False", "padding-free": "True"}[layout]
         flags = ["--total-training-steps", str(args.steps), "--save-freq", "0", "--test-freq", "0",
                  "--no-val-before-train", "--check", "off", "--lr-scheduler", "constant",

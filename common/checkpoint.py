@@ -31,6 +31,7 @@ from common import watchdog
 from common.errors import UsageError
 from common.model import is_lora
 from common.parallel import Dist, barrier, unwrap
+from common.perf import timed
 
 log = logging.getLogger(__name__)
 # Single-process runs save and load with torch.distributed.checkpoint on purpose (one format for
@@ -341,6 +342,7 @@ def _check_export(out_dir: Path) -> None:
         raise DamagedCheckpoint(f"{out_dir}: the export did not read back ({type(e).__name__}: {e})") from None
 
 
+@timed("save")  # the closing "where the time went" block counts it
 def save_checkpoint(
     output_dir,
     step: int,

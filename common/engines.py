@@ -27,6 +27,7 @@ from common.errors import RunStopped
 from common.model import cache_kwarg, response_logits
 from common.ops import logprobs_from_logits
 from common.parallel import is_fsdp, unwrap
+from common.perf import timed
 from common.weight_sync import check_against, checkpoint_shapes, hf_weights
 
 
@@ -334,7 +335,10 @@ class VLLMEngine:
     def update_weights(self, version: int) -> None:
         """Collective under FSDP2 (every rank gathers every parameter in the same order)."""
         weights = check_against(hf_weights(self.model, self.dtype), self.shapes, f"the vLLM engine of rank {self.rank}")
-        with watchdog.waiting(f"the weight sync to the vLLM engine (version {version})", collective=True):
+        with (
+            watchdog.waiting(f"the weight sync to the vLLM engine (version {version})", collective=True),
+            timed("sync"),
+        ):
             self.load_weights(weights, version)
         watchdog.note(version=version)
 

@@ -89,6 +89,65 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return torch.cat(out).reshape(labels.shape) if out else flat_logits.new_zeros(labels.shape)
 
 
+def logprobs_and_entropy(logits, labels, mask=None, with_entropy: bool = True):
+    """(log softmax(logits)[labels], entropy of softmax(logits) or None) for (..., V) logits and (...)
+    labels, in float32 (float64 logits: float64), where mask (...) is true (0 elsewhere; every
+    position without a mask).
+
+    The update's cost beside the model: at a real vocabulary (151,936 for Qwen2.5) these
+    per-token sums over V move more bytes than the model's matmuls. So one float32 copy and one
+    logsumexp a chunk of rows serve both results, the backward is written out (d logprob / dx =
+    onehot - p, d entropy / dx = -p (log p + H)) rather than recorded op by op, the rows the mask
+    leaves out (padding) are never read, and an entropy nobody differentiates (the metric, at
+    entropy_coeff 0) adds nothing to the backward. Chunked like logprobs_from_logits."""
+    shape = labels.shape
+    flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(-1)
+    logprobs, entropy = _LogprobEntropy.apply(flat, flat_labels, rows, with_entropy)
+    return logprobs.reshape(shape), (entropy.reshape(shape) if with_entropy else None)
+
+
+class _LogprobEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, rows, with_entropy):
+        ctx.set_materialize_grads(False)
+        n, dtype = logits.shape[0], torch.promote_types(logits.dtype, torch.float32)
+        picked = torch.arange(n, device=logits.device) if rows is None else rows
+        logprobs, entropy, lse = (logits.new_zeros(n, dtype=dtype) for _ in range(3))
+        for part in _row_chunks(len(picked)):
+            index = picked[part]
+            x = logits[index].to(dtype)
+            z = torch.logsumexp(x, dim=-1)
+            lse[index] = z
+            logprobs[index] = x.gather(-1, labels[index].unsqueeze(-1)).squeeze(-1) - z
+            if with_entropy:
+                logp = x.sub_(z.unsqueeze(-1))
+                entropy[index] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(logits, labels, picked, lse, entropy)
+        ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, labels, picked, lse, entropy = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        if grad_logprobs is None and grad_entropy is None:
+            return grad, None, None, None
+        for part in _row_chunks(len(picked)):
+            index = picked[part]
+            logp = logits[index].to(lse.dtype).sub_(lse[index].unsqueeze(-1))
+            p = logp.exp()
+            if grad_entropy is not None:  # -g_H p (log p + H)
+                g = logp.add_(entropy[index].unsqueeze(-1)).mul_(p).mul_(-grad_entropy[index].unsqueeze(-1))
+            else:
+                g = torch.zeros_like(p)
+            if grad_logprobs is not None:  # g_lp (onehot - p)
+                g_lp = grad_logprobs[index].unsqueeze(-1)
+                g.sub_(p.mul_(g_lp)).scatter_add_(-1, labels[index].unsqueeze(-1), g_lp)
+            grad[index] = g.to(grad.dtype)
+        return grad, None, None, None
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the last dim, (..., V) -> (...), float32, chunked."""
     flat = logits.reshape(-1, logits.shape[-1])

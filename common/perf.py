@@ -13,8 +13,10 @@ Sharing a group's prompt (--shared-prompt-forward) or recomputing activations (g
 checkpointing) does not change the count: MFU measures the model's work done per second.
 """
 
+import contextlib
 import functools
 import time
+from collections import Counter
 
 import torch
 
@@ -107,10 +109,10 @@ def device_peak(device_type: str, dtype: torch.dtype, index: int = 0) -> tuple[f
 
 
 @functools.cache  # once a process: a run's trackers and benchmarks ask again
-def matmul_probe(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
-    """The best FLOP/s of square matmuls (1024 on a CPU, 8192 on a GPU) over about `seconds`, after
-    one warm-up."""
-    size = 8192 if device.type == "cuda" else 1024
+def matmul_probe(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> float:
+    """The best FLOP/s of square matmuls (2048 on a CPU, 8192 on a GPU) over about `seconds`, after
+    one warm-up. Work running beside it on the same cores lowers it (and so raises MFU)."""
+    size = 8192 if device.type == "cuda" else 2048
     g = torch.Generator(device="cpu").manual_seed(0)
     a, b = (torch.randn(size, size, generator=g).to(device=device, dtype=dtype) for _ in range(2))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -123,3 +125,89 @@ def matmul_probe(device: torch.device, dtype: torch.dtype, seconds: float = 0.3)
         sync()
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
+
+
+# --- where a run's time went ------------------------------------------------------------------------
+# Seconds of the phases that happen outside a recipe's own timings (the weight sync, checkpoint saves),
+# added where they run and read by common.tracking: perf/sync_s each step, saves in the closing block.
+PHASES: Counter = Counter()
+
+
+@contextlib.contextmanager
+def timed(phase: str):
+    """Add the seconds of the block to PHASES[phase]."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        PHASES[phase] += time.perf_counter() - start
+
+
+# The closing block's phases: its name, the perf/ timings summed into it (a remote engine's wait is
+# taken out of generate and shown on its own), and which kind of bound it makes a run.
+TIME_PHASES = (
+    ("generate", ("perf/generate_s",), "generation"),
+    ("waiting on remote engines", ("perf/rollout_wait_s",), "generation"),
+    ("score", ("perf/score_s",), "reward"),
+    ("old / ref logprobs", ("perf/logprobs_s", "perf/values_s"), "trainer"),
+    ("update", ("perf/update_s", "perf/update_critic_s"), "trainer"),
+    ("weight sync", ("perf/sync_s",), "sync"),
+    ("validate", ("perf/validate_s",), None),
+    ("save", ("perf/save_s",), None),
+)
+
+
+def phase_seconds(totals: dict) -> dict:
+    """{phase name: seconds} from the run's summed perf/*_s (TIME_PHASES)."""
+    seconds = {name: sum(totals.get(k, 0.0) for k in keys) for name, keys, _ in TIME_PHASES}
+    seconds["generate"] = max(0.0, seconds["generate"] - seconds["waiting on remote engines"])
+    return seconds
+
+
+def verdict(seconds: dict, wall: float, run: dict) -> tuple[str, str]:
+    """(what bounds the run, what would help it and why), from its phase seconds over its wall time
+    and run: the flags the advice depends on (common.config.RLArgs.tracker_kwargs). The bound is the
+    kind whose phases took the most; a suggestion the run already uses is never made."""
+    kinds = {}
+    for name, _, kind in TIME_PHASES:
+        if kind:
+            kinds[kind] = kinds.get(kind, 0.0) + seconds.get(name, 0.0)
+    bound = max(kinds, key=kinds.get)
+    share = {k: v / wall for k, v in kinds.items()} if wall > 0 else dict.fromkeys(kinds, 0.0)
+    advice = []
+    if bound == "generation":
+        if run.get("rollout_name") == "hf":
+            advice.append("a vLLM engine (--rollout-name vllm): HF generate decodes one token a step in Python")
+        overlap = min(share["generation"], share["trainer"])
+        if run.get("rollout_placement") != "remote":
+            advice.append(f"remote engines sampling while the trainer trains (--rollout-placement remote "
+                          f"--max-staleness 1): at most the update's {overlap:.0%} of the wall time can overlap")  # fmt: skip
+        elif not run.get("max_staleness"):
+            advice.append(f"--max-staleness 1, so the engines sample the next step while this one trains (at most "
+                          f"the update's {overlap:.0%} can overlap)")  # fmt: skip
+        else:
+            advice.append("more engines (--num-rollout-engines), or shorter responses (--max-response-length)")
+    elif bound == "trainer":
+        if run.get("padding", 0) >= 0.2 and run.get("use_remove_padding") is False:
+            advice.append(f"padding-free passes (--use-remove-padding auto): {run['padding']:.0%} of the trained "
+                          "tokens were padding")  # fmt: skip
+        if run.get("device") == "cuda" and run.get("mixed_precision") == "no" and run.get("dtype") == "float32":
+            advice.append("--mixed-precision bf16: the tensor cores run bfloat16 at many times float32's rate")
+        if run.get("gradient_checkpointing"):
+            advice.append("no --gradient-checkpointing if memory allows: it runs every forward twice")
+        if run.get("micro_batches", 1) > 1:
+            advice.append(f"a larger --micro-batch-size-per-gpu (now {run.get('micro_batch_size_per_gpu')}) if "
+                          f"memory allows: {run['micro_batches']} micro-batches a step, each a pass of its own")  # fmt: skip
+        if not advice:
+            advice.append("more GPUs (torchrun --nproc_per_node N) or a smaller model: the trainer has no flag left")
+    elif bound == "reward":
+        advice.append(f"more reward workers (--reward-workers, now {run.get('reward_workers')}): scoring runs in "
+                      "them in parallel, or a faster reward function")  # fmt: skip
+    else:
+        if not run.get("lora_rank"):
+            advice.append("LoRA (--lora-rank): a sync then moves the adapter, not every weight")
+        if run.get("rollout_placement") == "remote":
+            advice.append("a colocated engine (--rollout-placement colocated): its sync stays inside the process")
+        elif run.get("rollout_name") != "hf":
+            advice.append("the HF engine (--rollout-name hf) samples with the trainer's own weights: no sync")
+    return f"{bound}-bound ({share[bound]:.0%} of the time)", "; or ".join(advice)

@@ -45,6 +45,7 @@ from common.engines import Completion, HFEngine, Sampling, VLLMEngine
 from common.errors import RunStopped
 from common.model import load_policy
 from common.parallel import Dist, broadcast_object, gather_objects, scatter_objects
+from common.perf import timed
 from common.weight_sync import hf_name, hf_weights, weight_manifest
 
 log = logging.getLogger(__name__)
@@ -335,6 +336,10 @@ class RemoteEngines:
         """Collective. Stream the trainer's weights to `engines` (default: every one, and then the
         engines hold `version` and the next steps' requests go out); an engine that dies on the
         way is restarted and streamed again. With model None there is nothing to stream."""
+        with timed("sync"):
+            self._update_weights(version, engines)
+
+    def _update_weights(self, version: int, engines: list[int] | None) -> None:
         if self.model is None:
             self.weight_version = version if engines is None else self.weight_version
             return

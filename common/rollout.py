@@ -236,7 +236,8 @@ class Rollout:
     engine, the reward pool (and reward model, when one scores), the tokenizer and the process
     layout. step(i): this rank's share of step i's prompts (common.data.step_rows: batch_size
     prompts a step in a seeded order per epoch), sampling.n responses each, scored
-    (generate_and_score), with the step's epoch. validate(): val/* over `val` (evaluate)."""
+    (generate_and_score), with the step's epoch. validate(): val/* over `val` (evaluate) and its
+    seconds, perf/validate_s."""
 
     train: list[dict]
     val: list[dict]
@@ -261,5 +262,7 @@ class Rollout:
         return batch
 
     def validate(self) -> dict:
-        return evaluate(self.engine, self.pool, self.tokenizer, self.val, self.val_sampling, self.dist,
-                        self.log_val_generations)  # fmt: skip
+        start = time.time()
+        metrics = evaluate(self.engine, self.pool, self.tokenizer, self.val, self.val_sampling, self.dist,
+                           self.log_val_generations)  # fmt: skip
+        return {**metrics, "perf/validate_s": time.time() - start}

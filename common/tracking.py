@@ -18,7 +18,7 @@ from common.model import LAYOUTS
 from common.ops import rollout_is_metrics as rollout_is_metrics  # re-exported for older forks
 from common.parallel import all_reduce_sum, barrier, gather_objects
 from common.parallel import setup_logging as setup_logging  # re-exported for older forks
-from common.perf import device_peak, needed_tokens, update_flops
+from common.perf import PHASES, device_peak, needed_tokens, phase_seconds, update_flops, verdict
 from common.scoring import hit
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,8 @@ class Tracker:
         self.val_first, self.val_last = {}, {}  # before training (step 0), and the latest
         self.zero_grad_steps, self.warned_zero_grad = 0, False
         self.perf = _perf_context(perf) if perf and perf.get("flops") else None
+        self.run_facts = (perf or {}).get("run")  # the flags the closing block's advice depends on
+        self.totals: dict[str, float] = {}  # every perf/*_s summed over the run, and the work behind the rates
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -115,6 +117,7 @@ class Tracker:
         sums = metrics.pop("_sequence_tokens", None)
         if sums and self.perf and metrics.get("perf/update_s"):
             metrics.update(update_metrics(self.perf, *sums, metrics["perf/update_s"]))
+        self._add_up(metrics)
         self.last_step = max(self.last_step, step)
         generations = metrics.pop("val/generations", None)
         if generations and self.is_main:
@@ -151,6 +154,49 @@ class Tracker:
             if shown:
                 self.bar.set_postfix(shown, refresh=False)
             self.bar.update(max(0, step - self.bar.n))
+
+    def _add_up(self, metrics: dict) -> None:
+        """Sum what the closing block reports: every phase's seconds, the tokens generated and
+        trained, and the update's model FLOPs with the seconds they took."""
+        add = lambda key, value: self.totals.__setitem__(key, self.totals.get(key, 0.0) + value)  # noqa: E731
+        for key, value in metrics.items():
+            if key.startswith("perf/") and key.endswith("_s") and key not in ("perf/step_s", "perf/engine_generate_s"):
+                add(key, float(_plain(value)))
+        if "perf/generate_tokens_per_s" in metrics:
+            add("generated", metrics["perf/generate_tokens_per_s"] * metrics["perf/generate_s"])
+        if "perf/train_tokens_per_s" in metrics:
+            add("trained", metrics["perf/train_tokens_per_s"] * metrics["perf/update_s"])
+            add("update_tflop", metrics["perf/update_tflop"])
+            add("update_seconds", metrics["perf/update_s"])
+        if "perf/padding_share" in metrics:
+            add("steps", 1.0)
+            add("padding", metrics["perf/padding_share"])
+
+    def time_report(self, wall: float) -> str:
+        """The closing "where the time went" block: each phase's share of the wall time, tokens
+        generated and trained a second, the update's MFU, and the verdict with its advice
+        (common.perf.verdict)."""
+        seconds = phase_seconds(
+            {**self.totals, "perf/save_s": self.totals.get("perf/save_s", 0.0) + PHASES.pop("save", 0.0)}
+        )
+        seconds["other"] = max(0.0, wall - sum(seconds.values()))
+        shares = "  ".join(f"{name} {s / wall:.0%}" for name, s in seconds.items() if s > 0 and wall > 0)
+        lines = [f"where the time went ({wall:.0f} s): {shares}"]
+        t = self.totals
+        rates = []
+        if t.get("perf/generate_s") and "generated" in t:
+            rates.append(f"generated {t['generated'] / t['perf/generate_s']:,.0f} tokens/s")
+        if t.get("update_seconds"):
+            rates.append(f"trained {t['trained'] / t['update_seconds']:,.0f} tokens/s")
+            if self.perf:
+                mfu = t["update_tflop"] * 1e12 / t["update_seconds"] / self.perf["peak"]
+                rates.append(f"update MFU {mfu:.1%} (of {self.perf['peak_source']})")
+        if rates:
+            lines.append("  " + ", ".join(rates))
+        if self.run_facts is not None and t.get("steps"):
+            bound, advice = verdict(seconds, wall, {**self.run_facts, "padding": t["padding"] / t["steps"]})
+            lines.append(f"  {bound}: would help: {advice}")
+        return "\n".join(lines)
 
     def _check(self, metrics: dict, step: int) -> None:
         """On every rank (the values are global, so ranks agree): stop at a non-finite quantity
@@ -212,6 +258,8 @@ class Tracker:
             f"{summary['steps']} steps in {summary['seconds']:.0f}s; run folder {self.run_dir}"
             + (f"; curves {png}" if png else "")
         )
+        if self.totals:
+            self.write(self.time_report(summary["seconds"]))
         checkpoint = self.run_dir / "checkpoints" / f"step_{self.last_step}"
         if failure:
             raise RunStopped(
@@ -297,6 +345,10 @@ def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
     tokens, needed, needed_sq, generated = all_reduce_sum(sums).tolist()
     metrics.update(batch.get("conditioning", {}))  # common.conditioning's, when a knob is on
     metrics.update(batch["timing"])
+    metrics["perf/sync_s"] = PHASES.pop("sync", 0.0)  # the engine's weight sync after this step's update
+    metrics["perf/padding_share"] = (
+        1 - tokens / all_reduce_sum(torch.tensor(float(batch["attention_mask"].numel()))).item()
+    )
     seconds = time.time() - batch["started"]  # the step so far: since its generation began
     metrics.update({"train/epoch": batch["epoch"], "perf/step_s": seconds, "perf/tokens_per_s": tokens / seconds,
                     "perf/total_num_tokens": tokens, "_sequence_tokens": (tokens, needed, needed_sq)})  # fmt: skip
@@ -405,8 +457,10 @@ def read_metrics(path) -> list[dict]:
 
 
 def plot_curves(metrics_path, out_path, patterns: tuple[str, ...]) -> Path | None:
-    """One panel per metric whose name matches a pattern (fnmatch) and that changes, against step."""
+    """One panel per metric whose name matches a pattern (fnmatch) and that changes, against step;
+    after them, where each training step's time went (its phases' seconds, stacked)."""
     records = read_metrics(metrics_path)
+    steps = [r for r in records if "perf/update_s" in r]
 
     def rank(name):  # panels in the order of the patterns, then by name
         return next(i for i, p in enumerate(patterns) if fnmatch.fnmatch(name, p)), name
@@ -414,15 +468,16 @@ def plot_curves(metrics_path, out_path, patterns: tuple[str, ...]) -> Path | Non
     matching = {k for r in records for k in r if k != "step" and any(fnmatch.fnmatch(k, p) for p in patterns)}
     # A metric that never moved (e.g. clipfrac with one update per batch) gets no panel.
     names = sorted((k for k in matching if len({r[k] for r in records if k in r}) > 1), key=rank)
-    if not names:
+    if not names and not steps:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cols = min(3, len(names))
-    rows = math.ceil(len(names) / cols)
+    panels = len(names) + bool(steps)
+    cols = min(3, panels)
+    rows = math.ceil(panels / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3 * rows), squeeze=False)
     for ax, name in zip(axes.flat, names):
         points = [(r["step"], r[name]) for r in records if isinstance(r.get(name), int | float)]
@@ -430,7 +485,16 @@ def plot_curves(metrics_path, out_path, patterns: tuple[str, ...]) -> Path | Non
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(names) :]:
+    if steps:
+        ax = axes.flat[len(names)]
+        phases = [phase_seconds(r) for r in steps]
+        shown = [name for name in phases[0] if any(p[name] for p in phases)]
+        ax.stackplot([r["step"] for r in steps], *[[p[name] for p in phases] for name in shown], labels=shown)
+        ax.set_title("where the time went (s per step)", fontsize=10)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[panels:]:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(out_path, dpi=90)

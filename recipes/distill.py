@@ -45,11 +45,10 @@ from common.errors import usage_errors
 from common.model import check_teacher, load_rl_models, load_tokenizer, response_logits
 from common.ops import (
     agg_loss,
-    entropy_from_logits,
     jsd_from_logits,
     kl_from_logits,
     kl_penalty,
-    logprobs_from_logits,
+    logprobs_and_entropy,
     masked_mean,
     masked_mean_all_ranks,
     rollout_correction,
@@ -240,8 +239,8 @@ def forward_logprobs(model, batch, rows, plan, with_entropy=False, kl_ref=None, 
         teacher_logits = None if teacher is None else response_logits(teacher, mb, plan.share_prompts)
     logits = response_logits(model, mb, share_prompts=plan.share_prompts) / plan.temperature
     widen = (0, batch["responses"].shape[1] - logits.shape[1])
-    logprobs = F.pad(logprobs_from_logits(logits, mb["responses"]), widen)
-    entropy = F.pad(entropy_from_logits(logits), widen) if with_entropy else None
+    logprobs, entropy = logprobs_and_entropy(logits, mb["responses"], mb["response_mask"], with_entropy)
+    logprobs, entropy = F.pad(logprobs, widen), (F.pad(entropy, widen) if with_entropy else None)
     kl = None if kl_ref is None else F.pad(kl_from_logits(logits, ref_logits), widen)
     if teacher is None:
         return logprobs, entropy, kl, None

@@ -48,11 +48,10 @@ from common.errors import UsageError, usage_errors
 from common.model import load_rl_models, load_tokenizer, response_logits
 from common.ops import (
     agg_loss,
-    entropy_from_logits,
     kl_controller_step,
     kl_from_logits,
     kl_penalty,
-    logprobs_from_logits,
+    logprobs_and_entropy,
     masked_mean,
     masked_whiten_all_ranks,
     rollout_correction,
@@ -222,8 +221,8 @@ def forward_logprobs(model, batch, rows, plan, with_entropy=False, kl_ref=None):
         ref_logits = None if kl_ref is None else response_logits(kl_ref, mb, plan.share_prompts) / plan.temperature
     logits = response_logits(model, mb, share_prompts=plan.share_prompts) / plan.temperature
     widen = (0, batch["responses"].shape[1] - logits.shape[1])
-    logprobs = F.pad(logprobs_from_logits(logits, mb["responses"]), widen)
-    entropy = F.pad(entropy_from_logits(logits), widen) if with_entropy else None
+    logprobs, entropy = logprobs_and_entropy(logits, mb["responses"], mb["response_mask"], with_entropy)
+    logprobs, entropy = F.pad(logprobs, widen), (F.pad(entropy, widen) if with_entropy else None)
     return logprobs, entropy, (None if kl_ref is None else F.pad(kl_from_logits(logits, ref_logits), widen))
 
 

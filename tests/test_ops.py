@@ -357,3 +357,40 @@ def test_rollout_rejection_equals_verls_on_random_batches(seed):
     both = ops.rollout_rejection_mask(old, rollout, mask, "token_k1,seq_mean_k3", "0.8_1.25,0.01")
     a, b = verl_rejection_keep(*as_lists, "token_k1", "0.8_1.25"), verl_rejection_keep(*as_lists, "seq_mean_k3", "0.01")
     assert both.int().tolist() == [[x & y for x, y in zip(r, s)] for r, s in zip(a, b)]
+
+
+def test_logprobs_and_entropy_equal_the_op_by_op_ones_with_their_gradients():
+    """The fused pass (a written-out backward, padding skipped) against autograd through
+    log_softmax, in float64: values and the gradient of any mix of the two; zero at padding."""
+    from common.ops import logprobs_and_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(3, 5, 40, generator=g, dtype=torch.float64)).requires_grad_()
+    labels = torch.randint(0, 40, (3, 5), generator=g)
+    mask = torch.rand(3, 5, generator=g) > 0.3
+    w_lp, w_h = torch.randn(3, 5, generator=g, dtype=torch.float64), torch.randn(3, 5, generator=g, dtype=torch.float64)
+    logp = torch.log_softmax(logits, -1)
+    ref_lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1) * mask
+    ref_h = -(logp.exp() * logp).sum(-1) * mask
+    for a, b in ((1.0, 0.0), (0.0, 1.0), (1.0, 0.5)):
+        ref_grad = torch.autograd.grad((a * w_lp * ref_lp + b * w_h * ref_h).sum(), logits, retain_graph=True)[0]
+        lp, h = logprobs_and_entropy(logits, labels, mask)
+        grad = torch.autograd.grad((a * w_lp * lp + b * w_h * h).sum(), logits)[0]
+        assert torch.allclose(lp, ref_lp) and torch.allclose(h, ref_h)
+        assert torch.allclose(grad, ref_grad)
+        assert (grad[~mask] == 0).all()
+    lp, h = logprobs_and_entropy(logits, labels, with_entropy=False)
+    assert h is None and torch.allclose(lp, logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1))
+
+
+def test_logprobs_and_entropy_keep_bfloat16_logits_in_float32_maths():
+    from common.ops import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
+
+    logits = (4 * torch.randn(64, 300, generator=torch.Generator().manual_seed(1))).bfloat16().requires_grad_()
+    labels = torch.randint(0, 300, (64,))
+    lp, h = logprobs_and_entropy(logits, labels)
+    assert lp.dtype == h.dtype == torch.float32
+    assert torch.allclose(lp, logprobs_from_logits(logits, labels), atol=1e-5)
+    assert torch.allclose(h, entropy_from_logits(logits), atol=1e-4)
+    (lp.sum() + h.sum()).backward()
+    assert logits.grad.dtype == torch.bfloat16 and logits.grad.abs().sum() > 0

@@ -6,7 +6,7 @@ import torch
 from conftest import BUNDLED, read_metrics, run_recipe
 
 from common.model import load_policy
-from common.perf import device_peak, flop_terms, matmul_parameters, needed_tokens, update_flops
+from common.perf import device_peak, flop_terms, matmul_parameters, needed_tokens, update_flops, verdict
 from common.tracking import Tracker
 
 
@@ -94,3 +94,89 @@ def test_every_step_of_a_run_logs_its_mfu_and_token_rates(tmp_path, small_files)
         assert 0 < r["perf/mfu"] < 1, r
         assert r["perf/generate_tokens_per_s"] > 0 and r["perf/train_tokens_per_s"] > 0
         assert r["perf/total_num_tokens"] * 1 / r["perf/update_s"] == pytest.approx(r["perf/train_tokens_per_s"])
+
+
+RUN = {"rollout_name": "hf", "rollout_placement": "colocated", "max_staleness": 0, "reward_workers": 2,
+       "use_remove_padding": "auto", "micro_batch_size_per_gpu": 64, "gradient_checkpointing": False,
+       "mixed_precision": "no", "dtype": "float32", "lora_rank": 0, "device": "cpu", "micro_batches": 1,
+       "padding": 0.0}  # fmt: skip
+
+
+def test_the_verdict_names_the_largest_kind_of_phase_and_only_advice_the_run_can_take():
+    gen = {"generate": 6.0, "update": 3.0, "score": 1.0}
+    bound, advice = verdict(gen, 10.0, RUN)
+    assert bound == "generation-bound (60% of the time)"
+    assert "--rollout-name vllm" in advice and "at most the update's 30%" in advice
+    # already on vLLM remote engines sampling ahead: neither is offered again
+    bound, advice = verdict(
+        gen, 10.0, {**RUN, "rollout_name": "vllm", "rollout_placement": "remote", "max_staleness": 1}
+    )
+    assert "--rollout-name vllm" not in advice and "--max-staleness" not in advice and "--num-rollout-engines" in advice
+    # a remote engine's wait is generation; logprob passes and the update are the trainer's
+    assert verdict({"waiting on remote engines": 5.0, "update": 4.0}, 10.0, RUN)[0].startswith("generation-bound")
+    assert verdict({"old / ref logprobs": 3.0, "update": 3.0, "generate": 5.0}, 11.0, RUN)[0].startswith("trainer")
+    assert verdict({"score": 5.0, "update": 1.0}, 6.0, RUN)[1].startswith(
+        "more reward workers (--reward-workers, now 2)"
+    )
+    assert "--lora-rank" in verdict({"weight sync": 5.0, "update": 1.0}, 6.0, RUN)[1]
+    assert "--lora-rank" not in verdict({"weight sync": 5.0}, 6.0, {**RUN, "lora_rank": 8})[1]
+
+
+def test_trainer_bound_advice_follows_the_runs_flags():
+    update = {"update": 8.0, "generate": 2.0}
+    padded = {**RUN, "use_remove_padding": False, "padding": 0.4, "device": "cuda", "micro_batches": 4,
+              "gradient_checkpointing": True}  # fmt: skip
+    advice = verdict(update, 10.0, padded)[1]
+    for flag in ("--use-remove-padding auto", "40%", "--mixed-precision bf16", "--gradient-checkpointing",
+                 "--micro-batch-size-per-gpu (now 64)", "4 micro-batches"):  # fmt: skip
+        assert flag in advice, flag
+    advice = verdict(update, 10.0, {**RUN, "device": "cuda", "mixed_precision": "bf16"})[1]
+    for flag in ("--use-remove-padding", "--mixed-precision", "--gradient-checkpointing", "--micro-batch-size"):
+        assert flag not in advice, flag
+
+
+SLOW_REWARD = """
+import time
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(0.4)
+    return float(solution_str.strip() == str(ground_truth))
+"""
+SHORT = ["--total-training-steps", "3", "--train-batch-size", "4", "--rollout-n", "4", "--check", "off",
+         "--save-freq", "0", "--test-freq", "0", "--no-val-before-train"]  # fmt: skip
+
+
+def closing_block(out: str) -> str:
+    return out[out.index("where the time went") :]
+
+
+def test_a_slow_reward_function_makes_the_run_reward_bound(tmp_path, small_files):
+    (tmp_path / "reward.py").write_text(SLOW_REWARD)
+    proc = run_recipe(
+        "grpo", "--output-dir", tmp_path / "run", *small_files, *SHORT, "--reward-fn", tmp_path / "reward.py"
+    )
+    block = closing_block(proc.stdout + proc.stderr)
+    assert "reward-bound" in block and "more reward workers (--reward-workers, now 2)" in block, block
+    records = [r for r in read_metrics(tmp_path / "run") if "perf/score_s" in r]
+    assert all(r["perf/score_s"] >= 0.4 * 16 / 2 for r in records)  # 16 responses in 2 workers
+
+
+def test_a_slow_update_makes_the_run_trainer_bound(tmp_path, small_files, monkeypatch):
+    import time
+
+    import common.parallel
+
+    real = common.parallel.clip_grad_norm
+
+    def slow(*args, **kwargs):  # once an optimizer step, inside the update
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(common.parallel, "clip_grad_norm", slow)
+    proc = run_recipe("grpo", "--output-dir", tmp_path, *small_files, *SHORT)
+    block = closing_block(proc.stdout + proc.stderr)
+    assert "trainer-bound" in block and "update MFU" in block, block
+    shares = dict(part.rsplit(" ", 1) for part in block.splitlines()[0].split(": ", 1)[1].split("  "))
+    assert int(shares["update"].rstrip("%")) >= 50
+    assert sum(int(v.rstrip("%")) for v in shares.values()) in range(97, 104)  # every second, once (rounded)
