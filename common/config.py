@@ -1010,23 +1010,10 @@ class RLArgs(
         perf/mfu needs (run_info's FLOP terms, devices and compute dtype; the passes over a step) and
         the flags the closing block's advice depends on (common.perf.verdict)."""
         plan = self.batch_plan(run_info["world_size"])
-        facts = (
-            "rollout_name",
-            "rollout_placement",
-            "max_staleness",
-            "reward_workers",
-            "use_remove_padding",
-            "micro_batch_size_per_gpu",
-            "gradient_checkpointing",
-            "mixed_precision",
-            "dtype",
-            "lora_rank",
-        )
-        run = {
-            **{k: getattr(self, k) for k in facts},
-            "device": run_info["device"],
-            "micro_batches": plan.mini_batches_per_step * max(1, plan.grad_accum),
-        }
+        facts = ("rollout_name", "rollout_placement", "max_staleness", "reward_workers", "use_remove_padding",
+                 "micro_batch_size_per_gpu", "gradient_checkpointing", "mixed_precision", "dtype", "lora_rank")  # fmt: skip
+        run = {**{k: getattr(self, k) for k in facts}, "device": run_info["device"],
+               "micro_batches": plan.mini_batches_per_step * max(1, plan.grad_accum)}  # fmt: skip
         return {**super().tracker_kwargs(recipe, run_info), "stop_on_nonfinite_reward": self.stop_on_nonfinite_reward,
                 "perf": {**run_info, "epochs": self.ppo_epochs, "run": run}}  # fmt: skip
 

@@ -381,8 +381,8 @@ def register_varlen() -> str:
                              f"its attention, which the padding-free path does not; set --use-remove-padding False")  # fmt: skip
         window, gqa = kwargs.get("sliding_window"), query.shape[1] != key.shape[1]
         dropout = dropout if module.training else 0.0
-        if torch.is_autocast_enabled(query.device.type):  # rotary embeddings in float32 promote q and k to it
-            half = torch.get_autocast_dtype(query.device.type)
+        if query.is_cuda and torch.is_autocast_enabled("cuda"):  # float32 rotary tables promote q and k:
+            half = torch.get_autocast_dtype("cuda")  # back to autocast's dtype, which the varlen kernel takes
             query, key, value = query.to(half), key.to(half), value.to(half)
         kernel = _varlen_kernel(query) if not dropout else None
         takes = _keywords(kernel) if kernel is not None else set()

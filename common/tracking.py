@@ -341,14 +341,13 @@ def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
         metrics.update(logprob_diff_metrics(old_logprobs, batch["rollout_logprobs"], batch["response_mask"]))
     lengths = batch["attention_mask"].sum(-1).double()  # each sequence's real tokens, prompt and response
     needed = needed_tokens(lengths, lengths - batch["response_mask"].sum(-1), batch["group_ids"])
-    sums = torch.stack([lengths.sum(), *needed, batch["response_mask"].sum().double()])
-    tokens, needed, needed_sq, generated = all_reduce_sum(sums).tolist()
+    width = lengths.new_tensor(float(batch["attention_mask"].numel()))  # tokens with padding
+    sums = torch.stack([lengths.sum(), *needed, batch["response_mask"].sum().double(), width])
+    tokens, needed, needed_sq, generated, width = all_reduce_sum(sums).tolist()
     metrics.update(batch.get("conditioning", {}))  # common.conditioning's, when a knob is on
     metrics.update(batch["timing"])
     metrics["perf/sync_s"] = PHASES.pop("sync", 0.0)  # the engine's weight sync after this step's update
-    metrics["perf/padding_share"] = (
-        1 - tokens / all_reduce_sum(torch.tensor(float(batch["attention_mask"].numel()))).item()
-    )
+    metrics["perf/padding_share"] = 1 - tokens / width
     seconds = time.time() - batch["started"]  # the step so far: since its generation began
     metrics.update({"train/epoch": batch["epoch"], "perf/step_s": seconds, "perf/tokens_per_s": tokens / seconds,
                     "perf/total_num_tokens": tokens, "_sequence_tokens": (tokens, needed, needed_sq)})  # fmt: skip
