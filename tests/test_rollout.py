@@ -263,6 +263,40 @@ def test_the_gpu_varlen_kernel_is_called_as_documented(setup, tokenizer, monkeyp
     assert torch.allclose(packed, padded, atol=1e-4)
 
 
+@pytest.mark.parametrize("release", ["2.11", "2.13"])
+def test_grouped_heads_reach_the_varlen_kernel_of_either_torch(setup, tokenizer, monkeypatch, release):
+    """torch 2.11's varlen kernel has no enable_gqa (2.13's has): Llama's grouped key-value heads (2
+    for 4 query heads) reach 2.11's repeated to the query's heads, 2.13's as they are, and the packed
+    logprobs equal the padded ones either way (on a GPU, 2.11 raised at the keyword before)."""
+    import common.model
+    from common.model import response_logits
+
+    _, prompts, engine = setup
+    calls, grouped = [], []
+    newer = stand_in_varlen_attn(calls)
+
+    def older(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        grouped.append(k.shape[1] != q.shape[1])
+        return newer(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+
+    monkeypatch.setattr(common.model, "_varlen_kernel", lambda query: older if release == "2.11" else newer)
+    torch.manual_seed(1)
+    flat = [c for g in engine.generate(prompts, Sampling(n=2, temperature=1.5, max_tokens=24)) for c in g]
+    batch = pack_sequences([p for p in prompts for _ in range(2)], [c.token_ids for c in flat], tokenizer.pad_token_id)
+    batch["group_ids"] = torch.arange(len(prompts)).repeat_interleave(2)
+    mask = batch["response_mask"].bool()
+    out = []
+    for remove_padding in (False, True):
+        model = load_policy(str(ROOT / "bundled" / "tiny-llama"), remove_padding=remove_padding)
+        with torch.no_grad():
+            out.append(
+                logprobs_from_logits(response_logits(model, batch, share_prompts=False), batch["responses"])[mask]
+            )
+    assert calls and calls == [(-1, 0)] * len(calls)  # causal, every layer
+    assert grouped == ([False] * len(calls) if release == "2.11" else [])
+    assert torch.allclose(out[1], out[0], atol=1e-5)
+
+
 def test_a_model_with_its_own_attention_code_is_not_packed(monkeypatch):
     """A model class that keeps its own attention (transformers' is_backend_compatible False) would
     let packed sequences attend to each other: --use-remove-padding refuses it, naming it."""
