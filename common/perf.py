@@ -15,6 +15,7 @@ checkpointing) does not change the count: MFU measures the model's work done per
 
 import contextlib
 import functools
+import os
 import time
 from collections import Counter
 
@@ -201,8 +202,9 @@ def verdict(seconds: dict, wall: float, run: dict) -> tuple[str, str]:
         if not advice:
             advice.append("more GPUs (torchrun --nproc_per_node N) or a smaller model: the trainer has no flag left")
     elif bound == "reward":
-        advice.append(f"more reward workers (--reward-workers, now {run.get('reward_workers')}): scoring runs in "
-                      "them in parallel, or a faster reward function")  # fmt: skip
+        advice.append(f"more reward workers (--reward-workers, now {run.get('reward_workers')}, on {os.cpu_count()} "
+                      "cores): each scores its share in parallel")  # fmt: skip
+        advice.append("a faster reward function, or one call a step for the whole batch (--reward-manager batch)")
     else:
         if not run.get("lora_rank"):
             advice.append("LoRA (--lora-rank): a sync then moves the adapter, not every weight")

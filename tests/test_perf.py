@@ -116,7 +116,7 @@ def test_the_verdict_names_the_largest_kind_of_phase_and_only_advice_the_run_can
     assert verdict({"waiting on remote engines": 5.0, "update": 4.0}, 10.0, RUN)[0].startswith("generation-bound")
     assert verdict({"old / ref logprobs": 3.0, "update": 3.0, "generate": 5.0}, 11.0, RUN)[0].startswith("trainer")
     assert verdict({"score": 5.0, "update": 1.0}, 6.0, RUN)[1].startswith(
-        "more reward workers (--reward-workers, now 2)"
+        "more reward workers (--reward-workers, now 2,"
     )
     assert "--lora-rank" in verdict({"weight sync": 5.0, "update": 1.0}, 6.0, RUN)[1]
     assert "--lora-rank" not in verdict({"weight sync": 5.0}, 6.0, {**RUN, "lora_rank": 8})[1]
@@ -157,7 +157,7 @@ def test_a_slow_reward_function_makes_the_run_reward_bound(tmp_path, small_files
         "grpo", "--output-dir", tmp_path / "run", *small_files, *SHORT, "--reward-fn", tmp_path / "reward.py"
     )
     block = closing_block(proc.stdout + proc.stderr)
-    assert "reward-bound" in block and "more reward workers (--reward-workers, now 2)" in block, block
+    assert "reward-bound" in block and "more reward workers (--reward-workers, now 2," in block, block
     records = [r for r in read_metrics(tmp_path / "run") if "perf/score_s" in r]
     assert all(r["perf/score_s"] >= 0.4 * 16 / 2 for r in records)  # 16 responses in 2 workers
 
