@@ -15,7 +15,8 @@ Four batches: "spread" (responses of 8-512 tokens, as a reasoning run's lengths 
     python bench/packing.py --shape qwen2.5-0.5b --device cuda --dtype bfloat16 --profile   # a GPU
 
 On a GPU each pass also reports its MFU (the model FLOPs of the work the batch needs a second, over
-the device's peak: common.perf), and --profile the top kernels of each pass by GPU time.
+the device's peak: common.perf), and --profile the top kernels of the spread batch's passes by GPU
+time.
 """
 
 import argparse
@@ -157,7 +158,7 @@ def main() -> None:
     parser.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "recipes-throughput"),
                         help="with --shape: where its random-initialised model is kept")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="also report the attention's share of the time "
-                        "(on a GPU: the top kernels)")  # fmt: skip
+                        "(on a GPU: the top kernels of the spread batch's passes)")  # fmt: skip
     args = parser.parse_args()
 
     tokenizer = load_tokenizer(str(SFT))
@@ -185,7 +186,7 @@ def main() -> None:
               f"{response_tokens / t_padded:.0f} -> {response_tokens / t_packed:.0f}; MFU "
               f"{float(work) / t_padded / peak:.1%} -> {float(work) / t_packed / peak:.1%}; auto runs it "
               f"{auto_layout(packed, batch)}")  # fmt: skip
-        if args.profile and args.device == "cuda":
+        if args.profile and args.device == "cuda" and name == "spread":
             for label, m in (("padded", padded), ("packed", packed)):
                 print(f"  top kernels, {label}:\n{top_kernels(lambda m=m: step(m, batch))}")  # noqa: B023
         elif args.profile:
