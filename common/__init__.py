@@ -35,3 +35,10 @@ LAYERS = (
     "config",  # the flag dataclasses every recipe builds on, and their checks
     "check",  # --check: the launch-time proof that the engine samples what the trainer trains, on this stack
 )
+
+# Opt-in features: only a flag that asks for one loads it (tools and the agent loop, environments,
+# remote Ray engines), so a default run reads and imports the rest. A module outside this list
+# imports these only inside the function that serves the flag (tests/test_layers.py). ROLL's
+# conditioning, the launch check and the verl translation are features too, still imported by the
+# recipes at their top.
+FEATURES = ("tools", "envs", "agent", "env_manager", "remote", "conditioning", "check", "verl")

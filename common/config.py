@@ -17,14 +17,11 @@ import torch
 import tyro
 
 from common.engines import Sampling
-from common.envs import read_env_config
 from common.errors import UsageError
 from common.errors import usage_errors as usage_errors  # re-exported for older forks
 from common.model import looks_local
 from common.ops import RS_OPTIONS, parse_band
 from common.optim import Trainable, build_optimizer, build_scheduler
-from common.remote import StepPrompts
-from common.tools import read_interaction_config, read_tool_config
 
 BUNDLED = Path(__file__).resolve().parent.parent / "bundled"
 
@@ -258,10 +255,13 @@ def check_flags(args) -> None:
     if hasattr(args, "max_num_gen_batches") and getattr(args, "max_staleness", 0) > 0:  # dapo's dynamic sampling
         raise UsageError("--max-staleness: dynamic sampling draws generation batches as its filter asks, none ahead; "
                          "use 0")  # fmt: skip
-    if getattr(args, "tool_config", None):
-        read_tool_config(args.tool_config)  # its YAML and files; the functions are imported in the tool workers
-    if getattr(args, "interaction_config", None):
-        read_interaction_config(args.interaction_config)  # likewise: the classes are imported in a worker
+    if getattr(args, "tool_config", None) or getattr(args, "interaction_config", None):
+        from common.tools import read_interaction_config, read_tool_config  # a feature: loaded where asked for
+
+        if args.tool_config:
+            read_tool_config(args.tool_config)  # its YAML and files; the functions are imported in the tool workers
+        if args.interaction_config:
+            read_interaction_config(args.interaction_config)  # likewise: the classes are imported in a worker
     if getattr(args, "env_config", None):
         _check_env(args)  # likewise: the environments are made in their workers
     if getattr(args, "rollout_name", "hf") == "vllm":
@@ -587,6 +587,8 @@ class PlacementArgs:
         engines, the requests of the steps ahead (common.remote.StepPrompts over `train`)."""
         if self.rollout_placement == "colocated":
             return {}
+        from common.remote import StepPrompts
+
         names = ("num_rollout_engines", "engine_num_cpus", "engine_num_gpus", "ray_address", "max_staleness",
                  "engine_timeout")  # fmt: skip
         schedule = (
@@ -780,14 +782,26 @@ class AgentArgs:
 
     def tool_schemas(self) -> list[dict] | None:
         """The function schemas of --tool-config, which tool_agent prompts are templated with."""
-        return read_tool_config(self.tool_config).schemas if self.tool_config else None
+        if not self.tool_config:
+            return None
+        from common.tools import read_tool_config
+
+        return read_tool_config(self.tool_config).schemas
 
     def tool_class_names(self) -> list[str]:
         """The tools of --tool-config that are verl tool classes (they take per-row tools_kwargs)."""
-        return list(read_tool_config(self.tool_config).classes) if self.tool_config else []
+        if not self.tool_config:
+            return []
+        from common.tools import read_tool_config
+
+        return list(read_tool_config(self.tool_config).classes)
 
     def interaction_names(self) -> list[str] | None:
-        return read_interaction_config(self.interaction_config).names if self.interaction_config else None
+        if not self.interaction_config:
+            return None
+        from common.tools import read_interaction_config
+
+        return read_interaction_config(self.interaction_config).names
 
     def agent_kwargs(self, tool_pool, interaction_pool, lockstep: bool = True) -> dict:
         """common.rollout.start_engine's `agent`: the keyword arguments of common.agent.AgentLoop
@@ -796,6 +810,8 @@ class AgentArgs:
         generates alone); none without --tool-config or --interaction-config."""
         if not self.tool_config and not self.interaction_config:
             return {}
+        from common.tools import read_interaction_config, read_tool_config
+
         return {"agent": dict(
             tools=read_tool_config(self.tool_config) if self.tool_config else None, pool=tool_pool,
             interactions=read_interaction_config(self.interaction_config) if self.interaction_config else None,
@@ -833,7 +849,11 @@ class EnvPlayArgs:
     """environment: worker processes per rank that run the environments"""
 
     def env_tag_list(self) -> list[str]:
-        return list(self.env_tags) or read_env_config(self.env_config).tags
+        if self.env_tags:
+            return list(self.env_tags)
+        from common.envs import read_env_config
+
+        return read_env_config(self.env_config).tags
 
     def env_kwargs(self, pool, lockstep: bool = True) -> dict:
         """common.rollout.start_engine's `env`: the keyword arguments of common.env_manager.EnvLoop these flags
@@ -841,6 +861,8 @@ class EnvPlayArgs:
         without --env-config."""
         if not self.env_config:
             return {}
+        from common.envs import read_env_config
+
         return {"env": dict(
             config=read_env_config(self.env_config), pool=getattr(pool, "envs", None) or pool,
             max_env_steps=self.max_env_steps, format_penalty=self.format_penalty, gamma=self.env_gamma,
@@ -881,6 +903,8 @@ ENV_UNUSED = ("train_files", "val_files", "data_path", "prompt_key", "truncation
 def _check_env(args) -> None:
     """--env-config: the file, the tags and their groups (summing to the train batch), and no flag the
     run would not read."""
+    from common.envs import read_env_config
+
     config = read_env_config(args.env_config)
     defaults = flag_defaults(args)
     for name in ENV_UNUSED:

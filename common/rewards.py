@@ -21,14 +21,12 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from common import watchdog
-from common.envs import check_envs, load_env_host, read_env_config
 from common.errors import UsageError
 from common.scoring import builtin_scorer as builtin_scorer  # re-exported for older forks
 from common.scoring import exact_match as exact_match  # re-exported for older forks
 from common.scoring import extract_answer as extract_answer  # re-exported for older forks
 from common.scoring import finite, load_reward_fn, score_value
 from common.scoring import hit as hit  # re-exported for older forks
-from common.tools import conversation_extra_info, load_interactions, load_tools
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +87,16 @@ def _worker_main(fd: int, spec: str) -> None:
 def _worker(conn, spec):
     try:
         if spec and spec.startswith(TOOLS_PREFIX):  # a tool pool (common.agent): results are the tools' text
+            from common.tools import load_tools
+
             fn, check = load_tools(spec.removeprefix(TOOLS_PREFIX)), lambda result: None  # load_tools checks
         elif spec and spec.startswith(INTERACTIONS_PREFIX):  # interactions: load_interactions checks results
+            from common.tools import load_interactions
+
             fn, check = load_interactions(spec.removeprefix(INTERACTIONS_PREFIX)), lambda result: None
         elif spec and spec.startswith(ENVS_PREFIX):  # environments: EnvHost checks what they return
+            from common.envs import load_env_host
+
             fn, check = load_env_host(spec.removeprefix(ENVS_PREFIX)), lambda result: None
         elif spec and spec.startswith(BATCH_PREFIX):
             fn, check = load_reward_fn(spec.removeprefix(BATCH_PREFIX)), _check_batch
@@ -332,8 +336,11 @@ class RewardPool:
         name = (self.spec or "built-in rewards").removeprefix(BATCH_PREFIX)
         start = time.time()
         extras = [r.get("extra_info") for r in picked]  # tool_agent rows: with what a conversation adds
-        extras = [{**(e or {}), **conversation_extra_info(r)} if conversation_extra_info(r) else e
-                  for r, e in zip(picked, extras)]  # fmt: skip
+        if any(r.get("agent_name") == "tool_agent" for r in picked):
+            from common.tools import conversation_extra_info
+
+            extras = [{**(e or {}), **conversation_extra_info(r)} if conversation_extra_info(r) else e
+                      for r, e in zip(picked, extras)]  # fmt: skip
         scored = self.score(
             [(r["data_source"], str(r["ground_truth"]), r["ground_truth"], e) for r, e in zip(picked, extras)]
         )
@@ -431,6 +438,8 @@ def start_env_pool(config: str, *, workers: int, timeout: float, max_traj_per_en
                    rows: list[dict], tokenizer, log_path=None) -> RewardPool:  # fmt: skip
     """The environment workers of an --env-config run (common.envs.EnvHost, `workers` of them),
     checked before any model loads on the rows to be played (common.envs.check_envs)."""
+    from common.envs import check_envs, read_env_config
+
     pool = RewardPool(f"{ENVS_PREFIX}{max_traj_per_env}:{config}", workers=workers, timeout=timeout, log_path=log_path)
     try:
         check_envs(pool, read_env_config(config), rows, tokenizer, max_prompt_length)

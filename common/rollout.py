@@ -10,14 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from common import watchdog
-from common.agent import AgentLoop
 from common.data import pack_sequences, step_rows
 from common.engines import Completion, HFEngine, Sampling, VLLMEngine
 from common.engines import hf_generate_greedy as hf_generate_greedy  # re-exported for older forks
-from common.env_manager import EnvLoop
 from common.model import load_frozen
 from common.parallel import Dist, gather_objects, shard_evenly
-from common.remote import RemoteEngines
 from common.rewards import Scored
 from common.scoring import hit, load_from_file
 from common.tracking import env_metrics
@@ -44,15 +41,21 @@ def start_engine(model, tokenizer, dist, version: int = 0, *, rollout_name: str 
     engine runs behind common.agent.AgentLoop; with `env` (common.config.EnvArgs.env_kwargs) behind
     common.env_manager.EnvLoop, or the --env-manager class that subclasses it."""
     if env is not None:
+        from common.env_manager import EnvLoop
+
         inner = start_engine(model, tokenizer, dist, version, rollout_name=rollout_name, batch_size=batch_size,
                              remote=remote, **vllm_kwargs)  # fmt: skip
         manager = load_from_file(env["manager"], "--env-manager", "", kind="class") if env["manager"] else EnvLoop
         return manager(inner, tokenizer, **{k: v for k, v in env.items() if k != "manager"})
     if agent is not None:
+        from common.agent import AgentLoop
+
         inner = start_engine(model, tokenizer, dist, version, rollout_name=rollout_name, batch_size=batch_size,
                              remote=remote, **vllm_kwargs)  # fmt: skip
         return AgentLoop(inner, tokenizer, **agent)
     if remote is not None:
+        from common.remote import RemoteEngines
+
         return RemoteEngines(
             model, dist, version, model_path=vllm_kwargs["model_path"], num_engines=remote["num_rollout_engines"],
             engine_num_cpus=remote["engine_num_cpus"], engine_num_gpus=remote["engine_num_gpus"],
@@ -81,6 +84,8 @@ def start_teacher(path: str, dist, tokenizer, *, engine: str = "hf", placement: 
         return load_frozen(path, dist, **frozen)
     if placement == "colocated":
         return VLLMEngine(None, model_path=path, eos_ids=[tokenizer.eos_token_id], dist=dist, **vllm)
+    from common.remote import RemoteEngines
+
     return RemoteEngines(None, dist, 0, model_path=path, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id],
                          vllm=vllm if engine == "vllm" else None, role="teacher engine", **remote)  # fmt: skip
 

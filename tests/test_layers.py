@@ -4,7 +4,7 @@ import (at top level or inside a function) only modules listed before it. Parsed
 import ast
 from pathlib import Path
 
-from common import LAYERS
+from common import FEATURES, LAYERS
 
 COMMON = Path(__file__).resolve().parent.parent / "common"
 
@@ -90,6 +90,60 @@ def test_the_check_names_file_line_and_module_of_an_upward_import(tmp_path):
         "common/low.py:1 imports common.extra, which is not in common.LAYERS",
         "common/low.py:2 imports a recipe (nothing in common/ may)",
     ]
+
+
+def top_level_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every import of a common module that runs when the file is imported: at
+    module level, or in an if / try there, not inside a function."""
+    found, todo = [], list(ast.parse(path.read_text(), filename=str(path)).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If | ast.Try):
+            todo += (
+                node.body
+                + node.orelse
+                + getattr(node, "finalbody", [])
+                + [n for h in getattr(node, "handlers", []) for n in h.body]
+            )
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("common."):
+            found.append((node.lineno, node.module.split(".")[1]))
+        elif isinstance(node, ast.ImportFrom) and node.module == "common":
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name.split(".")[1]) for a in node.names if a.name.startswith("common.")]
+    return found
+
+
+def test_no_core_module_imports_a_feature_when_it_is_imported():
+    """common.FEATURES load only where a flag asks: a module outside them imports one inside the
+    function that serves the flag, never at its top, so a default run does not load it."""
+    assert set(FEATURES) <= set(LAYERS)
+    problems = [f"common/{path.name}:{line} imports common.{name} at its top"
+                for path in sorted(COMMON.glob("*.py")) if path.stem not in (*FEATURES, "__init__")
+                for line, name in top_level_imports(path) if name in FEATURES]  # fmt: skip
+    assert not problems, "a core module loads a feature in every run:\n" + "\n".join(problems)
+
+
+def test_a_default_run_loads_no_ray_gymnasium_engines_agent_or_environments(tmp_path):
+    """A plain grpo.py run (one step, the launch check on) never imports Ray, Gymnasium, or the
+    feature modules that serve tools, agents, environments and remote engines."""
+    import subprocess
+    import sys
+
+    script = (
+        "import runpy, sys\n"
+        f"sys.argv = ['recipes/grpo.py', '--output-dir', {str(tmp_path / 'run')!r}, '--total-training-steps', '1',"
+        " '--test-freq', '0', '--save-freq', '0', '--no-val-before-train']\n"
+        "runpy.run_path('recipes/grpo.py', run_name='__main__')\n"
+        "print('MODULES', ' '.join(sorted(sys.modules)))\n"
+    )
+    root = COMMON.parent
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = set(proc.stdout.split("MODULES ", 1)[1].split())
+    unwanted = {"ray", "gymnasium", *(f"common.{m}" for m in ("tools", "envs", "agent", "env_manager", "remote"))}
+    assert not loaded & unwanted, sorted(loaded & unwanted)
+    assert "common.rollout" in loaded  # the run did run
 
 
 # What the recipes imported from common/ before it was layered: a fork made then still imports.
