@@ -110,7 +110,7 @@ def device_peak(device_type: str, dtype: torch.dtype, index: int = 0) -> tuple[f
 
 
 @functools.cache  # once a process: a run's trackers and benchmarks ask again
-def matmul_probe(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> float:
+def matmul_probe(device: torch.device, dtype: torch.dtype, seconds: float = 0.25) -> float:
     """The best FLOP/s of square matmuls (2048 on a CPU, 8192 on a GPU) over about `seconds`, after
     one warm-up. Work running beside it on the same cores lowers it (and so raises MFU)."""
     size = 8192 if device.type == "cuda" else 2048
