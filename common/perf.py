@@ -9,8 +9,10 @@ backward of a dense decoder:
 N counts the weights that multiply activations: every parameter but the input embedding, plus the
 output projection (lm_head) even when it shares the embedding's weights. The attention term counts
 each token against the whole sequence, as both of them do; a causal kernel does about half of it.
-Sharing a group's prompt (--shared-prompt-forward) or recomputing activations (gradient
-checkpointing) does not change the count: MFU measures the model's work done per second.
+The sequences counted are the work the step needs, each group's prompt once (needed_tokens), in
+any layout: padding, a prompt run again for each response (packed, or --no-shared-prompt-forward)
+and recomputed activations (gradient checkpointing) are work the device does but the count leaves
+out, so they lower MFU.
 """
 
 import contextlib
@@ -25,7 +27,8 @@ import torch
 # tensor cores, float32 without them (torch's default for a float32 matmul) and TF32 (what a float32
 # matmul runs as under torch.set_float32_matmul_precision("high")). The first name contained in
 # torch.cuda.get_device_name() wins, so the variants come before their family. A device not listed
-# is measured by a matmul probe instead (device_peak).
+# is measured by a matmul probe instead (device_peak), and so is a listed one without figures: a
+# variant whose name contains its family's but whose figures this table does not hold.
 PEAK_TFLOPS = (  # name, bf16 (= fp16), fp32, tf32
     ("H100 PCIe", 756.0, 51.0, 378.0),  # NVIDIA H100 datasheet (PCIe)
     ("H100 NVL", 835.0, 60.0, 418.0),  # NVIDIA H100 datasheet (NVL)
@@ -36,7 +39,9 @@ PEAK_TFLOPS = (  # name, bf16 (= fp16), fp32, tf32
     ("A100", 312.0, 19.5, 156.0),  # NVIDIA A100 datasheet
     ("A800", 312.0, 19.5, 156.0),  # as the A100
     ("L40S", 362.05, 91.6, 183.0),  # NVIDIA L40S datasheet
+    ("L40", None, None, None),  # not the L4's figures: measured
     ("L4", 121.0, 30.3, 60.0),  # NVIDIA L4 datasheet
+    ("A10G", None, None, None),  # not the A10's figures: measured
     ("A10", 125.0, 31.2, 62.5),  # NVIDIA A10 datasheet
     ("RTX 4090", 165.2, 82.6, 82.6),  # NVIDIA Ada Lovelace architecture whitepaper (fp32 accumulate)
     ("MI300X", 1307.4, 163.4, 653.7),  # AMD Instinct MI300X datasheet (matrix cores)
@@ -100,6 +105,8 @@ def device_peak(device_type: str, dtype: torch.dtype, index: int = 0) -> tuple[f
     if device_type == "cuda":
         name = torch.cuda.get_device_name(index)
         for key, half, fp32, tf32 in PEAK_TFLOPS:
+            if key in name and half is None:
+                break
             if key in name:
                 if dtype in (torch.bfloat16, torch.float16):
                     return half * 1e12, f"{name} datasheet, dense {str(dtype).removeprefix('torch.')}"

@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import BUNDLED, read_metrics, run_recipe
 
+from common import perf
 from common.model import load_policy
 from common.perf import device_peak, flop_terms, matmul_parameters, needed_tokens, update_flops, verdict
 from common.tracking import Tracker
@@ -68,6 +69,9 @@ def test_device_peaks_come_from_the_datasheets_or_a_probe(monkeypatch):
     assert device_peak("cuda", torch.bfloat16)[0] == 756e12  # the variant before its family
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
     assert device_peak("cuda", torch.float32)[0] == 378e12  # TF32 where torch was told to use it
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA L40")  # not an L4
+    monkeypatch.setattr(perf, "matmul_probe", lambda device, dtype: 1.5e14)
+    assert device_peak("cuda", torch.bfloat16) == (1.5e14, "measured by a bfloat16 matmul on cuda")
     flops, source = device_peak("cpu", torch.float32)
     assert flops > 1e8 and source == "measured by a float32 matmul on cpu"
 
