@@ -88,8 +88,8 @@ def test_a_packed_forward_equals_the_padded_one_on_gpu(tokenizer):
     equal the padded pass's within float32 rounding. bfloat16 rounds each layout differently (on an
     H100 a token's logprob moved by up to 0.32 between them, as bfloat16 padded moves from float32 by
     up to 0.77 on a CPU), so each bfloat16 layout is held to the float32 result: the packed one may
-    be no further from it than the padded one, give or take half (a kernel that attended across
-    sequences or ignored causality missed by several nats)."""
+    be no further from it than the padded one, give or take half (twice, for the one largest token
+    gap); a kernel that attended across sequences or ignored causality missed by several nats."""
     layouts = [("float32", False), ("float32", True), ("bfloat16", False), ("bfloat16", True)]
     results = packed_and_padded(tokenizer, "cuda", layouts)
     (lp, grad), (packed_lp, packed_grad) = results["float32", False], results["float32", True]
@@ -103,5 +103,6 @@ def test_a_packed_forward_equals_the_padded_one_on_gpu(tokenizer):
         errors[remove_padding] = (gap.mean().item(), gap.max().item(), ((half_grad - grad).norm() / grad.norm()).item())
     print(f"bfloat16 against float32 (mean, max logprob gap, relative gradient gap): padded {errors[False]}, "
           f"packed {errors[True]}")  # fmt: skip
-    for padded, packed in zip(errors[False], errors[True]):
-        assert packed <= 1.5 * padded
+    (mean, largest, gradient), (packed_mean, packed_largest, packed_gradient) = errors[False], errors[True]
+    assert packed_mean <= 1.5 * mean and packed_gradient <= 1.5 * gradient
+    assert packed_largest <= 2 * largest  # one token's rounding: the loosest of the three
