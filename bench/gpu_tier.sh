@@ -3,7 +3,7 @@
 # the throughput rows, packing and the vocabulary's share at Qwen2.5 shapes in bf16, the launch check
 # on a 0.5B-shaped model, and the GPU tests. The timing-sensitive parts run first, alone on the GPU;
 # the check and the tests then run side by side. Every log lands in $OUT (default runs/gpu_tier).
-# About 8 minutes on an H100.
+# Sized for one 10-minute call (its first form ran 430 s on an H100 with the 1.5B rows cut short).
 #
 #     bash bench/gpu_tier.sh             # CHECK=full bash bench/gpu_tier.sh adds the resume proof
 set -u
