@@ -8,6 +8,8 @@ import importlib.util
 import json
 import math
 import os
+import re
+import sys
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -17,13 +19,30 @@ import torch
 import tyro
 
 from common.engines import Sampling
-from common.errors import UsageError
+from common.errors import ORIGINS, UsageError
 from common.errors import usage_errors as usage_errors  # re-exported for older forks
 from common.model import looks_local
 from common.ops import RS_OPTIONS, parse_band
 from common.optim import Trainable, build_optimizer, build_scheduler
 
 BUNDLED = Path(__file__).resolve().parent.parent / "bundled"
+
+# What only common.verl reads: a verl key=value (its OVERRIDE) and the flags that name a verl config.
+VERL_KEY = re.compile(r"^\+{0,2}[A-Za-z_][\w-]*(?:\.[\w-]+)+=")
+VERL_FLAGS = ("--verl-config", "--config-path", "-cp", "--config-name", "-cn", "--print-verl-translation")
+
+
+def cli_args(args_class, adv_estimator: str | None = None, trainer: str | None = None) -> list[str]:
+    """The argument list tyro reads: sys.argv[1:], translated by common.verl.verl_args where it holds
+    a verl key=value or a verl config flag. The translation is a feature: a command line of our own
+    flags never loads it (it would return them unchanged)."""
+    argv = sys.argv[1:]
+    if any(VERL_KEY.match(a) or a.split("=", 1)[0] in VERL_FLAGS for a in argv):
+        from common.verl import verl_args
+
+        return verl_args(args_class, adv_estimator, trainer=trainer)
+    ORIGINS.clear()  # no flag came from a verl key (an earlier run in this process may have set some)
+    return argv
 
 
 def _flag(name: str) -> str:

@@ -39,7 +39,7 @@ import tyro
 from common.check import launch_check, prove_resume
 from common.checkpoint import find_resume, resume, save_checkpoint
 from common.conditioning import RunningMoments, condition_advantages, condition_rewards
-from common.config import BUNDLED, RLArgs, TeacherArgs, is_due
+from common.config import BUNDLED, RLArgs, TeacherArgs, cli_args, is_due
 from common.data import load_rl_data, split_rows, take_rows
 from common.errors import usage_errors
 from common.model import check_teacher, load_rl_models, load_tokenizer, response_logits
@@ -66,7 +66,6 @@ from common.rewards import start_reward_pool
 from common.rollout import Rollout, engine_logprobs, start_engine, start_teacher
 from common.runlock import claim_run_dir
 from common.tracking import Tracker, describe_run, step_metrics
-from common.verl import verl_args
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
 PLOTS = ("val/accuracy", "reward/mean", "distill/*", "policy/*", "train/grad_norm")  # panels of curves.png
@@ -400,4 +399,4 @@ def main(args: Args) -> dict:
 
 if __name__ == "__main__":
     with usage_errors():  # a bad flag, path or file: one line naming it, exit status 2
-        main(tyro.cli(Args, args=verl_args(Args, "grpo")))  # verl's key=value arguments work too
+        main(tyro.cli(Args, args=cli_args(Args, "grpo")))  # verl's key=value arguments work too

@@ -42,13 +42,12 @@ from pathlib import Path
 import tyro
 from tqdm.auto import tqdm
 
-from common.config import check_flags
+from common.config import check_flags, cli_args
 from common.errors import UsageError, usage_errors
 from common.parallel import setup_logging
 from common.rewards import Scored, start_reward_pool
 from common.runlock import claim_output
 from common.scoring import extract_answer, hit
-from common.verl import verl_args
 
 RECIPE = Path(__file__).stem
 
@@ -301,4 +300,4 @@ def main(args: Args) -> dict:
 
 if __name__ == "__main__":
     with usage_errors():  # a bad flag, path or file: one line naming it, exit status 2
-        main(tyro.cli(Args, args=verl_args(Args)))  # verl's main_eval keys work too
+        main(tyro.cli(Args, args=cli_args(Args)))  # verl's main_eval keys work too

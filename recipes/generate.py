@@ -47,11 +47,10 @@ from typing import Literal
 import torch
 import tyro
 
-from common.config import BUNDLED, AgentArgs, EngineArgs, EnvPlayArgs, WaitArgs, check_flags
+from common.config import BUNDLED, AgentArgs, EngineArgs, EnvPlayArgs, WaitArgs, check_flags, cli_args
 from common.errors import UsageError, usage_errors
 from common.parallel import barrier, init_distributed
 from common.runlock import claim_output
-from common.verl import verl_args
 
 RECIPE = Path(__file__).stem
 # The flags that decide what a chunk holds: a parts folder made with other values is not reused.
@@ -282,4 +281,4 @@ def main(args: Args) -> dict:
 
 if __name__ == "__main__":
     with usage_errors():  # a bad flag, path or file: one line naming it, exit status 2
-        main(tyro.cli(Args, args=verl_args(Args)))  # verl's main_generation keys work too
+        main(tyro.cli(Args, args=cli_args(Args)))  # verl's main_generation keys work too

@@ -28,7 +28,7 @@ import tyro
 
 from common.check import prove_resume, trainer_check
 from common.checkpoint import find_resume, resume, save_checkpoint
-from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, is_due, plan_batches
+from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, cli_args, is_due, plan_batches
 from common.data import load_sft, pad, step_rows
 from common.engines import hf_generate_greedy
 from common.errors import UsageError, usage_errors
@@ -47,7 +47,6 @@ from common.parallel import (
 from common.runlock import claim_run_dir
 from common.scoring import builtin_scorer, exact_match
 from common.tracking import Tracker, describe_run
-from common.verl import verl_args
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
 PLOTS = ("val/accuracy", "val/loss", "train/loss", "train/lr")  # panels of curves.png
@@ -243,4 +242,4 @@ def main(args: Args) -> dict:
 
 if __name__ == "__main__":
     with usage_errors():  # a bad flag, path or file: one line naming it, exit status 2
-        main(tyro.cli(Args, args=verl_args(Args, trainer="sft")))  # verl's key=value arguments work too
+        main(tyro.cli(Args, args=cli_args(Args, trainer="sft")))  # verl's key=value arguments work too

@@ -125,8 +125,9 @@ def test_no_core_module_imports_a_feature_when_it_is_imported():
 
 
 def test_a_default_run_loads_no_ray_gymnasium_engines_agent_or_environments(tmp_path):
-    """A plain grpo.py run (one step, the launch check on) never imports Ray, Gymnasium, or the
-    feature modules that serve tools, agents, environments and remote engines."""
+    """A plain grpo.py run (one step, the launch check on) never imports Ray, Gymnasium, the feature
+    modules that serve tools, agents, environments and remote engines, or the verl translation; a
+    verl key on the command line loads the translation (common.config.cli_args)."""
     import subprocess
     import sys
 
@@ -141,9 +142,14 @@ def test_a_default_run_loads_no_ray_gymnasium_engines_agent_or_environments(tmp_
     proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = set(proc.stdout.split("MODULES ", 1)[1].split())
-    unwanted = {"ray", "gymnasium", *(f"common.{m}" for m in ("tools", "envs", "agent", "env_manager", "remote"))}
+    features = ("tools", "envs", "agent", "env_manager", "remote", "verl")
+    unwanted = {"ray", "gymnasium", *(f"common.{m}" for m in features)}
     assert not loaded & unwanted, sorted(loaded & unwanted)
     assert "common.rollout" in loaded  # the run did run
+    verl = script.replace("'--no-val-before-train']", "'--no-val-before-train', 'trainer.total_epochs=1']")
+    proc = subprocess.run([sys.executable, "-c", verl], cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "common.verl" in proc.stdout.split("MODULES ", 1)[1].split()
 
 
 # What the recipes imported from common/ before it was layered: a fork made then still imports.

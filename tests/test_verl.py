@@ -67,12 +67,13 @@ def test_every_key_of_verls_trainer_configs_is_classified():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_each_script_reads_verls_keys_as_its_own_estimator(recipe):
-    """Every script hands its command line to common.verl, and names the verl estimator it runs
-    (a fork must keep its parent's: dapo and gspo are verl's grpo)."""
+    """Every script hands its command line to common.config.cli_args (common.verl's translation,
+    where it holds verl's syntax), and names the verl estimator it runs (a fork must keep its
+    parent's: dapo and gspo are verl's grpo)."""
     source = (ROOT / "recipes" / f"{recipe}.py").read_text()
-    expected = f'verl_args(Args, "{ESTIMATOR[recipe]}")' if ESTIMATOR[recipe] else "verl_args(Args)"
+    expected = f'cli_args(Args, "{ESTIMATOR[recipe]}")' if ESTIMATOR[recipe] else "cli_args(Args)"
     if recipe == "sft":
-        expected = 'verl_args(Args, trainer="sft")'  # verl's SFT trainer's defaults, not its PPO trainer's
+        expected = 'cli_args(Args, trainer="sft")'  # verl's SFT trainer's defaults, not its PPO trainer's
     assert f"tyro.cli(Args, args={expected})" in source
 
 
