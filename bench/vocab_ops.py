@@ -11,29 +11,16 @@ Prints the median seconds of each way, their ratio, and the largest difference o
 """
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from packing import timed  # noqa: E402  (bench/: the median of timed repeats, synchronised on a GPU)
+
 from common.ops import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits  # noqa: E402
-
-
-def timed(fn, repeats: int) -> float:
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    fn()
-    sync()
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
 
 
 def main() -> None:

@@ -53,11 +53,7 @@ def matmul_parameters(model) -> int:
     again when it is tied to the embedding: its matmul runs either way). Works through DDP, PEFT
     and FSDP2 (a DTensor's numel is the global one)."""
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    seen, total = set(), 0
-    for p in inner.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
+    total = sum(p.numel() for p in inner.parameters())  # a tied weight is listed once
     embedding, head = inner.get_input_embeddings(), inner.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight
     return total - (0 if tied else embedding.weight.numel())

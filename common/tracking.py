@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -71,7 +72,7 @@ class Tracker:
         self.zero_grad_steps, self.warned_zero_grad = 0, False
         self.perf = _perf_context(perf) if perf and perf.get("flops") else None
         self.run_facts = (perf or {}).get("run")  # the flags the closing block's advice depends on
-        self.totals: dict[str, float] = {}  # every perf/*_s summed over the run, and the work behind the rates
+        self.totals: Counter = Counter()  # every perf/*_s summed over the run, and the work behind the rates
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -158,27 +159,25 @@ class Tracker:
     def _add_up(self, metrics: dict) -> None:
         """Sum what the closing block reports: every phase's seconds, the tokens generated and
         trained, and the update's model FLOPs with the seconds they took."""
-        add = lambda key, value: self.totals.__setitem__(key, self.totals.get(key, 0.0) + value)  # noqa: E731
+        t = self.totals
         for key, value in metrics.items():
             if key.startswith("perf/") and key.endswith("_s") and key not in ("perf/step_s", "perf/engine_generate_s"):
-                add(key, float(_plain(value)))
+                t[key] += float(_plain(value))
         if "perf/generate_tokens_per_s" in metrics:
-            add("generated", metrics["perf/generate_tokens_per_s"] * metrics["perf/generate_s"])
+            t["generated"] += metrics["perf/generate_tokens_per_s"] * metrics["perf/generate_s"]
         if "perf/train_tokens_per_s" in metrics:
-            add("trained", metrics["perf/train_tokens_per_s"] * metrics["perf/update_s"])
-            add("update_tflop", metrics["perf/update_tflop"])
-            add("update_seconds", metrics["perf/update_s"])
+            t["trained"] += metrics["perf/train_tokens_per_s"] * metrics["perf/update_s"]
+            t["update_tflop"] += metrics["perf/update_tflop"]
+            t["update_seconds"] += metrics["perf/update_s"]
         if "perf/padding_share" in metrics:
-            add("steps", 1.0)
-            add("padding", metrics["perf/padding_share"])
+            t["steps"] += 1
+            t["padding"] += metrics["perf/padding_share"]
 
     def time_report(self, wall: float) -> str:
         """The closing "where the time went" block: each phase's share of the wall time, tokens
         generated and trained a second, the update's MFU, and the verdict with its advice
         (common.perf.verdict)."""
-        seconds = phase_seconds(
-            {**self.totals, "perf/save_s": self.totals.get("perf/save_s", 0.0) + PHASES.pop("save", 0.0)}
-        )
+        seconds = phase_seconds({**self.totals, "perf/save_s": self.totals["perf/save_s"] + PHASES.pop("save", 0.0)})
         seconds["other"] = max(0.0, wall - sum(seconds.values()))
         shares = "  ".join(f"{name} {s / wall:.0%}" for name, s in seconds.items() if s > 0 and wall > 0)
         lines = [f"where the time went ({wall:.0f} s): {shares}"]
