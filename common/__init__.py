@@ -37,8 +37,8 @@ LAYERS = (
 )
 
 # Opt-in features: only a flag that asks for one loads it (tools and the agent loop, environments,
-# remote Ray engines, the verl translation: common.config.cli_args), so a default run reads and
-# imports the rest. A module outside this list imports these only inside the function that serves
-# the flag (tests/test_layers.py). ROLL's conditioning and the launch check are features too, still
-# imported by the recipes at their top.
+# remote Ray engines, ROLL's conditioning: common.config.ConditioningArgs, the verl translation:
+# common.config.cli_args), so a default run reads and imports the rest. A module outside this list
+# imports these only inside the function that serves the flag (tests/test_layers.py). The launch
+# check is a feature too, still imported by the recipes at their top.
 FEATURES = ("tools", "envs", "agent", "env_manager", "remote", "conditioning", "check", "verl")

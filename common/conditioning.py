@@ -31,52 +31,18 @@ condition_advantages (B, T), in this order:
    whole step (every rank), so splitting a batch never changes the gradient.
 
 Both write their metrics in batch["conditioning"] (common.tracking.step_metrics logs them).
-"""
 
-from dataclasses import dataclass
+roll_loss: ROLL's loss terms (--rl-loss-coef, --sft-loss-coef, --use-topr-loss) around a recipe's
+compute_loss terms. A feature: common.config.ConditioningArgs loads this module only when a knob of
+it is on.
+"""
 
 import torch
 
-from common.ops import group_normalize, masked_whiten_all_ranks
+from common.ops import RunningMoments, agg_loss, group_normalize, masked_whiten_all_ranks, topr_loss
 from common.parallel import all_reduce_sum, gather_objects, this_rank
 
 EPS = 1e-6
-
-
-@dataclass
-class RunningMoments:
-    """Count, mean and sum of squared deviations of every value seen (Chan et al.'s parallel merge of
-    a batch into the running moments, exact in float64); ROLL's RunningMoments keeps the same
-    statistics. state() is plain JSON, so a checkpoint restores it exactly."""
-
-    count: float = 0.0
-    mean: float = 0.0
-    m2: float = 0.0
-
-    def update(self, values: torch.Tensor) -> None:
-        x = values.double().flatten()
-        n = x.numel()
-        if n == 0:
-            return
-        batch_mean = x.mean().item()
-        batch_m2 = ((x - batch_mean) ** 2).sum().item()
-        total = self.count + n
-        delta = batch_mean - self.mean
-        self.m2 += batch_m2 + delta**2 * self.count * n / total
-        self.mean += delta * n / total
-        self.count = total
-
-    @property
-    def std(self) -> float:
-        """The unbiased standard deviation of every value seen (1 before two values)."""
-        return (self.m2 / (self.count - 1)) ** 0.5 if self.count > 1 else 1.0
-
-    def state(self) -> dict:
-        return {"count": self.count, "mean": self.mean, "m2": self.m2}
-
-    @classmethod
-    def from_state(cls, state: dict | None) -> "RunningMoments":
-        return cls(**(state or {}))
 
 
 def length_reward(scores: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -200,3 +166,25 @@ def _mean_every_rank(values: torch.Tensor) -> float:
         torch.stack([values.float().sum(), values.new_tensor(float(values.numel()), dtype=torch.float32)])
     ).tolist()
     return total / count if count else 0.0
+
+
+def roll_loss(
+    terms: dict, metrics: dict, new_logprobs, old_logprobs, advantages, response_mask, agg: dict, rewards, *,
+    rl_loss_coef: float = 1.0, sft_loss_coef: float = 0.0, use_topr_loss: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """ROLL's loss terms around a recipe's compute_loss terms {pg, entropy, kl} (each already
+    aggregated by agg, common.ops.agg_loss's mode and counts), as ROLL's actor composes them:
+        loss = rl_loss_coef * (pg + kl) + entropy + sft_loss_coef * agg(-new on the responses that scored > 0)
+    --use-topr-loss puts TOPR's per-token loss (common.ops.topr_loss) in place of pg; rewards (b,)
+    tell the responses that scored > 0 (TOPR's positive samples, the SFT term's). Updates metrics
+    (policy/pg_loss, policy/sft_loss) in place; returns the loss."""
+    positive = (rewards > 0).float().unsqueeze(-1)
+    if use_topr_loss:
+        terms["pg"] = agg_loss(topr_loss(new_logprobs, old_logprobs, advantages, positive), response_mask, **agg)
+    terms = {k: rl_loss_coef * v if k in ("pg", "kl") else v for k, v in terms.items()}
+    metrics["policy/pg_loss"] = terms["pg"].detach()
+    if sft_loss_coef:
+        sft = agg_loss(-new_logprobs, response_mask * positive, **agg)
+        terms["sft"] = sft_loss_coef * sft
+        metrics["policy/sft_loss"] = sft.detach()
+    return sum(terms.values())

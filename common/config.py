@@ -767,21 +767,43 @@ class ConditioningArgs:
     use_topr_loss: bool = False
     """ROLL's use_topr_loss: TOPR's truncated-importance REINFORCE instead of the clipped surrogate"""
 
-    def reward_conditioning_kwargs(self) -> dict:
-        """The keyword arguments of common.conditioning.condition_rewards that these flags set."""
+    def _on(self, names: tuple[str, ...]) -> bool:
+        return any(getattr(self, n) != getattr(ConditioningArgs, n) for n in names)
+
+    def rewards(self, rewards, batch: dict, running) -> "torch.Tensor":
+        """Step 3's conditioning (common.conditioning.condition_rewards, a feature loaded only when a
+        knob of it is on); running: --reward-norm running's moments, updated in place."""
         names = ("reward_norm", "reward_shift", "reward_scale", "whiten_rewards", "reward_clip", "add_len_reward",
-                 "len_reward_coef")  # fmt: skip
-        return dict(normalization_grouping=self.reward_normalization_grouping,
-                    normalization_method=self.reward_normalization_method, **{k: getattr(self, k) for k in names})  # fmt: skip
+                 "len_reward_coef", "reward_normalization_grouping", "reward_normalization_method")  # fmt: skip
+        if not self._on(names):
+            return rewards.float()
+        from common.conditioning import condition_rewards
 
-    def loss_terms_kwargs(self) -> dict:
-        """The keyword arguments of each recipe's compute_loss that these flags set."""
-        return dict(rl_loss_coef=self.rl_loss_coef, sft_loss_coef=self.sft_loss_coef, use_topr_loss=self.use_topr_loss)
+        return condition_rewards(rewards, batch, running, normalization_grouping=self.reward_normalization_grouping,
+                                 normalization_method=self.reward_normalization_method,
+                                 **{k: getattr(self, k) for k in names[:7]})  # fmt: skip
 
-    def advantage_conditioning_kwargs(self) -> dict:
-        """The keyword arguments of common.conditioning.condition_advantages that these flags set."""
+    def advantages(self, advantages, response_mask, batch: dict) -> "torch.Tensor":
+        """Step 5's conditioning after the recipe's own advantage (common.conditioning.condition_advantages)."""
         names = ("whiten_advantages", "advantage_clip", "difficulty_loss_weight", "length_loss_weight")
-        return {k: getattr(self, k) for k in names}
+        if not self._on(names):
+            return advantages
+        from common.conditioning import condition_advantages
+
+        return condition_advantages(advantages, response_mask, batch, **{k: getattr(self, k) for k in names})
+
+    def loss(self, terms: dict, metrics: dict, *tensors) -> "torch.Tensor":
+        """The loss from a recipe's compute_loss terms: their sum, or with ROLL's loss terms
+        (common.conditioning.roll_loss, whose arguments tensors are)."""
+        names = ("rl_loss_coef", "sft_loss_coef", "use_topr_loss")
+        if not self._on(names):
+            return sum(terms.values())
+        from common.conditioning import roll_loss
+
+        return roll_loss(terms, metrics, *tensors, **{k: getattr(self, k) for k in names})
+
+
+CONDITIONING_FLAGS = {f.name for f in fields(ConditioningArgs)}
 
 
 @dataclass
@@ -1011,9 +1033,9 @@ class RLArgs(
     """ROLL's reward and advantage conditioning and loss terms (common.conditioning), all off by default"""
 
     def __getattr__(self, name: str):
-        """A grouped flag, or its group's method, reads as the others do: args.reward_norm is
+        """A grouped flag reads as the others do: args.reward_norm is
         args.conditioning.reward_norm. (Called only for names the object does not hold itself.)"""
-        if not name.startswith("_") and hasattr(ConditioningArgs, name) and "conditioning" in self.__dict__:
+        if name in CONDITIONING_FLAGS and "conditioning" in self.__dict__:
             return getattr(self.__dict__["conditioning"], name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 

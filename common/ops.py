@@ -5,6 +5,7 @@ can normalise by the token count of a whole mini-batch rather than of one micro-
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint
@@ -30,6 +31,42 @@ def masked_mean(
         denom = mask.sum() if dim is None else mask.sum(dim)
     denom = torch.as_tensor(denom, dtype=total.dtype, device=total.device)
     return torch.where(denom != 0, total / torch.where(denom != 0, denom, 1), 0)
+
+
+@dataclass
+class RunningMoments:
+    """Count, mean and sum of squared deviations of every value seen (Chan et al.'s parallel merge of
+    a batch into the running moments, exact in float64); ROLL's RunningMoments keeps the same
+    statistics. state() is plain JSON, so a checkpoint restores it exactly."""
+
+    count: float = 0.0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def update(self, values: torch.Tensor) -> None:
+        x = values.double().flatten()
+        n = x.numel()
+        if n == 0:
+            return
+        batch_mean = x.mean().item()
+        batch_m2 = ((x - batch_mean) ** 2).sum().item()
+        total = self.count + n
+        delta = batch_mean - self.mean
+        self.m2 += batch_m2 + delta**2 * self.count * n / total
+        self.mean += delta * n / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        """The unbiased standard deviation of every value seen (1 before two values)."""
+        return (self.m2 / (self.count - 1)) ** 0.5 if self.count > 1 else 1.0
+
+    def state(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    @classmethod
+    def from_state(cls, state: dict | None) -> "RunningMoments":
+        return cls(**(state or {}))
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:

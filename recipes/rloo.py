@@ -43,12 +43,12 @@ import tyro
 
 from common.check import launch_check, prove_resume
 from common.checkpoint import find_resume, resume, save_checkpoint
-from common.conditioning import RunningMoments, condition_advantages, condition_rewards
 from common.config import KLRewardArgs, RLArgs, cli_args, is_due
 from common.data import load_rl_data, split_rows, take_rows
 from common.errors import UsageError, usage_errors
 from common.model import load_rl_models, load_tokenizer, response_logits
 from common.ops import (
+    RunningMoments,
     agg_loss,
     kl_controller_step,
     kl_from_logits,
@@ -56,7 +56,6 @@ from common.ops import (
     logprobs_and_entropy,
     masked_mean,
     rollout_correction,
-    topr_loss,
 )
 from common.parallel import (
     StopSignal,
@@ -108,18 +107,16 @@ class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL contr
 
     def update_kwargs(self) -> dict:
         """update's knobs: the grad clip, the rollout correction, compute_loss's (the clip range, each side
-        defaulting to clip_ratio, dual-clip, the aggregation and its constant, the entropy and KL weights) and
-        whether the KL to the reference is in the loss."""
+        defaulting to clip_ratio, dual-clip, the entropy and KL weights), the aggregation and its constant, the
+        KL estimator in the loss (None without --use-kl-loss) and ROLL's loss terms (args.conditioning)."""
         loss = dict(
             clip_ratio_low=self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low,
             clip_ratio_high=self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high,
-            clip_ratio_c=self.clip_ratio_c, loss_agg_mode=self.loss_agg_mode, norm_constant=self.max_response_length,
-            entropy_coeff=self.entropy_coeff, kl_loss_coef=self.kl_loss_coef, kl_loss_type=self.kl_loss_type,
-            **self.loss_terms_kwargs(),
+            clip_ratio_c=self.clip_ratio_c, entropy_coeff=self.entropy_coeff, kl_loss_coef=self.kl_loss_coef,
         )  # fmt: skip
-        return dict(
-            grad_clip=self.grad_clip, rollout_is=self.rollout_is_kwargs(), loss=loss, use_kl_loss=self.use_kl_loss
-        )
+        return dict(grad_clip=self.grad_clip, rollout_is=self.rollout_is_kwargs(), loss=loss,
+                    agg=dict(mode=self.loss_agg_mode, norm_constant=self.max_response_length),
+                    kl_loss_type=self.kl_loss_type if self.use_kl_loss else None, roll=self.conditioning)  # fmt: skip
 
 
 # --- the algorithm ------------------------------------------------------------------------------------
@@ -151,25 +148,20 @@ def apply_kl_penalty(scores, old_logprobs, ref_logprobs, full_kl, mask, kl_coef,
 
 
 def compute_loss(
-    new_logprobs, old_logprobs, advantages, response_mask, *, clip_ratio_low, clip_ratio_high,
-    clip_ratio_c, loss_agg_mode, ref_logprobs=None, kl_loss_coef=0.0, kl_loss_type="low_var_kl",
-    entropy=None, entropy_coeff=0.0, num_tokens=None, num_seqs=None, norm_constant=None, positive=None,
-    rl_loss_coef=1.0, sft_loss_coef=0.0, use_topr_loss=False, full_kl=None,
+    new_logprobs, old_logprobs, advantages, response_mask, agg, *, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+    entropy=None, entropy_coeff=0.0, kl=None, kl_loss_coef=0.0,
 ):  # fmt: skip
     """Clipped surrogate with dual-clip, plus optional KL-to-reference and entropy terms.
 
     All tensors (B, T). ratio = exp(clamp(new - old, +-20)); per token
         pg = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))
         pg = min(pg, -A * clip_ratio_c)  where A < 0  (dual-clip bounds the loss of bad samples)
-    loss = rl_loss_coef * (agg(pg) + kl_loss_coef * agg(kl(new, ref))) - entropy_coeff * agg(entropy)
-           + sft_loss_coef * agg(-new on the responses that scored > 0: positive), each agg by
-    loss_agg_mode over num_tokens / num_seqs (see common.ops.agg_loss); use_topr_loss puts TOPR's
-    per-token loss (common.ops.topr_loss) in place of pg. ROLL's terms: rl_loss_coef 1 and
-    sft_loss_coef 0 by default. kl_loss_type full takes full_kl, the exact per-token KL over the
-    vocabulary (forward_logprobs), in place of an estimate from ref_logprobs. Returns (loss, metrics).
+    loss = agg(pg) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl), each agg by common.ops.agg_loss
+    with agg's mode and counts (the whole mini-batch's tokens / sequences); kl is the per-token KL to the
+    reference (update picks its estimator). Returns ({term: value}, metrics): the loss is the terms' sum
+    (ROLL's loss terms, off by default, reweigh them: ConditioningArgs.loss).
     """
     mask = response_mask
-    agg = dict(mode=loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant)
     log_ratio = torch.clamp(new_logprobs - old_logprobs, min=-20.0, max=20.0)  # exp overflow guard
     ratio = torch.exp(log_ratio)
     loss_unclipped = -advantages * ratio
@@ -177,28 +169,21 @@ def compute_loss(
     pg = torch.maximum(loss_unclipped, loss_clipped)
     dual = -advantages * clip_ratio_c
     pg_dual = torch.where(advantages < 0, torch.minimum(pg, dual), pg)
-    if use_topr_loss:  # ROLL's TOPR instead of the clipped surrogate (common.ops.topr_loss)
-        pg_dual = topr_loss(new_logprobs, old_logprobs, advantages, positive)
-    loss = rl_loss_coef * agg_loss(pg_dual, mask, **agg)
+    terms = {"pg": agg_loss(pg_dual, mask, **agg)}
     metrics = {
-        "policy/pg_loss": loss.detach(),
+        "policy/pg_loss": terms["pg"].detach(),
         "policy/clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
         "policy/clipfrac_dual": masked_mean(((pg > dual) & (advantages < 0)).float(), mask),
         "policy/approx_kl": masked_mean(-log_ratio.detach(), mask),
     }
     if entropy is not None:
         if entropy_coeff:
-            loss = loss - entropy_coeff * agg_loss(entropy, mask, **agg)
+            terms["entropy"] = -entropy_coeff * agg_loss(entropy, mask, **agg)
         metrics["policy/entropy"] = masked_mean(entropy.detach(), mask)
-    if ref_logprobs is not None or full_kl is not None:
-        kl = full_kl if kl_loss_type == "full" else kl_penalty(new_logprobs, ref_logprobs, kl_loss_type)
-        loss = loss + rl_loss_coef * kl_loss_coef * agg_loss(kl, mask, **agg)
+    if kl is not None:
+        terms["kl"] = kl_loss_coef * agg_loss(kl, mask, **agg)
         metrics["policy/kl_ref"] = masked_mean(kl.detach(), mask)
-    if sft_loss_coef:  # ROLL's: the negative log-likelihood of the responses that scored > 0
-        sft = agg_loss(-new_logprobs, mask * positive, **agg)
-        loss = loss + sft_loss_coef * sft
-        metrics["policy/sft_loss"] = sft.detach()
-    return loss, metrics
+    return terms, metrics
 
 
 # --- the steps of the loop ------------------------------------------------------------------------
@@ -242,20 +227,20 @@ def old_ref_logprobs(model, ref, batch, plan, source, with_ref, with_full_kl):
 
 
 def update(
-    policy, ref, plan, batch, advantages, loss_mask, old_logprobs, ref_logprobs, *, grad_clip, loss, rollout_is,
-    use_kl_loss,
+    policy, ref, plan, batch, advantages, loss_mask, old_logprobs, ref_logprobs, *, grad_clip, loss, agg, kl_loss_type,
+    rollout_is, roll,
 ):  # fmt: skip
     """Step 6: plan.epochs x mini-batches x micro-batches, one optimizer step per mini-batch; then
     one lr-schedule step (knobs: Args.update_kwargs). The rollout correction (rollout_is, off by
     default) weighs each token's advantage by the truncated pi_old / pi_rollout, and its rejection
-    drops the tokens it rejects from the loss mask. --kl-loss-type full runs the reference (ref) on
-    each micro-batch for the exact KL, instead of reading step 4's ref_logprobs."""
+    drops the tokens it rejects from the loss mask. The KL in the loss (kl_loss_type, None without
+    --use-kl-loss) is estimated from step 4's ref_logprobs; full runs the reference (ref) on each
+    micro-batch for the exact KL instead. roll: ROLL's loss terms around compute_loss's (off by default)."""
     model, optimizer, scheduler = policy
-    kl_ref = ref if use_kl_loss and loss["kl_loss_type"] == "full" else None  # the exact KL: ref on each micro-batch
+    kl_ref = ref if kl_loss_type == "full" else None  # the exact KL: the reference on each micro-batch
     is_weights, loss_mask, is_metrics = rollout_correction(old_logprobs, batch["rollout_logprobs"], loss_mask,
                                                            **rollout_is)  # fmt: skip
     advantages = advantages * is_weights  # the advantages themselves when the correction is off
-    positive = (batch["rewards"] > 0).float().unsqueeze(-1)  # the responses that scored: --sft-loss-coef, TOPR
     t, stats, grad_norms, loss_sum = time.time(), [], [], 0.0
     for _ in range(plan.epochs):
         for m in range(plan.mini_batches_per_step):
@@ -263,17 +248,19 @@ def update(
             # Normalise by the whole mini-batch (every micro-batch, every rank), not per micro-batch.
             num_tokens = all_reduce_sum(loss_mask[start:stop].sum())
             num_seqs = all_reduce_sum((loss_mask[start:stop].sum(-1) > 0).sum().float())
+            whole = dict(agg, num_tokens=num_tokens, num_seqs=num_seqs)  # agg_loss's mode and the counts
             micro = split_rows(batch, start, stop, **plan.micro)
             for k, rows in enumerate(micro):
                 with grad_sync(model, enabled=k == len(micro) - 1):
                     new_logprobs, entropy, full_kl = forward_logprobs(model, batch, rows, plan, True, kl_ref)
                     # On-policy (one mini-batch, one epoch): old = new at unchanged weights, ratio 1.
                     old = old_logprobs[rows] if old_logprobs is not None else new_logprobs.detach()
-                    loss_mb, metrics = compute_loss(
-                        new_logprobs, old, advantages[rows], loss_mask[rows], entropy=entropy,
-                        ref_logprobs=ref_logprobs[rows] if use_kl_loss and kl_ref is None else None, full_kl=full_kl,
-                        num_tokens=num_tokens, num_seqs=num_seqs, positive=positive[rows], **loss,
-                    )  # fmt: skip
+                    estimated = kl_loss_type not in (None, "full")  # else the exact KL, or none
+                    kl = kl_penalty(new_logprobs, ref_logprobs[rows], kl_loss_type) if estimated else full_kl
+                    terms, metrics = compute_loss(new_logprobs, old, advantages[rows], loss_mask[rows], whole,
+                                                  entropy=entropy, kl=kl, **loss)  # fmt: skip
+                    loss_mb = roll.loss(terms, metrics, new_logprobs, old, advantages[rows], loss_mask[rows], whole,
+                                        batch["rewards"][rows])  # ROLL's loss terms; else the terms' sum  # fmt: skip
                     # DDP and FSDP2 average gradients over ranks; the loss is already a global mean.
                     (loss_mb * plan.world_size).backward()
                 stats.append((batch["response_mask"][rows].sum().item(), {k: float(v) for k, v in metrics.items()}))
@@ -323,7 +310,7 @@ def main(args: Args) -> dict:
         # 1-3. sample prompts (this rank's share), generate rollout_n responses each, score them
         batch = rollout.step(step)
         rewards, group_ids, mask = batch["rewards"], batch["group_ids"], batch["response_mask"].float()  # B, B, B x T
-        rewards = condition_rewards(rewards, batch, reward_stats, **args.reward_conditioning_kwargs())  # ROLL's knobs
+        rewards = args.conditioning.rewards(rewards, batch, reward_stats)  # ROLL's knobs (off by default)
 
         # 4. old / ref logprobs
         old_logprobs, ref_logprobs, full_kl = old_ref_logprobs(model, ref, batch, plan, args.old_logprobs_from,
@@ -333,7 +320,7 @@ def main(args: Args) -> dict:
         seq_rewards, kl_coef, kl_metrics = apply_kl_penalty(rewards, old_logprobs, ref_logprobs, full_kl, mask, kl_coef,
                                                             args.use_kl_in_reward, **args.kl_reward_kwargs())  # fmt: skip
         advantages = compute_advantages(seq_rewards, group_ids, mask)  # RLOO
-        advantages = condition_advantages(advantages, mask, batch, **args.advantage_conditioning_kwargs())
+        advantages = args.conditioning.advantages(advantages, mask, batch)
 
         # 6. update (with the rollout correction, if asked), then hand the new weights to the engine
         metrics = update(policy, ref, plan, batch, advantages, mask, old_logprobs, ref_logprobs, **args.update_kwargs())

@@ -10,9 +10,11 @@ import pytest
 import torch
 from conftest import ROOT, load_recipe, make_args, torchrun_plan
 
-from common.conditioning import RunningMoments, condition_advantages, condition_rewards, length_reward
+from common.conditioning import condition_advantages, condition_rewards, length_reward, roll_loss
+from common.config import ConditioningArgs
 from common.data import load_rl_data
 from common.errors import UsageError
+from common.ops import RunningMoments, agg_loss, topr_loss
 
 
 def batch_of(group_ids, lengths=None, difficulties=None):
@@ -189,6 +191,35 @@ def conditioned(part: slice) -> dict:
     out["batch"] = condition_rewards(torch.tensor(REWARDS[part]), batch, RunningMoments(), reward_norm="batch").tolist()
     out["metrics"] = batch["conditioning"]
     return out
+
+
+def test_roll_loss_terms_against_rolls_composition():
+    """roll_loss: rl_loss_coef * (pg + kl) + entropy + sft_loss_coef * the NLL of the responses that
+    scored > 0, TOPR's loss in place of pg; with every knob off the group's loss is the terms' plain sum
+    without consulting common.conditioning (a default run never loads it: tests/test_layers.py)."""
+    new = torch.tensor([[-1.0, -2.0], [-0.5, -0.3]], requires_grad=True)
+    old, adv, mask = (
+        torch.tensor([[-1.2, -1.5], [-0.4, -0.6]]),
+        torch.tensor([[1.0, 1.0], [-2.0, -2.0]]),
+        torch.ones(2, 2),
+    )
+    rewards, agg = torch.tensor([1.0, 0.0]), {"mode": "token-mean"}
+
+    def terms():
+        return {"pg": (new * adv).mean(), "entropy": torch.tensor(-0.3), "kl": (new - old).mean() * 0.1}
+
+    plain = terms()
+    assert ConditioningArgs().loss(dict(plain), {}, new, old, adv, mask, agg, rewards) == sum(plain.values())
+    metrics = {}
+    got = roll_loss(terms(), metrics, new, old, adv, mask, agg, rewards, rl_loss_coef=0.5, sft_loss_coef=2.0)
+    nll = agg_loss(-new, mask * torch.tensor([[1.0], [0.0]]), mode="token-mean")
+    want = 0.5 * (plain["pg"] + plain["kl"]) + plain["entropy"] + 2.0 * nll
+    assert got.item() == pytest.approx(want.item()) and metrics["policy/sft_loss"].item() == pytest.approx(nll.item())
+    topr = roll_loss(terms(), {}, new, old, adv, mask, agg, rewards, use_topr_loss=True)
+    pg = agg_loss(topr_loss(new, old, adv, torch.tensor([[1.0], [0.0]])), mask, mode="token-mean")
+    assert topr.item() == pytest.approx((pg + plain["entropy"] + plain["kl"]).item())
+    on = ConditioningArgs(use_topr_loss=True).loss(terms(), {}, new, old, adv, mask, agg, rewards)
+    assert on.item() == pytest.approx(topr.item())
 
 
 @torchrun_plan

@@ -9,7 +9,13 @@ from conftest import load_recipe
 from common.ops import agg_loss, kl_penalty
 
 grpo = load_recipe("grpo")
-compute_advantages, compute_loss = grpo.compute_advantages, grpo.compute_loss
+compute_advantages = grpo.compute_advantages
+
+
+def compute_loss(new, old, adv, mask, loss_agg_mode="token-mean", num_tokens=None, **knobs):
+    """grpo.compute_loss with agg_loss's mode and token count, its terms summed as update sums them."""
+    terms, metrics = grpo.compute_loss(new, old, adv, mask, dict(mode=loss_agg_mode, num_tokens=num_tokens), **knobs)
+    return sum(terms.values()), metrics
 
 
 def test_advantages_group_standardised_with_unbiased_std():
@@ -88,9 +94,8 @@ def test_kl_and_entropy_terms():
         adv,
         mask,
         **loss_args(),
-        ref_logprobs=ref,
+        kl=kl_penalty(new, ref, "k1"),
         kl_loss_coef=0.5,
-        kl_loss_type="k1",
         entropy=ent,
         entropy_coeff=0.1,
     )

@@ -7,7 +7,13 @@ import torch
 from conftest import load_recipe
 
 gspo = load_recipe("gspo")
-compute_loss = gspo.compute_loss
+
+
+def compute_loss(new, old, adv, mask, loss_agg_mode="token-mean", **knobs):
+    """gspo.compute_loss with agg_loss's mode, its terms summed as update sums them."""
+    terms, metrics = gspo.compute_loss(new, old, adv, mask, dict(mode=loss_agg_mode), **knobs)
+    return sum(terms.values()), metrics
+
 
 # Two sequences of 3 and 2 valid tokens; the padding logprobs are wild on purpose: they must not count.
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])

@@ -142,7 +142,7 @@ def test_a_default_run_loads_no_ray_gymnasium_engines_agent_or_environments(tmp_
     proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = set(proc.stdout.split("MODULES ", 1)[1].split())
-    features = ("tools", "envs", "agent", "env_manager", "remote", "verl")
+    features = ("tools", "envs", "agent", "env_manager", "remote", "conditioning", "verl")
     unwanted = {"ray", "gymnasium", *(f"common.{m}" for m in features)}
     assert not loaded & unwanted, sorted(loaded & unwanted)
     assert "common.rollout" in loaded  # the run did run
