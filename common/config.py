@@ -22,7 +22,7 @@ from common.engines import Sampling
 from common.errors import ORIGINS, UsageError
 from common.errors import usage_errors as usage_errors  # re-exported for older forks
 from common.model import looks_local
-from common.ops import RS_OPTIONS, parse_band
+from common.ops import RS_OPTIONS, RunningMoments, parse_band
 from common.optim import Trainable, build_optimizer, build_scheduler
 
 BUNDLED = Path(__file__).resolve().parent.parent / "bundled"
@@ -770,18 +770,22 @@ class ConditioningArgs:
     def _on(self, names: tuple[str, ...]) -> bool:
         return any(getattr(self, n) != getattr(ConditioningArgs, n) for n in names)
 
-    def rewards(self, rewards, batch: dict, running) -> "torch.Tensor":
+    def rewards(self, rewards, batch: dict, state: dict) -> "torch.Tensor":
         """Step 3's conditioning (common.conditioning.condition_rewards, a feature loaded only when a
-        knob of it is on); running: --reward-norm running's moments, updated in place."""
+        knob of it is on). state: the run's trainer state (common.checkpoint.resume's, saved with each
+        checkpoint), where --reward-norm running keeps its moments as state["reward_stats"]."""
         names = ("reward_norm", "reward_shift", "reward_scale", "whiten_rewards", "reward_clip", "add_len_reward",
                  "len_reward_coef", "reward_normalization_grouping", "reward_normalization_method")  # fmt: skip
         if not self._on(names):
             return rewards.float()
         from common.conditioning import condition_rewards
 
-        return condition_rewards(rewards, batch, running, normalization_grouping=self.reward_normalization_grouping,
-                                 normalization_method=self.reward_normalization_method,
-                                 **{k: getattr(self, k) for k in names[:7]})  # fmt: skip
+        running = RunningMoments.from_state(state.get("reward_stats"))
+        rewards = condition_rewards(rewards, batch, running, normalization_grouping=self.reward_normalization_grouping,
+                                    normalization_method=self.reward_normalization_method,
+                                    **{k: getattr(self, k) for k in names[:7]})  # fmt: skip
+        state["reward_stats"] = running.state()
+        return rewards
 
     def advantages(self, advantages, response_mask, batch: dict) -> "torch.Tensor":
         """Step 5's conditioning after the recipe's own advantage (common.conditioning.condition_advantages)."""

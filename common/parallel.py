@@ -51,11 +51,12 @@ def setup_logging(rank: int) -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def init_distributed(wait_timeout: float = 1800.0) -> Dist:
+def init_distributed(wait_timeout: float = 1800.0, seed: int | None = None) -> Dist:
     """Start (or join) the process group via accelerate, check it matches the launcher's, set up
     logging (rank 0 logs info, the others warnings) and arm the watchdog (common.watchdog): no
     progress for wait_timeout seconds (--wait-timeout) ends the process with who waits on whom. The
-    process group's own timeout is a minute longer, so that the watchdog speaks first.
+    process group's own timeout is a minute longer, so that the watchdog speaks first. With a seed,
+    each rank seeds its generators with seed + rank (seed_everything), so ranks sample different responses.
 
     Works under `accelerate launch` and `torchrun`. Without CUDA it asks accelerate for CPU/gloo
     itself: left to decide, accelerate gives torchrun's CPU processes no process group, each
@@ -82,6 +83,8 @@ def init_distributed(wait_timeout: float = 1800.0) -> Dist:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     setup_logging(state.process_index)
     watchdog.arm(wait_timeout, state.process_index)
+    if seed is not None:
+        seed_everything(seed + state.process_index)
     return Dist(
         rank=state.process_index,
         world_size=state.num_processes,
@@ -393,6 +396,14 @@ class StopSignal:
         """Stop after this step's checkpoint as a signal would, but as a failure: the run ends with
         `message` and exit status 1 (common.tracking.Tracker.finish; common.check's --check-freq)."""
         self.received, self.failure = self.received or "failure", message
+
+    def steps(self, start: int, stop: int):
+        """The training loop's steps, start .. stop - 1, ending after the step whose requested() said
+        stop (that step saves first: the recipes' step 8)."""
+        for step in range(start, stop):
+            yield step
+            if self.stopping:
+                return
 
     def requested(self) -> bool:
         """Whether any rank got a signal, on every rank (once true, it stays true)."""

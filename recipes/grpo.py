@@ -47,7 +47,6 @@ from common.data import load_rl_data, split_rows, take_rows
 from common.errors import usage_errors
 from common.model import load_rl_models, load_tokenizer, response_logits
 from common.ops import (
-    RunningMoments,
     agg_loss,
     kl_from_logits,
     kl_penalty,
@@ -61,7 +60,6 @@ from common.parallel import (
     clip_grad_norm,
     grad_sync,
     init_distributed,
-    seed_everything,
 )
 from common.rewards import start_reward_pool
 from common.rollout import Rollout, start_engine
@@ -261,9 +259,8 @@ def update(
 # --- main ---------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     # Setup: process group; batch arithmetic and flags checked before anything loads.
-    dist = init_distributed(args.wait_timeout)
+    dist = init_distributed(args.wait_timeout, args.seed)  # seeded seed + rank: ranks sample different responses
     plan, run_dir = args.batch_plan(dist.world_size), claim_run_dir(args.run_dir(RECIPE), dist, args.force_unlock)
-    seed_everything(args.seed + dist.rank)  # ranks sample different responses
 
     # Data, the run to resume and rewards (a reward dry run), then the models, engine and optimizer.
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
@@ -274,9 +271,8 @@ def main(args: Args) -> dict:
     resumed = prove_resume(args.check, dist)  # --check full: save, resume, a step, in child runs of this command
     model, ref, reward_model, run_info = load_rl_models(args.model, dist, tokenizer, **args.model_kwargs())
     policy = args.trainable(model, total_steps)  # the policy with its AdamW and lr schedule
-    state = resume(checkpoint, policy, dist=dist)
+    state = resume(checkpoint, policy, dist=dist)  # the trainer state: step 0, or the checkpoint's
     start_step = state["step"]
-    reward_stats = RunningMoments.from_state(state.get("reward_stats"))  # --reward-norm running: its moments resume
     engine = start_engine(model, tokenizer, dist, start_step, **args.engine_kwargs(train, total_steps, pool))
     rollout = Rollout(train, val, engine, pool, tokenizer, dist, reward_model=reward_model, **args.rollout_kwargs())
     tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
@@ -285,11 +281,11 @@ def main(args: Args) -> dict:
     if start_step == 0 and val and args.val_before_train:
         tracker.log(rollout.validate(), step=0)
     stop = StopSignal(dist)  # SIGUSR1 / SIGTERM (Slurm, before the time limit): save after this step, exit 0
-    for step in range(start_step, total_steps):
+    for step in stop.steps(start_step, total_steps):  # to the end, or the step a stop signal came in
         # 1-3. sample prompts (this rank's share), generate rollout_n responses each, score them
         batch = rollout.step(step)
         rewards, group_ids, mask = batch["rewards"], batch["group_ids"], batch["response_mask"].float()  # B, B, B x T
-        rewards = args.conditioning.rewards(rewards, batch, reward_stats)  # ROLL's knobs (off by default)
+        rewards = args.conditioning.rewards(rewards, batch, state)  # ROLL's knobs (off by default)
 
         # 4. old / ref logprobs
         old_logprobs, ref_logprobs = old_ref_logprobs(model, ref, batch, plan, args.old_logprobs_from, args.ref_pass)
@@ -310,11 +306,9 @@ def main(args: Args) -> dict:
         if val and is_due(step + 1, args.test_freq, total_steps):
             metrics.update(rollout.validate())
         tracker.log(metrics, step=step + 1)
-        if (stopping := stop.requested()) or is_due(step + 1, args.save_freq, total_steps):  # every rank stops together
+        if stop.requested() or is_due(step + 1, args.save_freq, total_steps):  # every rank stops together
             save_checkpoint(run_dir, step + 1, policy, dist=dist, tokenizer=tokenizer, **args.save_kwargs(RECIPE),
-                            trainer_state={"epoch": batch["epoch"], "reward_stats": reward_stats.state()})  # fmt: skip
-        if stopping:
-            break
+                            trainer_state=dict(epoch=batch["epoch"], reward_stats=state.get("reward_stats")))  # fmt: skip
     pool.close()
     return tracker.finish(PLOTS, saved=args.save_freq != 0, stopped=stop.stopping, failure=stop.failure)
 

@@ -53,7 +53,6 @@ from common.data import load_rl_data, split_rows, take_rows
 from common.errors import UsageError, usage_errors
 from common.model import load_critic, load_rl_models, load_tokenizer, response_logits, response_values
 from common.ops import (
-    RunningMoments,
     agg_loss,
     kl_controller_step,
     kl_from_logits,
@@ -72,7 +71,6 @@ from common.parallel import (
     grad_sync,
     init_distributed,
     resolve_strategy,
-    seed_everything,
 )
 from common.rewards import start_reward_pool
 from common.rollout import Rollout, start_engine
@@ -286,14 +284,15 @@ def forward_values(critic, batch, rows, plan):
 
 
 @torch.no_grad()
-def old_ref_logprobs(model, ref, batch, plan, source, with_ref, with_full_kl):
+def old_ref_logprobs(model, ref, critic, batch, plan, source, with_ref, with_full_kl):
     """Step 4, in micro-batches. Old logprobs (source: RLArgs.old_logprobs_from) from a pass when
     they are needed before the update or set against the engine's ("pass"), or when the policy
     moves before a sample is used (several mini-batches or epochs); otherwise the update pass's
     detached logprobs are exact. "engine" (--bypass-mode) takes the engine's logprobs as the old
     ones, with no pass. Reference logprobs when a KL term estimates from them (with_ref; under
     LoRA the reference is the policy with its adapter off: common.model.AdapterOff). with_full_kl
-    (--kl-penalty full): the exact KL(policy || ref) at each token, from a pass of both. (B, T) each."""
+    (--kl-penalty full): the exact KL(policy || ref) at each token, from a pass of both. PPO: the
+    critic's values at rollout (old_values). (B, T) each."""
     t, old_logprobs, ref_logprobs, full_kl = time.time(), None, None, None
     micro = split_rows(batch, 0, len(batch["rows"]), **plan.micro)
     order = torch.cat(micro).argsort()  # micro-batches may be length-sorted: back to row order
@@ -306,7 +305,7 @@ def old_ref_logprobs(model, ref, batch, plan, source, with_ref, with_full_kl):
     if with_full_kl:
         full_kl = torch.cat([forward_logprobs(model, batch, rows, plan, kl_ref=ref)[2] for rows in micro])[order]
     batch["timing"]["perf/logprobs_s"] = time.time() - t
-    return old_logprobs, ref_logprobs, full_kl
+    return old_logprobs, ref_logprobs, full_kl, old_values(critic, batch, plan)
 
 
 @torch.no_grad()
@@ -426,9 +425,8 @@ def update(
 # --- main ---------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     # Setup: process group; batch arithmetic and flags checked before anything loads.
-    dist = init_distributed(args.wait_timeout)
+    dist = init_distributed(args.wait_timeout, args.seed)  # seeded seed + rank: ranks sample different responses
     plan, run_dir = args.batch_plan(dist.world_size), claim_run_dir(args.run_dir(RECIPE), dist, args.force_unlock)
-    seed_everything(args.seed + dist.rank)  # ranks sample different responses
 
     # Data, the run to resume and rewards (a reward dry run), then the models, engine and optimizers.
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
@@ -442,7 +440,6 @@ def main(args: Args) -> dict:
     critic = args.critic_optim().trainable(load_critic(dist=dist, **args.critic_kwargs()), total_steps)  # PPO
     state = resume(checkpoint, policy, dist=dist, extra_models={"critic": critic})
     start_step, kl_coef = state["step"], state.get("kl_coef", args.kl_coef)  # PPO: an adaptive coef resumes
-    reward_stats = RunningMoments.from_state(state.get("reward_stats"))  # --reward-norm running: its moments resume
     engine = start_engine(model, tokenizer, dist, start_step, **args.engine_kwargs(train, total_steps, pool))
     rollout = Rollout(train, val, engine, pool, tokenizer, dist, reward_model=reward_model, **args.rollout_kwargs())
     tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
@@ -451,16 +448,15 @@ def main(args: Args) -> dict:
     if start_step == 0 and val and args.val_before_train:
         tracker.log(rollout.validate(), step=0)
     stop = StopSignal(dist)  # SIGUSR1 / SIGTERM (Slurm, before the time limit): save after this step, exit 0
-    for step in range(start_step, total_steps):
+    for step in stop.steps(start_step, total_steps):  # to the end, or the step a stop signal came in
         # 1-3. sample prompts (this rank's share), generate rollout_n responses each, score them
         batch = rollout.step(step)
         rewards, mask = batch["rewards"], batch["response_mask"].float()  # (B,), (B, T)
-        rewards = args.conditioning.rewards(rewards, batch, reward_stats)  # ROLL's knobs (off by default)
+        rewards = args.conditioning.rewards(rewards, batch, state)  # ROLL's knobs (off by default)
 
         # 4. old / ref logprobs, and the critic's values
-        old_logprobs, ref_logprobs, full_kl = old_ref_logprobs(model, ref, batch, plan, args.old_logprobs_from,
-                                                              args.ref_pass, args.full_kl_in_reward)  # fmt: skip
-        values = old_values(critic.model, batch, plan)  # (B, T)
+        old_logprobs, ref_logprobs, full_kl, values = old_ref_logprobs(model, ref, critic.model, batch, plan,
+            args.old_logprobs_from, args.ref_pass, args.full_kl_in_reward)  # fmt: skip
 
         # 5. advantages: token rewards (score minus the KL penalty), GAE over the global batch, ROLL's conditioning
         token_rewards, kl_coef, kl_metrics = apply_kl_penalty(rewards, old_logprobs, ref_logprobs, full_kl, mask, kl_coef,
@@ -471,9 +467,8 @@ def main(args: Args) -> dict:
         # 6. update the critic; the policy after the critic warmup, then hand its weights to the engine
         metrics |= update_critic(critic, plan, batch, values, returns, mask, **args.critic_update_kwargs())
         if step >= args.critic_warmup:  # PPO: the critic trains alone first
-            metrics |= update(
-                policy, ref, plan, batch, advantages, mask, old_logprobs, ref_logprobs, **args.update_kwargs()
-            )
+            metrics |= update(policy, ref, plan, batch, advantages, mask, old_logprobs, ref_logprobs,
+                              **args.update_kwargs())  # fmt: skip
             engine.update_weights(step + 1)
 
         # 7. log
@@ -484,13 +479,10 @@ def main(args: Args) -> dict:
         if val and is_due(step + 1, args.test_freq, total_steps):
             metrics.update(rollout.validate())
         tracker.log(metrics, step=step + 1)
-        if (stopping := stop.requested()) or is_due(step + 1, args.save_freq, total_steps):  # every rank stops together
+        if stop.requested() or is_due(step + 1, args.save_freq, total_steps):  # every rank stops together
             save_checkpoint(run_dir, step + 1, policy, dist=dist, tokenizer=tokenizer, **args.save_kwargs(RECIPE),
-                            extra_models={"critic": critic},
-                            trainer_state={"epoch": batch["epoch"], "kl_coef": kl_coef,
-                                           "reward_stats": reward_stats.state()})  # fmt: skip
-        if stopping:
-            break
+                            extra_models={"critic": critic}, trainer_state=dict(epoch=batch["epoch"], kl_coef=kl_coef,
+                            reward_stats=state.get("reward_stats")))  # fmt: skip
     pool.close()
     return tracker.finish(PLOTS, saved=args.save_freq != 0, stopped=stop.stopping, failure=stop.failure)
 

@@ -26,13 +26,15 @@ RL_RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py") if "RLArgs):
 SHIPPED_ACCURACY = 0.488  # bundled/tiny-qwen2-sft's greedy accuracy on TASK_TEST (test_sft.py measures it)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m reads the marks
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    """Every test that launches torchrun (torchrun_runs) or starts Ray (ray_cluster) is end-to-end
+    (the e2e mark: pytest -m "not e2e" is the inner loop); a GPU test skips without CUDA."""
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if {"torchrun_runs", "ray_cluster"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 
 
 @pytest.fixture(autouse=True)
@@ -197,7 +199,7 @@ def torchrun_runs(request, tmp_path_factory) -> dict:
     launch of 2 processes (run_recipes_together) the first time a test asks: {module name: (the
     plan's folder, {key: exit status})}. A launch that fails fails every test that reads it."""
     out = tmp_path_factory.mktemp("torchrun")
-    selected = {item.module.__name__ for item in request.session.items if getattr(item, "module", None)}
+    selected = {item.module.__name__ for item in request.session.items if "torchrun_runs" in item.fixturenames}
     keys, runs = [], []
     for module, plan in TORCHRUN_PLANS.items():
         if module in selected:

@@ -269,6 +269,7 @@ def test_grpo_runs_tool_agent_rows_through_the_agent_loop(tmp_path):
     assert all(m["agent/policy_token_share"] == 1 for m in steps)  # no tool turn: every token sampled
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("recipe", RL_RECIPES)
 def test_every_rl_recipe_trains_on_tool_conversations(tmp_path, recipe):
     """Each RL recipe takes the agent loop as it is (no change to its algorithm functions): one
@@ -596,6 +597,7 @@ def test_generate_keeps_what_each_conversation_adds_and_evaluate_scores_with_it(
     assert proc.returncode == 2 and "reward dry run failed" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_a_killed_multi_turn_run_resumes_exactly(tmp_path):
     """Conversations of several turns (the grader answers each wrong answer) resume as single-turn
     runs do: killed after step 4's log and before its save, the run resumed from step 2's
@@ -629,7 +631,7 @@ def test_a_killed_multi_turn_run_resumes_exactly(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-6), (key, a["step"])
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_grpo_learns_to_call_the_calculator(tmp_path, capsys):
     """The bundled tool task (docs/multi-turn.md): bundled/tiny-qwen2-tools calls its calculator on
     about half its sampled answers but, greedy, answers at once (and its own products are wrong).

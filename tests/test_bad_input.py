@@ -1,5 +1,5 @@
-"""Bad input, table-driven: every case runs every recipe's main with the model loader replaced by a
-failure, so a case passes only if the error comes before any model loads, as a UsageError (one
+"""Bad input, table-driven: every case runs grpo.py's main (a few run every RL recipe's) with the model
+loader replaced by a failure, so a case passes only if the error comes before any model loads, as a UsageError (one
 short message, exit status 2 from the command line) containing the words the table names."""
 
 import importlib.util
@@ -374,9 +374,21 @@ def raises_before_any_model_loads(tmp_path, monkeypatch, files, recipe, table, c
     assert len(str(error.value)) < 600, "a usage error is a short message"
 
 
+# Every case's flags are RLArgs' and checked by the shared code, so the table runs once, on grpo.py.
+# Each other RL recipe meets one case of each kind, proving its main reaches the same checks before
+# any model loads: the batch arithmetic, a flag's range, a data file, the reward function, a checkpoint.
+EVERY_RECIPE = ("mini-batch does not divide", "negative lr", "prompt column missing", "reward signature wrong",
+                "another recipe's checkpoint")  # fmt: skip
+
+
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
-@pytest.mark.parametrize("recipe", RL_RECIPES)
-def test_bad_input_is_a_usage_error_before_any_model_loads(tmp_path, monkeypatch, files, recipe, case):
+def test_bad_input_is_a_usage_error_before_any_model_loads(tmp_path, monkeypatch, files, case):
+    raises_before_any_model_loads(tmp_path, monkeypatch, files, "grpo", CASES, case)
+
+
+@pytest.mark.parametrize("case", EVERY_RECIPE)
+@pytest.mark.parametrize("recipe", [r for r in RL_RECIPES if r != "grpo"])
+def test_every_rl_recipe_reaches_the_checks_before_any_model_loads(tmp_path, monkeypatch, files, recipe, case):
     raises_before_any_model_loads(tmp_path, monkeypatch, files, recipe, CASES, case)
 
 

@@ -181,6 +181,7 @@ SMALL = ["--train-batch-size", "8", "--ppo-mini-batch-size", "8", "--rollout-n",
          "16", "--no-val-before-train", "--test-freq", "0"]  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_check_full_proves_a_resumed_step_equals_the_uninterrupted_one(tmp_path, capsys, monkeypatch, small_files):
     """--check full: two child runs of the command line (2 steps; a fresh process resumed from step
     1's checkpoint) give the same step 2, metrics and weights, before the run's models load. A resume

@@ -430,6 +430,7 @@ PLAY = [
 ]  # fmt: skip
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("recipe", RL_RECIPES)
 def test_every_rl_recipe_plays_the_bundled_games(tmp_path, recipe):
     """Two steps of one group of each game, then validation: the rewards are the returns, and
@@ -456,6 +457,7 @@ def test_every_rl_recipe_plays_the_bundled_games(tmp_path, recipe):
             assert again[key] == pytest.approx(last[key], rel=1e-6), key
 
 
+@pytest.mark.e2e
 def test_grpo_learns_a_game_its_prior_loses(tmp_path, capsys):
     """A two-step game the games checkpoint never wins greedy: the counter wins at two `up`s, but on
     its observation ("seed s at 0") the model answers `right` greedy and `up` about one time in
@@ -511,7 +513,7 @@ SOKOBAN_MODEL = BUNDLED / "tiny-qwen2-sokoban"
 
 
 def test_sokoban_yaml_plays_a_whole_plan_as_one_reply(tokenizer):
-    """bundled/envs/sokoban.yaml, as the README's Sokoban run plays it: a player answering each
+    """bundled/envs/sokoban.yaml, as docs/environments.md's Sokoban run plays it: a player answering each
     held-out room's shortest solution in one reply wins in one turn, with every move played; a
     plan with a word that is no move is the game's invalid action (counted, the room unchanged),
     and the next reply's plan still wins."""
@@ -542,7 +544,7 @@ def test_sokoban_yaml_plays_a_whole_plan_as_one_reply(tokenizer):
 
 def test_the_bundled_sokoban_checkpoint_wins_a_third_of_the_held_out_rooms(tmp_path):
     """tiny-qwen2-sokoban, greedy with one plan a game, on the 64 held-out rooms a run validates on:
-    22 won (34.4%, the README's starting point), within 25-45% to allow for another torch's
+    22 won (34.4%, docs/environments.md's starting point), within 25-45% to allow for another torch's
     arithmetic."""
     from conftest import load_recipe
 

@@ -139,6 +139,7 @@ def test_sampled_generation_two_processes_equal_one_and_evaluate(tmp_path, gen, 
     assert all_["pass@1"] == pytest.approx(hits / 800)  # pass@1 is the share of correct responses
 
 
+@pytest.mark.e2e
 def test_a_killed_generation_resumes_from_its_finished_chunks(tmp_path, gen, val200, monkeypatch):
     """Killed after its second of five chunks, a run started again generates only the other three
     and writes what an uninterrupted run writes; the same folder with other flags is refused."""

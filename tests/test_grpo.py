@@ -60,6 +60,7 @@ def two_process_runs(torchrun_runs):
     return {name: (folder / name, code) for name, code in codes.items()}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_processes(two_process_runs, small_val, strategy):
     (out, code), (plain, plain_code) = two_process_runs[strategy], two_process_runs[f"{strategy}-plain"]
@@ -131,6 +132,7 @@ def test_a_nan_reward_stops_the_run_when_asked(tmp_path, small_files):
     assert "Traceback" not in proc.stderr and not (out / "checkpoints").exists(), "stopped before saving step 1"
 
 
+@pytest.mark.e2e
 def test_reward_timeouts_do_not_hang_the_run(tmp_path, small_files):
     reward = tmp_path / "slow.py"
     reward.write_text(

@@ -96,6 +96,7 @@ def test_accelerate_script_overrides_and_failures(tmp_path):
     assert outside.returncode != 0 and "run this script with sbatch" in outside.stderr
 
 
+@pytest.mark.e2e
 def test_the_time_limit_signal_reaches_every_node_and_requeues(tmp_path):
     """Slurm's USR1 to the batch script (--signal=B:USR1@300) reaches every node's launcher
     through srun; when they have exited (the ranks saved), the script requeues the job and exits 0."""
@@ -148,6 +149,7 @@ def fakes_left() -> list[str]:
     return left
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("hosts", [["gpu-a01"], ["gpu-a01", "gpu-a02", "gpu-b07"]])
 def test_ray_script_starts_the_cluster_runs_the_driver_and_stops(tmp_path, hosts):
     proc = run_ray(tmp_path, hosts, "python", "driver.py", "--rollout-placement", "remote", "--note", "two words",
@@ -170,6 +172,7 @@ def test_ray_script_starts_the_cluster_runs_the_driver_and_stops(tmp_path, hosts
     assert not fakes_left()
 
 
+@pytest.mark.e2e
 def test_ray_script_stops_the_cluster_on_a_signal_and_on_a_missing_node(tmp_path):
     hosts = ["gpu-a01", "gpu-a02"]
     (tmp_path / "signal").mkdir()
@@ -220,6 +223,7 @@ def gpu_config_launches():
     return done
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks what a machine without CUDA says")
 @pytest.mark.parametrize("config", GPU_CONFIGS)
 def test_a_gpu_config_without_cuda_stops_before_anything_starts(gpu_config_launches, config):
@@ -232,6 +236,7 @@ def test_a_gpu_config_without_cuda_stops_before_anything_starts(gpu_config_launc
     assert "params" not in proc.stdout  # no model was loaded
 
 
+@pytest.mark.e2e
 def test_a_cpu_config_is_read_and_passes(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(

@@ -155,6 +155,7 @@ def closing_block(out: str) -> str:
     return out[out.index("where the time went") :]
 
 
+@pytest.mark.e2e
 def test_a_slow_reward_function_makes_the_run_reward_bound(tmp_path, small_files):
     (tmp_path / "reward.py").write_text(SLOW_REWARD)
     proc = run_recipe(
@@ -166,6 +167,7 @@ def test_a_slow_reward_function_makes_the_run_reward_bound(tmp_path, small_files
     assert all(r["perf/score_s"] >= 0.4 * 16 / 2 for r in records)  # 16 responses in 2 workers
 
 
+@pytest.mark.e2e
 def test_a_slow_update_makes_the_run_trainer_bound(tmp_path, small_files, monkeypatch):
     import time
 

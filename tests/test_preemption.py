@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, read_metrics, run_recipe, run_recipes_together, stop_side_by_side
 
+pytestmark = pytest.mark.e2e  # signals to running launches: the suite's end-to-end tier (pytest -m e2e)
+
 RL = ["--train-batch-size", "8", "--rollout-n", "4", "--test-freq", "0", "--no-val-before-train"]
 SFT = ["--train-batch-size", "16", "--micro-batch-size-per-gpu", "16", "--test-freq", "0"]
 STEPS = 8  # the signal comes once 2 steps are logged; the run stops after the step it is in, well before 8

@@ -18,6 +18,8 @@ from common.engines import HFEngine, Sampling
 from common.errors import RunStopped
 from common.parallel import Dist
 
+pytestmark = pytest.mark.e2e  # Ray: the suite's end-to-end tier (pytest -m e2e)
+
 SFT = ROOT / "bundled" / "tiny-qwen2-sft"
 SAMPLING = Sampling(n=4, max_tokens=8)
 BATCH = 8  # prompts per step

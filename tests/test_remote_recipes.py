@@ -14,6 +14,8 @@ import pytest
 from conftest import ROOT, SHIPPED_ACCURACY, read_metrics, run_recipe, running, stop_side_by_side
 from test_remote import ray_processes, wait_until_no_ray
 
+pytestmark = pytest.mark.e2e  # Ray: the suite's end-to-end tier (pytest -m e2e)
+
 REMOTE = ["--rollout-placement", "remote", "--num-rollout-engines", "2"]
 # Runs that need not learn: 8 prompts x 4 samples a step, no validation.
 SMALL_STEPS = ["--train-batch-size", "8", "--ppo-mini-batch-size", "8", "--rollout-n", "4", "--no-val-before-train"]
@@ -26,7 +28,6 @@ def no_ray_before_or_after():
     assert not wait_until_no_ray(), f"Ray processes left by the run: {ray_processes()}"
 
 
-@pytest.mark.slow
 def test_grpo_with_remote_engines_and_staleness_1_learns(tmp_path, ray_cluster):
     """Every step after the first trains on samples exactly one weight version old (the engines
     sample step t+1 while the trainer trains step t), and validation accuracy still climbs: by
@@ -46,7 +47,6 @@ def test_grpo_with_remote_engines_and_staleness_1_learns(tmp_path, ray_cluster):
     assert final[0] == pytest.approx(SHIPPED_ACCURACY) and final[-1] >= SHIPPED_ACCURACY + 0.04, final
 
 
-@pytest.mark.slow
 def test_two_trainer_processes_share_the_remote_engines(tmp_path, ray_cluster, small_files):
     """torchrun with 2 FSDP2 processes: rank 0 serves both ranks' prompts through the engines,
     and every sync gathers the sharded weights on all ranks; the staleness bound holds."""
@@ -57,7 +57,6 @@ def test_two_trainer_processes_share_the_remote_engines(tmp_path, ray_cluster, s
     assert len(steps) == 4 and [m["rollout/staleness_max"] for m in steps] == [0, 1, 1, 1]
 
 
-@pytest.mark.slow
 def test_grpo_plays_the_games_on_remote_engines(tmp_path, ray_cluster):
     """The environment manager over the Ray engines: every turn of every trajectory is served by
     them (synchronously: an environment's next prompt exists only once it has stepped), the weights
@@ -92,7 +91,6 @@ def read_metrics_if_any(folder) -> list[dict]:
     return read_metrics(folder) if (folder / "metrics.jsonl").is_file() else []
 
 
-@pytest.mark.slow
 def test_a_resumed_run_with_synchronous_remote_engines_repeats_the_steps_exactly(tmp_path, ray_cluster, small_files):
     """With --max-staleness 0 every chunk is sampled under a seed fixed by (run seed, step, chunk)
     on the weights of that step, so a run resumed from step 2 repeats steps 3-4 exactly. In the
@@ -172,7 +170,6 @@ def test_a_stopped_trainer_leaves_no_ray_process(stopped_runs, how):
         assert code != 0
 
 
-@pytest.mark.slow
 def test_distill_with_a_remote_teacher_trains_as_with_the_teacher_in_the_trainer(tmp_path, ray_cluster):
     """--teacher-placement remote under 2 FSDP2 trainer processes: two Ray engines serve the teacher's
     logprobs of both ranks' sampled tokens (through rank 0), and the run's every number is the run's
@@ -191,7 +188,6 @@ def test_distill_with_a_remote_teacher_trains_as_with_the_teacher_in_the_trainer
     assert local[1]["distill/reverse_kl"] != local[0]["distill/reverse_kl"]  # the second step's samples are new
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("plant", [None, "stale", "lora", "stale-warn"])
 def test_the_launch_check_proves_the_remote_engines_sync(tmp_path, ray_cluster, monkeypatch, plant):
     """--check (on by default) before step 1: with the sync sound, every item passes and prints its
@@ -238,7 +234,6 @@ def test_the_launch_check_proves_the_remote_engines_sync(tmp_path, ray_cluster, 
     )
 
 
-@pytest.mark.slow
 def test_check_freq_stops_a_run_whose_engine_went_stale_with_a_checkpoint(tmp_path, ray_cluster, monkeypatch):
     """The syncs after the launch check land nowhere (a planted stale engine that still reports the
     version it was sent): after step 1, --check-freq 1 finds the engine's logprobs of the probe away

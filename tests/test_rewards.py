@@ -95,6 +95,7 @@ def test_dry_run_fails_when_every_row_fails_and_warns_otherwise(bad_fn, caplog):
         pool.close()
 
 
+@pytest.mark.e2e
 def test_pool_survives_hangs_exceptions_exits_and_bad_returns(bad_fn, caplog):
     pool = RewardPool(bad_fn, workers=2, timeout=1.0)
     try:
@@ -185,6 +186,7 @@ def test_a_packed_reward_model_scores_as_the_padded_one(tmp_path, tokenizer):
     assert len(set(want.tolist())) == 4
 
 
+@pytest.mark.e2e
 def test_a_reward_file_runs_only_in_workers_and_a_hang_at_import_is_an_error(tmp_path, monkeypatch):
     """The user's file is imported in the worker processes, never in the trainer's; one that hangs
     while importing ends as a UsageError after the start-up timeout instead of stopping the run."""

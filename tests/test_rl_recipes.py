@@ -241,6 +241,7 @@ def two_process_runs(torchrun_runs):
     return {r: (folder / r, code) for r, code in codes.items()}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("recipe", TWO_PROCESS)
 def test_two_processes_fsdp2(two_process_runs, recipe):
     """torchrun with 2 CPU processes, FSDP2 really in effect, dynamic batching (ranks must agree
@@ -256,6 +257,7 @@ def test_two_processes_fsdp2(two_process_runs, recipe):
 
 
 # --- forking ------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_a_copied_recipe_starts_its_own_run(tmp_path, small_files):
     """README "Fork a recipe": cp recipes/grpo.py recipes/my_algo.py && python recipes/my_algo.py
     after a GRPO run in the same folder starts its own run in runs/my_algo and leaves GRPO's alone;
@@ -408,7 +410,7 @@ def test_a_padding_free_step_equals_the_padded_one(tmp_path, small_args, recipe,
 LEARNING_ROLLOUT_N = {"grpo": 8, "rloo": 8, "ppo": 8, "gspo": 8, "reinforce_pp": 12, "dapo": 12}
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("recipe", RL_RECIPES)
 def test_learns_the_bundled_task(tmp_path, capsys, recipe):
     """From the shipped SFT checkpoint (SHIPPED_ACCURACY, 48.8% greedy on the 500-row test split,

@@ -97,6 +97,7 @@ def test_smoke_checkpoint_and_export_reload(tmp_path, small_files, small_val, to
     assert sched.last_epoch == 6 and len(opt.state) > 0
 
 
+@pytest.mark.e2e
 def test_kill_and_resume_continues_exactly(tmp_path, small_files):
     flags = "--total-training-steps 20 --train-batch-size 16 --save-freq 5 --test-freq 0 --max-ckpt-to-keep 0 "
     flags += "--lr-scheduler cosine"
@@ -196,6 +197,7 @@ def two_process_runs(torchrun_runs):
     return {name: (folder / name, code) for name, code in codes.items()}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_processes_match_one(two_process_runs, single_process_run, strategy):
     out, code = two_process_runs[strategy]
@@ -240,6 +242,7 @@ def test_lora_adapter_and_merged_export(tmp_path, small_files):
     assert not torch.allclose(adapted, base_logits, atol=1e-3), "the adapter learned nothing"
 
 
+@pytest.mark.e2e
 def test_loss_falls_from_random_init(tmp_path, small_val):
     """Shortened form of the command that made bundled/tiny-qwen2-sft (bundled/README.md). Measured
     with seeds 1-3 (final train and val loss over the first train loss): 0.233-0.237 at 30 steps,

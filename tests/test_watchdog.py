@@ -13,6 +13,7 @@ import os
 import re
 import time
 
+import pytest
 from conftest import run_recipe
 
 from common import watchdog
@@ -116,6 +117,7 @@ if os.environ.get("RANK") == "1":  # rank 1 stops in step 2's rollout, outside a
 """
 
 
+@pytest.mark.e2e
 def test_a_rank_stuck_outside_a_wait_ends_the_launch_within_the_deadline_with_who_waits_on_whom(tmp_path, small_files):
     """2 processes; rank 1 hangs in step 2 (a planted sleep). Rank 0 waits for it in a collective.
     After --wait-timeout 15 s without progress a rank prints the dump and exits 124, and torchrun
