@@ -146,7 +146,13 @@ def test_a_default_run_loads_no_ray_gymnasium_engines_agent_or_environments(tmp_
     unwanted = {"ray", "gymnasium", *(f"common.{m}" for m in features)}
     assert not loaded & unwanted, sorted(loaded & unwanted)
     assert "common.rollout" in loaded  # the run did run
-    verl = script.replace("'--no-val-before-train']", "'--no-val-before-train', 'trainer.total_epochs=1']")
+    verl = (  # the command line read as the recipe's __main__ reads it, without the run
+        "import runpy, sys\n"
+        "sys.argv = ['recipes/grpo.py', 'trainer.total_epochs=1']\n"
+        "recipe = runpy.run_path('recipes/grpo.py', run_name='imported')\n"
+        "recipe['cli_args'](recipe['Args'], 'grpo')\n"
+        "print('MODULES', ' '.join(sorted(sys.modules)))\n"
+    )
     proc = subprocess.run([sys.executable, "-c", verl], cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "common.verl" in proc.stdout.split("MODULES ", 1)[1].split()
