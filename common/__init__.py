@@ -11,6 +11,7 @@ imports a recipe.
 LAYERS = (
     "watchdog",  # no silent hang: waits under a deadline (--wait-timeout), and who waits on whom when one passes
     "errors",  # UsageError, RunStopped and usage_errors: what every layer raises and how recipes report it
+    "flags",  # flag(): a knob's field with its range rule; check_ranges reads the rules back
     "verl",  # verl's key=value overrides translated into our flags: the one table of verl's keys
     "optim",  # AdamW and the lr schedules
     "parallel",  # the process group, DDP / FSDP2 wrapping, collectives, the stop signal, logging setup

@@ -21,6 +21,7 @@ import tyro
 from common.engines import Sampling
 from common.errors import ORIGINS, UsageError
 from common.errors import usage_errors as usage_errors  # re-exported for older forks
+from common.flags import check_ranges, flag
 from common.model import looks_local
 from common.ops import RS_OPTIONS, RunningMoments, parse_band
 from common.optim import Trainable, build_optimizer, build_scheduler
@@ -47,105 +48,6 @@ def cli_args(args_class, adv_estimator: str | None = None, trainer: str | None =
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-# (field, test, what it must be): checked on every recipe's flags as they are parsed (check_flags).
-FLAG_RULES = [
-    ("lr", lambda v: v > 0, "> 0"),
-    ("weight_decay", lambda v: v >= 0, ">= 0"),
-    ("betas", lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
-    ("lr_warmup_steps_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("grad_clip", lambda v: v >= 0, ">= 0 (0 disables clipping)"),
-    ("total_epochs", lambda v: v >= 1, ">= 1"),
-    ("total_training_steps", lambda v: v is None or v >= 1, ">= 1 (or left unset: total_epochs decides)"),
-    ("save_freq", lambda v: v >= -1, "-1 (at the end), 0 (never) or a number of steps"),
-    ("test_freq", lambda v: v >= -1, "-1 (at the end), 0 (never) or a number of steps"),
-    ("max_ckpt_to_keep", lambda v: v >= 0, ">= 0 (0 keeps all)"),
-    ("log_interval", lambda v: v >= 0, ">= 0 (0: only the progress bar)"),
-    ("lora_rank", lambda v: v >= 0, ">= 0 (0 trains the full model)"),
-    ("lora_alpha", lambda v: v >= 1, ">= 1"),
-    ("max_prompt_length", lambda v: v >= 1, ">= 1"),
-    ("max_response_length", lambda v: v >= 1, ">= 1"),
-    ("max_length", lambda v: v >= 1, ">= 1"),
-    ("max_new_tokens", lambda v: v >= 1, ">= 1"),
-    ("ppo_epochs", lambda v: v >= 1, ">= 1"),
-    ("ppo_max_token_len_per_gpu", lambda v: v >= 1, ">= 1"),
-    ("temperature", lambda v: v >= 0, ">= 0 (0 is greedy decoding)"),
-    ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("top_k", lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"),
-    ("val_temperature", lambda v: v >= 0, ">= 0 (0 is greedy)"),
-    ("gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("tensor_parallel_size", lambda v: v >= 1, ">= 1"),
-    ("max_num_seqs", lambda v: v >= 1, ">= 1"),
-    ("max_num_batched_tokens", lambda v: v >= 1, ">= 1"),
-    (
-        "rollout_is_threshold",
-        lambda v: _band_ok(v),
-        "a cap >= 1, or lo_hi with 0 < lo <= 1 <= hi (else even an on-policy token's weight of 1 is cut)",
-    ),
-    ("val_n", lambda v: v >= 1, ">= 1"),
-    ("log_val_generations", lambda v: v >= 0, ">= 0 (0: none)"),
-    ("n_samples", lambda v: v >= 1, ">= 1"),
-    ("train_batch_size", lambda v: v >= 1, ">= 1"),
-    ("rollout_n", lambda v: v >= 1, ">= 1"),
-    ("ppo_mini_batch_size", lambda v: v is None or v >= 1, ">= 1 (or left unset: the train batch)"),
-    ("micro_batch_size_per_gpu", lambda v: v >= 1, ">= 1"),
-    ("batch_size", lambda v: v >= 1, ">= 1"),
-    ("val_batch_size", lambda v: v >= 1, ">= 1"),
-    ("num_rollout_engines", lambda v: v >= 1, ">= 1"),
-    ("check_freq", lambda v: v >= 0, ">= 0 (0: never during training)"),
-    ("teacher_num_engines", lambda v: v >= 1, ">= 1"),
-    ("teacher_engine_num_cpus", lambda v: v > 0, "> 0"),
-    ("teacher_engine_num_gpus", lambda v: v >= 0, ">= 0"),
-    ("teacher_gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
-    ("engine_num_cpus", lambda v: v > 0, "> 0"),
-    ("engine_num_gpus", lambda v: v >= 0, ">= 0"),
-    ("max_staleness", lambda v: v >= 0, ">= 0 (0 is synchronous)"),
-    ("engine_timeout", lambda v: v > 0, "> 0 seconds"),
-    ("wait_timeout", lambda v: v > 0, "> 0 seconds"),
-    ("max_assistant_turns", lambda v: v >= 1, ">= 1"),
-    ("max_user_turns", lambda v: v >= 1, ">= 1"),
-    ("tool_timeout", lambda v: v > 0, "> 0 seconds"),
-    ("reward_timeout", lambda v: v > 0, "> 0 seconds"),
-    ("reward_workers", lambda v: v >= 1, ">= 1"),
-    ("kl_coef", lambda v: v >= 0, ">= 0"),
-    ("target_kl", lambda v: v > 0, "> 0"),
-    ("horizon", lambda v: v >= 1, ">= 1"),
-    ("seed", lambda v: v >= 0, ">= 0"),
-    ("env_n_groups", lambda v: all(n >= 1 for n in v), "numbers >= 1"),
-    ("env_train_seeds", lambda v: v >= 1, ">= 1"),
-    ("env_val_seeds", lambda v: v >= 0, ">= 0 (0: no validation)"),
-    ("max_env_steps", lambda v: v >= 1, ">= 1"),
-    ("format_penalty", lambda v: v <= 0, "<= 0 (a penalty: ROLL's is negative)"),
-    ("max_traj_per_env", lambda v: v == -1 or v >= 1, "-1 (no limit) or >= 1"),
-    ("env_gamma", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("env_timeout", lambda v: v > 0, "> 0 seconds"),
-    ("env_workers", lambda v: v >= 1, ">= 1"),
-    ("len_reward_coef", lambda v: v > 0, "> 0"),
-    ("reward_clip", lambda v: v is None or v > 0, "> 0 (rewards are clamped to [-c, c])"),
-    ("advantage_clip", lambda v: v is None or v > 0, "> 0 (advantages are clamped to [-c, c])"),
-    ("rl_loss_coef", lambda v: v >= 0, ">= 0"),
-    ("sft_loss_coef", lambda v: v >= 0, ">= 0 (a negative weight would push the good responses down)"),
-    # the algorithms' knobs: one meaning, so one rule, in every recipe that has them
-    ("clip_ratio", lambda v: v > 0, "> 0"),
-    ("clip_ratio_low", lambda v: v is None or 0 < v <= 1, "in (0, 1]: the ratio is kept above 1 - clip_ratio_low"),
-    ("clip_ratio_high", lambda v: v is None or v > 0, "> 0"),
-    ("clip_ratio_c", lambda v: v > 1, "> 1 (the dual-clip bound, 3 in verl)"),
-    ("kl_loss_coef", lambda v: v >= 0, ">= 0 (a negative weight would push the policy away from the reference)"),
-    ("entropy_coeff", lambda v: v >= 0, ">= 0 (a negative bonus would reward collapsing the entropy)"),
-    ("gamma", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("lam", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("critic_lr", lambda v: v > 0, "> 0"),
-    ("cliprange_value", lambda v: v > 0, "> 0"),
-    ("critic_warmup", lambda v: v >= 0, ">= 0 (steps that train the critic alone)"),
-    ("max_num_gen_batches", lambda v: v >= 0, ">= 0 (0: no limit)"),
-    ("overlong_buffer_len", lambda v: v >= 0, ">= 0 (0: off)"),
-    ("overlong_penalty_factor", lambda v: v >= 0, ">= 0"),
-    ("jsd_beta", lambda v: 0 <= v <= 1, "in [0, 1] (0: forward KL, 1: reverse KL)"),
-    ("kl_discount", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("beta", lambda v: v >= 0, ">= 0 (the task reward's weight beside the teacher's)"),
-]
 
 
 # (flags, the flag that decides, whether they are used, what to add): a flag given a value of its
@@ -230,16 +132,10 @@ def check_used(args) -> None:
 
 
 def check_flags(args) -> None:
-    """Every flag's range (FLAG_RULES, for the flags `args` has) and the paths that can be checked
+    """Every flag's range (its field's rule: common.flags) and the paths that can be checked
     without loading anything: a local model or reward-model folder must exist and hold a
     config.json, and the output folder must not be a file. Raises UsageError naming the flag."""
-    for name in flag_defaults(args):  # NaN passes every comparison's negation, and no flag here means infinity
-        value = getattr(args, name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UsageError(f"{_flag(name)} {value}: must be a finite number")
-    for name, ok, must in FLAG_RULES:
-        if hasattr(args, name) and not ok(getattr(args, name)):
-            raise UsageError(f"{_flag(name)} {getattr(args, name)!r}: must be {must}")
+    check_ranges(args)  # each flag's range, declared on its field (common.flags)
     check_used(args)
     if hasattr(args, "rollout_n") and args.temperature == 0:
         raise UsageError(
@@ -308,7 +204,7 @@ def check_flags(args) -> None:
         raise UsageError(f"--output-dir {args.output_dir}: {blocking} is a file, so the folder cannot be created")
 
 
-def _band_ok(threshold) -> bool:
+def band_ok(threshold) -> bool:
     """rollout_is_threshold: a number >= 1, or lo_hi with 0 < lo <= 1 <= hi."""
     try:
         lo, hi = parse_band(threshold)
@@ -422,9 +318,9 @@ class ModelArgs:
     gradient reduction; DDP / one process: autocast)"""
     gradient_checkpointing: bool = False
     """recompute activations in backward to save memory"""
-    lora_rank: int = 0
+    lora_rank: int = flag(0, ge=0, note="0 trains the full model")
     """LoRA rank; 0 trains the full model"""
-    lora_alpha: int = 16
+    lora_alpha: int = flag(16, ge=1)
     """LoRA scaling numerator (scale = lora_alpha / lora_rank)"""
     target_modules: tuple[str, ...] = ("all-linear",)
     """modules that get LoRA adapters: 'all-linear' or names such as q_proj v_proj"""
@@ -459,19 +355,21 @@ class DataArgs:
 
 @dataclass
 class OptimArgs:
-    lr: float = 1e-5
+    lr: float = flag(1e-5, gt=0)
     """peak learning rate (AdamW)"""
-    weight_decay: float = 0.01
+    weight_decay: float = flag(0.01, ge=0)
     """AdamW weight decay"""
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = flag(
+        (0.9, 0.999), rule=(lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)")
+    )
     """AdamW betas"""
-    lr_warmup_steps_ratio: float = 0.0
+    lr_warmup_steps_ratio: float = flag(0.0, ge=0, le=1)
     """fraction of the total steps spent warming the lr up linearly from 0"""
     lr_scheduler: Literal["constant", "cosine", "wsd"] = "constant"
     """lr after warmup: constant, cosine decay, or warmup-stable-decay"""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = flag(0.0, ge=0, le=1)
     """cosine / wsd: the final lr as a fraction of the peak"""
-    grad_clip: float = 1.0
+    grad_clip: float = flag(1.0, ge=0, note="0 disables clipping")
     """clip the global grad norm to this (0 disables)"""
 
     def trainable(self, model, total_steps: int) -> Trainable:
@@ -489,7 +387,7 @@ class OptimArgs:
 
 @dataclass
 class WaitArgs:
-    wait_timeout: float = 1800.0
+    wait_timeout: float = flag(1800.0, gt=0, unit="seconds")
     """seconds without progress (stuck in a collective, an engine request, a sync, a save) before the run prints
     who waits on whom and ends with exit status 124 instead of blocking forever (common.watchdog)"""
 
@@ -513,27 +411,27 @@ class TrainerArgs(CheckArgs, WaitArgs):
     """wandb / tensorboard project"""
     experiment_name: str = ""
     """run name (default: the recipe file's name, so a copied recipe is its own experiment)"""
-    seed: int = 1
+    seed: int = flag(1, ge=0)
     """seed for init, data order and sampling"""
-    total_epochs: int = 1
+    total_epochs: int = flag(1, ge=1)
     """passes over the training data (ignored when total_training_steps is set)"""
-    total_training_steps: int | None = None
+    total_training_steps: int | None = flag(None, ge=1, note="or left unset: total_epochs decides")
     """stop after this many optimizer steps (overrides total_epochs)"""
-    save_freq: int = -1
+    save_freq: int = flag(-1, rule=(lambda v: v >= -1, "-1 (at the end), 0 (never) or a number of steps"))
     """save a checkpoint every N steps (-1: only at the end); 0 never saves"""
-    test_freq: int = -1
+    test_freq: int = flag(-1, rule=(lambda v: v >= -1, "-1 (at the end), 0 (never) or a number of steps"))
     """validate every N steps (-1: only at the end); 0 never validates"""
     val_before_train: bool = False
     """validate once before the first step"""
     resume: str = "auto"
     """auto (latest checkpoint in output_dir), disable, or a path to a checkpoint folder"""
-    max_ckpt_to_keep: int = 2
+    max_ckpt_to_keep: int = flag(2, ge=0, note="0 keeps all")
     """keep only the newest K checkpoints (0 keeps all)"""
     export_merged_lora: bool = False
     """with LoRA: also save a merged full model under hf/ next to the adapter"""
     logger: tuple[Literal["console", "wandb", "tensorboard"], ...] = ("console",)
     """where metrics go besides metrics.jsonl"""
-    log_interval: int = 10
+    log_interval: int = flag(10, ge=0, note="0: only the progress bar")
     """print one line of key metrics every N steps (0: only the progress bar)"""
     strategy: Literal["auto", "ddp", "fsdp2"] = "auto"
     """data parallelism: auto is fsdp2 under an accelerate FSDP config, else ddp"""
@@ -560,15 +458,15 @@ class TrainerArgs(CheckArgs, WaitArgs):
 class EngineArgs:
     rollout_name: Literal["hf", "vllm"] = "hf"
     """rollout engine: hf (transformers generate on the live policy) or vllm (its own copy, synced each step)"""
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = flag(0.5, gt=0, le=1)
     """vllm: fraction of GPU memory its engine may take (weights and KV cache)"""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = flag(1, ge=1)
     """vllm: GPUs one engine spans (verl's tensor_model_parallel_size)"""
     enforce_eager: bool = True
     """vllm: no CUDA graphs (less memory and start-up time beside a trainer)"""
-    max_num_seqs: int = 1024
+    max_num_seqs: int = flag(1024, ge=1)
     """vllm: most sequences in one engine step"""
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = flag(8192, ge=1)
     """vllm: most tokens in one engine step"""
     enable_sleep_mode: bool = False
     """vllm (GPU): free the engine's memory between rollouts (verl's free_cache_engine)"""
@@ -587,18 +485,18 @@ class PlacementArgs:
     rollout_placement: Literal["colocated", "remote"] = "colocated"
     """colocated: the engine runs in the trainer's processes; remote: --num-rollout-engines Ray actors
     with their own copy of the weights, streamed to them after every step"""
-    num_rollout_engines: int = 2
+    num_rollout_engines: int = flag(2, ge=1)
     """remote: engine processes (Ray actors)"""
-    engine_num_cpus: float = 1.0
+    engine_num_cpus: float = flag(1.0, gt=0)
     """remote: CPUs Ray reserves for each engine (its torch threads)"""
-    engine_num_gpus: float = 0.0
+    engine_num_gpus: float = flag(0.0, ge=0)
     """remote: GPUs Ray reserves for each engine"""
     ray_address: str | None = None
     """remote: the Ray cluster to join (default: $RAY_ADDRESS, else Ray starts inside this job)"""
-    max_staleness: int = 0
+    max_staleness: int = flag(0, ge=0, note="0 is synchronous")
     """remote: steps of rollouts generated ahead while the trainer trains; no sample is trained on
     more than this many weight versions after the one that sampled it (0: synchronous)"""
-    engine_timeout: float = 300.0
+    engine_timeout: float = flag(300.0, gt=0, unit="seconds")
     """remote: seconds any wait on an engine may last before the run stops, naming the engine"""
 
     def placement_kwargs(self, train: list, total_steps: int) -> dict:
@@ -627,13 +525,13 @@ class TeacherArgs:
     teacher_placement: Literal["colocated", "remote"] = "colocated"
     """colocated: in the trainer's processes (hf: micro-batched and sharded under FSDP2, as the reference);
     remote: --teacher-num-engines Ray actors serving its logprobs (--ray-address, --engine-timeout apply)"""
-    teacher_num_engines: int = 1
+    teacher_num_engines: int = flag(1, ge=1)
     """remote: teacher engine processes (Ray actors)"""
-    teacher_engine_num_cpus: float = 1.0
+    teacher_engine_num_cpus: float = flag(1.0, gt=0)
     """remote: CPUs Ray reserves for each teacher engine (its torch threads)"""
-    teacher_engine_num_gpus: float = 0.0
+    teacher_engine_num_gpus: float = flag(0.0, ge=0)
     """remote: GPUs Ray reserves for each teacher engine"""
-    teacher_gpu_memory_utilization: float = 0.3
+    teacher_gpu_memory_utilization: float = flag(0.3, gt=0, le=1)
     """vllm: fraction of GPU memory the teacher's engine may take (beside --gpu-memory-utilization's)"""
 
     def teacher_kwargs(self) -> dict:
@@ -662,37 +560,43 @@ class TeacherArgs:
 
 @dataclass
 class RolloutArgs:
-    max_prompt_length: int = 64
+    max_prompt_length: int = flag(64, ge=1)
     """prompt tokens after the chat template (longer ones follow --truncation)"""
-    max_response_length: int = 16
+    max_response_length: int = flag(16, ge=1)
     """generated tokens per response"""
     filter_overlong_prompts: bool = False
     """drop (and count) prompts longer than max_prompt_length instead of truncating / failing"""
-    train_batch_size: int = 16
+    train_batch_size: int = flag(16, ge=1)
     """prompts per step, over all processes"""
-    rollout_n: int = 16
+    rollout_n: int = flag(16, ge=1)
     """responses sampled per prompt (the group)"""
-    ppo_mini_batch_size: int | None = None
+    ppo_mini_batch_size: int | None = flag(None, ge=1, note="or left unset: the train batch")
     """prompts per optimizer step, so train_batch_size / ppo_mini_batch_size updates per step (default: all)"""
-    micro_batch_size_per_gpu: int = 64
+    micro_batch_size_per_gpu: int = flag(64, ge=1)
     """most sequences per forward/backward pass on one process (the last micro-batch may be smaller)"""
     use_dynamic_bsz: bool = False
     """pack micro-batches by a token budget (--ppo-max-token-len-per-gpu) instead of a sequence count"""
-    ppo_max_token_len_per_gpu: int = 16384
+    ppo_max_token_len_per_gpu: int = flag(16384, ge=1)
     """with --use-dynamic-bsz: most padded tokens (prompt + response) per micro-batch on one process"""
-    ppo_epochs: int = 1
+    ppo_epochs: int = flag(1, ge=1)
     """passes over each step's samples"""
-    temperature: float = 1.0
+    temperature: float = flag(1.0, ge=0, note="0 is greedy decoding")
     """sampling temperature (the trainer scales logits by it too)"""
-    top_p: float = 1.0
+    top_p: float = flag(1.0, gt=0, le=1)
     """nucleus sampling: keep the smallest token set with this much probability (1.0: off)"""
-    top_k: int = -1
+    top_k: int = flag(-1, rule=(lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"))
     """sample among the k most likely tokens (-1: off)"""
     shared_prompt_forward: bool = True
     """trainer passes run each group's shared prompt once (same numbers; off: one pass per sequence)"""
     rollout_is: Literal["token", "sequence"] | None = None
     """rollout correction: weight each token by the truncated pi_old / pi_rollout, per token or per response"""
-    rollout_is_threshold: float | str = 2.0
+    rollout_is_threshold: float | str = flag(
+        2.0,
+        rule=(
+            band_ok,
+            "a cap >= 1, or lo_hi with 0 < lo <= 1 <= hi (else even an on-policy token's weight of 1 is cut)",
+        ),
+    )
     """rollout correction: the cap on those importance weights, or lo_hi (e.g. 0.5_5.0): weights outside are zeroed"""
     rollout_is_batch_normalize: bool = False
     """rollout correction: rescale the importance weights to mean 1 over the step"""
@@ -702,7 +606,7 @@ class RolloutArgs:
     """rollout rejection's bounds, one or one per option: lo_hi for k1 (e.g. 0.5_2.0), an upper bound for k2 / k3"""
     bypass_mode: bool = False
     """take the engine's logprobs as the old policy (saves the trainer's old-logprob pass)"""
-    check_freq: int = 10
+    check_freq: int = flag(10, ge=0, note="0: never during training")
     """every N steps, after the sync, the engine's logprobs of the check's probe against the trainer's
     (check/engine_gap_*); past the bounds the run saves and stops (0: never)"""
 
@@ -711,13 +615,13 @@ class RolloutArgs:
 class RewardArgs:
     reward_fn: str | None = None
     """path/to/file.py[:name] with verl's compute_score signature (default: built-ins by data_source)"""
-    reward_timeout: float = 10.0
+    reward_timeout: float = flag(10.0, gt=0, unit="seconds")
     """seconds one sample (with --reward-manager batch: one step's call) may take to score before it gets 0"""
     reward_manager: Literal["naive", "prime", "batch"] = "naive"
     """verl's reward_model.reward_manager: naive and prime score each sample in the worker pool (in
     parallel, each under --reward-timeout: verl's prime); batch calls --reward-fn once a step with
     lists, compute_score(data_sources, solution_strs, ground_truths, extra_infos) -> one score or dict each"""
-    reward_workers: int = 2
+    reward_workers: int = flag(2, ge=1)
     """reward worker processes per rank"""
     reward_model: str | None = None
     """AutoModelForSequenceClassification folder / hub name; replaces the rule-based score"""
@@ -740,7 +644,7 @@ class ConditioningArgs:
     add_len_reward: bool = False
     """ROLL's add_len_reward, as Kimi k1.5 defines it: within a group, shorter correct responses gain up to
     +0.5 and longer ones lose up to -0.5 (wrong ones only lose), times --len-reward-coef"""
-    len_reward_coef: float = 1.0
+    len_reward_coef: float = flag(1.0, gt=0)
     """weight of the length reward"""
     reward_norm: Literal["batch", "group", "running"] | None = None
     """ROLL's reward_norm: (r - mean) / std over the step (every rank), the prompt's group, or every reward so far"""
@@ -750,19 +654,19 @@ class ConditioningArgs:
     """with --reward-norm: only divide by the std"""
     whiten_rewards: bool = False
     """whiten the step's rewards (every rank) before the advantage"""
-    reward_clip: float | None = None
+    reward_clip: float | None = flag(None, gt=0, note="rewards are clamped to [-c, c]")
     """clamp the conditioned rewards to [-c, c]"""
     whiten_advantages: bool = False
     """whiten the advantages over every response token of the step"""
-    advantage_clip: float | None = None
+    advantage_clip: float | None = flag(None, gt=0, note="advantages are clamped to [-c, c]")
     """clamp the advantages to [-c, c] (after any whitening)"""
     difficulty_loss_weight: bool = False
     """weight each response's policy-gradient loss by 0.5 + 1.5 * its row's difficulty (a column in [0, 1])"""
     length_loss_weight: bool = False
     """weight each response's policy-gradient loss by 1.5 - its length scaled to [0, 1] over the step"""
-    rl_loss_coef: float = 1.0
+    rl_loss_coef: float = flag(1.0, ge=0)
     """ROLL's rl_loss_coef: weight of the policy-gradient term (and of the KL loss with it)"""
-    sft_loss_coef: float = 0.0
+    sft_loss_coef: float = flag(0.0, ge=0, note="a negative weight would push the good responses down")
     """ROLL's sft_loss_coef: add this times the negative log-likelihood of the responses that scored > 0"""
     use_topr_loss: bool = False
     """ROLL's use_topr_loss: TOPR's truncated-importance REINFORCE instead of the clipped surrogate"""
@@ -816,11 +720,11 @@ class AgentArgs:
     """YAML listing the tools of tool_agent rows: OpenAI function schemas and path/to/file.py:function (verl's tool config)"""
     interaction_config: str | None = None
     """YAML listing the interactions a row's extra_info.interaction_kwargs names (verl's interaction config)"""
-    max_assistant_turns: int = 5
+    max_assistant_turns: int = flag(5, ge=1)
     """tool_agent: most assistant turns in one conversation"""
-    max_user_turns: int = 5
+    max_user_turns: int = flag(5, ge=1)
     """tool_agent: most interaction replies in one conversation"""
-    tool_timeout: float = 10.0
+    tool_timeout: float = flag(10.0, gt=0, unit="seconds")
     """tool_agent: seconds one tool or interaction call may take (a tool's then tells the model; an interaction's ends the conversation)"""
     tokenization_sanity_check_mode: Literal["strict", "ignore_strippable", "off"] = "strict"
     """tool_agent: compare the turn-by-turn tokens with the whole conversation tokenised at once"""
@@ -874,23 +778,23 @@ class EnvPlayArgs:
     id (ROLL's custom_envs; docs/environments.md)"""
     env_tags: tuple[str, ...] = ()
     """environment: the tags of --env-config to play (default: all; ROLL's tags)"""
-    env_val_seeds: int = 64
+    env_val_seeds: int = flag(64, ge=0, note="0: no validation")
     """environment: held-out seeds of each tag played in each validation (generate.py: played in all)"""
-    max_env_steps: int = 10
+    max_env_steps: int = flag(10, ge=1)
     """environment: most turns (actions) of a trajectory (ROLL's max_actions_per_traj)"""
-    format_penalty: float = 0.0
+    format_penalty: float = flag(0.0, le=0, note="a penalty: ROLL's is negative")
     """environment: reward added to a turn whose action does not parse, <= 0 (ROLL's format_penalty)"""
-    max_traj_per_env: int = -1
+    max_traj_per_env: int = flag(-1, rule=(lambda v: v == -1 or v >= 1, "-1 (no limit) or >= 1"))
     """environment: trajectories one environment plays (reset with the next seed) before it is made anew; -1: no
     limit (ROLL's max_traj_per_env)"""
     env_manager: str | None = None
     """environment: path/to/file.py:Class, a subclass of common.env_manager.EnvLoop that plays instead (ROLL's
     worker_cls)"""
-    env_gamma: float = 1.0
+    env_gamma: float = flag(1.0, ge=0, le=1)
     """environment: discount of the per-turn rewards in a trajectory's return"""
-    env_timeout: float = 10.0
+    env_timeout: float = flag(10.0, gt=0, unit="seconds")
     """environment: seconds a reset or step may take before its trajectory ends, counted in env/<tag>/timeouts"""
-    env_workers: int = 2
+    env_workers: int = flag(2, ge=1)
     """environment: worker processes per rank that run the environments"""
 
     def env_tag_list(self) -> list[str]:
@@ -926,9 +830,9 @@ class EnvPlayArgs:
 class EnvArgs(EnvPlayArgs):
     """A training run's environment flags: the groups of a step and the seeds of an epoch."""
 
-    env_n_groups: tuple[int, ...] = ()
+    env_n_groups: tuple[int, ...] = flag((), ge=1)
     """environment: groups a step of each tag, summing to --train-batch-size (default: an even split; ROLL's n_groups)"""
-    env_train_seeds: int = 10000
+    env_train_seeds: int = flag(10000, ge=1)
     """environment: training seeds 0..N-1, each played once an epoch"""
 
     def env_groups(self) -> tuple[list[str], list[int]]:
@@ -993,13 +897,13 @@ def _check_env_groups(args, tags: list[str]) -> None:
 
 @dataclass
 class ValidationArgs:
-    val_temperature: float = 0.0
+    val_temperature: float = flag(0.0, ge=0, note="0 is greedy")
     """validation sampling temperature; 0 is greedy"""
-    val_n: int = 1
+    val_n: int = flag(1, ge=1)
     """validation responses per prompt"""
-    val_batch_size: int = 256
+    val_batch_size: int = flag(256, ge=1)
     """prompts per generate call in validation"""
-    log_val_generations: int = 0
+    log_val_generations: int = flag(0, ge=0, note="0: none")
     """each validation, log the first N prompts with a response and its score (val_generations.jsonl; wandb table)"""
 
 
@@ -1190,15 +1094,15 @@ class KLRewardArgs:
     """verl's algorithm.kl_ctrl knobs, for the recipes that can put a KL penalty in the reward
     (rloo, reinforce_pp, ppo); where the KL goes (--use-kl-in-reward) stays each recipe's own."""
 
-    kl_coef: float = 0.001
+    kl_coef: float = flag(0.001, ge=0)
     """weight of the KL penalty in the reward (the adaptive controller's starting value)"""
     kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = "kl"
     """KL estimator for the reward penalty (see common.ops.kl_penalty; full: the exact KL over the vocabulary)"""
     kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
     """KL-in-reward coefficient: fixed, or adaptive toward target_kl (Ziegler et al. 2019, as verl)"""
-    target_kl: float = 0.1
+    target_kl: float = flag(0.1, gt=0)
     """adaptive kl_ctrl: the mean per-token KL the coefficient steers toward"""
-    horizon: int = 10000
+    horizon: int = flag(10000, ge=1)
     """adaptive kl_ctrl: sequences over which the coefficient moves by at most a factor 1.2"""
 
     def kl_ctrl_kwargs(self) -> dict:

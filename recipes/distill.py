@@ -41,6 +41,7 @@ from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import BUNDLED, RLArgs, TeacherArgs, cli_args, is_due
 from common.data import load_rl_data, split_rows, take_rows
 from common.errors import usage_errors
+from common.flags import flag
 from common.model import check_teacher, load_rl_models, load_tokenizer, response_logits
 from common.ops import (
     agg_loss,
@@ -76,11 +77,11 @@ class Args(TeacherArgs, RLArgs):  # RLArgs: model, data, optim, trainer, rollout
     loss: Literal["reverse_kl", "gkd"] = "reverse_kl"
     """reverse_kl: the clipped surrogate on -(log student - log teacher) of each sampled token; gkd: GKD's
     generalised JSD to the teacher over the whole vocabulary"""
-    jsd_beta: float = 0.5
+    jsd_beta: float = flag(0.5, ge=0, le=1, note="0: forward KL, 1: reverse KL")
     """--loss gkd: 0 the forward KL(teacher || student), 1 the reverse KL(student || teacher), between: the JSD"""
-    kl_discount: float = 0.0
+    kl_discount: float = flag(0.0, ge=0, le=1)
     """gamma: a token's advantage adds the teacher's advantages of the tokens after it, discounted (0: its own)"""
-    beta: float = 0.0
+    beta: float = flag(0.0, ge=0, note="the task reward's weight beside the teacher's")
     """weight of the task reward's GRPO advantage (--norm-adv-by-std-in-grpo) beside the teacher's (0: none)"""
     norm_adv_by_std_in_grpo: bool = True
     """divide by the group std (off: Dr.GRPO)"""
@@ -92,13 +93,13 @@ class Args(TeacherArgs, RLArgs):  # RLArgs: model, data, optim, trainer, rollout
     """stop after this many optimizer steps (overrides total_epochs)"""
     test_freq: int = 10
     """validate every N steps (-1: only at the end); 0 never validates"""
-    clip_ratio: float = 0.2
+    clip_ratio: float = flag(0.2, gt=0)
     """PPO clip range; clip_ratio_low / clip_ratio_high override each side"""
-    clip_ratio_low: float | None = None
+    clip_ratio_low: float | None = flag(None, gt=0, le=1, note="the ratio is kept above 1 - clip_ratio_low")
     """lower clip range: the ratio is kept above 1 - clip_ratio_low (default clip_ratio)"""
-    clip_ratio_high: float | None = None
+    clip_ratio_high: float | None = flag(None, gt=0)
     """upper clip range: the ratio is kept below 1 + clip_ratio_high (DAPO clip-higher uses e.g. 0.28)"""
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: float = flag(3.0, gt=1, note="the dual-clip bound, 3 in verl")
     """dual-clip bound for negative advantages (> 1; 3 as in Ye et al. 2020, arXiv:1912.09729, and verl)"""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "token-mean"
@@ -106,11 +107,11 @@ class Args(TeacherArgs, RLArgs):  # RLArgs: model, data, optim, trainer, rollout
     """how per-token losses become one number"""
     use_kl_loss: bool = False
     """add a KL(policy || reference) term to the loss"""
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = flag(0.001, ge=0, note="a negative weight would push the policy away from the reference")
     """weight of the KL term in the loss"""
     kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = "low_var_kl"
     """KL estimator for the loss term (see common.ops.kl_penalty; full: the exact KL over the vocabulary)"""
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = flag(0.0, ge=0, note="a negative bonus would reward collapsing the entropy")
     """entropy bonus weight"""
 
     def update_kwargs(self) -> dict:

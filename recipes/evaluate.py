@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 
 from common.config import check_flags, cli_args
 from common.errors import UsageError, usage_errors
+from common.flags import flag
 from common.parallel import setup_logging
 from common.rewards import Scored, start_reward_pool
 from common.runlock import claim_output
@@ -65,9 +66,9 @@ class Args:
     """column holding {"ground_truth": ...} for the reward"""
     reward_fn: str | None = None
     """path/to/file.py[:name] with verl's compute_score signature (default: built-ins by data_source)"""
-    reward_timeout: float = 10.0
+    reward_timeout: float = flag(10.0, gt=0, unit="seconds")
     """seconds one sample may take to score before it gets 0"""
-    reward_workers: int = 2
+    reward_workers: int = flag(2, ge=1)
     """reward worker processes per rank"""
     output_json: str = ""
     """metrics file (default: beside the input, <input name>.eval.json)"""
@@ -86,10 +87,10 @@ class Args:
         outputs = [("--output-json", self.json_path())] + [("--output-scores", Path(self.output_scores))] * bool(
             self.output_scores
         )
-        for flag, path in outputs:
+        for name, path in outputs:
             blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
             if blocking is not None:
-                raise UsageError(f"{flag} {path}: {blocking} is a file, so the folder cannot be created")
+                raise UsageError(f"{name} {path}: {blocking} is a file, so the folder cannot be created")
 
     def json_path(self) -> Path:
         data = Path(self.data_path).expanduser()

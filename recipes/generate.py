@@ -49,6 +49,7 @@ import tyro
 
 from common.config import BUNDLED, AgentArgs, EngineArgs, EnvPlayArgs, WaitArgs, check_flags, cli_args
 from common.errors import UsageError, usage_errors
+from common.flags import flag
 from common.parallel import barrier, init_distributed
 from common.runlock import claim_output
 
@@ -73,9 +74,9 @@ class Args(EnvPlayArgs, AgentArgs, EngineArgs, WaitArgs):  # the engines', the a
     force_unlock: bool = False
     """take the lock of the run folder (or output file) even when a run on another host holds it: only when that
     run is known to be gone (its job ended, its node died); two live runs on one folder corrupt each other's files"""
-    n_samples: int = 1
+    n_samples: int = flag(1, ge=1)
     """responses sampled per prompt"""
-    batch_size: int = 128
+    batch_size: int = flag(128, ge=1)
     """prompts per chunk: one generate call, one resumable part file"""
     model: str = str(BUNDLED / "tiny-qwen2-sft")
     """policy: a local Hugging Face folder or a hub name"""
@@ -87,21 +88,21 @@ class Args(EnvPlayArgs, AgentArgs, EngineArgs, WaitArgs):  # the engines', the a
     """allow model code from the model folder / hub (off: only transformers' own architectures)"""
     do_sample: bool = True
     """sample (off: greedy decoding, as --temperature 0; --top-p / --top-k are then unused)"""
-    temperature: float = 1.0
+    temperature: float = flag(1.0, ge=0, note="0 is greedy decoding")
     """sampling temperature; 0 is greedy decoding, as --val-temperature 0 is in training"""
-    top_p: float = 1.0
+    top_p: float = flag(1.0, gt=0, le=1)
     """nucleus sampling: keep the smallest token set with this much probability (1.0: off)"""
-    top_k: int = -1
+    top_k: int = flag(-1, rule=(lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"))
     """sample among the k most likely tokens (-1: off)"""
-    max_prompt_length: int = 64
+    max_prompt_length: int = flag(64, ge=1)
     """prompt tokens after the chat template (longer ones follow --truncation)"""
-    max_response_length: int = 16
+    max_response_length: int = flag(16, ge=1)
     """generated tokens per response"""
     truncation: Literal["error", "left", "right", "middle"] = "error"
     """too-long input: error, or keep the end (left), the start (right), or both ends (middle)"""
     filter_overlong_prompts: bool = False
     """drop (and count) prompts longer than max_prompt_length instead of truncating / failing"""
-    seed: int = 1
+    seed: int = flag(1, ge=0)
     """seed for sampling (chunk c is sampled from seed and c)"""
 
     def __post_init__(self):  # checked as the flags are parsed, before anything loads

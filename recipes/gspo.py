@@ -55,6 +55,7 @@ from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import RLArgs, cli_args, is_due
 from common.data import load_rl_data, split_rows, take_rows
 from common.errors import usage_errors
+from common.flags import flag
 from common.model import load_rl_models, load_tokenizer, response_logits
 from common.ops import (
     agg_loss,
@@ -85,13 +86,15 @@ PLOTS = ("val/accuracy", "reward/mean", "response/length_mean", "policy/*", "tra
 class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and reward flags come from RLArgs
     norm_adv_by_std_in_grpo: bool = True
     """divide by the group std (off: Dr.GRPO)"""
-    clip_ratio: float = 0.2
+    clip_ratio: float = flag(0.2, gt=0)
     """PPO clip range; clip_ratio_low / clip_ratio_high override each side"""
-    clip_ratio_low: float | None = 3e-4  # GSPO: the paper's range for a sequence ratio (section 5.1)
+    clip_ratio_low: float | None = flag(
+        3e-4, gt=0, le=1, note="the ratio is kept above 1 - clip_ratio_low"
+    )  # GSPO: the paper's range for a sequence ratio (section 5.1)
     """lower clip range: the ratio is kept above 1 - clip_ratio_low (default clip_ratio)"""
-    clip_ratio_high: float | None = 4e-4  # GSPO: the paper's range for a sequence ratio (section 5.1)
+    clip_ratio_high: float | None = flag(4e-4, gt=0)  # GSPO: the paper's range for a sequence ratio (section 5.1)
     """upper clip range: the ratio is kept below 1 + clip_ratio_high (DAPO clip-higher uses e.g. 0.28)"""
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: float = flag(3.0, gt=1, note="the dual-clip bound, 3 in verl")
     """dual-clip bound for negative advantages (> 1; 3 as in Ye et al. 2020, arXiv:1912.09729, and verl)"""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "seq-mean-token-mean"  # GSPO: the paper's mean over sequences
@@ -99,11 +102,11 @@ class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and rewa
     """how per-token losses become one number"""
     use_kl_loss: bool = False
     """add a KL(policy || reference) term to the loss"""
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = flag(0.001, ge=0, note="a negative weight would push the policy away from the reference")
     """weight of the KL term in the loss"""
     kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = "low_var_kl"
     """KL estimator for the loss term (see common.ops.kl_penalty; full: the exact KL over the vocabulary)"""
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = flag(0.0, ge=0, note="a negative bonus would reward collapsing the entropy")
     """entropy bonus weight"""
 
     def update_kwargs(self) -> dict:

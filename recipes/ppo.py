@@ -51,6 +51,7 @@ from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import KLRewardArgs, RLArgs, cli_args, is_due
 from common.data import load_rl_data, split_rows, take_rows
 from common.errors import UsageError, usage_errors
+from common.flags import flag
 from common.model import load_critic, load_rl_models, load_tokenizer, response_logits, response_values
 from common.ops import (
     agg_loss,
@@ -91,17 +92,17 @@ PLOTS = (
 # --- config ---------------------------------------------------------------------------------------
 @dataclass
 class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL controller's from KLRewardArgs
-    gamma: float = 1.0
+    gamma: float = flag(1.0, ge=0, le=1)
     """GAE discount over response tokens"""
-    lam: float = 1.0
+    lam: float = flag(1.0, ge=0, le=1)
     """GAE lambda: 1 uses the whole observed return (verl's default), lower leans on the critic's values"""
-    clip_ratio: float = 0.2
+    clip_ratio: float = flag(0.2, gt=0)
     """PPO clip range; clip_ratio_low / clip_ratio_high override each side"""
-    clip_ratio_low: float | None = None
+    clip_ratio_low: float | None = flag(None, gt=0, le=1, note="the ratio is kept above 1 - clip_ratio_low")
     """lower clip range: the ratio is kept above 1 - clip_ratio_low (default clip_ratio)"""
-    clip_ratio_high: float | None = None
+    clip_ratio_high: float | None = flag(None, gt=0)
     """upper clip range: the ratio is kept below 1 + clip_ratio_high (DAPO clip-higher uses e.g. 0.28)"""
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: float = flag(3.0, gt=1, note="the dual-clip bound, 3 in verl")
     """dual-clip bound for negative advantages (> 1; 3 as in Ye et al. 2020, arXiv:1912.09729, and verl)"""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "token-mean"
@@ -109,21 +110,21 @@ class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL contr
     """how per-token losses become one number"""
     use_kl_loss: bool = False
     """add a KL(policy || reference) term to the loss"""
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = flag(0.001, ge=0, note="a negative weight would push the policy away from the reference")
     """weight of the KL term in the loss"""
     kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = "low_var_kl"
     """KL estimator for the loss term (see common.ops.kl_penalty; full: the exact KL over the vocabulary)"""
     use_kl_in_reward: bool = True  # PPO: verl's KL penalty in the reward, per token
     """subtract kl_coef * KL(old policy || reference) from each token's reward"""
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = flag(0.0, ge=0, note="a negative bonus would reward collapsing the entropy")
     """entropy bonus weight"""
     critic_model: str | None = None
     """critic: a local Hugging Face folder or a hub name (default: the policy's; its value head starts fresh)"""
-    critic_lr: float = 1e-3
+    critic_lr: float = flag(1e-3, gt=0)
     """peak learning rate of the critic (AdamW; the schedule and other optimizer flags are the policy's)"""
-    cliprange_value: float = 0.5
+    cliprange_value: float = flag(0.5, gt=0)
     """value clip: a new value may move at most this far from the rollout's value (verl: 0.5)"""
-    critic_warmup: int = 0
+    critic_warmup: int = flag(0, ge=0, note="steps that train the critic alone")
     """train only the critic for the first N steps (the policy stays unchanged)"""
 
     def __post_init__(self):  # checked as the flags are parsed, before anything loads

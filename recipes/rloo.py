@@ -46,6 +46,7 @@ from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import KLRewardArgs, RLArgs, cli_args, is_due
 from common.data import load_rl_data, split_rows, take_rows
 from common.errors import UsageError, usage_errors
+from common.flags import flag
 from common.model import load_rl_models, load_tokenizer, response_logits
 from common.ops import (
     agg_loss,
@@ -75,13 +76,13 @@ PLOTS = ("val/accuracy", "reward/mean", "response/length_mean", "policy/*", "tra
 # --- config ---------------------------------------------------------------------------------------
 @dataclass
 class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL controller's from KLRewardArgs
-    clip_ratio: float = 0.2
+    clip_ratio: float = flag(0.2, gt=0)
     """PPO clip range; clip_ratio_low / clip_ratio_high override each side"""
-    clip_ratio_low: float | None = None
+    clip_ratio_low: float | None = flag(None, gt=0, le=1, note="the ratio is kept above 1 - clip_ratio_low")
     """lower clip range: the ratio is kept above 1 - clip_ratio_low (default clip_ratio)"""
-    clip_ratio_high: float | None = None
+    clip_ratio_high: float | None = flag(None, gt=0)
     """upper clip range: the ratio is kept below 1 + clip_ratio_high (DAPO clip-higher uses e.g. 0.28)"""
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: float = flag(3.0, gt=1, note="the dual-clip bound, 3 in verl")
     """dual-clip bound for negative advantages (> 1; 3 as in Ye et al. 2020, arXiv:1912.09729, and verl)"""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "token-mean"
@@ -89,13 +90,13 @@ class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL contr
     """how per-token losses become one number"""
     use_kl_loss: bool = False
     """add a KL(policy || reference) term to the loss"""
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = flag(0.001, ge=0, note="a negative weight would push the policy away from the reference")
     """weight of the KL term in the loss"""
     kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = "low_var_kl"
     """KL estimator for the loss term (see common.ops.kl_penalty; full: the exact KL over the vocabulary)"""
     use_kl_in_reward: bool = False  # RLOO: the paper's KL penalty in the reward
     """subtract kl_coef * KL(old policy || reference), summed over the response, from each score"""
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = flag(0.0, ge=0, note="a negative bonus would reward collapsing the entropy")
     """entropy bonus weight"""
 
     def __post_init__(self):  # checked as the flags are parsed, before anything loads

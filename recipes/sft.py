@@ -32,6 +32,7 @@ from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, cli_args,
 from common.data import load_sft, pad, step_rows
 from common.engines import hf_generate_greedy
 from common.errors import UsageError, usage_errors
+from common.flags import flag
 from common.model import load_tokenizer, load_trained_model, sequence_logits
 from common.ops import logprobs_from_logits
 from common.parallel import (
@@ -61,11 +62,11 @@ class Args(TrainerArgs, OptimArgs, DataArgs, ModelArgs):  # flags listed model, 
     """chat column; used instead of prompt/response when a file has it"""
     tools_key: str = "tools"
     """column of a chat row's tool schemas (OpenAI format, a list or JSON), shown by the chat template"""
-    max_length: int = 128
+    max_length: int = flag(128, ge=1)
     """longest prompt + response in tokens (longer rows follow --truncation)"""
-    train_batch_size: int = 64
+    train_batch_size: int = flag(64, ge=1)
     """examples per optimizer step, over all processes"""
-    micro_batch_size_per_gpu: int = 32
+    micro_batch_size_per_gpu: int = flag(32, ge=1)
     """examples per forward/backward pass on one process"""
     lr: float = 2e-3
     """peak learning rate (AdamW)"""
@@ -79,9 +80,9 @@ class Args(TrainerArgs, OptimArgs, DataArgs, ModelArgs):  # flags listed model, 
     """passes over the training data (ignored when total_training_steps is set)"""
     test_freq: int = 100
     """validate every N steps (-1: only at the end); 0 never validates"""
-    max_new_tokens: int = 16
+    max_new_tokens: int = flag(16, ge=1)
     """validation accuracy: greedy tokens generated per prompt"""
-    val_batch_size: int = 256
+    val_batch_size: int = flag(256, ge=1)
     """validation: prompts per generate / forward call on one process"""
 
 

@@ -4,8 +4,9 @@ import typing
 import pytest
 from conftest import ROOT, load_recipe, make_args
 
-from common.config import flag_types, plan_batches
+from common.config import ConditioningArgs, flag_types, plan_batches
 from common.errors import UsageError
+from common.flags import flag_fields, must_be
 
 
 def test_plan_derives_local_sizes():
@@ -108,6 +109,42 @@ def test_a_kl_in_the_reward_needs_the_reference_and_old_logprobs_before_the_upda
     full_loss, full_reward = grpo(use_kl_loss=True, kl_loss_type="full"), rloo(use_kl_in_reward=True, kl_penalty="full")
     assert full_loss.needs_ref and not full_loss.ref_pass and grpo(use_kl_loss=True).ref_pass
     assert full_reward.needs_ref and full_reward.full_kl_in_reward and not full_reward.ref_pass
+
+
+def edges(f, hint) -> tuple[list, list]:
+    """(values on the allowed side of each of a field's bounds, values just past them), from the
+    field's own metadata (common.flags); hint is its type (a tuple of numbers gets pairs)."""
+    kinds = set(typing.get_args(hint) or (hint,))
+    step, pair = (1e-3 if float in kinds else 1), typing.get_origin(hint) is tuple
+    inside, outside = [], []
+    for op, bound in f.metadata["bounds"].items():
+        inside.append(bound if op in ("ge", "le") else bound + step if op == "gt" else bound - step)
+        outside.append(bound if op in ("gt", "lt") else bound - step if op == "ge" else bound + step)
+    return [(v, v) if pair else v for v in inside], [(v, v) if pair else v for v in outside]
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in (ROOT / "recipes").glob("*.py")))
+def test_every_range_rule_holds_at_its_edges(recipe):
+    """The range rules are one table, the fields' metadata: for every flag with bounds, the value
+    just past an edge is a usage error naming the flag and saying what it must be (the words its
+    field declares), and the edge's allowed side passes that rule (another check may still refuse
+    it: a LoRA alpha without LoRA)."""
+    module = load_recipe(recipe)
+    hints = typing.get_type_hints(module.Args)
+    hints.update(typing.get_type_hints(ConditioningArgs))
+    ruled = [f for f in flag_fields(module.Args) if f.metadata.get("bounds")]
+    for f in ruled:
+        inside, outside = edges(f, hints[f.name])
+        for value in outside:
+            with pytest.raises(UsageError) as error:
+                make_args(module.Args, **{f.name: value})
+            assert f"--{f.name.replace('_', '-')} {value!r}: must be {must_be(f)}" in str(error.value)
+        for value in inside:
+            try:
+                make_args(module.Args, **{f.name: value})
+            except UsageError as refused:
+                assert f"--{f.name.replace('_', '-')} {value!r}: must be" not in str(refused), refused
+    assert len(ruled) >= {"sft": 15, "generate": 5, "evaluate": 2}.get(recipe, 20), [f.name for f in ruled]
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in (ROOT / "recipes").glob("*.py")))

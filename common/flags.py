@@ -1,0 +1,90 @@
+"""A flag is declared once, on its field: its default, the range it must be in, and what that range
+means. check_ranges reads the rules back from the fields, so no table elsewhere restates them.
+
+    lr: float = flag(1e-5, gt=0)
+    top_k: int = flag(-1, rule=(lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"))
+    grad_clip: float = flag(1.0, ge=0, note="0 disables clipping")
+
+A bound compares every number of the value (a tuple's each); None always passes (an unset optional
+flag); the message names the flag as the command line spells it: `--lr -1e-05: must be > 0`.
+"""
+
+import math
+from dataclasses import MISSING, field, fields, is_dataclass
+
+from common.errors import UsageError
+
+BOUNDS = {"gt": (">", lambda v, b: v > b), "ge": (">=", lambda v, b: v >= b),
+          "lt": ("<", lambda v, b: v < b), "le": ("<=", lambda v, b: v <= b)}  # fmt: skip
+
+
+def flag(default=MISSING, *, factory=None, gt=None, ge=None, lt=None, le=None, rule=None, unit="", note=""):
+    """The field of a flag: its default (or a factory for a mutable one) and its range, as bounds
+    (gt / ge / lt / le, in unit) or rule=(test, what it must be); note says what an edge value means."""
+    bounds = {k: v for k, v in dict(gt=gt, ge=ge, lt=lt, le=le).items() if v is not None}
+    metadata = {"bounds": bounds, "rule": rule, "unit": unit, "note": note} if bounds or rule else {}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def must_be(f) -> str | None:
+    """What a field's value must be, in words ('in [0, 1]', '>= 1 (0: off)'), or None without a rule."""
+    bounds, rule, note = f.metadata.get("bounds", {}), f.metadata.get("rule"), f.metadata.get("note", "")
+    if rule is not None:
+        what = rule[1]
+    elif not bounds:
+        return None
+    elif len(bounds) == 2:
+        (lo_op, lo), (hi_op, hi) = sorted(bounds.items(), key=lambda kv: kv[0][0] != "g")
+        what = f"in {'(' if lo_op == 'gt' else '['}{lo:g}, {hi:g}{')' if hi_op == 'lt' else ']'}"
+    else:
+        ((op, bound),) = bounds.items()
+        what = f"{BOUNDS[op][0]} {bound:g}" + (f" {f.metadata['unit']}" if f.metadata.get("unit") else "")
+    return f"{what} ({note})" if note else what
+
+
+def in_range(f, value) -> bool:
+    """Whether value passes the field's rule (True for a field without one, and for None)."""
+    if value is None:
+        return True
+    rule = f.metadata.get("rule")
+    if rule is not None:
+        return bool(rule[0](value))
+    numbers = value if isinstance(value, tuple) else (value,)
+    return all(BOUNDS[op][1](v, b) for v in numbers for op, b in f.metadata.get("bounds", {}).items())
+
+
+def flag_fields(args) -> list:
+    """Every flag field of a dataclass of flags (or its class), a group's (a field whose default is
+    a dataclass, such as RLArgs.conditioning) in place of the group. A field that only changes an
+    inherited flag's default (RLArgs' lr) comes with the rule of the class that declared it."""
+    cls = args if isinstance(args, type) else type(args)
+    out = []
+    for f in fields(args):
+        if isinstance(f.default_factory, type) and is_dataclass(f.default_factory):
+            out += flag_fields(f.default_factory if isinstance(args, type) else getattr(args, f.name))
+            continue
+        declared = (c.__dataclass_fields__.get(f.name) for c in cls.__mro__ if "__dataclass_fields__" in vars(c))
+        out.append(next((d for d in declared if d is not None and d.metadata), f))
+    return out
+
+
+def check_ranges(args) -> None:
+    """Every flag of args in its range, and every number finite (NaN passes every comparison's
+    negation, and no flag here means infinity). Raises UsageError naming the flag."""
+    values = _values(args)
+    for f in flag_fields(args):
+        value = values[f.name]
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"--{f.name.replace('_', '-')} {value}: must be a finite number")
+        if not in_range(f, value):
+            raise UsageError(f"--{f.name.replace('_', '-')} {value!r}: must be {must_be(f)}")
+
+
+def _values(args) -> dict:
+    out = {}
+    for f in fields(args):
+        value = getattr(args, f.name)
+        out.update(_values(value) if is_dataclass(value) and not isinstance(value, type) else {f.name: value})
+    return out
