@@ -286,16 +286,15 @@ def main(args: Args) -> dict:
     model, ref, reward_model, run_info = load_rl_models(args.model, dist, tokenizer, **args.model_kwargs())
     policy = args.trainable(model, total_steps)  # the policy with its AdamW and lr schedule
     state = resume(checkpoint, policy, dist=dist)  # the trainer state: step 0, or the checkpoint's
-    start_step = state["step"]
-    engine = start_engine(model, tokenizer, dist, start_step, **args.engine_kwargs(train, total_steps, pool))
+    engine = start_engine(model, tokenizer, dist, state["step"], **args.engine_kwargs(train, total_steps, pool))
     rollout = Rollout(train, val, engine, pool, tokenizer, dist, reward_model=reward_model, **args.rollout_kwargs())
-    tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
+    tracker = Tracker(run_dir, state["step"], total_steps, dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
-    check = launch_check(args.check, model, engine, rollout, tracker, resumed, **args.check_kwargs(start_step))
-    if start_step == 0 and val and args.val_before_train:
+    check = launch_check(args.check, model, engine, rollout, tracker, resumed, **args.check_kwargs(state["step"]))
+    if state["step"] == 0 and val and args.val_before_train:
         tracker.log(rollout.validate(), step=0)
     stop = StopSignal(dist)  # SIGUSR1 / SIGTERM (Slurm, before the time limit): save after this step, exit 0
-    for step in stop.steps(start_step, total_steps):  # to the end, or the step a stop signal came in
+    for step in stop.steps(state["step"], total_steps):  # to the end, or the step a stop signal came in
         # 1-3. sample prompts (this rank's share), generate rollout_n responses each, score them
         batch = rollout.step(step)
         rewards, group_ids, mask = batch["rewards"], batch["group_ids"], batch["response_mask"].float()  # B, B, B x T

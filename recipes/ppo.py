@@ -440,16 +440,15 @@ def main(args: Args) -> dict:
     policy = args.trainable(model, max(1, total_steps - args.critic_warmup))  # PPO: its schedule starts after warmup
     critic = args.critic_optim().trainable(load_critic(dist=dist, **args.critic_kwargs()), total_steps)  # PPO
     state = resume(checkpoint, policy, dist=dist, extra_models={"critic": critic})
-    start_step, kl_coef = state["step"], state.get("kl_coef", args.kl_coef)  # PPO: an adaptive coef resumes
-    engine = start_engine(model, tokenizer, dist, start_step, **args.engine_kwargs(train, total_steps, pool))
+    engine = start_engine(model, tokenizer, dist, state["step"], **args.engine_kwargs(train, total_steps, pool))
     rollout = Rollout(train, val, engine, pool, tokenizer, dist, reward_model=reward_model, **args.rollout_kwargs())
-    tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
+    tracker = Tracker(run_dir, state["step"], total_steps, dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
-    check = launch_check(args.check, model, engine, rollout, tracker, resumed, **args.check_kwargs(start_step))
-    if start_step == 0 and val and args.val_before_train:
+    check = launch_check(args.check, model, engine, rollout, tracker, resumed, **args.check_kwargs(state["step"]))
+    if state["step"] == 0 and val and args.val_before_train:
         tracker.log(rollout.validate(), step=0)
     stop = StopSignal(dist)  # SIGUSR1 / SIGTERM (Slurm, before the time limit): save after this step, exit 0
-    for step in stop.steps(start_step, total_steps):  # to the end, or the step a stop signal came in
+    for step in stop.steps(state["step"], total_steps):  # to the end, or the step a stop signal came in
         # 1-3. sample prompts (this rank's share), generate rollout_n responses each, score them
         batch = rollout.step(step)
         rewards, mask = batch["rewards"], batch["response_mask"].float()  # (B,), (B, T)
@@ -460,8 +459,8 @@ def main(args: Args) -> dict:
             args.old_logprobs_from, args.ref_pass, args.full_kl_in_reward)  # fmt: skip
 
         # 5. advantages: token rewards (score minus the KL penalty), GAE over the global batch, ROLL's conditioning
-        token_rewards, kl_coef, kl_metrics = apply_kl_penalty(rewards, old_logprobs, ref_logprobs, full_kl, mask, kl_coef,
-                                                              args.use_kl_in_reward, **args.kl_reward_kwargs())  # fmt: skip
+        token_rewards, state["kl_coef"], kl_metrics = apply_kl_penalty(rewards, old_logprobs, ref_logprobs, full_kl, mask,
+            state.get("kl_coef", args.kl_coef), args.use_kl_in_reward, **args.kl_reward_kwargs())  # fmt: skip
         advantages, returns, metrics = gae_over_batch(token_rewards, values, mask, args.gamma, args.lam, dist)
         advantages = args.conditioning.advantages(advantages, mask, batch)
 
@@ -472,9 +471,8 @@ def main(args: Args) -> dict:
                               **args.update_kwargs())  # fmt: skip
             engine.update_weights(step + 1)
 
-        # 7. log
-        metrics |= kl_metrics | step_metrics(batch, rewards, advantages, old_logprobs)
-        metrics.update(check.during(step + 1, stop))  # --check-freq: the engine still serves the trainer's weights
+        # 7. log (and --check-freq: the engine still serves the trainer's weights)
+        metrics |= kl_metrics | step_metrics(batch, rewards, advantages, old_logprobs) | check.during(step + 1, stop)
 
         # 8. validate / save (and, after a stop signal, save and end the run here)
         if val and is_due(step + 1, args.test_freq, total_steps):
@@ -482,7 +480,7 @@ def main(args: Args) -> dict:
         tracker.log(metrics, step=step + 1)
         if stop.requested() or is_due(step + 1, args.save_freq, total_steps):  # every rank stops together
             save_checkpoint(run_dir, step + 1, policy, dist=dist, tokenizer=tokenizer, **args.save_kwargs(RECIPE),
-                            extra_models={"critic": critic}, trainer_state=dict(epoch=batch["epoch"], kl_coef=kl_coef,
+                            extra_models={"critic": critic}, trainer_state=dict(epoch=batch["epoch"], kl_coef=state["kl_coef"],
                             reward_stats=state.get("reward_stats")))  # fmt: skip
     pool.close()
     return tracker.finish(PLOTS, saved=args.save_freq != 0, stopped=stop.stopping, failure=stop.failure)
