@@ -13,27 +13,27 @@ LAYERS = (
     "errors",  # UsageError, RunStopped and usage_errors: what every layer raises and how recipes report it
     "flags",  # flag(): a knob's field with its range rule; check_ranges reads the rules back
     "verl",  # verl's key=value overrides translated into our flags: the one table of verl's keys
-    "optim",  # AdamW and the lr schedules
-    "parallel",  # the process group, DDP / FSDP2 wrapping, collectives, the stop signal, logging setup
+    "optim",  # AdamW and the lr schedules, and their flags (OptimArgs)
+    "parallel",  # the process group, DDP / FSDP2 wrapping, collectives, the stop signal, logging setup (WaitArgs)
     "runlock",  # one live run per run folder (and per generate / evaluate output): the lock and its holder
-    "data",  # parquet rows, chat templating, truncation, padding, micro-batches
-    "ops",  # masked maths, logprobs and entropy from logits, KL estimators, loss aggregation
+    "data",  # parquet rows, chat templating, truncation, padding, micro-batches (DataArgs)
+    "ops",  # masked maths, logprobs and entropy from logits, KL estimators and controller (KLRewardArgs), loss aggregation
     "perf",  # the update's model FLOPs, the device's peak, MFU
     "conditioning",  # ROLL's reward and advantage conditioning: length reward, normalisation, whitening, clip, weights
     "scoring",  # verl's compute_score built-ins and the loaders of user code (no processes)
     "tools",  # --tool-config / --interaction-config read without running them; tool calls in text
     "envs",  # --env-config read without running it; the text adapter, the action of a reply, a worker's host
-    "model",  # policy, critic, reward model and tokenizer loading; response logits and values
+    "model",  # policy, critic, reward model and tokenizer loading (ModelArgs); response logits and values
     "tracking",  # metrics.jsonl, the console, wandb / tensorboard, curves
     "checkpoint",  # save, check, resume, hf/ export
     "weight_sync",  # the trainer's weights under checkpoint names, for engines with their own copy
-    "rewards",  # the hang-proof worker pool that runs reward functions, tools and interactions
-    "engines",  # Sampling, Completion, the HF and vLLM engines
+    "rewards",  # the hang-proof worker pool that runs reward functions, tools and interactions (RewardArgs)
+    "engines",  # Sampling, Completion, the HF and vLLM engines (EngineArgs)
     "remote",  # engines in Ray actors, the weight stream to them, bounded staleness
     "agent",  # the multi-turn loop with tools and interactions over any engine
     "env_manager",  # ROLL's environment manager: groups of Gymnasium environments played over any engine
-    "rollout",  # start_engine, a step's sampled and scored batch, validation
-    "config",  # the flag dataclasses every recipe builds on, and their checks
+    "rollout",  # start_engine, a step's sampled and scored batch, validation; the rollout's flag groups
+    "config",  # TrainerArgs and RLArgs, which every recipe builds on, and the checks that span flag groups
     "check",  # --check: the launch-time proof that the engine samples what the trainer trains, on this stack
 )
 

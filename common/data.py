@@ -10,10 +10,12 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from common.errors import UsageError
+from common.flags import BUNDLED
 from common.parallel import all_reduce_max
 
 log = logging.getLogger(__name__)
@@ -752,3 +754,116 @@ def load_rl_data(
         log.warning("%d rows have no reward_model.ground_truth (e.g. %s row %s): the reward function gets None",
                     len(missing), missing[0]["file"], missing[0]["row"])  # fmt: skip
     return train, stats, val
+
+
+@dataclass
+class DataArgs:
+    train_files: tuple[str, ...] = (str(BUNDLED / "addition" / "train.parquet"),)
+    """training parquet file(s)"""
+    val_files: tuple[str, ...] = (str(BUNDLED / "addition" / "test.parquet"),)
+    """validation parquet file(s); empty to skip validation"""
+    prompt_key: str = "prompt"
+    """column holding the prompt: a chat list of {role, content} or a plain string"""
+    truncation: Literal["error", "left", "right", "middle"] = "error"
+    """too-long input: error, or keep the end (left), the start (right), or both ends (middle)"""
+    shuffle: bool = True
+    """shuffle the training data every epoch (seeded)"""
+
+
+# --- the batch arithmetic: checked against the world size before any model loads
+@dataclass(frozen=True)
+class BatchPlan:
+    """Derived batch sizes; `local_` means per rank."""
+
+    world_size: int
+    sequences_per_step: int
+    local_sequences_per_step: int
+    mini_batches_per_step: int
+    local_mini_batch: int
+    grad_accum: int
+    """micro-batches per optimizer step on one process (0: packed by a token budget, as many as needed)"""
+    epochs: int = 1
+    """passes over a step's sequences (ppo_epochs), each in mini_batches_per_step optimizer steps"""
+    micro: dict = field(default_factory=dict)
+    """common.data.split_rows' limits: max_seqs sequences, or with dynamic batching max_tokens padded tokens"""
+    temperature: float = 1.0
+    """the sampling temperature, which the trainer's passes divide the logits by as the sampler did"""
+    share_prompts: bool = True
+    """the trainer's passes run each group's shared prompt once (common.model.response_logits)"""
+
+
+def _nearby_divisors(n: int, around: int, count: int = 3) -> list[int]:
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return sorted(sorted(divisors, key=lambda d: (abs(d - around), d))[:count])
+
+
+def plan_batches(
+    *,
+    world_size: int,
+    train_batch_size: int,
+    micro_batch_size_per_gpu: int,
+    mini_batch_size: int | None = None,
+    rollout_n: int = 1,
+    use_dynamic_bsz: bool = False,
+    max_token_len_per_gpu: int | None = None,
+    max_sequence_length: int | None = None,
+    epochs: int = 1,
+    temperature: float = 1.0,
+    share_prompts: bool = True,
+) -> BatchPlan:
+    """Check that the global batch splits evenly into mini-batches and ranks.
+
+    train_batch_size and mini_batch_size count prompts (SFT: examples); each prompt yields
+    rollout_n sequences; micro_batch_size_per_gpu counts sequences and is a cap (a memory knob),
+    never a divisor: the last micro-batch of a mini-batch may be smaller, and the loss is
+    normalised over the whole mini-batch so that split is exact. With dynamic batching the token
+    budget must hold the longest possible sequence. Raises ValueError naming the numbers to
+    change (a UsageError). Call it before any model loads.
+    """
+    mini = train_batch_size if mini_batch_size is None else mini_batch_size
+    for name, value in [
+        ("train_batch_size", train_batch_size),
+        ("micro_batch_size_per_gpu", micro_batch_size_per_gpu),
+        ("ppo_mini_batch_size", mini),
+        ("rollout_n", rollout_n),
+    ]:
+        if value < 1:
+            raise UsageError(f"{name}={value} must be at least 1")
+    if train_batch_size % mini:
+        raise UsageError(
+            f"train_batch_size={train_batch_size} prompts is not divisible by "
+            f"ppo_mini_batch_size={mini}; try ppo_mini_batch_size="
+            + " or ".join(map(str, _nearby_divisors(train_batch_size, mini)))
+        )
+    if train_batch_size % world_size:
+        raise UsageError(
+            f"train_batch_size={train_batch_size} cannot be split evenly over {world_size} "
+            f"processes; use a multiple of {world_size}"
+        )
+    mini_sequences = mini * rollout_n
+    if mini_sequences % world_size:
+        raise UsageError(
+            f"a mini-batch of {mini}x{rollout_n}={mini_sequences} sequences cannot be split "
+            f"evenly over {world_size} processes; make ppo_mini_batch_size*rollout_n a multiple "
+            f"of {world_size}"
+        )
+    if use_dynamic_bsz and max_sequence_length and (max_token_len_per_gpu or 0) < max_sequence_length:
+        raise UsageError(
+            f"ppo_max_token_len_per_gpu={max_token_len_per_gpu} cannot hold one sequence of up to "
+            f"{max_sequence_length} tokens (max_prompt_length + max_response_length); raise it to at "
+            f"least {max_sequence_length}"
+        )
+    local_mini = mini_sequences // world_size
+    sequences = train_batch_size * rollout_n
+    return BatchPlan(
+        world_size=world_size,
+        sequences_per_step=sequences,
+        local_sequences_per_step=sequences // world_size,
+        mini_batches_per_step=train_batch_size // mini,
+        local_mini_batch=local_mini,
+        grad_accum=0 if use_dynamic_bsz else -(-local_mini // micro_batch_size_per_gpu),
+        epochs=epochs,
+        micro={"max_seqs": micro_batch_size_per_gpu, "max_tokens": max_token_len_per_gpu if use_dynamic_bsz else None},
+        temperature=temperature,
+        share_prompts=share_prompts,
+    )

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from common import watchdog
 from common.data import pack_sequences, pad
 from common.errors import RunStopped
+from common.flags import flag
 from common.model import cache_kwarg, response_logits
 from common.ops import logprobs_from_logits
 from common.parallel import is_fsdp, unwrap
@@ -422,3 +424,29 @@ def hf_generate_greedy(
     )
     completions = engine.generate(prompts, Sampling(n=1, temperature=0, max_tokens=max_new_tokens))
     return [c[0].token_ids for c in completions]
+
+
+@dataclass
+class EngineArgs:
+    rollout_name: Literal["hf", "vllm"] = "hf"
+    """rollout engine: hf (transformers generate on the live policy) or vllm (its own copy, synced each step)"""
+    gpu_memory_utilization: float = flag(0.5, gt=0, le=1)
+    """vllm: fraction of GPU memory its engine may take (weights and KV cache)"""
+    tensor_parallel_size: int = flag(1, ge=1)
+    """vllm: GPUs one engine spans (verl's tensor_model_parallel_size)"""
+    enforce_eager: bool = True
+    """vllm: no CUDA graphs (less memory and start-up time beside a trainer)"""
+    max_num_seqs: int = flag(1024, ge=1)
+    """vllm: most sequences in one engine step"""
+    max_num_batched_tokens: int = flag(8192, ge=1)
+    """vllm: most tokens in one engine step"""
+    enable_sleep_mode: bool = False
+    """vllm (GPU): free the engine's memory between rollouts (verl's free_cache_engine)"""
+
+    def engine_kwargs(self, batch_size: int) -> dict:
+        """The keyword arguments of common.rollout.start_engine that these flags set, with the
+        model, dtype, seed and length flags of the Args that build on this class."""
+        names = ("rollout_name", "gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "max_num_seqs",
+                 "max_num_batched_tokens", "enable_sleep_mode", "dtype", "seed", "trust_remote_code")  # fmt: skip
+        return {**{k: getattr(self, k) for k in names}, "model_path": self.model, "batch_size": batch_size,
+                "max_model_len": self.max_prompt_length + self.max_response_length}  # fmt: skip

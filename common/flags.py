@@ -10,9 +10,13 @@ flag); the message names the flag as the command line spells it: `--lr -1e-05: m
 """
 
 import math
+import typing
 from dataclasses import MISSING, field, fields, is_dataclass
+from pathlib import Path
 
 from common.errors import UsageError
+
+BUNDLED = Path(__file__).resolve().parent.parent / "bundled"  # the bundled model and tasks: the flags' defaults
 
 BOUNDS = {"gt": (">", lambda v, b: v > b), "ge": (">=", lambda v, b: v >= b),
           "lt": ("<", lambda v, b: v < b), "le": ("<=", lambda v, b: v <= b)}  # fmt: skip
@@ -88,3 +92,32 @@ def _values(args) -> dict:
         value = getattr(args, f.name)
         out.update(_values(value) if is_dataclass(value) and not isinstance(value, type) else {f.name: value})
     return out
+
+
+def flag_defaults(args) -> dict:
+    """{flag: its default} for every flag of args (a dataclass or its class) that has one, the flags
+    of a group (a dataclass field such as RLArgs.conditioning) in place of the group."""
+    out = {}
+    for f in fields(args):
+        if isinstance(f.default_factory, type) and is_dataclass(f.default_factory):
+            out.update(flag_defaults(f.default_factory))
+        elif f.default is not MISSING or f.default_factory is not MISSING:
+            out[f.name] = f.default if f.default is not MISSING else f.default_factory()
+    return out
+
+
+def flag_types(args_class) -> dict:
+    """{flag: its type} for every flag of a dataclass of flags, the flags of a group (a dataclass
+    field such as RLArgs.conditioning) in place of the group."""
+    hints, out = typing.get_type_hints(args_class), {}
+    for f in fields(args_class):
+        if isinstance(f.default_factory, type) and is_dataclass(f.default_factory):
+            out.update(flag_types(f.default_factory))
+        else:
+            out[f.name] = hints[f.name]
+    return out
+
+
+def flag_name(name: str) -> str:
+    """A field's flag as the command line spells it: lr_warmup_steps_ratio -> --lr-warmup-steps-ratio."""
+    return "--" + name.replace("_", "-")

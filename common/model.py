@@ -5,7 +5,9 @@ import functools
 import inspect
 import logging
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from common import watchdog
 from common.data import pad
 from common.errors import UsageError
+from common.flags import BUNDLED, flag
 from common.parallel import all_reduce_sum, is_fsdp, resolve_strategy, sharding_report, unwrap, wrap_model
 from common.perf import compute_dtype, flop_terms
 
@@ -635,3 +638,36 @@ def response_values(critic, batch: dict, share_prompts: bool = True) -> torch.Te
     the output at the position that predicts token t, the positions response_logits uses, with the
     same shared-prompt forward."""
     return _response_outputs(critic, batch, share_prompts, keep_logits=False)[..., 0]
+
+
+@dataclass
+class ModelArgs:
+    model: str = str(BUNDLED / "tiny-qwen2")
+    """policy: a local Hugging Face folder or a hub name"""
+    tokenizer: str | None = None
+    """tokenizer folder or hub name (default: the model's)"""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype the weights are loaded and trained in"""
+    trust_remote_code: bool = False
+    """allow model code from the model folder / hub (off: only transformers' own architectures)"""
+    mixed_precision: Literal["no", "bf16"] = "no"
+    """bf16: compute in bfloat16 over the --dtype master weights (FSDP2: bf16 params, float32
+    gradient reduction; DDP / one process: autocast)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward to save memory"""
+    lora_rank: int = flag(0, ge=0, note="0 trains the full model")
+    """LoRA rank; 0 trains the full model"""
+    lora_alpha: int = flag(16, ge=1)
+    """LoRA scaling numerator (scale = lora_alpha / lora_rank)"""
+    target_modules: tuple[str, ...] = ("all-linear",)
+    """modules that get LoRA adapters: 'all-linear' or names such as q_proj v_proj"""
+    use_remove_padding: Literal["auto"] | bool = "auto"
+    """padding-free forward passes (verl's name): a micro-batch's sequences packed into one row, attention kept
+    within each sequence; about 2x faster where lengths spread, slower where they do not. auto: the micro-batches
+    whose padded pass would run 1.25x their real tokens or more; True: every one; False: none"""
+
+    def policy_kwargs(self) -> dict:
+        """The keyword arguments of common.model.load_rl_models that these flags set."""
+        names = ("dtype", "trust_remote_code", "mixed_precision", "gradient_checkpointing", "lora_rank", "lora_alpha")
+        return {**{k: getattr(self, k) for k in names}, "target_modules": self.target_modules,
+                "remove_padding": self.use_remove_padding}  # fmt: skip

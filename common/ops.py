@@ -6,10 +6,12 @@ can normalise by the token count of a whole mini-batch rather than of one micro-
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.utils.checkpoint
 
+from common.flags import flag
 from common.parallel import all_reduce_sum, gather_objects
 
 # Rows of (N, V) logits processed at once in float32: bounds the temporary to CHUNK x V floats.
@@ -341,6 +343,15 @@ def parse_band(threshold: float | str) -> tuple[float | None, float]:
     return None, float(threshold)
 
 
+def band_ok(threshold) -> bool:
+    """rollout_is_threshold: a number >= 1, or lo_hi with 0 < lo <= 1 <= hi."""
+    try:
+        lo, hi = parse_band(threshold)
+    except ValueError:
+        return False
+    return hi >= 1 if lo is None else 0 < lo <= 1 <= hi
+
+
 def rollout_is_weights(
     old_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
     level: str | None, threshold: float | str,
@@ -522,3 +533,34 @@ def group_normalize(scores: torch.Tensor, keys: list, method: str) -> torch.Tens
         if std > 1e-6:
             out[idx] = (x - x.mean()) / (std + 1e-6)
     return out.clamp(min=-1.0, max=3.0) if method == "asym_clip" else out
+
+
+@dataclass
+class KLRewardArgs:
+    """verl's algorithm.kl_ctrl knobs, for the recipes that can put a KL penalty in the reward
+    (rloo, reinforce_pp, ppo); where the KL goes (--use-kl-in-reward) stays each recipe's own."""
+
+    kl_coef: float = flag(0.001, ge=0)
+    """weight of the KL penalty in the reward (the adaptive controller's starting value)"""
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = "kl"
+    """KL estimator for the reward penalty (see common.ops.kl_penalty; full: the exact KL over the vocabulary)"""
+    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
+    """KL-in-reward coefficient: fixed, or adaptive toward target_kl (Ziegler et al. 2019, as verl)"""
+    target_kl: float = flag(0.1, gt=0)
+    """adaptive kl_ctrl: the mean per-token KL the coefficient steers toward"""
+    horizon: int = flag(10000, ge=1)
+    """adaptive kl_ctrl: sequences over which the coefficient moves by at most a factor 1.2"""
+
+    def kl_ctrl_kwargs(self) -> dict:
+        """The keyword arguments of common.ops.kl_controller_step that these flags set."""
+        return dict(kind=self.kl_ctrl, target_kl=self.target_kl, horizon=self.horizon)
+
+    @property
+    def full_kl_in_reward(self) -> bool:
+        """--use-kl-in-reward --kl-penalty full: step 4 runs the policy and the reference side by side
+        for the exact KL over the vocabulary, in place of an estimate from the sampled tokens."""
+        return getattr(self, "use_kl_in_reward", False) and self.kl_penalty == "full"
+
+    def kl_reward_kwargs(self) -> dict:
+        """A recipe's apply_kl_penalty knobs: the KL estimator and the controller (kl_ctrl_kwargs)."""
+        return dict(estimator=self.kl_penalty, ctrl=self.kl_ctrl_kwargs())

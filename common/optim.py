@@ -1,10 +1,13 @@
 """AdamW and the learning-rate schedules users know from verl: constant, cosine, wsd, with warmup."""
 
 import math
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+
+from common.flags import flag
 
 # wsd: the lr stays at its peak until this fraction of the steps, then decays (cosine) to min_lr.
 WSD_STABLE_RATIO = 0.9
@@ -67,3 +70,35 @@ def build_scheduler(
         optimizer,
         lambda s: lr_factor(s, kind=kind, total_steps=total_steps, warmup_steps=warmup, min_lr_ratio=min_lr_ratio),
     )
+
+
+@dataclass
+class OptimArgs:
+    lr: float = flag(1e-5, gt=0)
+    """peak learning rate (AdamW)"""
+    weight_decay: float = flag(0.01, ge=0)
+    """AdamW weight decay"""
+    betas: tuple[float, float] = flag(
+        (0.9, 0.999), rule=(lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)")
+    )
+    """AdamW betas"""
+    lr_warmup_steps_ratio: float = flag(0.0, ge=0, le=1)
+    """fraction of the total steps spent warming the lr up linearly from 0"""
+    lr_scheduler: Literal["constant", "cosine", "wsd"] = "constant"
+    """lr after warmup: constant, cosine decay, or warmup-stable-decay"""
+    min_lr_ratio: float = flag(0.0, ge=0, le=1)
+    """cosine / wsd: the final lr as a fraction of the peak"""
+    grad_clip: float = flag(1.0, ge=0, note="0 disables clipping")
+    """clip the global grad norm to this (0 disables)"""
+
+    def trainable(self, model, total_steps: int) -> Trainable:
+        """The model with its AdamW and lr schedule over total_steps (optimizer_and_scheduler)."""
+        return Trainable(model, *self.optimizer_and_scheduler(model, total_steps))
+
+    def optimizer_and_scheduler(self, model, total_steps: int):
+        """AdamW (common.optim.build_optimizer) and its lr schedule over total_steps."""
+        optimizer = build_optimizer(model, self.lr, self.weight_decay, self.betas)
+        return optimizer, build_scheduler(
+            optimizer, kind=self.lr_scheduler, total_steps=total_steps,
+            warmup_ratio=self.lr_warmup_steps_ratio, min_lr_ratio=self.min_lr_ratio,
+        )  # fmt: skip

@@ -21,6 +21,7 @@ from torch import nn
 
 from common import watchdog
 from common.errors import UsageError
+from common.flags import flag
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,8 @@ def accelerate_config() -> tuple[str, dict] | None:
         return None
     if not any("accelerate" in w for w in words[:3]):
         return None
-    for flag, value in zip(words, words[1:]):
-        if flag in ("--config_file", "--config-file"):
+    for word, value in zip(words, words[1:]):
+        if word in ("--config_file", "--config-file"):
             path = Path(value).expanduser()
             try:
                 return value, yaml.safe_load((path if path.is_absolute() else cwd / path).read_text()) or {}
@@ -410,3 +411,10 @@ class StopSignal:
         flag = torch.tensor(float(self.received is not None), device=self.device)
         self.stopping = self.stopping or all_reduce_sum(flag).item() > 0
         return self.stopping
+
+
+@dataclass
+class WaitArgs:
+    wait_timeout: float = flag(1800.0, gt=0, unit="seconds")
+    """seconds without progress (stuck in a collective, an engine request, a sync, a save) before the run prints
+    who waits on whom and ends with exit status 124 instead of blocking forever (common.watchdog)"""

@@ -19,9 +19,11 @@ from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import Literal
 
 from common import watchdog
 from common.errors import UsageError
+from common.flags import flag
 from common.scoring import builtin_scorer as builtin_scorer  # re-exported for older forks
 from common.scoring import exact_match as exact_match  # re-exported for older forks
 from common.scoring import extract_answer as extract_answer  # re-exported for older forks
@@ -447,3 +449,21 @@ def start_env_pool(config: str, *, workers: int, timeout: float, max_traj_per_en
         pool.close()
         raise
     return pool
+
+
+@dataclass
+class RewardArgs:
+    reward_fn: str | None = None
+    """path/to/file.py[:name] with verl's compute_score signature (default: built-ins by data_source)"""
+    reward_timeout: float = flag(10.0, gt=0, unit="seconds")
+    """seconds one sample (with --reward-manager batch: one step's call) may take to score before it gets 0"""
+    reward_manager: Literal["naive", "prime", "batch"] = "naive"
+    """verl's reward_model.reward_manager: naive and prime score each sample in the worker pool (in
+    parallel, each under --reward-timeout: verl's prime); batch calls --reward-fn once a step with
+    lists, compute_score(data_sources, solution_strs, ground_truths, extra_infos) -> one score or dict each"""
+    reward_workers: int = flag(2, ge=1)
+    """reward worker processes per rank"""
+    reward_model: str | None = None
+    """AutoModelForSequenceClassification folder / hub name; replaces the rule-based score"""
+    stop_on_nonfinite_reward: bool = False
+    """stop the run at a NaN or infinite reward (default: it scores 0, counted in reward/nonfinite)"""
