@@ -17,7 +17,7 @@ LAYERS = (
     "parallel",  # the process group, DDP / FSDP2 wrapping, collectives, the stop signal, logging setup (WaitArgs)
     "runlock",  # one live run per run folder (and per generate / evaluate output): the lock and its holder
     "data",  # parquet rows, chat templating, truncation, padding, micro-batches (DataArgs)
-    "ops",  # masked maths, logprobs and entropy from logits, KL estimators and controller (KLRewardArgs), loss aggregation
+    "ops",  # masked maths, logprobs and entropy, KL estimators and controller (KLRewardArgs), loss aggregation
     "perf",  # the update's model FLOPs, the device's peak, MFU
     "conditioning",  # ROLL's reward and advantage conditioning: length reward, normalisation, whitening, clip, weights
     "scoring",  # verl's compute_score built-ins and the loaders of user code (no processes)

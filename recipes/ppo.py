@@ -480,8 +480,8 @@ def main(args: Args) -> dict:
         tracker.log(metrics, step=step + 1)
         if stop.requested() or is_due(step + 1, args.save_freq, total_steps):  # every rank stops together
             save_checkpoint(run_dir, step + 1, policy, dist=dist, tokenizer=tokenizer, **args.save_kwargs(RECIPE),
-                            extra_models={"critic": critic}, trainer_state=dict(epoch=batch["epoch"], kl_coef=state["kl_coef"],
-                            reward_stats=state.get("reward_stats")))  # fmt: skip
+                            extra_models={"critic": critic}, trainer_state=dict(epoch=batch["epoch"],
+                            kl_coef=state["kl_coef"], reward_stats=state.get("reward_stats")))  # fmt: skip
     pool.close()
     return tracker.finish(PLOTS, saved=args.save_freq != 0, stopped=stop.stopping, failure=stop.failure)
 
