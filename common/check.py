@@ -22,7 +22,8 @@ item. The check's first line is the environment report (environment_report): the
 each against the range the CI has run the suite on (TESTED); an untested one is a warning.
 
     python -m common.check --env                 # the environment report alone
-    python -m common.check grpo [grpo.py's flags] # the recipe up to its launch check, then exit (0: passed)
+    python -m common.check grpo [grpo.py's flags] # the recipe up to its launch check, every probe and
+                                                  # --check full's child runs, then exit (0: passed)
 """
 
 import importlib.metadata
@@ -504,9 +505,10 @@ def _prove_resume(dist) -> Item:
 
 def main(argv: list[str]) -> int:
     """`--env`: print the environment report. `RECIPE [FLAGS]`: run recipes/RECIPE.py with FLAGS up to the
-    end of its launch check (data, models, engine as the flags say; --check warn is honoured) and
-    exit: 0 when every item passed, 1 (with what to do) when one failed. Without --output-dir the
-    run folder is a temporary one, so no run of the user's is touched."""
+    end of its launch check (data, models, engine as the flags say) and exit: 0 when every item passed,
+    1 (with what to do) when one failed. Every probe runs, --check full's child runs included, unless
+    FLAGS name another --check (fast: the probes a training run makes; warn is honoured). Without
+    --output-dir the run folder is a temporary one, so no run of the user's is touched."""
     import runpy
     import tempfile
     from pathlib import Path
@@ -523,6 +525,8 @@ def main(argv: list[str]) -> int:
         print(f"error: no recipe {argv[0]!r}: name one of recipes/*.py, e.g. grpo", file=sys.stderr)
         return 2
     flags = argv[1:]
+    if not any(f == "--check" or f.startswith("--check=") for f in flags):
+        flags += ["--check", "full"]  # the tool proves everything; a training run's own --check is fast
     if not any(f == "--output-dir" or f.startswith("--output-dir=") for f in flags):
         flags += ["--output-dir", tempfile.mkdtemp(prefix="check-")]
     os.environ[STOP_AFTER_CHECK], argv_before = "1", sys.argv

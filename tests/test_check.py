@@ -5,6 +5,7 @@ warn goes on. Every RL recipe run in the suite runs the fast check, so a check t
 sound stack would fail them all."""
 
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -132,21 +133,26 @@ def test_an_untested_version_is_a_warning_with_the_range(monkeypatch):
 def test_python_m_common_check_runs_a_recipe_up_to_its_check(tmp_path, capsys, monkeypatch):
     """`python -m common.check grpo FLAGS`: the recipe's own setup with the user's flags, its launch
     check printed, and no step trained (exit 0); an item that fails exits 1 with what to do; --env
-    prints the report alone."""
+    prints the report alone. Without a --check of the user's the tool runs --check full (checked
+    without running it: the command line the recipe is handed)."""
     import common.check
 
     assert common.check.main(["--env"]) == 0 and "torch" in capsys.readouterr().out
     monkeypatch.chdir(tmp_path)
-    assert common.check.main(["grpo", "--output-dir", str(tmp_path / "ok")]) == 0
+    assert common.check.main(["grpo", "--check", "fast", "--output-dir", str(tmp_path / "ok")]) == 0
     out = capsys.readouterr().out
     assert "check engine logprobs  pass" in out and "check rewards          pass" in out
     assert not (tmp_path / "ok" / "metrics.jsonl").exists() or "train/loss" not in (
         tmp_path / "ok" / "metrics.jsonl").read_text()  # fmt: skip
     probe = common.check._probe
     monkeypatch.setattr(common.check, "_probe", lambda *a: (lambda b, r: (b, r - 0.5))(*probe(*a)))  # a wrong engine
-    assert common.check.main(["grpo", "--output-dir", str(tmp_path / "bad")]) == 1
+    assert common.check.main(["grpo", "--check", "fast", "--output-dir", str(tmp_path / "bad")]) == 1
     assert "engine logprobs: the engine's logprobs" in capsys.readouterr().err
     assert common.check.main(["nosuch"]) == 2 and "no recipe 'nosuch'" in capsys.readouterr().err
+    handed = []
+    monkeypatch.setattr("runpy.run_path", lambda *a, **k: handed.append(list(sys.argv)) or sys.exit(0))
+    assert common.check.main(["grpo", "--lr", "1e-4"]) == 0 and common.check.main(["grpo", "--check=warn"]) == 0
+    assert handed[0][1:5] == ["--lr", "1e-4", "--check", "full"] and "full" not in handed[1]
     assert common.check.STOP_AFTER_CHECK not in os.environ  # the recipes this process runs next train
 
 
