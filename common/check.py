@@ -42,16 +42,10 @@ from common.errors import RunStopped
 from common.model import is_lora, response_logits
 from common.ops import logprobs_from_logits
 from common.parallel import all_reduce_max, all_reduce_sum, broadcast_object, unwrap
-from common.rollout import engine_logprobs
+from common.rollout import TOLERANCE, engine_logprobs
 
 log = logging.getLogger(__name__)
 
-# The largest and mean |trainer - engine| logprob over the probe's response tokens that pass, by the
-# dtype the trainer computes in. float32: the bundled model measures 2e-6 to 7e-6 (vLLM) and below
-# 1e-5 (HF), so a real gap (stale weights, a wrong position, another chat template) is orders
-# above the bound. Half precision rounds each side differently: a token's logprob may move by
-# tenths of a nat, the mean far less.
-TOLERANCE = {torch.float32: (1e-3, 1e-4), torch.bfloat16: (0.5, 0.05), torch.float16: (0.25, 0.02)}
 REWARD_ADVICE = (
     "the reward function raised or timed out on some real rows (each row's ground truth standing in for a "
     "response); such responses score 0 and are counted (reward/errors, reward/timeouts): see reward_workers.log "

@@ -335,15 +335,17 @@ class RLArgs(
 
     def tracker_kwargs(self, recipe: str, run_info: dict) -> dict:
         """TrainerArgs.tracker_kwargs, plus whether a NaN or infinite reward stops the run, what
-        perf/mfu needs (run_info's FLOP terms, devices and compute dtype; the passes over a step) and
-        the flags the closing block's advice depends on (common.perf.verdict)."""
+        perf/mfu needs (run_info's FLOP terms, devices and compute dtype; the passes over a step), the
+        flags the closing block's advice depends on (common.perf.verdict) and the bound on the logged
+        trainer-engine gap (RolloutArgs.gap_bound)."""
         plan = self.batch_plan(run_info["world_size"])
         facts = ("rollout_name", "rollout_placement", "max_staleness", "reward_workers", "use_remove_padding",
                  "micro_batch_size_per_gpu", "gradient_checkpointing", "mixed_precision", "dtype", "lora_rank")  # fmt: skip
         run = {**{k: getattr(self, k) for k in facts}, "device": run_info["device"],
                "micro_batches": plan.mini_batches_per_step * max(1, plan.grad_accum)}  # fmt: skip
         return {**super().tracker_kwargs(recipe, run_info), "stop_on_nonfinite_reward": self.stop_on_nonfinite_reward,
-                "perf": {**run_info, "epochs": self.ppo_epochs, "run": run}}  # fmt: skip
+                "perf": {**run_info, "epochs": self.ppo_epochs, "run": run}, "gap_bound": self.gap_bound(
+                torch.bfloat16 if self.mixed_precision == "bf16" else getattr(torch, self.dtype))}  # fmt: skip
 
     def engine_kwargs(self, train: list, total_steps: int, pool) -> dict:
         """EngineArgs.engine_kwargs (validation's prompts per generate call as the batch), the
@@ -354,9 +356,10 @@ class RLArgs(
 
     def check_kwargs(self, version: int) -> dict:
         """The keyword arguments of common.check.launch_check: the dtype the trainer computes in, whether
-        the engine holds weights of its own (their sync is checked), the version it holds, and --check-freq."""
+        the engine holds weights of its own (their sync is checked), the version it holds, and how often its
+        probe runs again (RolloutArgs.probe_freq)."""
         dtype = torch.bfloat16 if self.mixed_precision == "bf16" else getattr(torch, self.dtype)
-        return dict(dtype=dtype, own_weights=self.engine_holds_own_weights, version=version, freq=self.check_freq)
+        return dict(dtype=dtype, own_weights=self.engine_holds_own_weights, version=version, freq=self.probe_freq)
 
     def model_kwargs(self) -> dict:
         """The keyword arguments of common.model.load_rl_models that these flags set, a frozen

@@ -344,12 +344,6 @@ def is_lora(model) -> bool:
     return hasattr(model, "peft_config")
 
 
-def count_parameters(model) -> tuple[int, int]:
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return total, trainable
-
-
 def _checkpointing(model) -> bool:
     inner = model.module if hasattr(model, "module") else model
     return bool(getattr(inner, "is_activation_checkpointing", False) or getattr(inner, "gradient_checkpointing", False))

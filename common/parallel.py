@@ -375,6 +375,16 @@ def shard_evenly(items: list, dist: Dist) -> tuple[list, int]:
     return mine + [items[0]] * (per_rank - len(mine)), len(mine)
 
 
+_REQUESTED: list[str] = []  # failures asked for by request_stop, for the run's StopSignal
+
+
+def request_stop(message: str) -> None:
+    """Ask the run's StopSignal to end it after this step's checkpoint, as a failure with `message`, from
+    code that holds no StopSignal (common.tracking's bound on the trainer-engine gap). Every rank asks
+    alike or StopSignal.requested, which is collective, spreads it."""
+    _REQUESTED.append(message)
+
+
 class StopSignal:
     """SIGUSR1 or SIGTERM asks a training run to stop at the end of the step it is in, after
     saving a checkpoint (even with --save-freq 0), and to exit with status 0: what Slurm sends
@@ -387,6 +397,7 @@ class StopSignal:
 
     def __init__(self, dist: Dist):
         self.device, self.received, self.stopping, self.failure = dist.device, None, False, None
+        _REQUESTED.clear()  # an earlier run in this process asked its own signal
         for name in self.SIGNALS:
             signal.signal(getattr(signal, name), self._handle)
 
@@ -408,6 +419,8 @@ class StopSignal:
 
     def requested(self) -> bool:
         """Whether any rank got a signal, on every rank (once true, it stays true)."""
+        if _REQUESTED and self.failure is None:
+            self.fail(_REQUESTED[0])
         flag = torch.tensor(float(self.received is not None), device=self.device)
         self.stopping = self.stopping or all_reduce_sum(flag).item() > 0
         return self.stopping

@@ -26,6 +26,13 @@ from common.rewards import Scored
 from common.scoring import hit, load_from_file
 from common.tracking import env_metrics
 
+# The largest and mean |trainer - engine| logprob over the probe's response tokens that pass, by the
+# dtype the trainer computes in. float32: the bundled model measures 2e-6 to 7e-6 (vLLM) and below
+# 1e-5 (HF), so a real gap (stale weights, a wrong position, another chat template) is orders
+# above the bound. Half precision rounds each side differently: a token's logprob may move by
+# tenths of a nat, the mean far less.
+TOLERANCE = {torch.float32: (1e-3, 1e-4), torch.bfloat16: (0.5, 0.05), torch.float16: (0.25, 0.02)}
+
 
 def reward_task(row: dict, completion: Completion, text: str) -> tuple:
     """The reward pool's (data_source, solution_str, ground_truth, extra_info) for one response;
@@ -409,7 +416,9 @@ class RolloutArgs:
     bypass_mode: bool = False
     """take the engine's logprobs as the old policy (saves the trainer's old-logprob pass)"""
     check_freq: int = flag(10, ge=0, note="0: never during training")
-    """every N steps, after the sync, the engine's logprobs of the check's probe against the trainer's
+    """after the launch check, the engine's logprobs stay the trainer's: the gap logged every step
+    (rollout/logprob_diff_*) is bounded, or, where it proves nothing (--top-p, --top-k, --max-staleness,
+    --bypass-mode, a rollout correction), the check's probe runs every N steps after the sync
     (check/engine_gap_*); past the bounds the run saves and stops (0: never)"""
 
     @property
@@ -429,6 +438,30 @@ class RolloutArgs:
         before_update = getattr(self, "use_kl_in_reward", False) or self.engine_holds_own_weights
         before_update = before_update or self.rollout_is or self.rollout_rs
         return "pass" if before_update else "when-stale"
+
+    @property
+    def gap_proves_sync(self) -> bool:
+        """Whether the trainer-engine gap the run logs every step (rollout/logprob_diff_*) proves the weight
+        sync: an engine with its own weights sampling on policy (--max-staleness 0) from the whole
+        distribution (no --top-p / --top-k, whose engine logprobs are of the truncated one), set against
+        the trainer's own old logprobs (not --bypass-mode), in a run that does not correct for a gap it
+        expects (--rollout-is, --rollout-rs)."""
+        whole = self.top_p == 1 and self.top_k == -1 and not getattr(self, "max_staleness", 0)
+        expected = self.bypass_mode or self.rollout_is or self.rollout_rs
+        return self.engine_holds_own_weights and whole and not expected
+
+    def gap_bound(self, dtype) -> dict | None:
+        """common.tracking.Tracker's bound on that logged gap's mean, the launch check's TOLERANCE for the
+        dtype the trainer computes in (none with --check off or --check-freq 0, or where it proves nothing)."""
+        if self.check == "off" or not self.check_freq or not self.gap_proves_sync:
+            return None
+        return dict(mean=TOLERANCE[dtype][1], dtype=str(dtype).removeprefix("torch."), warn=self.check == "warn")
+
+    @property
+    def probe_freq(self) -> int:
+        """--check-freq for the launch check's probe (common.check.Check.during): only where the logged gap
+        cannot prove the sync of an engine with its own weights; the HF engine samples with the trainer's."""
+        return self.check_freq if self.engine_holds_own_weights and not self.gap_proves_sync else 0
 
     def rollout_kwargs(self) -> dict:
         """The keyword arguments of common.rollout.Rollout that these flags set: the data order, the

@@ -17,7 +17,7 @@ from common import watchdog
 from common.errors import RunStopped
 from common.model import LAYOUTS
 from common.ops import rollout_is_metrics as rollout_is_metrics  # re-exported for older forks
-from common.parallel import all_reduce_sum, barrier, gather_objects
+from common.parallel import all_reduce_sum, barrier, gather_objects, request_stop
 from common.parallel import setup_logging as setup_logging  # re-exported for older forks
 from common.perf import PHASES, device_peak, needed_tokens, phase_seconds, update_flops, verdict
 from common.scoring import hit
@@ -58,9 +58,11 @@ class Tracker:
         bar_keys: tuple[str, ...] = ("train/loss", "reward/mean", "val/accuracy"),
         log_interval: int = 0,
         stop_on_nonfinite_reward: bool = False,
+        gap_bound: dict | None = None,
         perf: dict | None = None,
     ):
         self.is_main, self.stop_on_nonfinite_reward = is_main, stop_on_nonfinite_reward
+        self.gap_bound = gap_bound  # RolloutArgs.gap_bound: past it, the run saves and stops (request_stop)
         self.total_steps, self.start_step, self.log_interval = total_steps, start_step, log_interval
         self.t_start, self.last_step = time.time(), start_step
         self.run_dir = Path(run_dir)
@@ -131,6 +133,7 @@ class Tracker:
                 table = wandb.Table(columns=columns, data=[[g[c] for c in columns] for g in generations])
                 self.wandb.log({"val/generations": table}, step=step)
         self._check(metrics, step)
+        self._check_gap(metrics, step)
         val = {k: v for k, v in metrics.items() if k.startswith("val/")}
         if val:
             self.val_last = val
@@ -155,6 +158,27 @@ class Tracker:
             if shown:
                 self.bar.set_postfix(shown, refresh=False)
             self.bar.update(max(0, step - self.bar.n))
+
+    def _check_gap(self, metrics: dict, step: int) -> None:
+        """The mean trainer-engine gap of the step's sampled tokens (rollout/logprob_diff_mean, the same on
+        every rank) against gap_bound's: past it the engine no longer samples what the trainer trains, and
+        the run is asked to save and stop (--check warn: a warning)."""
+        bound = self.gap_bound
+        if not bound or "rollout/logprob_diff_max" not in metrics:
+            return
+        largest, mean = metrics["rollout/logprob_diff_max"], metrics["rollout/logprob_diff_mean"]
+        if mean <= bound["mean"]:  # the mean: a step's largest, over every token it sampled, is a poor statistic
+            return
+        message = (
+            f"step {step}: the engine's logprobs of its sampled tokens are {mean:.2g} (mean; {largest:.2g} the "
+            f"largest) from the trainer's (rollout/logprob_diff_*), past the {bound['dtype']} bound {bound['mean']:g}. "
+            f"The engine no longer samples what the trainer trains: check its weight sync and dtype (--dtype, "
+            f"--rollout-name); --check warn goes on"
+        )
+        if bound["warn"]:
+            log.warning(message)
+        else:
+            request_stop(message)
 
     def _add_up(self, metrics: dict) -> None:
         """Sum what the closing block reports: every phase's seconds, the tokens generated and

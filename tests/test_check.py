@@ -88,8 +88,19 @@ def test_check_off_and_warn_are_flags_of_every_rl_recipe():
 
     for name in RL_RECIPES:
         args = make_args(load_recipe(name).Args, check="warn")
-        want = dict(dtype=torch.float32, own_weights=False, version=3, freq=10)
+        want = dict(dtype=torch.float32, own_weights=False, version=3, freq=0)  # the HF engine: nothing to re-probe
         assert args.check == "warn" and args.check_kwargs(3) == want
+    # an engine with its own weights: the logged gap is bounded every step, unless it proves nothing
+    grpo = load_recipe("grpo").Args
+    remote = make_args(grpo, rollout_placement="remote")
+    assert remote.check_kwargs(0)["freq"] == 0 and remote.gap_bound(torch.float32) == dict(
+        mean=1e-4, dtype="float32", warn=False
+    )
+    for unusable in (dict(top_k=50), dict(top_p=0.9), dict(max_staleness=1), dict(bypass_mode=True),
+                     dict(rollout_is="token"), dict(rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")):  # fmt: skip
+        args = make_args(grpo, rollout_placement="remote", **unusable)
+        assert args.check_kwargs(0)["freq"] == 10 and args.gap_bound(torch.float32) is None, unusable
+    assert make_args(grpo, rollout_placement="remote", check_freq=0).gap_bound(torch.float32) is None
 
 
 def test_every_training_recipe_takes_the_resume_proofs_flags_last():

@@ -234,30 +234,38 @@ def test_the_launch_check_proves_the_remote_engines_sync(tmp_path, ray_cluster, 
     )
 
 
-def test_check_freq_stops_a_run_whose_engine_went_stale_with_a_checkpoint(tmp_path, ray_cluster, monkeypatch):
-    """The syncs after the launch check land nowhere (a planted stale engine that still reports the
-    version it was sent): after step 1, --check-freq 1 finds the engine's logprobs of the probe away
-    from the trainer's updated weights, and the run saves step 1's checkpoint and stops (exit 1)
-    naming the engine and the version it claims, with the gap logged."""
+@pytest.mark.parametrize("sampling", [[], ["--top-k", "50"]], ids=["whole", "top-k"])
+def test_check_freq_stops_a_run_whose_engine_went_stale_with_a_checkpoint(tmp_path, ray_cluster, monkeypatch, sampling):
+    """The syncs after the launch check send the start's weights again (planted), so the engine holds
+    the version it was sent with stale weights. Sampling the whole distribution, the gap the run logs every step proves it:
+    step 2's samples (the engine's old weights) are away from the trainer's step-1 weights past the
+    float32 bounds, and the run saves step 2's checkpoint and stops (exit 1) naming the gap. With
+    --top-k that logged gap proves nothing, so --check-freq 1 runs the launch check's probe after each
+    sync instead: it stops after step 1, naming the engine and the version it claims."""
     from conftest import read_metrics
 
-    from common.remote import RemoteEngines
+    import common.remote
 
-    real, calls = RemoteEngines.update_weights, []
+    real, first = common.remote.hf_weights, []
 
-    def stale_after_the_check(self, version, engines=None):  # the start's sync and the check's two land
-        calls.append(version)
-        if len(calls) <= 3:
-            return real(self, version, engines)
-        self.weight_version = version if engines is None else self.weight_version
+    def stale_after_the_check(model):  # the start's sync and the check's two send the trainer's weights
+        first.append(len(first) or [(name, tensor.detach().clone()) for name, tensor in real(model)])
+        return iter(first[0]) if len(first) > 3 else real(model)  # later syncs: the start's weights again
 
-    monkeypatch.setattr(RemoteEngines, "update_weights", stale_after_the_check)
+    monkeypatch.setattr(common.remote, "hf_weights", stale_after_the_check)
     proc = run_recipe("grpo", "--rollout-placement", "remote", "--num-rollout-engines", "1", "--total-training-steps",
                       "4", *SMALL_STEPS, "--test-freq", "0", "--save-freq", "0", "--check-freq", "1", "--output-dir",
-                      tmp_path, "--ray-address", ray_cluster, check=False)  # fmt: skip
+                      tmp_path, "--ray-address", ray_cluster, *sampling, check=False)  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-2000:]
+    steps = [m for m in read_metrics(tmp_path) if "train/loss" in m]
+    if not sampling:
+        assert "step 2: the engine's logprobs of its sampled tokens are" in proc.stderr, proc.stderr[-2000:]
+        assert "past the float32 bound 0.0001" in proc.stderr
+        assert "stopped after step 2 of 4; checkpoint" in proc.stderr and (tmp_path / "checkpoints" / "step_2").is_dir()
+        assert len(steps) == 2 and steps[1]["rollout/logprob_diff_mean"] > 1e-4 >= steps[0]["rollout/logprob_diff_mean"]
+        assert "check/engine_gap_mean" not in steps[0]  # no probe: the logged gap is the proof
+        return
     assert "--check-freq at step 1: RemoteEngines's logprobs of the probe are" in proc.stderr
     assert "the engine holds version 1" in proc.stderr and "stopped after step 1 of 4; checkpoint" in proc.stderr
     assert (tmp_path / "checkpoints" / "step_1").is_dir()
-    steps = [m for m in read_metrics(tmp_path) if "train/loss" in m]
     assert len(steps) == 1 and steps[0]["check/engine_gap_mean"] > 1e-3

@@ -171,3 +171,27 @@ def test_logged_generations_go_to_their_own_file_and_resume_like_the_metrics(tmp
     Tracker(tmp_path, loggers=(), start_step=2, total_steps=3).close()  # resumed from step 2's checkpoint
     lines = [json.loads(x) for x in (tmp_path / "val_generations.jsonl").read_text().splitlines()]
     assert [g["step"] for g in lines] == [1, 2, 2]
+
+
+def test_a_logged_engine_gap_past_its_bound_saves_and_stops_the_run(tmp_path, caplog):
+    """The mean trainer-engine gap of the sampled tokens (rollout/logprob_diff_mean) within the bound goes
+    on, whatever one rare token's gap; past it the run's StopSignal reports a failure naming the gap and
+    the bound, so the step saves and the run ends with exit status 1; under --check warn it is a warning
+    and the run goes on."""
+    import torch
+
+    from common.parallel import Dist, StopSignal
+
+    dist = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    bound = dict(mean=1e-4, dtype="float32", warn=False)
+    stop, tracker = StopSignal(dist), Tracker(tmp_path / "stops", 0, 3, loggers=(), gap_bound=bound)
+    tracker.log({"rollout/logprob_diff_max": 0.02, "rollout/logprob_diff_mean": 5e-5}, step=1)  # one rare token
+    assert not stop.requested() and stop.failure is None
+    tracker.log({"rollout/logprob_diff_max": 5e-4, "rollout/logprob_diff_mean": 3e-3}, step=2)
+    assert stop.requested() and "step 2: the engine's logprobs of its sampled tokens are 0.003 (mean" in stop.failure
+    assert "past the float32 bound 0.0001" in stop.failure
+    warned = StopSignal(dist)
+    Tracker(tmp_path / "warns", 0, 3, loggers=(), gap_bound={**bound, "warn": True}).log(
+        {"rollout/logprob_diff_max": 0.5, "rollout/logprob_diff_mean": 0.1}, step=1
+    )
+    assert not warned.requested() and "the engine no longer samples" in caplog.text.lower()
