@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-import torch
 import tyro
 
 from common.data import DataArgs
@@ -344,8 +343,8 @@ class RLArgs(
         run = {**{k: getattr(self, k) for k in facts}, "device": run_info["device"],
                "micro_batches": plan.mini_batches_per_step * max(1, plan.grad_accum)}  # fmt: skip
         return {**super().tracker_kwargs(recipe, run_info), "stop_on_nonfinite_reward": self.stop_on_nonfinite_reward,
-                "perf": {**run_info, "epochs": self.ppo_epochs, "run": run}, "gap_bound": self.gap_bound(
-                torch.bfloat16 if self.mixed_precision == "bf16" else getattr(torch, self.dtype))}  # fmt: skip
+                "perf": {**run_info, "epochs": self.ppo_epochs, "run": run},
+                "gap_bound": self.gap_bound(self.trainer_dtype)}  # fmt: skip
 
     def engine_kwargs(self, train: list, total_steps: int, pool) -> dict:
         """EngineArgs.engine_kwargs (validation's prompts per generate call as the batch), the
@@ -358,8 +357,9 @@ class RLArgs(
         """The keyword arguments of common.check.launch_check: the dtype the trainer computes in, whether
         the engine holds weights of its own (their sync is checked), the version it holds, and how often its
         probe runs again (RolloutArgs.probe_freq)."""
-        dtype = torch.bfloat16 if self.mixed_precision == "bf16" else getattr(torch, self.dtype)
-        return dict(dtype=dtype, own_weights=self.engine_holds_own_weights, version=version, freq=self.probe_freq)
+        return dict(
+            dtype=self.trainer_dtype, own_weights=self.engine_holds_own_weights, version=version, freq=self.probe_freq
+        )
 
     def model_kwargs(self) -> dict:
         """The keyword arguments of common.model.load_rl_models that these flags set, a frozen

@@ -660,6 +660,11 @@ class ModelArgs:
     within each sequence; about 2x faster where lengths spread, slower where they do not. auto: the micro-batches
     whose padded pass would run 1.25x their real tokens or more; True: every one; False: none"""
 
+    @property
+    def trainer_dtype(self) -> torch.dtype:
+        """The dtype the trainer computes in: bfloat16 under --mixed-precision bf16, else --dtype."""
+        return torch.bfloat16 if self.mixed_precision == "bf16" else getattr(torch, self.dtype)
+
     def policy_kwargs(self) -> dict:
         """The keyword arguments of common.model.load_rl_models that these flags set."""
         names = ("dtype", "trust_remote_code", "mixed_precision", "gradient_checkpointing", "lora_rank", "lora_alpha")
