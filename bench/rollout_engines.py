@@ -19,9 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.data import load_prompts  # noqa: E402
-from common.engines import HFEngine, Sampling, VLLMEngine  # noqa: E402
+from common.engines import HFEngine, Sampling  # noqa: E402
 from common.model import load_policy, load_tokenizer  # noqa: E402
 from common.parallel import Dist  # noqa: E402
+from common.vllm_engine import VLLMEngine  # noqa: E402
 
 SFT = ROOT / "bundled" / "tiny-qwen2-sft"
 TEST = ROOT / "bundled" / "addition" / "test.parquet"

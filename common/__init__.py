@@ -15,8 +15,11 @@ LAYERS = (
     "verl",  # verl's key=value overrides translated into our flags: the one table of verl's keys
     "optim",  # AdamW and the lr schedules, and their flags (OptimArgs)
     "parallel",  # the process group, DDP / FSDP2 wrapping, collectives, the stop signal, logging setup (WaitArgs)
+    "resume_proof",  # --check full's child runs: a run resumed from its checkpoint trains the same next step
     "runlock",  # one live run per run folder (and per generate / evaluate output): the lock and its holder
     "data",  # parquet rows, chat templating, truncation, padding, micro-batches (DataArgs)
+    "sft_data",  # sft.py's examples: conversations or prompt / response rows with their loss masks
+    "correction",  # verl's rollout correction: importance weights and rejection over the engine's logprobs
     "ops",  # masked maths, logprobs and entropy, KL estimators and controller (KLRewardArgs), loss aggregation
     "perf",  # the update's model FLOPs, the device's peak, MFU
     "conditioning",  # ROLL's reward and advantage conditioning: length reward, normalisation, whitening, clip, weights
@@ -24,22 +27,28 @@ LAYERS = (
     "tools",  # --tool-config / --interaction-config read without running them; tool calls in text
     "envs",  # --env-config read without running it; the text adapter, the action of a reply, a worker's host
     "model",  # policy, critic, reward model and tokenizer loading (ModelArgs); response logits and values
+    "reward_model",  # --reward-model: a sequence classifier that scores whole conversations
+    "critic",  # ppo.py's critic: verl's value model, and its values of the response tokens
     "tracking",  # metrics.jsonl, the console, wandb / tensorboard, curves
     "checkpoint",  # save, check, resume, hf/ export
     "weight_sync",  # the trainer's weights under checkpoint names, for engines with their own copy
     "rewards",  # the hang-proof worker pool that runs reward functions, tools and interactions (RewardArgs)
-    "engines",  # Sampling, Completion, the HF and vLLM engines (EngineArgs)
+    "engines",  # Sampling, Completion, the HF engine (EngineArgs)
+    "vllm_engine",  # vLLM's engine in the trainer process (--rollout-name vllm), synced through weight_sync
     "remote",  # engines in Ray actors, the weight stream to them, bounded staleness
     "agent",  # the multi-turn loop with tools and interactions over any engine
     "env_manager",  # ROLL's environment manager: groups of Gymnasium environments played over any engine
     "rollout",  # start_engine, a step's sampled and scored batch, validation; the rollout's flag groups
+    "teacher",  # distill.py's teacher: where it runs (TeacherArgs), its checks, start_teacher
     "config",  # TrainerArgs and RLArgs, which every recipe builds on, and the checks that span flag groups
     "check",  # --check: the launch-time proof that the engine samples what the trainer trains, on this stack
 )
 
 # Opt-in features: only a flag that asks for one loads it (tools and the agent loop, environments,
-# remote Ray engines, ROLL's conditioning: common.config.ConditioningArgs, the verl translation:
-# common.config.cli_args), so a default run reads and imports the rest. A module outside this list
+# remote Ray engines, the vLLM engine and its weight sync, ROLL's conditioning:
+# common.config.ConditioningArgs, the verl translation: common.config.cli_args, --check full's
+# child runs), so a default run reads and imports the rest, the core. A module outside this list
 # imports these only inside the function that serves the flag (tests/test_layers.py). The launch
-# check is a feature too, still imported by the recipes at their top.
-FEATURES = ("tools", "envs", "agent", "env_manager", "remote", "conditioning", "check", "verl")
+# check's fast probes (common.check) run in every run (--check fast) and are core.
+FEATURES = ("tools", "envs", "agent", "env_manager", "remote", "vllm_engine", "weight_sync", "conditioning",
+            "resume_proof", "reward_model", "correction", "verl")  # fmt: skip

@@ -39,7 +39,7 @@ it is on.
 
 import torch
 
-from common.ops import RunningMoments, agg_loss, group_normalize, masked_whiten_all_ranks, topr_loss
+from common.ops import RunningMoments, agg_loss, group_normalize, masked_whiten_all_ranks
 from common.parallel import all_reduce_sum, gather_objects, this_rank
 
 EPS = 1e-6
@@ -168,6 +168,20 @@ def _mean_every_rank(values: torch.Tensor) -> float:
     return total / count if count else 0.0
 
 
+def topr_loss(new_logprobs, old_logprobs, advantages, positive) -> torch.Tensor:
+    """TOPR's per-token loss (Tapered Off-Policy REINFORCE, Le Roux et al. 2025, arXiv:2503.14286),
+    in ROLL's token-level form. The paper's gradient over sequences y sampled from mu:
+        sum_{R(y) >= 0} R(y) grad log pi(y)  +  sum_{R(y) < 0} [pi(y) / mu(y)]_0^1 R(y) grad log pi(y)
+    Here, per token, with the recipe's advantage A_t for R and positive (B, 1) the responses that
+    scored > 0: loss_t = -A_t * w_t * log pi_t, w_t = 1 on a positive response and
+    clamp(exp(log pi_t - old_t), 0, 1) (detached) on the others: a positive sample is pushed up as
+    in plain REINFORCE, a negative one pushed down only as far as the policy still agrees with the
+    one that sampled it."""
+    ratio = torch.exp(torch.clamp(new_logprobs.detach() - old_logprobs, -20.0, 20.0)).clamp(max=1.0)
+    weight = torch.where(positive > 0, torch.ones_like(ratio), ratio)
+    return -advantages * weight * new_logprobs
+
+
 def roll_loss(
     terms: dict, metrics: dict, new_logprobs, old_logprobs, advantages, response_mask, agg: dict, rewards, *,
     rl_loss_coef: float = 1.0, sft_loss_coef: float = 0.0, use_topr_loss: bool = False,
@@ -175,7 +189,7 @@ def roll_loss(
     """ROLL's loss terms around a recipe's compute_loss terms {pg, entropy, kl} (each already
     aggregated by agg, common.ops.agg_loss's mode and counts), as ROLL's actor composes them:
         loss = rl_loss_coef * (pg + kl) + entropy + sft_loss_coef * agg(-new on the responses that scored > 0)
-    --use-topr-loss puts TOPR's per-token loss (common.ops.topr_loss) in place of pg; rewards (b,)
+    --use-topr-loss puts TOPR's per-token loss (topr_loss) in place of pg; rewards (b,)
     tell the responses that scored > 0 (TOPR's positive samples, the SFT term's). Updates metrics
     (policy/pg_loss, policy/sft_loss) in place; returns the loss."""
     positive = (rewards > 0).float().unsqueeze(-1)

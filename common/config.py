@@ -39,12 +39,8 @@ from common.rollout import (
     ValidationArgs,
     check_env,
     check_placement,
-    check_rejection,
-    check_teacher_engine,
-    check_vllm,
 )
 from common.rollout import EnvPlayArgs as EnvPlayArgs  # re-exported: recipes build on it
-from common.rollout import TeacherArgs as TeacherArgs  # re-exported: recipes build on it
 
 # What only common.verl reads: a verl key=value (its OVERRIDE) and the flags that name a verl config.
 VERL_KEY = re.compile(r"^\+{0,2}[A-Za-z_][\w-]*(?:\.[\w-]+)+=")
@@ -172,10 +168,12 @@ def check_flags(args) -> None:
     if getattr(args, "env_config", None):
         check_env(args)  # likewise: the environments are made in their workers
     if getattr(args, "rollout_name", "hf") == "vllm":
+        from common.vllm_engine import check_vllm  # a feature: loaded where asked for
+
         check_vllm(args, "--rollout-name vllm")
-    if hasattr(args, "teacher_engine"):
-        check_teacher_engine(args)
     if getattr(args, "rollout_rs", None) is not None:
+        from common.correction import check_rejection  # a feature: loaded where asked for
+
         check_rejection(args)
     if getattr(args, "rl_loss_coef", 1.0) == 0 and args.sft_loss_coef == 0:
         raise UsageError("--rl-loss-coef 0 with --sft-loss-coef 0: the loss would have no term left to learn from")
@@ -303,7 +301,7 @@ class RLArgs(
 
     # Derived values, computed from the flags above (no side effects).
     def data_kwargs(self) -> dict:
-        """The keyword arguments of common.data.load_rl_data that these flags set, and whether each
+        """The keyword arguments of common.rollout.load_rl_data that these flags set, and whether each
         row must carry a ground truth: the built-in rewards score against it, a user's --reward-fn
         may not need one, a --reward-model never does."""
         names = ("prompt_key", "max_prompt_length", "truncation", "filter_overlong_prompts", "train_batch_size")
@@ -362,7 +360,7 @@ class RLArgs(
         )
 
     def model_kwargs(self) -> dict:
-        """The keyword arguments of common.model.load_rl_models that these flags set, a frozen
+        """The keyword arguments of common.rollout.load_rl_models that these flags set, a frozen
         reference among them when a KL term needs one (needs_ref)."""
         return {**self.policy_kwargs(), "strategy": self.strategy, "reward_model": self.reward_model,
                 "with_reference": self.needs_ref}  # fmt: skip

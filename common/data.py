@@ -6,7 +6,6 @@ Every error names the file, the row and the column, and says what to change.
 import functools
 import json
 import logging
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,7 +229,7 @@ class LoadStats:
         return "; ".join(parts)
 
 
-def _too_long(file, index, n, limit, limit_flag, extra=""):
+def too_long(file, index, n, limit, limit_flag, extra=""):
     return DataError(
         f"{file} row {index}: {n} tokens > {limit_flag}={limit}{extra}; raise "
         f"--{limit_flag.replace('_', '-')}, set --truncation left/right/middle"
@@ -293,7 +292,7 @@ def load_prompts(
                     stats.filtered_overlong += 1
                     continue
                 if truncation == "error":
-                    raise _too_long(file, i, len(ids), max_prompt_length, "max_prompt_length")
+                    raise too_long(file, i, len(ids), max_prompt_length, "max_prompt_length")
                 ids = truncate(ids, max_prompt_length, truncation)
                 stats.truncated += 1
             source = row.get("data_source")
@@ -322,156 +321,6 @@ def load_prompts(
             raise failed
     if not out:
         raise DataError(f"{what}: no rows left after filtering ({stats.summary(what)})")
-    return out, stats
-
-
-# --- SFT examples ----------------------------------------------------------------------------------
-
-
-def _chat_texts(tokenizer, messages: list[dict], tools) -> tuple[list[str], list[int]]:
-    """The template texts an SFT conversation is cut by (the whole conversation, then for each
-    assistant turn the prompt before it and the conversation up to its end) and those turns."""
-
-    def render(upto, add_generation_prompt):
-        return tokenizer.apply_chat_template(messages[:upto], tools=tools, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)  # fmt: skip
-
-    turns = [t for t, message in enumerate(messages) if message["role"] == "assistant"]
-    return [
-        render(len(messages), False),
-        *(text for t in turns for text in (render(t, True), render(t + 1, False))),
-    ], turns
-
-
-def _assistant_spans(pieces: list[list[int]], turns: list[int], file, index) -> tuple[list, list, list]:
-    """Token ids, loss mask and the last assistant turn's prompt from _chat_texts' texts, tokenized."""
-    full, spans = pieces[0], pieces[1:]
-    mask = [0] * len(full)
-    for k, turn in enumerate(turns):
-        start, end = spans[2 * k], spans[2 * k + 1]
-        if full[: len(start)] != start or full[: len(end)] != end:
-            raise DataError(
-                f"{file} row {index}: the chat template does not render turn {turn} as a prefix "
-                f"of the whole conversation, so assistant tokens cannot be located; use "
-                f"prompt/response columns or a template that renders history unchanged"
-            )
-        mask[len(start) : len(end)] = [1] * (len(end) - len(start))
-    return full, mask, spans[-2]
-
-
-def _sft_texts(tokenizer, row, file, i, chat, with_tools, keys) -> tuple[list[str], list[int]]:
-    """The texts one SFT row is tokenized from: _chat_texts' for a conversation, or the templated
-    prompt and the response (and no turns)."""
-    messages_key, prompt_key, response_key, tools_key = keys
-    if chat:
-        value = get_field(row, messages_key, file, i, "messages_key")
-        messages = as_messages(value, file, i, messages_key, template_reads(tokenizer))
-        if not any(m["role"] == "assistant" for m in messages):
-            raise DataError(f"{file} row {i} column {messages_key!r}: no assistant message to train on")
-        tools = as_tools(get_field(row, tools_key, file, i), file, i, tools_key) if with_tools else None
-        return _chat_texts(tokenizer, messages, tools)
-    value = get_field(row, prompt_key, file, i, "prompt_key")
-    messages = as_messages(value, file, i, prompt_key, template_reads(tokenizer))
-    response = get_field(row, response_key, file, i, "response_key")
-    if not isinstance(response, str):
-        raise DataError(
-            f"{file} row {i} column {response_key!r}: expected a string response, "
-            f"got {type(response).__name__}: {str(response)[:80]!r}"
-        )
-    return [tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), response], []
-
-
-def load_sft(
-    files,
-    tokenizer,
-    *,
-    max_length: int,
-    messages_key: str = "messages",
-    prompt_key: str = "prompt",
-    response_key: str = "response",
-    tools_key: str = "tools",
-    truncation: str = "error",
-    what: str = "train_files",
-) -> tuple[list[dict], LoadStats]:
-    """SFT examples: `input_ids` and `loss_mask` (1 on assistant/response tokens only).
-
-    A file with a `messages_key` column is read as chat conversations (loss on every assistant
-    turn, tool turns masked; a `tools_key` column lists the tool schemas the template shows);
-    otherwise prompt_key/response_key are read (dotted keys reach into structs, as in
-    extra_info.answer) and the response is followed by the tokenizer's eos. Each example also keeps
-    `prompt_ids` (the prompt up to the last assistant turn), `data_source` and `ground_truth`
-    (None without reward_model) for generation-based validation.
-    """
-    stats = LoadStats()
-    out = []
-    eos = tokenizer.eos_token_id
-    keys = (messages_key, prompt_key, response_key, tools_key)
-    for file, rows in read_parquet(files, what):
-        stats.per_file[file] = len(rows)
-        chat = has_column(rows, messages_key)
-        with_tools = chat and has_column(rows, tools_key)
-        if not chat and not has_column(rows, prompt_key):
-            raise DataError(
-                f"{file}: neither a {messages_key!r} column (chat) nor a {prompt_key!r} column "
-                f"(prompt/response) found; columns are {sorted(rows[0])}; set --messages-key or "
-                f"--prompt-key/--response-key"
-            )
-        # As in load_prompts: template every row, tokenize all the texts in one batched call (about
-        # three times as fast as call by call), and raise a row that failed to template only after
-        # the rows before it are checked, so the first bad row in the file is the one named.
-        texts, failed = [], None
-        for i, row in enumerate(rows):
-            try:
-                texts.append(_sft_texts(tokenizer, row, file, i, chat, with_tools, keys))
-            except DataError as e:
-                failed = e
-                break
-        flat = [t for row_texts, _ in texts for t in row_texts]
-        flat = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
-        at = 0
-        for i, (row_texts, turns) in enumerate(texts):
-            pieces, at = flat[at : at + len(row_texts)], at + len(row_texts)
-            row = rows[i]
-            stats.rows += 1
-            if chat:
-                ids, mask, prompt_ids = _assistant_spans(pieces, turns, file, i)
-            else:
-                prompt_ids, response_ids = pieces[0], pieces[1] + [eos]
-                ids = prompt_ids + response_ids
-                mask = [0] * len(prompt_ids) + [1] * len(response_ids)
-            if len(ids) > max_length:
-                if truncation == "error":
-                    raise _too_long(file, i, len(ids), max_length, "max_length", " (prompt + response)")
-                ids, mask = (
-                    truncate(ids, max_length, truncation),
-                    truncate(mask, max_length, truncation),
-                )
-                stats.truncated += 1
-            if not any(mask):
-                stats.no_loss_tokens += 1
-                continue
-            reward_model = row.get("reward_model")
-            out.append(
-                {
-                    "input_ids": ids,
-                    "loss_mask": mask,
-                    "prompt_ids": prompt_ids,
-                    "data_source": row.get("data_source") or "unknown",
-                    "ground_truth": reward_model.get("ground_truth") if isinstance(reward_model, dict) else None,
-                }
-            )
-            stats.kept += 1
-        if failed is not None:
-            raise failed
-    if stats.no_loss_tokens:
-        log.warning(
-            "%s: %d example(s) had no response token left after truncation=%s and were left out",
-            what,
-            stats.no_loss_tokens,
-            truncation,
-        )
-    if not out:
-        raise DataError(f"{what}: no examples left ({stats.summary(what)})")
     return out, stats
 
 
@@ -598,162 +447,6 @@ def split_rows(
     count = all_reduce_max(len(local))
     split = micro_batches(prompt_lengths, response_lengths, max_seqs=max_seqs, max_tokens=max_tokens, min_count=count)
     return [rows + start for rows in split]
-
-
-def check_agent_rows(
-    rows: list[dict], tools: list[dict] | None, interactions: list[str] | None, tool_classes: list[str] = ()
-) -> None:
-    """What the agent loop (common.agent) needs of prompt rows: a tool_agent row needs tools or
-    interactions to act on; a row whose extra_info holds interaction_kwargs (verl's) must be a
-    tool_agent row naming an interaction of --interaction-config (the name may be left out when
-    there is one). Sets each row's interaction_kwargs (None without), its name filled in.
-    extra_info.tools_kwargs (verl's per-row arguments to a tool class's create / execute /
-    calc_reward / release, by tool name) must name tool classes of --tool-config (tool_classes) on
-    a tool_agent row: a function tool takes only the arguments the model writes; rows that run no
-    tools (as in verl, which reads it only in its tool agent) are counted in a warning."""
-    idle_tools_kwargs = 0
-    steps = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
-    for r in rows:
-        where = f"{r['file']} row {r['row']}"
-        extra = r["extra_info"] if isinstance(r["extra_info"], dict) else {}
-        per_tool = extra.get("tools_kwargs")
-        if per_tool and r["agent_name"] == "tool_agent":
-            column = f"{where} column 'extra_info.tools_kwargs'"
-            if not isinstance(per_tool, dict):
-                raise DataError(f"{column}: expected a mapping of tool name -> {{create_kwargs: ..., ...}}")
-            for name, kwargs in per_tool.items():
-                if name not in tool_classes:
-                    functions = {t["function"]["name"] for t in tools or ()}
-                    kind = "not a tool of --tool-config"
-                    if name in functions:
-                        kind = "a function tool, which takes only the arguments the model writes"
-                    raise DataError(f"{column}: {name!r} is {kind}; per-row arguments go to verl's tool classes "
-                                    f"(class_name in --tool-config; they have: {', '.join(tool_classes) or 'none'})")  # fmt: skip
-                if not isinstance(kwargs, dict) or not all(
-                    k in steps and isinstance(v, dict | None) for k, v in kwargs.items()
-                ):
-                    raise DataError(f"{column}.{name}: expected a mapping with any of {', '.join(steps)}, each a "
-                                    f"mapping, got {str(kwargs)[:80]!r}")  # fmt: skip
-        idle_tools_kwargs += bool(per_tool) and r["agent_name"] != "tool_agent"
-        kwargs = extra.get("interaction_kwargs")
-        r["interaction_kwargs"] = None
-        if kwargs is not None:
-            if not isinstance(kwargs, dict):
-                raise DataError(f"{where} column 'extra_info.interaction_kwargs': expected a mapping with a name, "
-                                f"got {str(kwargs)[:80]!r}")  # fmt: skip
-            if not interactions:
-                raise DataError(f"{where}: extra_info.interaction_kwargs names an interaction; pass "
-                                f"--interaction-config interactions.yaml (docs/multi-turn.md describes the file)")  # fmt: skip
-            name = kwargs.get("name") or (interactions[0] if len(interactions) == 1 else None)
-            if name not in interactions:
-                raise DataError(f"{where} column 'extra_info.interaction_kwargs.name': {name!r} is not in "
-                                f"--interaction-config (it has {', '.join(interactions)})")  # fmt: skip
-            if r["agent_name"] != "tool_agent":
-                raise DataError(f"{where}: interaction_kwargs need agent_name tool_agent (the agent that runs "
-                                f"interactions), not {r['agent_name']}")  # fmt: skip
-            r["interaction_kwargs"] = {**kwargs, "name": name}
-        if r["agent_name"] == "tool_agent" and not tools and not interactions:
-            raise DataError(f"{where} column 'agent_name': tool_agent rows need tools or interactions: pass "
-                            f"--tool-config tools.yaml and/or --interaction-config (docs/multi-turn.md describes "
-                            f"both files)")  # fmt: skip
-    if idle_tools_kwargs:
-        log.warning("%d rows carry extra_info.tools_kwargs but are not tool_agent rows, so no tool runs for them and it "
-                    "is unused (as in verl); set agent_name tool_agent to run tools", idle_tools_kwargs)  # fmt: skip
-
-
-VAL_SEED_OFFSET = 10**9  # an environment run's validation seeds start here; training seeds stay below
-
-
-def env_rows(config: str, tags: list[str], n_groups: list[int], train_seeds: int, val_seeds: int) -> tuple:
-    """(training rows, LoadStats, validation rows) of an --env-config run: one row per tag and seed,
-    played by common.env_manager (sampling.n trajectories a row, all reset with its seed).
-    Training rows come in batches of sum(n_groups) rows, n_groups[k] of tags[k] (ROLL's n_groups),
-    with the seeds 0 .. train_seeds-1 in row order, so each step's batch holds every tag's share and
-    each seed is played once an epoch (train in this order: the seeds are the randomness).
-    Validation: val_seeds held-out seeds of every tag, from VAL_SEED_OFFSET."""
-    batch = sum(n_groups)
-    if train_seeds < batch:
-        raise DataError(f"--env-train-seeds {train_seeds}: fewer than one batch of {batch} groups")
-
-    def row(tag: str, seed: int, split: str, index: int) -> dict:
-        return {"data_source": tag, "agent_name": "env", "env_seed": seed, "ground_truth": None,
-                "extra_info": {"split": split, "index": index}, "prompt_ids": None, "messages": None,
-                "file": f"--env-config {config}", "row": index}  # fmt: skip
-
-    train = []
-    for b in range(train_seeds // batch):
-        shares = [(tag, sum(n_groups[:k]), n) for k, (tag, n) in enumerate(zip(tags, n_groups))]
-        train += [row(tag, b * batch + start + i, "train", b * batch + start + i) for tag, start, n in shares
-                  for i in range(n)]  # fmt: skip
-    val = [
-        row(tag, VAL_SEED_OFFSET + i, "val", k * val_seeds + i) for k, tag in enumerate(tags) for i in range(val_seeds)
-    ]
-    shares = ", ".join(f"{n} {tag}" for tag, n in zip(tags, n_groups))
-    stats = LoadStats(rows=len(train), kept=len(train), described=f"{len(train)} environment seeds, groups a step: "
-                      f"{shares}; validation: {val_seeds} held-out seeds a tag")  # fmt: skip
-    return train, stats, val
-
-
-def load_rl_data(
-    train_files,
-    val_files,
-    tokenizer,
-    *,
-    prompt_key: str,
-    max_prompt_length: int,
-    truncation: str,
-    filter_overlong_prompts: bool,
-    train_batch_size: int,
-    ground_truth: str = "required",
-    tools: list[dict] | None = None,
-    interactions: list[str] | None = None,
-    tool_classes: list[str] = (),
-    env: dict | None = None,
-    difficulty: bool = False,
-) -> tuple[list[dict], LoadStats, list[dict]]:
-    """Training and validation prompts of an RL recipe (validation empty without val_files);
-    too few training prompts for one batch fail here, before any model loads. ground_truth:
-    "required" (the built-in rewards score against it: a row without one is an error naming it),
-    "optional" (a user's reward function may not need one: rows without are counted in a warning)
-    or "unused" (a reward model scores). tools: the --tool-config schemas, which tool_agent rows
-    are templated with; interactions: the --interaction-config names; tool_classes: the names of
-    its tool classes (check_agent_rows). env: an --env-config run's env_rows arguments: its rows
-    replace the files'. difficulty: every training row must hold a number in its `difficulty`
-    column (or extra_info.difficulty), for --difficulty-loss-weight."""
-    if env is not None:
-        if difficulty:
-            raise DataError("--difficulty-loss-weight: environment rows have no difficulty column; drop the flag")
-        return env_rows(**env)
-    kwargs = dict(prompt_key=prompt_key, max_prompt_length=max_prompt_length, truncation=truncation, tools=tools)
-    kwargs.update(filter_overlong_prompts=filter_overlong_prompts, scored=ground_truth != "unused")
-    train, stats = load_prompts(train_files, tokenizer, **kwargs, what="train_files")
-    if len(train) < train_batch_size:
-        raise DataError(f"train_files hold {len(train)} prompts, fewer than train_batch_size={train_batch_size}")
-    val = load_prompts(val_files, tokenizer, **kwargs, what="val_files")[0] if val_files else []
-    check_agent_rows(train + val, tools, interactions, tool_classes)
-    for r in train if difficulty else ():
-        d = r["difficulty"]
-        if isinstance(d, bool) or not isinstance(d, int | float) or not math.isfinite(d):
-            raise DataError(f"{r['file']} row {r['row']} column 'difficulty': --difficulty-loss-weight weights each "
-                            f"row by its difficulty, a number in [0, 1] (as a column or in extra_info), got {d!r}")  # fmt: skip
-    for r in train + val if ground_truth == "required" else ():  # the built-ins compare against one answer
-        if not isinstance(r["ground_truth"], str | int | float | None):
-            raise DataError(
-                f"{r['file']} row {r['row']} column 'reward_model.ground_truth': the built-in rewards compare against "
-                f"one answer, got {type(r['ground_truth']).__name__}: {str(r['ground_truth'])[:60]!r} (as text it "
-                f"would never match); store one answer, or pass --reward-fn with a function that reads this form"
-            )
-    missing = [r for r in train + val if r["ground_truth"] is None]
-    if missing and ground_truth == "required":
-        raise DataError(
-            f"{missing[0]['file']} row {missing[0]['row']}: reward_model.ground_truth is missing or null "
-            f"({len(missing)} rows like it); the built-in rewards score against it. Fill it in, or pass "
-            f"--reward-fn (a function that needs none) or --reward-model"
-        )
-    if missing and ground_truth == "optional":
-        log.warning("%d rows have no reward_model.ground_truth (e.g. %s row %s): the reward function gets None",
-                    len(missing), missing[0]["file"], missing[0]["row"])  # fmt: skip
-    return train, stats, val
 
 
 @dataclass

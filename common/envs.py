@@ -163,7 +163,7 @@ def first_messages(spec: EnvSpec, observation: str) -> list[dict]:
 
 def check_envs(pool, config: EnvConfig, rows: list[dict], tokenizer, max_prompt_length: int) -> None:
     """Before any model loads: every tag of `rows` (training and validation, from
-    common.data.env_rows) resets twice with its first seed of each split in the environment
+    common.envs.env_rows) resets twice with its first seed of each split in the environment
     workers, and must give the same text both times (a group shares its start); with listed
     actions, one step with the first of them; the first prompt must fit --max-prompt-length.
     Anything else is a UsageError naming the tag, the seed and what went wrong."""
@@ -356,3 +356,58 @@ def load_env_host(spec: str) -> EnvHost:
     """In a worker process: the EnvHost of a pool spec "<max_traj_per_env>:<config path>"."""
     max_traj, _, path = spec.partition(":")
     return EnvHost(path, int(max_traj))
+
+
+VAL_SEED_OFFSET = 10**9  # an environment run's validation seeds start here; training seeds stay below
+
+
+def env_rows(config: str, tags: list[str], n_groups: list[int], train_seeds: int, val_seeds: int) -> tuple:
+    """(training rows, LoadStats, validation rows) of an --env-config run: one row per tag and seed,
+    played by common.env_manager (sampling.n trajectories a row, all reset with its seed).
+    Training rows come in batches of sum(n_groups) rows, n_groups[k] of tags[k] (ROLL's n_groups),
+    with the seeds 0 .. train_seeds-1 in row order, so each step's batch holds every tag's share and
+    each seed is played once an epoch (train in this order: the seeds are the randomness).
+    Validation: val_seeds held-out seeds of every tag, from VAL_SEED_OFFSET."""
+    from common.data import DataError, LoadStats  # the trainer's (torch); a worker imports this module without it
+
+    batch = sum(n_groups)
+    if train_seeds < batch:
+        raise DataError(f"--env-train-seeds {train_seeds}: fewer than one batch of {batch} groups")
+
+    def row(tag: str, seed: int, split: str, index: int) -> dict:
+        return {"data_source": tag, "agent_name": "env", "env_seed": seed, "ground_truth": None,
+                "extra_info": {"split": split, "index": index}, "prompt_ids": None, "messages": None,
+                "file": f"--env-config {config}", "row": index}  # fmt: skip
+
+    train = []
+    for b in range(train_seeds // batch):
+        shares = [(tag, sum(n_groups[:k]), n) for k, (tag, n) in enumerate(zip(tags, n_groups))]
+        train += [row(tag, b * batch + start + i, "train", b * batch + start + i) for tag, start, n in shares
+                  for i in range(n)]  # fmt: skip
+    val = [
+        row(tag, VAL_SEED_OFFSET + i, "val", k * val_seeds + i) for k, tag in enumerate(tags) for i in range(val_seeds)
+    ]
+    shares = ", ".join(f"{n} {tag}" for tag, n in zip(tags, n_groups))
+    stats = LoadStats(rows=len(train), kept=len(train), described=f"{len(train)} environment seeds, groups a step: "
+                      f"{shares}; validation: {val_seeds} held-out seeds a tag")  # fmt: skip
+    return train, stats, val
+
+
+def env_metrics(rows: list[tuple], prefix: str = "env") -> dict:
+    """Per tag, over the trajectories of every rank (common.env_manager): <prefix>/<tag>/success
+    (the share that succeeded), return and env_return (the environment's own rewards, without
+    penalties or discount), steps (environment steps), format_errors (replies whose action did not
+    parse) and invalid_actions (steps the environment called invalid), per trajectory; errors and
+    timeouts (trajectories whose environment failed), counts. Collective."""
+    from common.parallel import gather_objects  # the trainer's (torch); a worker imports this module without it
+
+    mine = [c.extra_info["env"] for _, c in rows]
+    played = [e for part in gather_objects(mine) for e in part]
+    metrics = {}
+    for tag in sorted({e["tag"] for e in played}):
+        of = [e for e in played if e["tag"] == tag]
+        for key in ("success", "return", "env_return", "steps", "format_errors", "invalid_actions"):
+            metrics[f"{prefix}/{tag}/{key}"] = sum(float(e[key]) for e in of) / len(of)
+        for key in ("errors", "timeouts"):
+            metrics[f"{prefix}/{tag}/{key}"] = sum(e[key] for e in of)
+    return metrics

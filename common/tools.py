@@ -22,12 +22,15 @@ Calls are read from the text in the Hermes format Qwen uses,
 """
 
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.errors import UsageError
 from common.scoring import load_from_file
+
+log = logging.getLogger(__name__)
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -345,3 +348,66 @@ def conversation_extra_info(row: dict, user_turns: int = 0, assistant_turns: int
     if tool_step_rewards:
         extra["tool_step_rewards"] = {k: list(v) for k, v in tool_step_rewards.items()}
     return extra
+
+
+def check_agent_rows(
+    rows: list[dict], tools: list[dict] | None, interactions: list[str] | None, tool_classes: list[str] = ()
+) -> None:
+    """What the agent loop (common.agent) needs of prompt rows: a tool_agent row needs tools or
+    interactions to act on; a row whose extra_info holds interaction_kwargs (verl's) must be a
+    tool_agent row naming an interaction of --interaction-config (the name may be left out when
+    there is one). Sets each row's interaction_kwargs (None without), its name filled in.
+    extra_info.tools_kwargs (verl's per-row arguments to a tool class's create / execute /
+    calc_reward / release, by tool name) must name tool classes of --tool-config (tool_classes) on
+    a tool_agent row: a function tool takes only the arguments the model writes; rows that run no
+    tools (as in verl, which reads it only in its tool agent) are counted in a warning."""
+    from common.data import DataError  # the trainer's (torch); a worker imports this module without it
+
+    idle_tools_kwargs = 0
+    steps = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
+    for r in rows:
+        where = f"{r['file']} row {r['row']}"
+        extra = r["extra_info"] if isinstance(r["extra_info"], dict) else {}
+        per_tool = extra.get("tools_kwargs")
+        if per_tool and r["agent_name"] == "tool_agent":
+            column = f"{where} column 'extra_info.tools_kwargs'"
+            if not isinstance(per_tool, dict):
+                raise DataError(f"{column}: expected a mapping of tool name -> {{create_kwargs: ..., ...}}")
+            for name, kwargs in per_tool.items():
+                if name not in tool_classes:
+                    functions = {t["function"]["name"] for t in tools or ()}
+                    kind = "not a tool of --tool-config"
+                    if name in functions:
+                        kind = "a function tool, which takes only the arguments the model writes"
+                    raise DataError(f"{column}: {name!r} is {kind}; per-row arguments go to verl's tool classes "
+                                    f"(class_name in --tool-config; they have: {', '.join(tool_classes) or 'none'})")  # fmt: skip
+                if not isinstance(kwargs, dict) or not all(
+                    k in steps and isinstance(v, dict | None) for k, v in kwargs.items()
+                ):
+                    raise DataError(f"{column}.{name}: expected a mapping with any of {', '.join(steps)}, each a "
+                                    f"mapping, got {str(kwargs)[:80]!r}")  # fmt: skip
+        idle_tools_kwargs += bool(per_tool) and r["agent_name"] != "tool_agent"
+        kwargs = extra.get("interaction_kwargs")
+        r["interaction_kwargs"] = None
+        if kwargs is not None:
+            if not isinstance(kwargs, dict):
+                raise DataError(f"{where} column 'extra_info.interaction_kwargs': expected a mapping with a name, "
+                                f"got {str(kwargs)[:80]!r}")  # fmt: skip
+            if not interactions:
+                raise DataError(f"{where}: extra_info.interaction_kwargs names an interaction; pass "
+                                f"--interaction-config interactions.yaml (docs/multi-turn.md describes the file)")  # fmt: skip
+            name = kwargs.get("name") or (interactions[0] if len(interactions) == 1 else None)
+            if name not in interactions:
+                raise DataError(f"{where} column 'extra_info.interaction_kwargs.name': {name!r} is not in "
+                                f"--interaction-config (it has {', '.join(interactions)})")  # fmt: skip
+            if r["agent_name"] != "tool_agent":
+                raise DataError(f"{where}: interaction_kwargs need agent_name tool_agent (the agent that runs "
+                                f"interactions), not {r['agent_name']}")  # fmt: skip
+            r["interaction_kwargs"] = {**kwargs, "name": name}
+        if r["agent_name"] == "tool_agent" and not tools and not interactions:
+            raise DataError(f"{where} column 'agent_name': tool_agent rows need tools or interactions: pass "
+                            f"--tool-config tools.yaml and/or --interaction-config (docs/multi-turn.md describes "
+                            f"both files)")  # fmt: skip
+    if idle_tools_kwargs:
+        log.warning("%d rows carry extra_info.tools_kwargs but are not tool_agent rows, so no tool runs for them and it "
+                    "is unused (as in verl); set agent_name tool_agent to run tools", idle_tools_kwargs)  # fmt: skip

@@ -16,7 +16,6 @@ from tqdm.auto import tqdm
 from common import watchdog
 from common.errors import RunStopped
 from common.model import LAYOUTS
-from common.ops import rollout_is_metrics as rollout_is_metrics  # re-exported for older forks
 from common.parallel import all_reduce_sum, barrier, gather_objects, request_stop
 from common.parallel import setup_logging as setup_logging  # re-exported for older forks
 from common.perf import PHASES, device_peak, needed_tokens, phase_seconds, update_flops, verdict
@@ -359,6 +358,8 @@ def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
     metrics["rollout/staleness_max"] = max(p[2] for p in parts)
     metrics.update(batch.get("engine_stats", {}))
     if rows and (rows[0][1].extra_info or {}).get("env"):  # an --env-config run: every rank plays environments
+        from common.envs import env_metrics
+
         metrics.update(env_metrics(rows))
     if old_logprobs is not None and old_logprobs is not batch["rollout_logprobs"]:  # bypass: nothing to compare
         metrics.update(logprob_diff_metrics(old_logprobs, batch["rollout_logprobs"], batch["response_mask"]))
@@ -404,24 +405,6 @@ def update_metrics(perf: dict, tokens: float, needed: float, needed_sq: float, u
     flops = perf["epochs"] * update_flops(perf["flops"], needed, needed_sq)
     return {"perf/train_tokens_per_s": perf["epochs"] * tokens / update_s, "perf/update_tflop": flops / 1e12,
             "perf/mfu": flops / update_s / perf["peak"]}  # fmt: skip
-
-
-def env_metrics(rows: list[tuple], prefix: str = "env") -> dict:
-    """Per tag, over the trajectories of every rank (common.env_manager): <prefix>/<tag>/success
-    (the share that succeeded), return and env_return (the environment's own rewards, without
-    penalties or discount), steps (environment steps), format_errors (replies whose action did not
-    parse) and invalid_actions (steps the environment called invalid), per trajectory; errors and
-    timeouts (trajectories whose environment failed), counts. Collective."""
-    mine = [c.extra_info["env"] for _, c in rows]
-    played = [e for part in gather_objects(mine) for e in part]
-    metrics = {}
-    for tag in sorted({e["tag"] for e in played}):
-        of = [e for e in played if e["tag"] == tag]
-        for key in ("success", "return", "env_return", "steps", "format_errors", "invalid_actions"):
-            metrics[f"{prefix}/{tag}/{key}"] = sum(float(e[key]) for e in of) / len(of)
-        for key in ("errors", "timeouts"):
-            metrics[f"{prefix}/{tag}/{key}"] = sum(e[key] for e in of)
-    return metrics
 
 
 def advantage_metrics(advantages, response_mask) -> dict:
@@ -572,3 +555,10 @@ def describe_run(data_summary: str, total_steps: int, resume_from, model_name: s
         f"{plan.local_sequences_per_step} sequences, {plan.mini_batches_per_step} optimizer step(s) of "
         + (f"{plan.grad_accum} micro-batch(es)" if plan.grad_accum else "micro-batches packed by a token budget")
     )  # fmt: skip
+
+
+def rollout_is_metrics(weights, response_mask, threshold: float | str) -> dict:
+    """common.correction.rollout_is_metrics, still importable from here for forks of earlier recipes."""
+    from common.correction import rollout_is_metrics as metrics
+
+    return metrics(weights, response_mask, threshold)

@@ -45,10 +45,10 @@ import tyro
 from common.check import launch_check, prove_resume
 from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import RLArgs, cli_args, is_due
-from common.data import load_rl_data, split_rows, take_rows
+from common.data import split_rows, take_rows
 from common.errors import usage_errors
 from common.flags import flag
-from common.model import load_rl_models, load_tokenizer, response_logits
+from common.model import load_tokenizer, response_logits
 from common.ops import (
     agg_loss,
     kl_from_logits,
@@ -66,7 +66,7 @@ from common.parallel import (
     init_distributed,
 )
 from common.rewards import start_reward_pool
-from common.rollout import Rollout, regroup, start_engine
+from common.rollout import Rollout, load_rl_data, load_rl_models, regroup, start_engine
 from common.runlock import claim_run_dir
 from common.tracking import Tracker, describe_run, step_metrics
 

@@ -15,7 +15,7 @@ A fork of grpo.py that differs in the advantage and the loss:
 3. The teacher is any causal LM with the student's tokenizer (refused before any model loads
    otherwise; a larger vocabulary head is cut to the smaller one's width for gkd). It runs like the
    reference: micro-batched forward passes, no gradient, sharded under FSDP2; or, for reverse_kl, an
-   engine serves it (--teacher-engine vllm, --teacher-placement remote: common.config.TeacherArgs).
+   engine serves it (--teacher-engine vllm, --teacher-placement remote: common.teacher.TeacherArgs).
 4. Old logprobs come from a no-grad pass before the update (the advantage is made from them), or
    from the engine under --bypass-mode; --loss gkd takes them as grpo.py does.
 --beta is not TRL's GKD beta, the divergence's interpolation: that one is --jsd-beta here.
@@ -38,11 +38,11 @@ import tyro
 
 from common.check import launch_check, prove_resume
 from common.checkpoint import find_resume, resume, save_checkpoint
-from common.config import BUNDLED, RLArgs, TeacherArgs, cli_args, is_due
-from common.data import load_rl_data, split_rows, take_rows
+from common.config import BUNDLED, RLArgs, cli_args, is_due
+from common.data import split_rows, take_rows
 from common.errors import usage_errors
 from common.flags import flag
-from common.model import check_teacher, load_rl_models, load_tokenizer, response_logits
+from common.model import load_tokenizer, response_logits
 from common.ops import (
     agg_loss,
     jsd_from_logits,
@@ -61,8 +61,9 @@ from common.parallel import (
     init_distributed,
 )
 from common.rewards import start_reward_pool
-from common.rollout import Rollout, engine_logprobs, start_engine, start_teacher
+from common.rollout import Rollout, engine_logprobs, load_rl_data, load_rl_models, start_engine
 from common.runlock import claim_run_dir
+from common.teacher import TeacherArgs, check_teacher, start_teacher
 from common.tracking import Tracker, describe_run, step_metrics
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment

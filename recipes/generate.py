@@ -205,8 +205,10 @@ def merge_parts(parts: Path, n_chunks: int, data_path: str | None, out: Path) ->
 def read_rows(args: Args, tokenizer) -> tuple[list[dict], str]:
     """The rows to generate for, and a line saying what they are: the prompts of --data-path (checked
     and templated as training does), or with --env-config every tag's held-out seeds, as training
-    validates on (common.data.env_rows)."""
-    from common.data import check_agent_rows, env_rows, load_prompts
+    validates on (common.envs.env_rows)."""
+    from common.data import load_prompts
+    from common.envs import env_rows
+    from common.tools import check_agent_rows
 
     if args.env_config:
         tags = args.env_tag_list()

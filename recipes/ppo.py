@@ -49,10 +49,11 @@ import tyro
 from common.check import launch_check, prove_resume
 from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import KLRewardArgs, RLArgs, cli_args, is_due
-from common.data import load_rl_data, split_rows, take_rows
+from common.critic import load_critic, response_values
+from common.data import split_rows, take_rows
 from common.errors import UsageError, usage_errors
 from common.flags import flag
-from common.model import load_critic, load_rl_models, load_tokenizer, response_logits, response_values
+from common.model import load_tokenizer, response_logits
 from common.ops import (
     agg_loss,
     kl_controller_step,
@@ -74,7 +75,7 @@ from common.parallel import (
     resolve_strategy,
 )
 from common.rewards import start_reward_pool
-from common.rollout import Rollout, start_engine
+from common.rollout import Rollout, load_rl_data, load_rl_models, start_engine
 from common.runlock import claim_run_dir
 from common.tracking import Tracker, describe_run, step_metrics
 
@@ -155,7 +156,7 @@ class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL contr
         return dict(grad_clip=self.grad_clip, value_loss=loss)
 
     def critic_kwargs(self) -> dict:  # PPO
-        """common.model.load_critic's keyword arguments: --critic-model (default the policy's), trained
+        """common.critic.load_critic's keyword arguments: --critic-model (default the policy's), trained
         fully (no LoRA), with the policy's dtype, precision and strategy."""
         names = ("dtype", "trust_remote_code", "mixed_precision", "gradient_checkpointing")
         return {"path": self.critic_model or self.model, "strategy": resolve_strategy(self.strategy),

@@ -42,10 +42,10 @@ import tyro
 from common.check import launch_check, prove_resume
 from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import KLRewardArgs, RLArgs, cli_args, is_due
-from common.data import load_rl_data, split_rows, take_rows
+from common.data import split_rows, take_rows
 from common.errors import UsageError, usage_errors
 from common.flags import flag
-from common.model import load_rl_models, load_tokenizer, response_logits
+from common.model import load_tokenizer, response_logits
 from common.ops import (
     agg_loss,
     kl_controller_step,
@@ -64,7 +64,7 @@ from common.parallel import (
     init_distributed,
 )
 from common.rewards import start_reward_pool
-from common.rollout import Rollout, start_engine
+from common.rollout import Rollout, load_rl_data, load_rl_models, start_engine
 from common.runlock import claim_run_dir
 from common.tracking import Tracker, describe_run, step_metrics
 

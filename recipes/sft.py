@@ -29,7 +29,7 @@ import tyro
 from common.check import prove_resume, trainer_check
 from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, cli_args, is_due, plan_batches
-from common.data import load_sft, pad, step_rows
+from common.data import pad, step_rows
 from common.engines import hf_generate_greedy
 from common.errors import UsageError, usage_errors
 from common.flags import flag
@@ -47,6 +47,7 @@ from common.parallel import (
 )
 from common.runlock import claim_run_dir
 from common.scoring import builtin_scorer, exact_match
+from common.sft_data import load_sft
 from common.tracking import Tracker, describe_run
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment

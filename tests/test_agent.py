@@ -533,8 +533,8 @@ def test_a_failing_interaction_ends_its_conversation_counted(tokenizer, pool, in
 
 
 def test_interaction_rows_and_configs_are_checked(tmp_path):
-    from common.data import DataError, check_agent_rows
-    from common.tools import read_interaction_config
+    from common.data import DataError
+    from common.tools import check_agent_rows, read_interaction_config
 
     (tmp_path / "g.py").write_text("class G:\n    pass\n")
     cases = {
@@ -664,7 +664,8 @@ def test_per_row_tools_kwargs_go_to_tool_classes_only_and_are_counted_elsewhere(
     """verl's extra_info.tools_kwargs on a tool_agent row must name tool classes (a function tool
     takes only what the model writes: an error naming the row); on rows that run no tools it is
     unused (as in verl) and counted aloud."""
-    from common.data import DataError, check_agent_rows
+    from common.data import DataError
+    from common.tools import check_agent_rows
 
     kwargs = {"add": {"create_kwargs": {"ground_truth": "7"}}}
 

@@ -109,7 +109,7 @@ def test_every_training_recipe_takes_the_resume_proofs_flags_last():
     import tyro
     from conftest import RL_RECIPES, load_recipe
 
-    from common.check import RESUME_FLAGS
+    from common.resume_proof import RESUME_FLAGS
 
     for name in [*RL_RECIPES, "sft"]:
         user = ["--total-training-steps", "50", "--save-freq", "10", "--check", "full", "--logger", "wandb"]
@@ -147,6 +147,7 @@ def test_python_m_common_check_runs_a_recipe_up_to_its_check(tmp_path, capsys, m
     prints the report alone. Without a --check of the user's the tool runs --check full (checked
     without running it: the command line the recipe is handed)."""
     import common.check
+    import common.errors
 
     assert common.check.main(["--env"]) == 0 and "torch" in capsys.readouterr().out
     monkeypatch.chdir(tmp_path)
@@ -164,7 +165,7 @@ def test_python_m_common_check_runs_a_recipe_up_to_its_check(tmp_path, capsys, m
     monkeypatch.setattr("runpy.run_path", lambda *a, **k: handed.append(list(sys.argv)) or sys.exit(0))
     assert common.check.main(["grpo", "--lr", "1e-4"]) == 0 and common.check.main(["grpo", "--check=warn"]) == 0
     assert handed[0][1:5] == ["--lr", "1e-4", "--check", "full"] and "full" not in handed[1]
-    assert common.check.STOP_AFTER_CHECK not in os.environ  # the recipes this process runs next train
+    assert common.errors.STOP_AFTER_CHECK not in os.environ  # the recipes this process runs next train
 
 
 def test_check_freq_measures_the_engine_and_stops_a_run_that_diverged(tokenizer):

@@ -103,7 +103,7 @@ def test_a_completed_run_exits_before_any_model_loads(tmp_path, tokenizer, caplo
 
 
 def make_critic():
-    from common.model import load_critic
+    from common.critic import load_critic
 
     critic = load_critic(str(TINY), dist=DIST, strategy="ddp")
     opt = build_optimizer(critic, 1e-2, 0.0)

@@ -10,11 +10,11 @@ import pytest
 import torch
 from conftest import ROOT, load_recipe, make_args, torchrun_plan
 
-from common.conditioning import condition_advantages, condition_rewards, length_reward, roll_loss
+from common.conditioning import condition_advantages, condition_rewards, length_reward, roll_loss, topr_loss
 from common.config import ConditioningArgs
-from common.data import load_rl_data
 from common.errors import UsageError
-from common.ops import RunningMoments, agg_loss, topr_loss
+from common.ops import RunningMoments, agg_loss
+from common.rollout import load_rl_data
 
 
 def batch_of(group_ids, lengths=None, difficulties=None):

@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import TASK_TEST, TASK_TRAIN
 
-from common.data import DataError, batch_indices, load_prompts, load_sft, pack_sequences, pad, step_rows, truncate
+from common.data import DataError, batch_indices, load_prompts, pack_sequences, pad, step_rows, truncate
+from common.sft_data import load_sft
 
 
 def write(path, rows):

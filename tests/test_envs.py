@@ -13,10 +13,10 @@ import torch
 from conftest import BUNDLED, RL_RECIPES, read_metrics, run_recipe, torchrun_plan
 
 from common.conditioning import normalize_rewards
-from common.data import VAL_SEED_OFFSET, env_rows, render_chat
+from common.data import render_chat
 from common.engines import Completion, Sampling
 from common.env_manager import EnvLoop
-from common.envs import EnvHost, check_envs, parse_action, read_env_config
+from common.envs import VAL_SEED_OFFSET, EnvHost, check_envs, env_rows, parse_action, read_env_config
 from common.errors import UsageError
 from common.ops import group_normalize
 from common.rewards import ENVS_PREFIX, RewardPool

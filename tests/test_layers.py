@@ -125,9 +125,10 @@ def test_no_core_module_imports_a_feature_when_it_is_imported():
 
 
 def test_a_default_run_loads_no_ray_gymnasium_engines_agent_or_environments(tmp_path):
-    """A plain grpo.py run (one step, the launch check on) never imports Ray, Gymnasium, the feature
-    modules that serve tools, agents, environments and remote engines, or the verl translation; a
-    verl key on the command line loads the translation (common.config.cli_args)."""
+    """A plain grpo.py run (one step, the launch check on) never imports Ray, Gymnasium, vLLM or a
+    feature module (common.FEATURES: tools, agents, environments, remote and vLLM engines, ROLL's
+    conditioning, --check full's child runs, the verl translation); a verl key on the command line
+    loads the translation (common.config.cli_args)."""
     import subprocess
     import sys
 
@@ -142,8 +143,7 @@ def test_a_default_run_loads_no_ray_gymnasium_engines_agent_or_environments(tmp_
     proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = set(proc.stdout.split("MODULES ", 1)[1].split())
-    features = ("tools", "envs", "agent", "env_manager", "remote", "conditioning", "verl")
-    unwanted = {"ray", "gymnasium", *(f"common.{m}" for m in features)}
+    unwanted = {"ray", "gymnasium", "vllm", *(f"common.{m}" for m in FEATURES)}
     assert not loaded & unwanted, sorted(loaded & unwanted)
     assert "common.rollout" in loaded  # the run did run
     verl = (  # the command line read as the recipe's __main__ reads it, without the run

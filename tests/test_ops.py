@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from common import ops
+from common import correction, flags, ops
+from common.conditioning import topr_loss
 
 
 def test_masked_mean_sum_with_explicit_denominator():
@@ -134,8 +135,8 @@ def test_rollout_is_weights_token_and_sequence_against_a_loop():
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]])
     rollout[1, 2:] = 99.0  # padding holds junk; it must not reach a sequence's sum
     threshold = 1.3
-    token = ops.rollout_is_weights(old.requires_grad_(), rollout, mask, "token", threshold)
-    seq = ops.rollout_is_weights(old, rollout, mask, "sequence", threshold)
+    token = correction.rollout_is_weights(old.requires_grad_(), rollout, mask, "token", threshold)
+    seq = correction.rollout_is_weights(old, rollout, mask, "sequence", threshold)
     assert not token.requires_grad and not seq.requires_grad
     for b in range(3):
         valid = [t for t in range(5) if mask[b, t]]
@@ -149,20 +150,20 @@ def test_rollout_is_weights_token_and_sequence_against_a_loop():
 
 def test_rollout_is_weights_stay_finite_and_keep_small_weights():
     old, rollout, mask = torch.tensor([[0.0, -50.0, 0.0]]), torch.tensor([[-50.0, 0.0, 0.0]]), torch.ones(1, 3)
-    w = ops.rollout_is_weights(old, rollout, mask, "token", 2.0)
+    w = correction.rollout_is_weights(old, rollout, mask, "token", 2.0)
     # exp(50) truncated at the threshold; exp(-50) bounded below at exp(-20), not rounded to 0
     assert w.tolist()[0] == pytest.approx([2.0, math.exp(-20), 1.0])
-    assert ops.rollout_is_weights(old, rollout, mask, "sequence", 2.0).tolist()[0] == pytest.approx([1.0] * 3)
+    assert correction.rollout_is_weights(old, rollout, mask, "sequence", 2.0).tolist()[0] == pytest.approx([1.0] * 3)
     with pytest.raises(ValueError, match="token or sequence"):
-        ops.rollout_is_weights(old, rollout, mask, "geometric", 2.0)
+        correction.rollout_is_weights(old, rollout, mask, "geometric", 2.0)
 
 
 def test_rollout_correction_gives_the_weights_and_their_metrics_only_when_on():
     old, rollout = torch.tensor([[-1.0, -0.2, 0.0]]), torch.tensor([[-2.0, -0.1, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     weights, loss_mask, metrics = ops.rollout_correction(old, rollout, mask, mode="token", threshold=2.0)
-    assert torch.equal(weights, ops.rollout_is_weights(old, rollout, mask, "token", 2.0)) and loss_mask is mask
-    assert metrics == ops.rollout_is_metrics(weights, mask, 2.0) and metrics["rollout_corr/rollout_is_max"] == 2.0
+    assert torch.equal(weights, correction.rollout_is_weights(old, rollout, mask, "token", 2.0)) and loss_mask is mask
+    assert metrics == correction.rollout_is_metrics(weights, mask, 2.0) and metrics["rollout_corr/rollout_is_max"] == 2.0
     weights, loss_mask, metrics = ops.rollout_correction(None, rollout, mask, mode=None, threshold=2.0)
     assert torch.equal(weights, mask) and loss_mask is mask and metrics == {}
 
@@ -172,25 +173,25 @@ def test_a_lo_hi_band_zeroes_the_weights_outside_it():
     rest 0; the response mask is unchanged, and the zeroed share is logged."""
     log_w = torch.tensor([[math.log(0.4), math.log(0.6), math.log(4.0), math.log(6.0), 0.0]])
     old, rollout, mask = log_w, torch.zeros(1, 5), torch.tensor([[1.0, 1, 1, 1, 0]])
-    w = ops.rollout_is_weights(old, rollout, mask, "token", "0.5_5.0")
+    w = correction.rollout_is_weights(old, rollout, mask, "token", "0.5_5.0")
     assert w.tolist()[0] == pytest.approx([0.0, 0.6, 4.0, 0.0, 0.0])
     weights, loss_mask, metrics = ops.rollout_correction(old, rollout, mask, mode="token", threshold="0.5_5.0")
     assert loss_mask is mask and metrics["rollout_corr/rollout_is_oob_ratio"] == 0.5
     assert "rollout_corr/rollout_is_ratio_fraction_high" not in metrics
-    assert ops.parse_band(2.0) == (None, 2.0) and ops.parse_band("0.5_5") == (0.5, 5.0)
+    assert flags.parse_band(2.0) == (None, 2.0) and flags.parse_band("0.5_5") == (0.5, 5.0)
 
 
 def test_batch_normalize_rescales_the_weights_to_mean_one():
     old, rollout = torch.tensor([[0.2, 0.0, 0.0], [-0.3, 0.1, 9.0]]), torch.zeros(2, 3)
     mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
-    raw = ops.rollout_is_weights(old, rollout, mask, "token", 2.0)
+    raw = correction.rollout_is_weights(old, rollout, mask, "token", 2.0)
     weights, _, metrics = ops.rollout_correction(old, rollout, mask, mode="token", threshold=2.0, batch_normalize=True)
     factor = raw[mask.bool()].mean().item()
     torch.testing.assert_close(weights, raw / factor)
     assert weights[mask.bool()].mean().item() == pytest.approx(1.0)
     assert metrics["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(factor)
     # sequence weights: the mean over responses of each response's weight
-    raw = ops.rollout_is_weights(old, rollout, mask, "sequence", 2.0)
+    raw = correction.rollout_is_weights(old, rollout, mask, "sequence", 2.0)
     weights, _, _ = ops.rollout_correction(old, rollout, mask, mode="sequence", threshold=2.0, batch_normalize=True)
     torch.testing.assert_close(weights, raw / ((raw[0, 0] + raw[1, 0]) / 2))
 
@@ -204,7 +205,7 @@ def test_rejection_against_each_statistic():
     old, rollout = r, torch.zeros_like(r)
 
     def keep(options, thresholds):
-        return ops.rollout_rejection_mask(old, rollout, mask, options, thresholds).tolist()
+        return correction.rollout_rejection_mask(old, rollout, mask, options, thresholds).tolist()
 
     # token_k1 with 0.9_1.2: keep log(0.9) <= -r <= log(1.2), i.e. r in [-0.182, 0.105]
     assert keep("token_k1", "0.9_1.2") == [[1, 1, 1, 0], [0, 1, 1, 0], [1, 1, 1, 1]]
@@ -234,7 +235,7 @@ def test_topr_loss_against_its_formula():
     old = torch.tensor([[-0.5, -2.5], [-0.5, -1.0]])
     advantages = torch.tensor([[1.0, 1.0], [-2.0, -2.0]])
     positive = torch.tensor([[1.0], [0.0]])
-    loss = ops.topr_loss(new, old, advantages, positive)
+    loss = topr_loss(new, old, advantages, positive)
     w_negative = [math.exp(-1.0 + 0.5), 1.0]  # pi / pi_old = exp(-0.5), and exp(0.5) clamped to 1
     want = [[1.0, 2.0], [-2.0 * w_negative[0], -0.5 * 2 * w_negative[1]]]
     assert loss.tolist() == [pytest.approx(row) for row in want]
@@ -346,15 +347,15 @@ def test_rollout_rejection_equals_verls_on_random_batches(seed):
     as_lists = (old.tolist(), rollout.tolist(), mask.int().tolist())
     bounds = {"k1": ("0.8_1.25", "1.1", "0.95_1.5"), "k2": ("0.01", "0.05"), "k3": ("0.01", "0.05")}
     seen = set()
-    for option in ops.RS_OPTIONS:
+    for option in correction.RS_OPTIONS:
         for bound in bounds[option.rsplit("_", 1)[1]]:
-            got = ops.rollout_rejection_mask(old, rollout, mask, option, bound)
+            got = correction.rollout_rejection_mask(old, rollout, mask, option, bound)
             want = verl_rejection_keep(*as_lists, option, bound)
             assert got.int().tolist() == want, (option, bound)
             seen.add(sum(map(sum, want)))
     assert len(seen) > 3  # the bounds really split the batches: kept counts vary across options
     # two options together keep what both keep
-    both = ops.rollout_rejection_mask(old, rollout, mask, "token_k1,seq_mean_k3", "0.8_1.25,0.01")
+    both = correction.rollout_rejection_mask(old, rollout, mask, "token_k1,seq_mean_k3", "0.8_1.25,0.01")
     a, b = verl_rejection_keep(*as_lists, "token_k1", "0.8_1.25"), verl_rejection_keep(*as_lists, "seq_mean_k3", "0.01")
     assert both.int().tolist() == [[x & y for x, y in zip(r, s)] for r, s in zip(a, b)]
 

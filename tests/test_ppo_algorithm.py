@@ -152,12 +152,12 @@ def test_policy_loss_is_grpos_word_for_word():
 
 
 def test_critic_values_at_the_policys_positions_with_the_shared_prompt():
-    """common.model.response_values: the value for response token t is the critic's output at the
+    """common.critic.response_values: the value for response token t is the critic's output at the
     position that predicts t (the one-pass reference below); the shared-prompt forward agrees."""
     from conftest import TINY
 
+    from common.critic import load_critic, response_values
     from common.data import pack_sequences
-    from common.model import load_critic, response_values
     from common.parallel import Dist
 
     torch.manual_seed(0)

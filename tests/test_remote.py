@@ -57,7 +57,7 @@ def wait_until_no_ray(seconds: float = 30) -> list[str]:
 
 @pytest.fixture(scope="module")
 def task(tokenizer):
-    from common.data import load_rl_data
+    from common.rollout import load_rl_data
 
     train, _, _ = load_rl_data(
         (str(TASK_TRAIN),), (), tokenizer, prompt_key="prompt", max_prompt_length=64, truncation="error",

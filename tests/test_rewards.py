@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import TINY
 
-from common.model import RewardModel
+from common.reward_model import RewardModel
 from common.rewards import RewardPool, Scored
 from common.scoring import default_compute_score, gsm8k_score, load_reward_fn, math_score, score_value
 

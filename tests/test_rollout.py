@@ -146,8 +146,9 @@ def test_a_packed_forward_equals_the_padded_one(setup, tokenizer, rows, family):
     (common.model.VARLEN). The response logprobs and entropies, the critic's values and the
     gradients equal the padded pass's within float32 summation order, on responses of uneven length,
     for both model families the bundle holds (Llama's: grouped key-value heads, no attention bias)."""
+    from common.critic import load_critic, response_values
     from common.data import take_rows
-    from common.model import load_critic, packs, response_logits, response_values, sequence_logits
+    from common.model import packs, response_logits, sequence_logits
     from common.ops import entropy_from_logits
 
     qwen, prompts, engine = setup
@@ -355,14 +356,14 @@ def test_auto_packs_where_the_padded_pass_runs_a_quarter_more_tokens(setup, toke
     """--use-remove-padding auto (the default) packs a micro-batch whose padded pass would run at least
     PACK_GAIN times its real tokens, counting the shared-prompt pass's saving, and runs the others
     padded; packed or not, the logprobs are the padded model's."""
-    from common.model import PACK_GAIN, _packs_batch, pack_mode, response_logits
+    from common.model import PACK_GAIN, pack_mode, packs_batch, response_logits
 
     base, prompts, _ = setup
     auto = load_policy(SFT, remove_padding="auto")
     assert pack_mode(auto) == "auto" and pack_mode(load_policy(SFT, remove_padding=True)) is True
     assert pack_mode(base) is False
     real = torch.tensor(100)
-    assert _packs_batch(auto, real, int(100 * PACK_GAIN)) and not _packs_batch(auto, real, int(100 * PACK_GAIN) - 1)
+    assert packs_batch(auto, real, int(100 * PACK_GAIN)) and not packs_batch(auto, real, int(100 * PACK_GAIN) - 1)
     calls = counting_packed(monkeypatch)
     g = torch.Generator().manual_seed(0)
     spread = [torch.randint(10, 100, (n,), generator=g).tolist() for n in (2, 60, 5, 48)]
@@ -579,7 +580,7 @@ def test_regroup_keeps_the_chosen_groups_in_order_and_every_parts_counts(tokeniz
 def test_only_the_vllm_warnings_this_engine_causes_on_purpose_are_dropped():
     import logging
 
-    from common.engines import _ExpectedVLLMWarnings
+    from common.vllm_engine import _ExpectedVLLMWarnings
 
     def shown(filt, msg, *args):
         return filt.filter(logging.LogRecord("vllm.x", logging.WARNING, "f.py", 1, msg, args, None))

@@ -25,7 +25,8 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
-from common.data import DataError, load_sft
+from common.data import DataError
+from common.sft_data import load_sft
 
 
 def base_flags(out, files, extra: str = ""):

