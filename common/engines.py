@@ -1,19 +1,14 @@
-"""Rollout engines: generate completions for token-id prompts.
+"""Rollout engines: generate completions for token-id prompts (docs/engines.md).
 
-One interface for every engine (DESIGN.md section 7):
     engine.generate(prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]
-one list of `sampling.n` completions per prompt, each with the response token ids, the logprob of
-every sampled token as the sampler saw it (after temperature / top-k / top-p), and the finish
-reason ("stop" at an eos token, "length" at max_tokens). Both engines also score:
+gives `sampling.n` completions per prompt, each token's logprob as the sampler saw it (after
+temperature / top-k / top-p).
     engine.score(prompts, responses, temperature) -> list[list[float]]
-the model's logprob of each response token after its prompt (distill.py's teacher served by an
-engine): the HF engine by a forward pass, vLLM by its prompt logprobs. Lifecycle hooks (`sleep`, `wake_up`,
-`reset_cache`) and `update_weights(version)` let engines that hold their own copy of the policy
-(vLLM, remote) plug into the same loop; for the HF engine, which generates with the live policy,
-they only keep the bookkeeping.
+gives the model's logprob of each response token (distill.py's teacher served by an engine).
+The lifecycle hooks (`sleep`, `wake_up`, `reset_cache`, `update_weights(version)`) serve engines
+with their own copy of the policy (vLLM, remote); the HF engine, the live policy, only records versions.
 """
 
-import contextlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,52 +25,31 @@ from common.parallel import is_fsdp, unwrap
 
 @dataclass(frozen=True)
 class Sampling:
-    n: int = 1
-    """completions per prompt"""
-    temperature: float = 1.0
-    """0 means greedy"""
+    n: int = 1  # completions per prompt
+    temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
-    top_k: int = -1
-    """-1 (or 0) disables top-k"""
+    top_k: int = -1  # -1 (or 0) disables top-k
     max_tokens: int = 16
     budgets: tuple[int, ...] | None = None
     """per prompt, the most tokens to generate (each <= max_tokens): a multi-turn loop's room left in
     each conversation. vLLM stops each there; the HF engine generates a batch to max_tokens, and the
     loop cuts each response to its budget (the same tokens: a step never depends on later ones)"""
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
 
 @dataclass
 class Completion:
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" (at an eos token) | "length" (at max_tokens)
     version: int | None = None  # the weights that sampled it, when an engine holds its own (remote)
     mask: list[int] | None = None  # 1 where the policy sampled the token (common.agent); None: every token
     extra_info: dict | None = None  # added to the row's extra_info for the reward (common.agent: num_turns, ...)
 
 
-@contextlib.contextmanager
-def _clean_generation_config(model, config):
-    """Generate with exactly `config`: transformers fills every unset field from the model's own
-    generation_config.json (a repetition_penalty or top_k there would silently change sampling),
-    so the model's config is swapped out for the call and restored afterwards."""
-    saved = model.generation_config
-    model.generation_config = config
-    try:
-        yield
-    finally:
-        model.generation_config = saved
-
-
 class _SampledLogprobs:
     """A logits processor last in the list, so it sees the sampler's final distribution. It keeps one
-    step's log-softmax until the next call shows which token was sampled from it, then only that
-    token's logprob: O(sequences x tokens) memory, where transformers' output_scores keeps the
-    full vocabulary for every step."""
+    step's log-softmax until the next call shows the token sampled from it, then only that token's
+    logprob: O(sequences x tokens) memory, where output_scores keeps the vocabulary every step."""
 
     def __init__(self):
         self.picked: list[torch.Tensor] = []  # (B,) per step
@@ -105,12 +79,10 @@ class HFEngine:
 
     @classmethod
     def for_policy(cls, model, tokenizer, dist, batch_size: int = 256) -> "HFEngine":
-        """The engine for a recipe's policy: pad and eos from its tokenizer, device and world
-        size from common.parallel's Dist; batch_size prompts per generate call."""
+        """The engine for a recipe's policy: its tokenizer's pad and eos, its Dist's device and world size."""
         return cls(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device=dist.device,
                    world_size=dist.world_size, batch_size=batch_size)  # fmt: skip
 
-    # Lifecycle: the HF engine is the policy itself, so there is nothing to offload or resync.
     def sleep(self) -> None:
         pass
 
@@ -128,26 +100,25 @@ class HFEngine:
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         """Under FSDP2 every rank must call this with the same number of prompts: the forward
         passes are collective (`synced_gpus` keeps them in step when one rank finishes early)."""
-        from transformers import GenerationConfig
-        from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+        from transformers import GenerationConfig, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
         inner = unwrap(self.model)
         was_training = inner.training
         inner.eval()
+        greedy = sampling.temperature == 0
         # The sampling warpers run in our own processor list, before the logprob recorder, so it
         # sees what the sampler samples from; greedy needs none (and transformers warns).
         warpers = []
-        if not sampling.greedy:
+        if not greedy:
             if sampling.temperature != 1.0:
                 warpers.append(TemperatureLogitsWarper(sampling.temperature))
             if sampling.top_k > 0:
                 warpers.append(TopKLogitsWarper(sampling.top_k))
             if sampling.top_p < 1.0:
                 warpers.append(TopPLogitsWarper(sampling.top_p))
-        knobs = {} if sampling.greedy else dict(temperature=1.0, top_p=1.0, top_k=0)
         config = GenerationConfig(
-            do_sample=not sampling.greedy,
-            **knobs,
+            do_sample=not greedy,
+            **({} if greedy else dict(temperature=1.0, top_p=1.0, top_k=0)),  # our warpers sample, not transformers'
             max_new_tokens=sampling.max_tokens,
             num_return_sequences=1,  # _generate_batch repeats each prompt n times itself
             eos_token_id=self.eos_ids,
@@ -155,12 +126,17 @@ class HFEngine:
             return_dict_in_generate=True,
             use_cache=True,
         )
+        # generate fills unset fields from the model's generation_config.json (its top_k would change sampling)
+        saved = inner.generation_config
+        inner.generation_config = config
         out: list[list[Completion]] = []
-        with _clean_generation_config(inner, config):
+        try:
             for start in range(0, len(prompts), self.batch_size):
                 batch = prompts[start : start + self.batch_size]
                 out.extend(self._generate_batch(inner, batch, config, warpers, sampling.n))
                 watchdog.progress()
+        finally:
+            inner.generation_config = saved
         inner.train(was_training)
         return out
 
@@ -168,9 +144,8 @@ class HFEngine:
     def score(
         self, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0
     ) -> list[list[float]]:
-        """The model's logprob of each response token after its prompt and the response tokens before
-        it, the logits divided by temperature as the trainer's passes divide them; one list per
-        response. Forward passes of batch_size sequences (not collective: no FSDP2 model here)."""
+        """The model's logprob of each response token (one list per response), the logits divided by
+        temperature as the trainer's passes divide them. Not collective: no FSDP2 model here."""
         inner = unwrap(self.model)
         was_training = inner.training
         inner.eval()
@@ -192,10 +167,10 @@ class HFEngine:
         attention = pad([[1] * len(p) for p in prompts], 0, side="left").to(self.device)
         cache = None
         if n > 1:
-            # Prefill each prompt once rather than n times (most of a step's generate time with
-            # 16 samples per prompt): its n samples start from copies of one KV cache. Positions
-            # follow the left padding, as generate's own prefill computes them. Every rank takes
-            # this path (FSDP2's forwards are collective): one-token prompts get a padding column.
+            # Prefill each prompt once, not n times (most of generate's time at 16 samples per prompt):
+            # its samples start from copies of one KV cache, positions following the left padding as
+            # generate's own prefill does. Every rank takes this path (FSDP2's forwards are
+            # collective): one-token prompts get a padding column.
             if ids.shape[1] == 1:
                 ids, attention = F.pad(ids, (1, 0), value=self.pad_id), F.pad(attention, (1, 0))
             cache = DynamicCache(config=inner.config)
@@ -232,8 +207,7 @@ def hf_generate_greedy(
     engine = HFEngine(
         model, pad_id=pad_id, eos_ids=[eos_id], device=device, world_size=world_size, batch_size=batch_size
     )
-    completions = engine.generate(prompts, Sampling(n=1, temperature=0, max_tokens=max_new_tokens))
-    return [c[0].token_ids for c in completions]
+    return [c[0].token_ids for c in engine.generate(prompts, Sampling(n=1, temperature=0, max_tokens=max_new_tokens))]
 
 
 @dataclass

@@ -30,21 +30,14 @@ class RunStopped(RuntimeError):
 
 @contextlib.contextmanager
 def usage_errors():
-    """Wraps a recipe's `main(tyro.cli(Args))`: a UsageError is printed as `error: <message>` on
-    stderr (once per launch: report_once) and the process exits with status 2, as tyro does for a
-    bad flag; a RunStopped is printed the same way, with status 1. Any other exception keeps its
-    traceback. The run's watchdog (common.watchdog) stops watching when it ends, however it ends."""
+    """Wraps a recipe's `main(tyro.cli(Args))`: a UsageError is printed as `error: <message>` on stderr
+    (once per launch: report_once) with exit status 2, as tyro does for a bad flag; a RunStopped likewise,
+    with status 1. Other exceptions keep their traceback. The watchdog is disarmed however the run ends."""
     try:
         yield
     except (UsageError, RunStopped) as e:
-        report_once(
-            f"error: {e}"
-            + "".join(
-                f"\n  (--{field.replace('_', '-')} came from {how})"
-                for field, how in ORIGINS.items()
-                if _names(str(e), field)
-            )
-        )
+        named = [(flag.replace("_", "-"), how) for flag, how in ORIGINS.items() if _names(str(e), flag)]
+        report_once(f"error: {e}" + "".join(f"\n  (--{flag} came from {how})" for flag, how in named))
         raise SystemExit(2 if isinstance(e, UsageError) else 1) from None
     finally:
         watchdog.disarm()
@@ -52,18 +45,14 @@ def usage_errors():
 
 def _names(message: str, field: str) -> bool:
     """Whether message names the flag of `field` (as --the-flag or the_field, a word of its own)."""
-    return (
-        re.search(rf"(?<![\w-])(--{re.escape(field.replace('_', '-'))}|{re.escape(field)})(?![\w-])", message)
-        is not None
-    )
+    return bool(re.search(rf"(?<![\w-])(--{re.escape(field.replace('_', '-'))}|{re.escape(field)})(?![\w-])", message))
 
 
 def report_once(line: str, wait: float = 10.0) -> None:
-    """Print `line` on stderr once for all the processes of one launch on this machine, whichever
-    of them gets here first. Every rank usually meets the same bad input; if only rank 0 printed,
-    a rank that exits first gets rank 0 killed by the launcher before it prints, and the user sees
-    no message. So the first to create a marker file prints; the others wait (up to `wait`
-    seconds) until it has printed before they exit, so their exit cannot cut it off."""
+    """Print `line` on stderr once for all the processes of one launch on this machine. Every rank
+    usually meets the same bad input; if only rank 0 printed, a rank that exits first gets rank 0
+    killed by the launcher before it prints. So the first to create a marker file prints, and the
+    others wait (up to `wait` seconds) until it has, so that their exit cannot cut it off."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         print(line, file=sys.stderr, flush=True)
         return

@@ -7,9 +7,12 @@ means. check_ranges reads the rules back from the fields, so no table elsewhere 
 
 A bound compares every number of the value (a tuple's each); None always passes (an unset optional
 flag); the message names the flag as the command line spells it: `--lr -1e-05: must be > 0`.
+A group (a field whose default is a dataclass, such as RLArgs.conditioning) stands for its flags.
 """
 
+import functools
 import math
+import operator
 import typing
 from dataclasses import MISSING, field, fields, is_dataclass
 from pathlib import Path
@@ -18,17 +21,14 @@ from common.errors import UsageError
 
 BUNDLED = Path(__file__).resolve().parent.parent / "bundled"  # the bundled model and tasks: the flags' defaults
 
-BOUNDS = {"gt": (">", lambda v, b: v > b), "ge": (">=", lambda v, b: v >= b),
-          "lt": ("<", lambda v, b: v < b), "le": ("<=", lambda v, b: v <= b)}  # fmt: skip
+BOUNDS = {"gt": (">", operator.gt), "ge": (">=", operator.ge), "lt": ("<", operator.lt), "le": ("<=", operator.le)}
 
 
-def flag(default=MISSING, *, factory=None, gt=None, ge=None, lt=None, le=None, rule=None, unit="", note=""):
-    """The field of a flag: its default (or a factory for a mutable one) and its range, as bounds
-    (gt / ge / lt / le, in unit) or rule=(test, what it must be); note says what an edge value means."""
+def flag(default=MISSING, *, gt=None, ge=None, lt=None, le=None, rule=None, unit="", note=""):
+    """The field of a flag: its default and its range, as bounds (gt / ge / lt / le, in unit) or
+    rule=(test, what it must be); note says what an edge value means."""
     bounds = {k: v for k, v in dict(gt=gt, ge=ge, lt=lt, le=le).items() if v is not None}
     metadata = {"bounds": bounds, "rule": rule, "unit": unit, "note": note} if bounds or rule else {}
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
@@ -59,17 +59,22 @@ def in_range(f, value) -> bool:
     return all(BOUNDS[op][1](v, b) for v in numbers for op, b in f.metadata.get("bounds", {}).items())
 
 
-def flag_fields(args) -> list:
-    """Every flag field of a dataclass of flags (or its class), a group's (a field whose default is
-    a dataclass, such as RLArgs.conditioning) in place of the group. A field that only changes an
-    inherited flag's default (RLArgs' lr) comes with the rule of the class that declared it."""
-    cls = args if isinstance(args, type) else type(args)
-    out = []
+def _flags(args):
+    """(the dataclass holding it, field) per flag of args; a group's from its value, in a class its class."""
     for f in fields(args):
         if isinstance(f.default_factory, type) and is_dataclass(f.default_factory):
-            out += flag_fields(f.default_factory if isinstance(args, type) else getattr(args, f.name))
-            continue
-        declared = (c.__dataclass_fields__.get(f.name) for c in cls.__mro__ if "__dataclass_fields__" in vars(c))
+            yield from _flags(f.default_factory if isinstance(args, type) else getattr(args, f.name))
+        else:
+            yield args, f
+
+
+def flag_fields(args) -> list:
+    """Every flag field of args (a dataclass of flags or its class). A field that only changes an
+    inherited flag's default (RLArgs' lr) comes with the rule of the class that declared it."""
+    out = []
+    for holder, f in _flags(args):
+        mro = (holder if isinstance(holder, type) else type(holder)).__mro__
+        declared = (c.__dataclass_fields__.get(f.name) for c in mro if "__dataclass_fields__" in vars(c))
         out.append(next((d for d in declared if d is not None and d.metadata), f))
     return out
 
@@ -77,45 +82,27 @@ def flag_fields(args) -> list:
 def check_ranges(args) -> None:
     """Every flag of args in its range, and every number finite (NaN passes every comparison's
     negation, and no flag here means infinity). Raises UsageError naming the flag."""
-    values = _values(args)
-    for f in flag_fields(args):
-        value = values[f.name]
+    for (holder, _), f in zip(_flags(args), flag_fields(args), strict=True):
+        value = getattr(holder, f.name)
         if isinstance(value, float) and not math.isfinite(value):
-            raise UsageError(f"--{f.name.replace('_', '-')} {value}: must be a finite number")
+            raise UsageError(f"{flag_name(f.name)} {value}: must be a finite number")
         if not in_range(f, value):
-            raise UsageError(f"--{f.name.replace('_', '-')} {value!r}: must be {must_be(f)}")
-
-
-def _values(args) -> dict:
-    out = {}
-    for f in fields(args):
-        value = getattr(args, f.name)
-        out.update(_values(value) if is_dataclass(value) and not isinstance(value, type) else {f.name: value})
-    return out
+            raise UsageError(f"{flag_name(f.name)} {value!r}: must be {must_be(f)}")
 
 
 def flag_defaults(args) -> dict:
-    """{flag: its default} for every flag of args (a dataclass or its class) that has one, the flags
-    of a group (a dataclass field such as RLArgs.conditioning) in place of the group."""
+    """{flag: its default} for every flag of args (a dataclass or its class) that has one."""
     out = {}
-    for f in fields(args):
-        if isinstance(f.default_factory, type) and is_dataclass(f.default_factory):
-            out.update(flag_defaults(f.default_factory))
-        elif f.default is not MISSING or f.default_factory is not MISSING:
+    for _, f in _flags(args if isinstance(args, type) else type(args)):
+        if f.default is not MISSING or f.default_factory is not MISSING:
             out[f.name] = f.default if f.default is not MISSING else f.default_factory()
     return out
 
 
 def flag_types(args_class) -> dict:
-    """{flag: its type} for every flag of a dataclass of flags, the flags of a group (a dataclass
-    field such as RLArgs.conditioning) in place of the group."""
-    hints, out = typing.get_type_hints(args_class), {}
-    for f in fields(args_class):
-        if isinstance(f.default_factory, type) and is_dataclass(f.default_factory):
-            out.update(flag_types(f.default_factory))
-        else:
-            out[f.name] = hints[f.name]
-    return out
+    """{flag: its type} for every flag of a dataclass of flags."""
+    hints = functools.cache(typing.get_type_hints)  # once per class, not per flag
+    return {f.name: hints(holder)[f.name] for holder, f in _flags(args_class)}
 
 
 def flag_name(name: str) -> str:
@@ -127,8 +114,8 @@ def parse_band(threshold: float | str) -> tuple[float | None, float]:
     """verl's rollout_is_threshold: a number u truncates the weights at u (TIS: (None, u)); a text
     "lo_hi" keeps the weights inside [lo, hi] and zeroes the rest (IcePop's mask: (lo, hi))."""
     if isinstance(threshold, str) and "_" in threshold:
-        lo, hi = (float(x) for x in threshold.split("_", 1))
-        return lo, hi
+        lo, hi = threshold.split("_", 1)
+        return float(lo), float(hi)
     return None, float(threshold)
 
 

@@ -1,5 +1,4 @@
-"""Load the policy, its tokenizer, the critic and the reward model from a local folder or a hub
-name; LoRA through peft; the forward passes that give response logits and values."""
+"""Load a policy and its tokenizer (LoRA through peft); the forward passes that give response logits."""
 
 import functools
 import inspect
@@ -28,22 +27,20 @@ def looks_local(path: str) -> bool:
     return path.startswith((".", "/", "~")) or Path(path).expanduser().exists()
 
 
-def check_source(path: str, what: str) -> None:
+def check_source(path: str, what: str) -> str:
+    """What from_pretrained takes for path (~ expanded); raises UsageError where a local path is no folder."""
     if looks_local(path) and not Path(path).expanduser().is_dir():
         raise UsageError(
             f"{what} folder {path!r} does not exist; pass a Hugging Face folder (config.json, "
             f"weights, tokenizer files) or a hub name such as Qwen/Qwen2.5-0.5B-Instruct"
         )
+    return str(Path(path).expanduser()) if Path(path).expanduser().exists() else path
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    check_source(path, "tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(Path(path).expanduser()) if Path(path).expanduser().exists() else path,
-        trust_remote_code=trust_remote_code,
-    )
+    tokenizer = AutoTokenizer.from_pretrained(check_source(path, "tokenizer"), trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise UsageError(f"tokenizer {path!r} has neither a pad nor an eos token; set one")
@@ -68,17 +65,14 @@ def load_policy(
     target_modules: tuple[str, ...] | list[str] = ("all-linear",),
     remove_padding: bool | str = False,
 ):
-    """AutoModelForCausalLM in `dtype`, optionally with LoRA adapters (the base is then frozen);
-    remove_padding: True or "auto", its attention is VARLEN and response_logits packs its batches
-    (every one, or where packing runs fewer tokens: pack_mode)."""
+    """AutoModelForCausalLM in `dtype`, with LoRA adapters (the base then frozen) where lora_rank > 0.
+    remove_padding True or "auto": VARLEN attention, and response_logits packs batches (pack_mode)."""
     from transformers import AutoModelForCausalLM
 
-    check_source(path, "model")
+    source = check_source(path, "model")
+    attention = {"attn_implementation": register_varlen()} if remove_padding else {}
     model = AutoModelForCausalLM.from_pretrained(
-        str(Path(path).expanduser()) if Path(path).expanduser().exists() else path,
-        dtype=DTYPES[dtype],
-        trust_remote_code=trust_remote_code,
-        **({"attn_implementation": register_varlen()} if remove_padding else {}),
+        source, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **attention
     )
     check_packs(model, path, remove_padding)
     model.config.use_cache = False
@@ -86,13 +80,8 @@ def load_policy(
         from peft import LoraConfig, get_peft_model
 
         targets = list(target_modules)
-        config = LoraConfig(
-            r=lora_rank,
-            lora_alpha=lora_alpha,
-            target_modules="all-linear" if targets == ["all-linear"] else targets,
-            task_type="CAUSAL_LM",
-            bias="none",
-        )
+        targets = "all-linear" if targets == ["all-linear"] else targets  # peft's keyword, not a module name
+        config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules=targets, task_type="CAUSAL_LM")
         model = get_peft_model(model, config)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -115,9 +104,8 @@ def load_trained_model(
     mixed_precision: str = "no",
     remove_padding: bool | str = False,
 ):
-    """The policy (load_policy) wrapped for DDP / FSDP2 (strategy auto|ddp|fsdp2). Returns (model,
-    run_info: the layout really in effect, common.parallel.sharding_report, with the model's FLOP
-    terms and the dtype its matmuls run in, for MFU: common.perf)."""
+    """The policy (load_policy) wrapped for DDP / FSDP2 (strategy auto|ddp|fsdp2). Returns (model, run_info:
+    common.parallel.sharding_report of the layout in effect, plus the FLOP terms and matmul dtype MFU needs)."""
     strategy = resolve_strategy(strategy)
     model = load_policy(
         path, dtype=dtype, trust_remote_code=trust_remote_code, gradient_checkpointing=gradient_checkpointing,
@@ -146,9 +134,8 @@ def load_frozen(
 
 
 class AdapterOff:
-    """The reference under LoRA: the base model is the policy with its adapter switched off, so no
-    copy is loaded. Each call runs the policy inside peft's disable_adapter; its attributes (the
-    wrapping, checkpointing) are the policy's, so response_logits treats both alike."""
+    """The reference under LoRA: the policy run inside peft's disable_adapter, so no copy is loaded. Its
+    attributes (the wrapping, checkpointing) are the policy's, so response_logits treats both alike."""
 
     def __init__(self, policy):
         self.policy = policy
@@ -177,13 +164,9 @@ VARLEN = "varlen_sdpa"
 def register_varlen() -> str:
     """Register VARLEN with transformers and return its name, for attn_implementation.
 
-    Where a call carries cu_seq_lens_q (the packed row's sequence starts, as flash attention's
-    varlen kernels take them), each sequence attends causally within itself: on a GPU in float16 /
-    bfloat16 through PyTorch's flash-attention varlen kernel (torch.nn.attention.varlen), otherwise
-    PyTorch's scaled_dot_product_attention on each sequence in turn. Either way attention costs
-    sum_i n_i^2, not the (sum_i n_i)^2 of a block-diagonal mask over the row. A layer's sliding
-    window is kept (a key at most window - 1 tokens back, as transformers' mask). Any other call
-    (padded batches, generation with a cache) is transformers' own sdpa attention with its mask."""
+    A call with cu_seq_lens_q (the packed row's sequence starts) attends causally within each sequence, through
+    _varlen_kernel or else one sequence at a time: sum_i n_i^2, not a block mask's (sum_i n_i)^2; sliding windows
+    kept. Other calls (padded batches, cached generation) are transformers' own sdpa attention."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
@@ -234,8 +217,7 @@ def register_varlen() -> str:
 
 
 def _varlen_kernel(query):
-    """PyTorch's flash-attention varlen kernel where it runs (CUDA, float16 / bfloat16, a torch that
-    has it), else None: VARLEN then attends one sequence at a time."""
+    """torch's flash-attention varlen kernel where it runs (CUDA, float16 / bfloat16, a torch with it), else None."""
     if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)):
         return None
     try:
@@ -246,9 +228,9 @@ def _varlen_kernel(query):
 
 
 @functools.cache
-def _keywords(kernel) -> frozenset:
-    """The keyword arguments a kernel takes (torch's varlen kernel gained some across releases)."""
-    return frozenset(inspect.signature(kernel).parameters)
+def _keywords(fn) -> frozenset:
+    """fn's parameter names, read once: torch's varlen kernel varies by release; cache_kwarg asks every forward."""
+    return frozenset(inspect.signature(fn).parameters)
 
 
 def _why_not_packed(model) -> str | None:
@@ -263,23 +245,20 @@ def _why_not_packed(model) -> str | None:
 
 
 def check_packs(model, path: str, remove_padding: bool | str) -> None:
-    """Records the mode on the model (pack_mode reads it). A model whose attention the padding-free
-    path cannot run (_why_not_packed) is refused when packing was asked for, and run padded (and
-    said) under auto."""
+    """Records the mode on the model for pack_mode. A model the padding-free path cannot run
+    (_why_not_packed) raises UsageError under True and runs padded, with a log line, under auto."""
     why = _why_not_packed(model) if remove_padding else None
     if why and remove_padding is True:
         raise UsageError(f"--use-remove-padding: {type(model).__name__} ({path}) {why}; set --use-remove-padding False")
     if why:
         log.info("%s (%s) %s: its forward passes stay padded", type(model).__name__, path, why)
         model.set_attn_implementation("sdpa")
-        remove_padding = False
-    model.padding_free = remove_padding
+    model.padding_free = False if why else remove_padding
 
 
 def pack_mode(model) -> bool | str:
-    """How response_logits / response_values / sequence_logits lay this model's batches out: False
-    (padded), True (every micro-batch padding-free) or "auto" (those whose padded pass would run at
-    least PACK_GAIN times the real tokens: packs_batch). Only a VARLEN model packs."""
+    """How this model's forwards lay batches out: False (padded), True (every micro-batch padding-free)
+    or "auto" (where packs_batch decides). Only a VARLEN model packs."""
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     if getattr(getattr(inner, "config", None), "_attn_implementation", None) != VARLEN:
         return False
@@ -297,25 +276,18 @@ PACK_GAIN = 1.25
 
 
 def packs_batch(model, real_tokens: torch.Tensor, padded_tokens: int) -> bool:
-    """Whether this micro-batch runs packed: always under pack_mode True, and under auto when its
-    padded pass would run PACK_GAIN times its real tokens or more. Under FSDP every rank's forwards
-    are collective (and a padded pass may be two calls: the shared prompt, then the responses), so
-    the ranks decide together, on their summed tokens."""
+    """Whether this micro-batch runs packed: always under pack_mode True; under auto where its padded pass
+    runs PACK_GAIN x its real tokens or more, summed over the ranks under FSDP (whose forwards are collective)."""
     mode = pack_mode(model)
     if mode != "auto":
         return bool(mode)
-    tokens = torch.stack(
-        [real_tokens.sum().to(torch.float64), real_tokens.new_tensor(padded_tokens, dtype=torch.float64)]
-    )
-    if is_fsdp(model):
-        tokens = all_reduce_sum(tokens)
-    real, padded = tokens.tolist()
+    tokens = torch.stack([real_tokens.sum().double(), real_tokens.new_tensor(padded_tokens, dtype=torch.float64)])
+    real, padded = (all_reduce_sum(tokens) if is_fsdp(model) else tokens).tolist()
     return padded >= PACK_GAIN * real
 
 
 def pack_inputs(input_ids, attention_mask, position_ids) -> tuple[dict, torch.Tensor]:
-    """(the model's inputs for one row holding every row's real tokens one after another, each at
-    its own position, with the sequence starts VARLEN keeps attention within; those starts)."""
+    """(inputs for one row of every row's real tokens at their own positions with VARLEN's starts, the starts)."""
     real = attention_mask.bool()
     lengths = real.sum(-1)
     starts = F.pad(lengths.cumsum(0), (1, 0))
@@ -338,9 +310,8 @@ def sequence_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
 
 def _packed_outputs(model, batch: dict, keep_logits: bool) -> torch.Tensor:
-    """response_outputs without padding: every row's real tokens (its prompt, then its response)
-    one after another in one row (pack_inputs); only the outputs that predict a response token are
-    made, then set back in the (b, T, ...) layout (zeros past each response's end)."""
+    """response_outputs packed into one row (pack_inputs): only the outputs predicting a response token
+    are made, then set back in the (b, T, ...) layout (zeros past each response's end)."""
     T = batch["responses"].shape[1]
     P = batch["input_ids"].shape[1] - T
     inputs, starts = pack_inputs(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
@@ -361,18 +332,17 @@ LAYOUTS: Counter = Counter()
 
 
 def forward_layout(model, batch: dict, share_prompts: bool = True) -> str:
-    """How response_outputs runs this micro-batch: "packed" (padding-free, _packed_outputs), "one
-    pass" (the padded rows) or "shared prompts" (each group's prompt once, then its responses).
-    Under FSDP with auto packing the ranks decide together: call it once a micro-batch on every rank."""
+    """How response_outputs runs this micro-batch: "packed", "one pass" (the padded rows) or "shared
+    prompts" (each group's prompt once, then its responses). Collective under FSDP with auto packing."""
     T = batch["responses"].shape[1]
     P = batch["input_ids"].shape[1] - T
     starts = _group_starts(batch["group_ids"])
     one_pass = not share_prompts or _checkpointing(model) or (bool(starts.all()) and not is_fsdp(model))
     padded_tokens = len(starts) * (P + T) if one_pass else int(starts.sum()) * P + len(starts) * T
+    padded = "one pass" if one_pass else "shared prompts"
     if not packs(model):
-        return "one pass" if one_pass else "shared prompts"
-    layout = "packed" if packs_batch(model, batch["attention_mask"].sum(), padded_tokens) else None
-    layout = layout or ("one pass" if one_pass else "shared prompts")
+        return padded
+    layout = "packed" if packs_batch(model, batch["attention_mask"].sum(), padded_tokens) else padded
     LAYOUTS[layout] += 1
     return layout
 
@@ -387,16 +357,11 @@ def _group_starts(group_ids: torch.Tensor) -> torch.Tensor:
 def response_outputs(model, batch: dict, share_prompts: bool, keep_logits: bool) -> torch.Tensor:
     """The model's `.logits` at the positions that predict each response token, (b, T, ...).
 
-    Responses to the same prompt sit next to each other and share it, so with share_prompts each
-    distinct prompt in the batch goes through the model once; its KV cache is repeated for the
-    group and the responses run on top of it. Same outputs and gradients as one pass over the
-    concatenated sequences (a rollout_n-fold saving on the prompt tokens). Falls back to the one
-    pass with activation checkpointing (transformers drops the cache there) or without groups, but
-    never under FSDP: its forwards are collective, so every rank must make the same two calls
-    whether or not its own micro-batch shares a prompt. A model that packs runs the micro-batch
-    padding-free instead where that runs fewer tokens (forward_layout). keep_logits: the model
-    takes logits_to_keep (causal LMs), so only the needed positions reach the vocabulary head.
-    """
+    With share_prompts each distinct prompt (its responses sit together) runs once, its KV cache repeated
+    for the responses: one pass's outputs and gradients at a rollout_n-fold saving on prompt tokens. One
+    pass instead under activation checkpointing (transformers drops the cache) or without groups, but not
+    under FSDP, whose collective forwards need the same two calls on every rank. Packed where forward_layout
+    says. keep_logits: the model takes logits_to_keep (causal LMs): only the needed positions are made."""
     from transformers import DynamicCache
 
     layout = forward_layout(model, batch, share_prompts)
@@ -412,38 +377,25 @@ def response_outputs(model, batch: dict, share_prompts: bool, keep_logits: bool)
     first = starts.nonzero().squeeze(-1)  # each prompt's first row
     owner = starts.cumsum(0) - 1  # which distinct prompt each row answers
     cache = DynamicCache()  # passed in: a token-classification output carries no cache of its own
-    kv = cache_kwarg(model)
-    prompt = model(**{k: batch[k][first, :P] for k in keys}, **{kv: cache}, use_cache=True, **keep(1))
+    cached = {cache_kwarg(model): cache, "use_cache": True}
+    prompt = model(**{k: batch[k][first, :P] for k in keys}, **cached, **keep(1))
     cache.batch_select_indices(owner)
-    out = model(
-        input_ids=batch["responses"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"][:, P:],
-        **{kv: cache},
-        use_cache=True,
-    )
+    positions = batch["position_ids"][:, P:]
+    out = model(input_ids=batch["responses"], attention_mask=batch["attention_mask"], position_ids=positions, **cached)
     return torch.cat([prompt.logits[owner, -1:], out.logits[:, :-1]], 1)
 
 
 def cache_kwarg(model) -> str:
-    """The keyword by which a model's forward and generate take a KV cache: transformers 5.24 named it
-    `cache` (past_key_values warns there and goes in 5.40), earlier 5.x releases and a model of its
-    own code (trust_remote_code) may know only past_key_values. Read from the forward's signature,
-    through DDP and a PEFT wrapper."""
+    """The KV-cache keyword of a model's forward and generate, through DDP and peft: `cache` from transformers
+    5.24 (past_key_values warns there, goes in 5.40); earlier 5.x and remote-code models may know only the latter."""
     base = unwrap(model)
     base = base.get_base_model() if hasattr(base, "get_base_model") else base
-    return _cache_kwarg_of(type(base).forward)
-
-
-@functools.cache
-def _cache_kwarg_of(forward) -> str:  # once per model class: it is asked on every forward
-    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    return "cache" if "cache" in _keywords(type(base).forward) else "past_key_values"
 
 
 def response_logits(model, batch: dict, share_prompts: bool = True) -> torch.Tensor:
-    """Logits predicting each response token of a (micro-)batch from common.data.pack_sequences /
-    take_rows plus `group_ids`, shape (b, T, V): the logit at response position t predicts token t.
-    With share_prompts each group's prompt runs once (see response_outputs)."""
+    """(b, T, V) logits for a (micro-)batch of common.data.pack_sequences / take_rows plus `group_ids`:
+    position t predicts response token t. With share_prompts each group's prompt runs once."""
     watchdog.progress()
     return response_outputs(model, batch, share_prompts, keep_logits=True)
 
@@ -482,5 +434,4 @@ class ModelArgs:
     def policy_kwargs(self) -> dict:
         """The keyword arguments of common.rollout.load_rl_models that these flags set."""
         names = ("dtype", "trust_remote_code", "mixed_precision", "gradient_checkpointing", "lora_rank", "lora_alpha")
-        return {**{k: getattr(self, k) for k in names}, "target_modules": self.target_modules,
-                "remove_padding": self.use_remove_padding}  # fmt: skip
+        return {**{k: getattr(self, k) for k in (*names, "target_modules")}, "remove_padding": self.use_remove_padding}

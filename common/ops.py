@@ -1,9 +1,7 @@
-"""Masked tensor maths, memory-safe logprobs and entropy.
+"""Masked tensor maths, memory-safe logprobs and entropy. Every reduction takes an explicit mask and, where it
+matters, an explicit denominator, so a recipe can normalise by the token count of a whole mini-batch."""
 
-Every reduction takes an explicit mask and, where it matters, an explicit denominator, so a recipe
-can normalise by the token count of a whole mini-batch rather than of one micro-batch.
-"""
-
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -26,8 +24,7 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 def masked_mean(
     x: torch.Tensor, mask: torch.Tensor, dim=None, denom: float | torch.Tensor | None = None
 ) -> torch.Tensor:
-    """sum(x * mask) / denom; denom defaults to mask.sum(). An empty selection (a zero count,
-    e.g. a mini-batch whose groups were all filtered out) gives 0, never NaN."""
+    """sum(x * mask) / denom (default mask.sum()); 0, never NaN, at a zero count (e.g. every group filtered out)."""
     total = masked_sum(x, mask, dim)
     if denom is None:
         denom = mask.sum() if dim is None else mask.sum(dim)
@@ -37,9 +34,8 @@ def masked_mean(
 
 @dataclass
 class RunningMoments:
-    """Count, mean and sum of squared deviations of every value seen (Chan et al.'s parallel merge of
-    a batch into the running moments, exact in float64); ROLL's RunningMoments keeps the same
-    statistics. state() is plain JSON, so a checkpoint restores it exactly."""
+    """Count, mean and sum of squared deviations of every value seen (Chan et al.'s parallel merge, exact in
+    float64; ROLL's RunningMoments keeps the same). state() is plain JSON, so a checkpoint restores it exactly."""
 
     count: float = 0.0
     mean: float = 0.0
@@ -71,15 +67,13 @@ class RunningMoments:
         return cls(**(state or {}))
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
-    if unbiased:
-        n = mask.sum()
-        if n < 2:
-            raise ValueError(f"unbiased variance needs at least 2 valid elements, got {int(n)}")
-        var = var * n / (n - 1)
-    return var
+def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The unbiased (n - 1) variance over the masked elements; ValueError under two of them."""
+    var = masked_mean((x - masked_mean(x, mask)) ** 2, mask)
+    n = mask.sum()
+    if n < 2:
+        raise ValueError(f"unbiased variance needs at least 2 valid elements, got {int(n)}")
+    return var * n / (n - 1)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
@@ -97,9 +91,8 @@ def masked_mean_all_ranks(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def masked_whiten_all_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """masked_whiten over the masked elements of every rank together, as verl whitens the whole
-    batch on its driver: (x - mean) / sqrt(var + eps), unbiased var (0 under two elements), zero
-    where mask is 0. Collective: every rank calls it."""
+    """masked_whiten over every rank's masked elements together, as verl whitens the whole batch on its driver:
+    unbiased var (0 under two elements), zero where mask is 0. Collective: every rank calls it."""
     mask = mask.to(x.dtype)
     total, n = all_reduce_sum(torch.stack([(x * mask).sum(), mask.sum()])).tolist()
     centred = (x - total / max(n, 1)) * mask
@@ -107,19 +100,14 @@ def masked_whiten_all_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e
     return centred / (var + eps) ** 0.5
 
 
-def _row_chunks(n: int):
-    for start in range(0, n, CHUNK_ROWS):
-        yield slice(start, min(start + CHUNK_ROWS, n))
+def _row_chunks(n: int) -> list[slice]:
+    return [slice(start, min(start + CHUNK_ROWS, n)) for start in range(0, n, CHUNK_ROWS)]
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[labels] for (..., V) logits and (...) labels, returned in float32.
-
-    Works chunk by chunk over the rows so only CHUNK_ROWS x V float32 values exist at a time,
-    instead of a full-vocabulary float32 copy of the whole micro-batch. Differentiable.
-    """
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_labels = labels.reshape(-1)
+    """log softmax(logits)[labels] for (..., V) logits and (...) labels, in float32; differentiable. Chunked over
+    the rows: only CHUNK_ROWS x V float32 values exist at a time, never a float32 copy of the whole micro-batch."""
+    flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
     out = []
     for rows in _row_chunks(flat_logits.shape[0]):
         chunk = flat_logits[rows].float()
@@ -129,21 +117,17 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
 
 
 def logprobs_and_entropy(logits, labels, mask=None, with_entropy: bool = True):
-    """(log softmax(logits)[labels], entropy of softmax(logits) or None) for (..., V) logits and (...)
-    labels, in float32 (float64 logits: float64), where mask (...) is true (0 elsewhere; every
-    position without a mask).
+    """(log softmax(logits)[labels], entropy of softmax(logits) or None) for (..., V) logits and (...) labels, in
+    float32 (float64 logits: float64), where mask (...) is true (0 elsewhere; everywhere without a mask).
 
-    The update's cost beside the model: at a real vocabulary (151,936 for Qwen2.5) these
-    per-token sums over V move more bytes than the model's matmuls. So one float32 copy and one
-    logsumexp a chunk of rows serve both results, the backward is written out (d logprob / dx =
-    onehot - p, d entropy / dx = -p (log p + H)) rather than recorded op by op, the rows the mask
-    leaves out (padding) are never read, and an entropy nobody differentiates (the metric, at
-    entropy_coeff 0) adds nothing to the backward. Chunked like logprobs_from_logits."""
-    shape = labels.shape
+    At a real vocabulary (151,936 for Qwen2.5) these per-token sums over V move more bytes than the model's
+    matmuls, so one float32 copy and logsumexp per chunk of rows serve both results, the backward is written out
+    (d logprob / dx = onehot - p, d entropy / dx = -p (log p + H)), padding rows are never read, and an entropy
+    nobody differentiates (the metric, at entropy_coeff 0) adds nothing to the backward."""
     flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
     rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(-1)
     logprobs, entropy = _LogprobEntropy.apply(flat, flat_labels, rows, with_entropy)
-    return logprobs.reshape(shape), (entropy.reshape(shape) if with_entropy else None)
+    return logprobs.reshape(labels.shape), (entropy.reshape(labels.shape) if with_entropy else None)
 
 
 class _LogprobEntropy(torch.autograd.Function):
@@ -205,14 +189,9 @@ def _kl_rows(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
 
 
 def kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
-    """The exact KL(p || q) = sum_v p_v (log p_v - log q_v) of each position's whole next-token
-    distribution, p = softmax(logits), q = softmax(ref_logits): (..., V) -> (...), float32
-    (kl_penalty "full": ROLL's KL over the vocabulary, not an estimate from the sampled token).
-
-    Chunk by chunk over the rows like entropy_from_logits; when logits need a gradient each chunk
-    is recomputed in the backward (activation checkpointing), so only one chunk's float32
-    log-softmaxes are alive at a time, in the forward and in the backward. The gradient flows to
-    logits only: the reference is constant."""
+    """The exact KL(p || q) = sum_v p_v (log p_v - log q_v) of each position's next-token distribution, p =
+    softmax(logits), q = softmax(ref_logits): (..., V) -> (...), float32 (kl_penalty "full": ROLL's KL over the
+    vocabulary). Chunked and recomputed in the backward (_rowwise); the gradient flows to logits only."""
     return _rowwise(_kl_rows, logits, ref_logits)
 
 
@@ -227,13 +206,10 @@ def _jsd_rows(logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float) -
 
 
 def jsd_from_logits(logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float) -> torch.Tensor:
-    """GKD's generalised Jensen-Shannon divergence (Agarwal et al. 2024, arXiv:2306.13649) between
-    the teacher's next-token distribution p = softmax(teacher_logits) and the student's
-    q = softmax(logits) at each position, (..., V) -> (...), float32:
+    """GKD's generalised Jensen-Shannon divergence (Agarwal et al. 2024, arXiv:2306.13649) between the teacher's
+    p = softmax(teacher_logits) and the student's q = softmax(logits) at each position, (..., V) -> (...), float32:
         JSD_beta = beta KL(p || m) + (1 - beta) KL(q || m),  m = beta p + (1 - beta) q,
-    with the ends as TRL's GKD trainer takes them: beta 0 the forward KL(p || q), beta 1 the reverse
-    KL(q || p). Chunked and recomputed in the backward as kl_from_logits; the gradient flows to the
-    student's logits only."""
+    beta 0 the forward KL(p || q), beta 1 the reverse KL(q || p), as TRL's GKD. Chunked, gradient to the student."""
     if not 0 <= beta <= 1:
         raise ValueError(f"jsd beta {beta} is outside [0, 1]")
     return _rowwise(_jsd_rows, logits, teacher_logits, beta)
@@ -245,13 +221,9 @@ def _rowwise(fn, logits: torch.Tensor, other: torch.Tensor, *extra) -> torch.Ten
     flat, flat_other = logits.reshape(-1, logits.shape[-1]), other.detach().reshape(-1, other.shape[-1])
     if flat.shape != flat_other.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and the other model's {tuple(other.shape)} differ")
-    grad = torch.is_grad_enabled() and flat.requires_grad
-    out = [
-        torch.utils.checkpoint.checkpoint(fn, flat[rows], flat_other[rows], *extra, use_reentrant=False)
-        if grad
-        else fn(flat[rows], flat_other[rows], *extra)
-        for rows in _row_chunks(flat.shape[0])
-    ]
+    if torch.is_grad_enabled() and flat.requires_grad:
+        fn = functools.partial(torch.utils.checkpoint.checkpoint, fn, use_reentrant=False)
+    out = [fn(flat[rows], flat_other[rows], *extra) for rows in _row_chunks(flat.shape[0])]
     return torch.cat(out).reshape(logits.shape[:-1]) if out else flat.new_zeros(logits.shape[:-1], dtype=torch.float32)
 
 
@@ -264,10 +236,8 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL(policy || ref) estimate from sampled-token logprobs, (B, T) -> (B, T).
 
-    kl/k1: logp - ref;  abs: |logp - ref|;  mse/k2: (logp - ref)^2 / 2;
-    low_var_kl/k3: exp(ref - logp) - (ref - logp) - 1, with ref - logp clamped to +-20 before
-    the exp and the result clamped to +-10 (Schulman's k3; the clamps as in verl).
-    """
+    kl/k1: logp - ref;  abs: |logp - ref|;  mse/k2: (logp - ref)^2 / 2;  low_var_kl/k3 (Schulman's k3):
+    exp(ref - logp) - (ref - logp) - 1, ref - logp clamped to +-20 before the exp, the result to +-10, as verl."""
     if kind in ("kl", "k1"):
         return logprobs - ref_logprobs
     if kind == "abs":
@@ -298,10 +268,8 @@ def agg_loss(
     seq-mean-token-mean:      sum_seq(mean_t loss) / num_seqs
     seq-mean-token-sum-norm:  seq-mean-token-sum / norm_constant (default: T, the padded width)
 
-    num_tokens / num_seqs default to this batch's valid tokens / sequences with at least one valid
-    token (empty sequences are left out of sequence means). Pass the counts of the whole
-    mini-batch (all micro-batches, all ranks) so the micro-batch results add up to one pass.
-    """
+    num_tokens / num_seqs default to this batch's valid tokens / non-empty sequences (empty ones stay out of sequence
+    means). Pass the whole mini-batch's counts (all micro-batches and ranks) so micro-batches add up to one pass."""
     mask = mask.to(loss_mat.dtype)
     if mode == "token-mean":
         denom = mask.sum() if num_tokens is None else num_tokens
@@ -325,13 +293,11 @@ def rollout_correction(
     mode: str | None, threshold: float | str, batch_normalize: bool = False, rs: str | None = None,
     rs_threshold: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:  # fmt: skip
-    """(weights, the loss mask, metrics): rollout_is_weights at `mode` (1 on every response token
-    when it is None), rescaled to mean 1 over every rank's response tokens with batch_normalize
-    (for sequence weights, over the responses' mean weights: verl's rollout_is_batch_normalize);
-    the response mask with the tokens rollout_rejection_mask rejects zeroed (rs: its options; a
-    rejected token leaves the loss and its denominator); and verl's rollout_corr/* metrics, with
-    rollout_rs_masked_fraction (response tokens rejected) and rollout_rs_seq_masked_fraction
-    (responses with any token rejected). Collective when mode or rs is set."""
+    """(weights, loss mask, metrics): rollout_is_weights at `mode` (1 on every response token when None), with
+    batch_normalize rescaled to mean 1 over every rank's response tokens (sequence weights: the responses' means;
+    verl's rollout_is_batch_normalize); response_mask zeroed where rollout_rejection_mask rejects (rs: its options),
+    so out of the loss and its denominator; verl's rollout_corr/* metrics plus rollout_rs_masked_fraction (tokens
+    rejected) and rollout_rs_seq_masked_fraction (responses with any). Collective when mode or rs is set."""
     if mode is None and rs is None:  # the correction off (the default): no feature module loads
         return response_mask.to(torch.float32), response_mask, {}
     from common.correction import correct
@@ -341,9 +307,8 @@ def rollout_correction(
 
 
 def update_kl_coef(coef: float, kl: float, *, kind: str, target_kl: float, horizon: int, n_steps: int) -> float:
-    """verl's kl_ctrl for a KL penalty in the reward, applied after each step. fixed: unchanged.
-    adaptive (Ziegler et al. 2019, arXiv:1909.08593): coef * (1 + clip(kl / target_kl - 1, -0.2,
-    0.2) * n_steps / horizon), where kl is the step's mean KL and n_steps the sequences in it."""
+    """verl's kl_ctrl for a KL penalty in the reward, after each step. fixed: coef; adaptive (Ziegler et al. 2019,
+    arXiv:1909.08593): coef * (1 + clip(kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon), n_steps: sequences."""
     if kind == "fixed":
         return coef
     if kind != "adaptive":
@@ -355,10 +320,8 @@ def update_kl_coef(coef: float, kl: float, *, kind: str, target_kl: float, horiz
 def kl_controller_step(
     coef: float, kl: torch.Tensor, response_mask: torch.Tensor, *, kind: str, target_kl: float, horizon: int
 ) -> tuple[float, dict]:
-    """After a step with the KL in the reward: the step's KL is the mean over the sequences of every
-    rank of each sequence's mean token KL (kl, response_mask (B, T)), and update_kl_coef moves the
-    coefficient with n_steps = those sequences. Collective. Returns (next coef, metrics with the
-    coefficient this step used and its KL)."""
+    """update_kl_coef after a step, kl the mean over every rank's sequences of their mean token KL (kl, response_mask:
+    (B, T)) and n_steps those sequences. Collective. Returns (next coef, metrics: this step's coefficient and KL)."""
     seq_kl = masked_mean(kl, response_mask, dim=-1)  # (B,)
     total, n_seqs = all_reduce_sum(torch.stack([seq_kl.sum(), seq_kl.new_tensor(len(seq_kl))])).tolist()
     mean_kl = total / max(n_seqs, 1)
@@ -367,14 +330,12 @@ def kl_controller_step(
 
 
 def group_normalize(scores: torch.Tensor, keys: list, method: str) -> torch.Tensor:
-    """ROLL's reward normalisation (its agentic pipeline's reward_normalization.method) of scores
-    (B,) within the groups that equal keys (B hashables) form:
+    """ROLL's reward normalisation (its agentic pipeline's reward_normalization.method) of scores (B,) within
+    the groups that equal keys (B hashables) form, as float32 (B,):
         identity   x
-        mean_std   (x - mean_g) / (std_g + 1e-6), std unbiased (n - 1); 0 for a group of one or
-                   whose std is at most 1e-6 (nothing to tell apart)
-        asym_clip  mean_std clamped to [-1, 3]: a bad sample is pushed down at most 1, a good one
-                   up at most 3
-    Returns float32 (B,)."""
+        mean_std   (x - mean_g) / (std_g + 1e-6), std unbiased (n - 1); 0 for a group of one or whose std is
+                   at most 1e-6 (nothing to tell apart)
+        asym_clip  mean_std clamped to [-1, 3]: a bad sample is pushed down at most 1, a good one up at most 3"""
     scores = scores.float()
     if method == "identity":
         return scores
@@ -404,10 +365,6 @@ class KLRewardArgs:
     horizon: int = flag(10000, ge=1)
     """adaptive kl_ctrl: sequences over which the coefficient moves by at most a factor 1.2"""
 
-    def kl_ctrl_kwargs(self) -> dict:
-        """The keyword arguments of common.ops.kl_controller_step that these flags set."""
-        return dict(kind=self.kl_ctrl, target_kl=self.target_kl, horizon=self.horizon)
-
     @property
     def full_kl_in_reward(self) -> bool:
         """--use-kl-in-reward --kl-penalty full: step 4 runs the policy and the reference side by side
@@ -415,5 +372,6 @@ class KLRewardArgs:
         return getattr(self, "use_kl_in_reward", False) and self.kl_penalty == "full"
 
     def kl_reward_kwargs(self) -> dict:
-        """A recipe's apply_kl_penalty knobs: the KL estimator and the controller (kl_ctrl_kwargs)."""
-        return dict(estimator=self.kl_penalty, ctrl=self.kl_ctrl_kwargs())
+        """A recipe's apply_kl_penalty knobs: the KL estimator, and kl_controller_step's keyword arguments."""
+        ctrl = dict(kind=self.kl_ctrl, target_kl=self.target_kl, horizon=self.horizon)
+        return dict(estimator=self.kl_penalty, ctrl=ctrl)

@@ -26,24 +26,16 @@ def build_optimizer(model, lr: float, weight_decay: float, betas=(0.9, 0.999)) -
     """AdamW over trainable parameters; biases and norm weights (1-D) get no weight decay. PyTorch's
     fused kernel where the parameters are floating point on a CPU or GPU: one kernel for every tensor
     instead of a loop over them (on 2 CPU cores 0.5 ms a step for the bundled model, 2.2 ms looped)."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    params = decay + no_decay
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay, no_decay = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas), fused=fused or None)
 
 
 def lr_factor(step: int, *, kind: str, total_steps: int, warmup_steps: int, min_lr_ratio: float = 0.0) -> float:
-    """Multiplier of the peak lr for optimizer step `step` (0-based).
-
-    Warmup is linear and reaches the peak on step warmup_steps-1, so no step runs with lr 0.
-    """
+    """Multiplier of the peak lr for optimizer step `step` (0-based). Warmup is linear and reaches the peak on
+    step warmup_steps-1, so no step runs with lr 0."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if kind == "constant":
@@ -92,13 +84,10 @@ class OptimArgs:
     """clip the global grad norm to this (0 disables)"""
 
     def trainable(self, model, total_steps: int) -> Trainable:
-        """The model with its AdamW and lr schedule over total_steps (optimizer_and_scheduler)."""
-        return Trainable(model, *self.optimizer_and_scheduler(model, total_steps))
-
-    def optimizer_and_scheduler(self, model, total_steps: int):
-        """AdamW (common.optim.build_optimizer) and its lr schedule over total_steps."""
+        """The model with its AdamW (build_optimizer) and lr schedule over total_steps."""
         optimizer = build_optimizer(model, self.lr, self.weight_decay, self.betas)
-        return optimizer, build_scheduler(
+        scheduler = build_scheduler(
             optimizer, kind=self.lr_scheduler, total_steps=total_steps,
             warmup_ratio=self.lr_warmup_steps_ratio, min_lr_ratio=self.min_lr_ratio,
         )  # fmt: skip
+        return Trainable(model, optimizer, scheduler)

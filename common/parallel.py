@@ -9,7 +9,6 @@ import logging
 import os
 import random
 import signal
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -37,46 +36,34 @@ class Dist:
 
 
 def setup_logging(rank: int) -> None:
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s", force=True)
     for noisy in ("httpx", "urllib3", "filelock", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    # Our own bar is the one progress display; library bars (weight loading, shard writing)
-    # would interleave with it.
+    # Our progress bar is the only one: library bars (weight loading, shard writing) would interleave with it.
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
 
 
 def init_distributed(wait_timeout: float = 1800.0, seed: int | None = None) -> Dist:
-    """Start (or join) the process group via accelerate, check it matches the launcher's, set up
-    logging (rank 0 logs info, the others warnings) and arm the watchdog (common.watchdog): no
-    progress for wait_timeout seconds (--wait-timeout) ends the process with who waits on whom. The
-    process group's own timeout is a minute longer, so that the watchdog speaks first. With a seed,
-    each rank seeds its generators with seed + rank (seed_everything), so ranks sample different responses.
-
-    Works under `accelerate launch` and `torchrun`. Without CUDA it asks accelerate for CPU/gloo
-    itself: left to decide, accelerate gives torchrun's CPU processes no process group, each
-    thinking it is alone (no gradient sync, silently).
-    """
+    """Start (or join) the process group via accelerate (`accelerate launch` or `torchrun`), check it matches
+    the launcher's, set up logging and arm the watchdog: no progress for wait_timeout seconds (--wait-timeout)
+    ends the process with who waits on whom, a minute before the process group's timeout would. A seed seeds
+    each rank with seed + rank (ranks sample different responses). Without CUDA it asks for CPU/gloo: left to
+    decide, accelerate gives torchrun's CPU processes no process group, each silently alone (no gradient sync)."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     check_accelerate_config(launched)
     from accelerate import PartialState
 
-    wants_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
-    cpu = wants_cpu or not torch.cuda.is_available()
+    cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes") or not torch.cuda.is_available()
     # FSDP2's CPU offload reduces CPU tensors (gradient norms), which NCCL cannot: give them gloo.
     backend = {"backend": "cuda:nccl,cpu:gloo"} if fsdp_options()["offload"] and not cpu else {}
     state = PartialState(cpu=cpu, timeout=timedelta(seconds=wait_timeout + 60), **backend)
     if state.num_processes != launched:
         raise UsageError(
-            f"the launcher started {launched} processes but the process group has "
-            f"{state.num_processes}; on CPU launch with `torchrun --nproc_per_node N ...` "
-            f"(accelerate launch --cpu --num_processes N starts only one)"
+            f"the launcher started {launched} processes but the process group has {state.num_processes}; on CPU "
+            "launch with `torchrun --nproc_per_node N ...` (accelerate launch --cpu --num_processes N starts only one)"
         )
     if state.device.type == "cpu" and state.num_processes > 1:
         # Two busy processes with two threads each on two cores ran several times slower.
@@ -86,18 +73,12 @@ def init_distributed(wait_timeout: float = 1800.0, seed: int | None = None) -> D
     watchdog.arm(wait_timeout, state.process_index)
     if seed is not None:
         seed_everything(seed + state.process_index)
-    return Dist(
-        rank=state.process_index,
-        world_size=state.num_processes,
-        local_rank=state.local_process_index,
-        device=state.device,
-    )
+    return Dist(state.process_index, state.num_processes, state.local_process_index, state.device)
 
 
 def accelerate_config() -> tuple[str, dict] | None:
-    """(path, settings) of the config file `accelerate launch --config_file PATH` started this
-    process with (the recipe runs as that launcher's child: its command line names the file);
-    None when no such launcher or file."""
+    """(path, settings) of the config file named on the command line of the `accelerate launch
+    --config_file PATH` whose child this process is (the recipe); None without such a launcher or file."""
     import yaml
 
     parent = Path(f"/proc/{os.getppid()}")
@@ -110,18 +91,16 @@ def accelerate_config() -> tuple[str, dict] | None:
         return None
     for word, value in zip(words, words[1:]):
         if word in ("--config_file", "--config-file"):
-            path = Path(value).expanduser()
-            try:
-                return value, yaml.safe_load((path if path.is_absolute() else cwd / path).read_text()) or {}
+            try:  # an absolute path replaces cwd
+                return value, yaml.safe_load((cwd / Path(value).expanduser()).read_text()) or {}
             except (OSError, yaml.YAMLError):
                 return None
     return None
 
 
 def check_accelerate_config(world_size: int) -> None:
-    """A launch the accelerate config cannot get: a GPU config (single GPU, DDP, FSDP) on a machine
-    without CUDA is an error before anything starts (accelerate would run it on the CPU without a
-    word); a world size other than the config's is said once."""
+    """A GPU accelerate config (single GPU, DDP, FSDP) without CUDA is an error before anything starts
+    (accelerate would run it on the CPU without a word); a world size other than the config's is said once."""
     found = accelerate_config()
     if found is None:
         return
@@ -151,12 +130,11 @@ def _env_flag(name: str, default: str = "false") -> bool:
 
 
 def fsdp_options() -> dict:
-    """The FSDP settings an accelerate FSDP config exports (for torchrun, set them yourself):
-    FSDP_OFFLOAD_PARAMS keeps parameters, gradients and the optimizer step in CPU memory, each
-    block's parameters moved to the accelerator for its forward and backward (verl's
-    fsdp_config.param_offload + optimizer_offload); FSDP_RESHARD_AFTER_FORWARD=false keeps the
-    gathered parameters from forward to backward (faster, more memory). Settings the recipes
-    would not apply are refused rather than ignored."""
+    """The FSDP settings an accelerate FSDP config exports (under torchrun, set them yourself).
+    FSDP_OFFLOAD_PARAMS keeps parameters, gradients and the optimizer step in CPU memory, moving each
+    block's parameters to the accelerator for its forward and backward (verl's fsdp_config.param_offload +
+    optimizer_offload); FSDP_RESHARD_AFTER_FORWARD=false keeps the gathered parameters from forward to
+    backward (faster, more memory). Settings the recipes would not apply are refused, not ignored."""
     if _env_flag("ACCELERATE_USE_FSDP") and os.environ.get("FSDP_VERSION", "2") != "2":
         raise UsageError(
             f"the accelerate config asks for FSDP version {os.environ['FSDP_VERSION']}; the recipes shard with "
@@ -174,9 +152,8 @@ def fsdp_options() -> dict:
 
 
 def resolve_strategy(strategy: str) -> str:
-    """--strategy auto: fsdp2 under an accelerate FSDP config (or with FSDP_OFFLOAD_PARAMS set),
-    else ddp. An FSDP config with --strategy ddp is an error: the model would be replicated where
-    the config asked to shard it; so is CPU offload without FSDP2 or without a process group."""
+    """--strategy auto: fsdp2 under an accelerate FSDP config or FSDP_OFFLOAD_PARAMS, else ddp. A UsageError:
+    either with --strategy ddp (it would replicate what the config shards), or offload without a process group."""
     use_fsdp = _env_flag("ACCELERATE_USE_FSDP")
     offload = fsdp_options()["offload"]
     if strategy == "ddp" and (use_fsdp or offload):
@@ -194,19 +171,11 @@ def resolve_strategy(strategy: str) -> str:
     return "fsdp2" if use_fsdp or offload else "ddp"
 
 
-def _block_classes(model: nn.Module) -> set[str]:
-    names = set()
-    for module in model.modules():
-        names.update(getattr(module, "_no_split_modules", None) or [])
-    return names
-
-
 def wrap_model(model: nn.Module, strategy: str, dist: Dist, mixed_precision: str = "no") -> nn.Module:
-    """Data-parallel wrap: DDP, or FSDP2 with one shard unit per transformer block (offloaded to
-    CPU memory when fsdp_options() says so, then also for one process); a single process
-    otherwise keeps the model as it is. mixed_precision "bf16" computes in bfloat16 over the
-    model's own (master) weights: FSDP2 casts the gathered parameters and reduces gradients in
-    float32; otherwise forward runs under autocast (generate too, since it calls forward)."""
+    """Data-parallel wrap: DDP, or FSDP2 with one shard unit per transformer block (offloaded to CPU
+    memory when fsdp_options() says so, then also for one process); otherwise a single process keeps the
+    model as it is. mixed_precision "bf16" computes in bfloat16 over the model's own (master) weights: FSDP2
+    casts the gathered parameters and reduces gradients in float32; otherwise forward (generate's too) autocasts."""
     options = fsdp_options() if strategy == "fsdp2" else {"offload": False}
     # With offload, FSDP2 pays even for one process: the weights live in CPU memory.
     fsdp = strategy == "fsdp2" and (dist.world_size > 1 or options["offload"])
@@ -227,17 +196,14 @@ def wrap_model(model: nn.Module, strategy: str, dist: Dist, mixed_precision: str
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(dist.device.type, (dist.world_size,))
-    policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mixed_precision == "bf16"
-        else MixedPrecisionPolicy()
-    )
+    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision == "bf16" else {}
+    policy = MixedPrecisionPolicy(**bf16)
     # Pinned memory makes the copies to the GPU asynchronous; there is none to pin for on CPU.
     offload = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda") if options["offload"] else OffloadPolicy()
     shard = dict(
         mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=options["reshard_after_forward"]
     )
-    blocks = _block_classes(model)
+    blocks = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
     for module in model.modules():
         if type(module).__name__ in blocks:
             fully_shard(module, **shard)
@@ -259,9 +225,8 @@ def is_fsdp(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def grad_sync(model: nn.Module, enabled: bool):
-    """Skip the gradient all-reduce / reduce-scatter on accumulation micro-batches. The block (a
-    micro-batch's forward and backward) is a wait on the other ranks for the watchdog: FSDP2 gathers
-    and reduces inside it, DDP all-reduces."""
+    """Skip the gradient all-reduce / reduce-scatter on accumulation micro-batches. The block (a micro-batch's
+    forward and backward) waits on the other ranks for the watchdog: FSDP2 gathers and reduces, DDP all-reduces."""
     with watchdog.waiting("a micro-batch's forward and backward (FSDP2 / DDP collectives)", collective=True):
         if isinstance(model, nn.parallel.DistributedDataParallel) and not enabled:
             with model.no_sync():
@@ -279,9 +244,8 @@ def grad_sync(model: nn.Module, enabled: bool):
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     """Global grad norm (over all ranks and shards), clipped to max_norm when max_norm > 0."""
     params = [p for p in model.parameters() if p.grad is not None]
-    limit = max_norm if max_norm > 0 else float("inf")
     with watchdog.waiting("clip_grad_norm (the global norm's all-reduce)", collective=True):
-        norm = torch.nn.utils.clip_grad_norm_(params, limit)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
     return float(norm)
@@ -354,14 +318,13 @@ def barrier() -> None:
 
 def sharding_report(model: nn.Module, strategy: str, dist: Dist) -> dict:
     """What is really in effect: world size, strategy and the parameter elements each rank holds."""
-    full = sum(p.numel() for p in model.parameters())  # a DTensor's numel is the global one
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     return {
         "world_size": dist.world_size,
         "device": dist.device.type,
         "strategy": strategy if dist.world_size > 1 or is_fsdp(model) else "single",
         "param_offload": is_fsdp(model) and fsdp_options()["offload"],
-        "params_full": full,
+        "params_full": sum(p.numel() for p in model.parameters()),  # a DTensor's numel is the global one
         "params_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "params_local_per_rank": gather_objects(local),
     }
@@ -379,26 +342,21 @@ _REQUESTED: list[str] = []  # failures asked for by request_stop, for the run's 
 
 
 def request_stop(message: str) -> None:
-    """Ask the run's StopSignal to end it after this step's checkpoint, as a failure with `message`, from
-    code that holds no StopSignal (common.tracking's bound on the trainer-engine gap). Every rank asks
-    alike or StopSignal.requested, which is collective, spreads it."""
+    """Ask the run's StopSignal, from code without it (common.tracking's bound on the trainer-engine gap),
+    to end the run after this step's checkpoint as a failure with `message`; requested() spreads it to every rank."""
     _REQUESTED.append(message)
 
 
 class StopSignal:
-    """SIGUSR1 or SIGTERM asks a training run to stop at the end of the step it is in, after
-    saving a checkpoint (even with --save-freq 0), and to exit with status 0: what Slurm sends
-    before a job's time limit (--signal) or on preemption, so the requeued job resumes with
-    --resume auto where this one stopped. The handlers only set a flag; requested() is
-    collective, so every rank stops after the same step even when only one got the signal (a
-    rank that stopped alone would leave the others waiting in a collective forever)."""
-
-    SIGNALS = ("SIGUSR1", "SIGTERM")
+    """SIGUSR1 or SIGTERM (what Slurm sends before a time limit with --signal, or on preemption) asks a training
+    run to stop after the step it is in, saving a checkpoint (even with --save-freq 0), and exit 0, so the requeued
+    job resumes there with --resume auto. The handlers only set a flag; requested() is collective, so every rank
+    stops after the same step even when one got the signal (one stopping alone would hang the others)."""
 
     def __init__(self, dist: Dist):
         self.device, self.received, self.stopping, self.failure = dist.device, None, False, None
         _REQUESTED.clear()  # an earlier run in this process asked its own signal
-        for name in self.SIGNALS:
+        for name in ("SIGUSR1", "SIGTERM"):
             signal.signal(getattr(signal, name), self._handle)
 
     def _handle(self, signum, frame) -> None:
@@ -410,8 +368,7 @@ class StopSignal:
         self.received, self.failure = self.received or "failure", message
 
     def steps(self, start: int, stop: int):
-        """The training loop's steps, start .. stop - 1, ending after the step whose requested() said
-        stop (that step saves first: the recipes' step 8)."""
+        """start .. stop - 1, ending after the step whose requested() said stop (it saves first: recipe step 8)."""
         for step in range(start, stop):
             yield step
             if self.stopping:

@@ -1,18 +1,13 @@
-"""How fast a run is against what its hardware can do: the update's model FLOPs, the device's peak
-and their ratio (MFU, model FLOPs utilisation).
+"""The update's model FLOPs, the device's peak and their ratio: MFU, model FLOPs utilisation.
 
-FLOPs are counted as PaLM's appendix B (Chowdhery et al. 2022, arXiv:2204.02311) and verl's
-FlopsCounter count them, so an MFU here reads like theirs. For a sequence of n tokens, forward and
-backward of a dense decoder:
+FLOPs are counted as PaLM's appendix B (Chowdhery et al. 2022, arXiv:2204.02311) and verl's FlopsCounter
+count them, so an MFU here reads like theirs. Forward and backward of a dense decoder, for n tokens:
     6 * N * n                      every weight matrix: 2 FLOPs a weight a token forward, 4 backward
   + 12 * layers * heads * head_dim * n^2   attention's QK^T and AV (forward 4 * ... * n^2, backward twice that)
-N counts the weights that multiply activations: every parameter but the input embedding, plus the
-output projection (lm_head) even when it shares the embedding's weights. The attention term counts
-each token against the whole sequence, as both of them do; a causal kernel does about half of it.
-The sequences counted are the work the step needs, each group's prompt once (needed_tokens), in
-any layout: padding, a prompt run again for each response (packed, or --no-shared-prompt-forward)
-and recomputed activations (gradient checkpointing) are work the device does but the count leaves
-out, so they lower MFU.
+N, the weights that multiply activations: every parameter but the input embedding, plus the output projection
+(lm_head) even when tied to it. The attention term counts each token against the whole sequence, as PaLM and
+verl do; a causal kernel does about half of it. Only needed work counts, a group's prompt once (needed_tokens):
+padding, prompts run again (packed, --no-shared-prompt-forward) and recomputed activations (checkpointing) lower MFU.
 """
 
 import contextlib
@@ -23,12 +18,9 @@ from collections import Counter
 
 import torch
 
-# Dense (no structured sparsity) peak TFLOP/s from each vendor's datasheet: bfloat16 / float16 on the
-# tensor cores, float32 without them (torch's default for a float32 matmul) and TF32 (what a float32
-# matmul runs as under torch.set_float32_matmul_precision("high")). The first name contained in
-# torch.cuda.get_device_name() wins, so the variants come before their family. A device not listed
-# is measured by a matmul probe instead (device_peak), and so is a listed one without figures: a
-# variant whose name contains its family's but whose figures this table does not hold.
+# Dense (no structured sparsity) datasheet peak TFLOP/s: bfloat16 / float16 on the tensor cores, float32 without
+# them (torch's default) and TF32 (float32 under set_float32_matmul_precision("high")). The first name contained
+# in torch.cuda.get_device_name() wins, so variants come first; a row without figures is measured (device_peak).
 PEAK_TFLOPS = (  # name, bf16 (= fp16), fp32, tf32
     ("H100 PCIe", 756.0, 51.0, 378.0),  # NVIDIA H100 datasheet (PCIe)
     ("H100 NVL", 835.0, 60.0, 418.0),  # NVIDIA H100 datasheet (NVL)
@@ -49,9 +41,7 @@ PEAK_TFLOPS = (  # name, bf16 (= fp16), fp32, tf32
 
 
 def matmul_parameters(model) -> int:
-    """N above: every parameter but the input embedding's, plus the output projection's (counted
-    again when it is tied to the embedding: its matmul runs either way). Works through DDP, PEFT
-    and FSDP2 (a DTensor's numel is the global one)."""
+    """N above, through DDP, PEFT and FSDP2 (a DTensor's numel is the global one)."""
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     total = sum(p.numel() for p in inner.parameters())  # a tied weight is listed once
     embedding, head = inner.get_input_embeddings(), inner.get_output_embeddings()
@@ -60,8 +50,7 @@ def matmul_parameters(model) -> int:
 
 
 def flop_terms(model) -> dict:
-    """The model's two FLOP coefficients: per token (6 N) and per squared sequence length
-    (12 layers heads head_dim), from its parameters and configuration."""
+    """The two coefficients above: per token (6 N) and per squared sequence length (12 layers heads head_dim)."""
     inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
     heads = config.num_attention_heads
@@ -70,21 +59,16 @@ def flop_terms(model) -> dict:
 
 
 def update_flops(terms: dict, sum_tokens: float, sum_tokens_sq: float) -> float:
-    """Forward and backward FLOPs over sequences whose lengths sum to sum_tokens and whose squared
-    lengths sum to sum_tokens_sq."""
+    """Forward and backward FLOPs of sequences whose lengths sum to sum_tokens, their squares to sum_tokens_sq."""
     return terms["per_token"] * sum_tokens + terms["per_token_sq"] * sum_tokens_sq
 
 
 def needed_tokens(lengths, prompt_lengths, group_ids) -> tuple:
-    """The tokens and squared sequence lengths, summed, of the work an update over these sequences
-    needs: each group's prompt once however many of its responses share it (the recipes run it once:
-    --shared-prompt-forward), so the second and later responses of a group count their prompt as
-    already computed. lengths, prompt_lengths (B,) real tokens; group_ids (B,) equal for responses to
-    one prompt. Returns two 0-d tensors."""
-    _, owner = torch.unique(group_ids, return_inverse=True)
+    """The summed tokens and squared lengths (two 0-d tensors) an update over these sequences needs, each group's
+    prompt once (--shared-prompt-forward). lengths, prompt_lengths (B,): real tokens; group_ids (B,): the group."""
+    groups, owner = torch.unique(group_ids, return_inverse=True)
     rows = torch.arange(len(group_ids), device=group_ids.device)
-    first = torch.full((int(owner.max()) + 1 if len(rows) else 0,), len(rows), device=rows.device)
-    first = first.scatter_reduce(0, owner, rows, "amin")
+    first = torch.full((len(groups),), len(rows), device=rows.device).scatter_reduce(0, owner, rows, "amin")
     repeated = torch.where(rows == first[owner], 0, prompt_lengths).to(lengths.dtype)
     return lengths.sum() - repeated.sum(), (lengths**2).sum() - (repeated**2).sum()
 
@@ -95,19 +79,16 @@ def compute_dtype(dtype: str, mixed_precision: str) -> torch.dtype:
 
 
 def device_peak(device_type: str, dtype: torch.dtype, index: int = 0) -> tuple[float, str]:
-    """(FLOP/s, where the figure comes from) for one device computing in dtype: the datasheet's
-    dense peak for a GPU in PEAK_TFLOPS, otherwise (a CPU, an unlisted GPU) the best of a short
-    matmul probe on it, which a run can reach but not pass."""
+    """(FLOP/s, its source) for one device computing in dtype: a GPU's datasheet peak in PEAK_TFLOPS, else
+    (a CPU, an unlisted GPU) the best of a short matmul probe on it, which a run can reach but not pass."""
     if device_type == "cuda":
         name = torch.cuda.get_device_name(index)
-        for key, half, fp32, tf32 in PEAK_TFLOPS:
-            if key in name and half is None:
-                break
-            if key in name:
-                if dtype in (torch.bfloat16, torch.float16):
-                    return half * 1e12, f"{name} datasheet, dense {str(dtype).removeprefix('torch.')}"
-                high = torch.get_float32_matmul_precision() != "highest"
-                return (tf32 if high else fp32) * 1e12, f"{name} datasheet, dense {'tf32' if high else 'fp32'}"
+        half, fp32, tf32 = next((row[1:] for row in PEAK_TFLOPS if row[0] in name), (None, None, None))
+        if half is not None and dtype in (torch.bfloat16, torch.float16):
+            return half * 1e12, f"{name} datasheet, dense {str(dtype).removeprefix('torch.')}"
+        if half is not None:
+            high = torch.get_float32_matmul_precision() != "highest"
+            return (tf32 if high else fp32) * 1e12, f"{name} datasheet, dense {'tf32' if high else 'fp32'}"
     device = torch.device(device_type, index) if device_type == "cuda" else torch.device(device_type)
     return matmul_probe(device, dtype), f"measured by a {str(dtype).removeprefix('torch.')} matmul on {device_type}"
 
@@ -131,10 +112,8 @@ def matmul_probe(device: torch.device, dtype: torch.dtype, seconds: float = 0.25
     return 2 * size**3 / best
 
 
-# --- where a run's time went ------------------------------------------------------------------------
-# Seconds of the phases that happen outside a recipe's own timings (the weight sync, checkpoint saves),
-# added where they run and read by common.tracking: perf/sync_s each step, saves in the closing block.
-PHASES: Counter = Counter()
+# --- where a run's time went: phases outside a recipe's own timings, and the closing block's verdict -------------
+PHASES: Counter = Counter()  # seconds of the weight sync and checkpoint saves (timed), for common.tracking
 
 
 @contextlib.contextmanager
@@ -147,8 +126,7 @@ def timed(phase: str):
         PHASES[phase] += time.perf_counter() - start
 
 
-# The closing block's phases: its name, the perf/ timings summed into it (a remote engine's wait is
-# taken out of generate and shown on its own), and which kind of bound it makes a run.
+# The closing block's phases: its name, the perf/ timings summed into it, and which kind of bound it makes a run.
 TIME_PHASES = (
     ("generate", ("perf/generate_s",), "generation"),
     ("waiting on remote engines", ("perf/rollout_wait_s",), "generation"),
@@ -162,16 +140,15 @@ TIME_PHASES = (
 
 
 def phase_seconds(totals: dict) -> dict:
-    """{phase name: seconds} from the run's summed perf/*_s (TIME_PHASES)."""
+    """{phase: seconds} from the summed perf/*_s (TIME_PHASES), with a remote engine's wait taken out of generate."""
     seconds = {name: sum(totals.get(k, 0.0) for k in keys) for name, keys, _ in TIME_PHASES}
     seconds["generate"] = max(0.0, seconds["generate"] - seconds["waiting on remote engines"])
     return seconds
 
 
 def verdict(seconds: dict, wall: float, run: dict) -> tuple[str, str]:
-    """(what bounds the run, what would help it and why), from its phase seconds over its wall time
-    and run: the flags the advice depends on (common.config.RLArgs.tracker_kwargs). The bound is the
-    kind whose phases took the most; a suggestion the run already uses is never made."""
+    """(what bounds the run, what would help it and why) from its phase seconds, wall time and `run`, its flags
+    (common.config.RLArgs.tracker_kwargs). The bound is the kind whose phases took most; advice taken is left out."""
     kinds = {}
     for name, _, kind in TIME_PHASES:
         if kind:

@@ -1,11 +1,11 @@
-"""The worker pool that makes reward functions (common.scoring), tools and interactions
-(common.tools) hang-proof.
+"""The worker pool that makes reward functions (common.scoring) hang-proof, and the agent loop's
+tools and interactions (common.tools, common.agent) too.
 
-Scoring runs in worker processes with a per-sample timeout: a function that raises or never
-returns costs that sample a 0 and is counted, never the run. The same pool runs the agent loop's
-tool calls and interactions (common.agent).
+Scoring runs in worker processes under a per-sample timeout: a function that raises or never
+returns costs that sample a 0 and is counted, never the run.
 """
 
+import contextlib
 import logging
 import os
 import signal
@@ -31,8 +31,6 @@ from common.scoring import finite, load_reward_fn, score_value
 from common.scoring import hit as hit  # re-exported for older forks
 
 log = logging.getLogger(__name__)
-
-# --- the worker pool ----------------------------------------------------------------------------
 
 
 @dataclass
@@ -63,11 +61,7 @@ TOOLS_PREFIX = "tools:"  # a pool spec naming a --tool-config file rather than a
 INTERACTIONS_PREFIX = "interactions:"  # ... or an --interaction-config file
 ENVS_PREFIX = "envs:"  # ... or the environments of an --env-config file (common.envs.EnvHost)
 BATCH_PREFIX = "batch:"  # a reward function called once with lists (--reward-manager batch)
-SIDE_POOLS = (
-    (TOOLS_PREFIX, "--tool-config"),
-    (INTERACTIONS_PREFIX, "--interaction-config"),
-    (ENVS_PREFIX, "--env-config"),
-)
+SIDE_POOLS = {TOOLS_PREFIX: "--tool-config", INTERACTIONS_PREFIX: "--interaction-config", ENVS_PREFIX: "--env-config"}
 
 
 def _check_batch(result) -> None:
@@ -78,29 +72,25 @@ def _check_batch(result) -> None:
 
 
 def _worker_main(fd: int, spec: str) -> None:
-    # A stop signal is the trainer's to act on (common.parallel.StopSignal); torchrun and Slurm send it
-    # to every process of the job, and a worker it killed would fail the step being scored. Workers
-    # end when the trainer closes the pool or goes away (EOF).
+    # torchrun and Slurm send stop signals to every process of the job; they are the trainer's to act on
+    # (common.parallel.StopSignal), and a killed worker would fail the step being scored. Workers end on EOF.
     for name in ("SIGUSR1", "SIGTERM"):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
-    _worker(Connection(fd), spec or None)
-
-
-def _worker(conn, spec):
+    conn = Connection(fd)
     try:
-        if spec and spec.startswith(TOOLS_PREFIX):  # a tool pool (common.agent): results are the tools' text
+        if spec.startswith(TOOLS_PREFIX):  # a tool pool (common.agent): results are the tools' text
             from common.tools import load_tools
 
             fn, check = load_tools(spec.removeprefix(TOOLS_PREFIX)), lambda result: None  # load_tools checks
-        elif spec and spec.startswith(INTERACTIONS_PREFIX):  # interactions: load_interactions checks results
+        elif spec.startswith(INTERACTIONS_PREFIX):  # interactions: load_interactions checks results
             from common.tools import load_interactions
 
             fn, check = load_interactions(spec.removeprefix(INTERACTIONS_PREFIX)), lambda result: None
-        elif spec and spec.startswith(ENVS_PREFIX):  # environments: EnvHost checks what they return
+        elif spec.startswith(ENVS_PREFIX):  # environments: EnvHost checks what they return
             from common.envs import load_env_host
 
             fn, check = load_env_host(spec.removeprefix(ENVS_PREFIX)), lambda result: None
-        elif spec and spec.startswith(BATCH_PREFIX):
+        elif spec.startswith(BATCH_PREFIX):
             fn, check = load_reward_fn(spec.removeprefix(BATCH_PREFIX)), _check_batch
         else:
             fn, check = load_reward_fn(spec), score_value
@@ -129,10 +119,9 @@ def _worker(conn, spec):
 
 
 class _WorkerOutput:
-    """Whatever the workers print (a chatty reward function's debugging, a library's warnings),
-    copied into one log file in the run folder instead of the console, up to MAX_BYTES; past
-    that it is read and dropped, with one line saying so, so it can neither fill a disk nor
-    block a worker on a full pipe. Without a path the output is dropped."""
+    """What the workers print (a reward function's debugging, a library's warnings), copied to one log
+    file in the run folder instead of the console, up to MAX_BYTES; the rest is read and dropped, said
+    in one line, so it can neither fill a disk nor block a worker on a full pipe. No path: all dropped."""
 
     MAX_BYTES = 10 * 2**20
 
@@ -149,15 +138,11 @@ class _WorkerOutput:
             if self.path is None:
                 continue
             with self.lock:
+                fits = self.written + len(line) <= self.MAX_BYTES
                 if self.written < self.MAX_BYTES:
-                    kept = (
-                        line
-                        if self.written + len(line) <= self.MAX_BYTES
-                        else b"[reward worker output beyond 10 MB dropped]\n"
-                    )
                     with open(self.path, "ab") as f:
-                        f.write(kept)
-                    self.written = self.written + len(line) if kept is line else self.MAX_BYTES
+                        f.write(line if fits else b"[reward worker output beyond 10 MB dropped]\n")
+                    self.written = self.written + len(line) if fits else self.MAX_BYTES
         stream.close()
 
 
@@ -165,19 +150,15 @@ STARTUP_TIMEOUT = 120.0  # seconds a new worker may take to import the reward fu
 
 
 class RewardPool:
-    """Scores (data_source, solution_str, ground_truth, extra_info) tuples in worker processes.
-
-    One task per worker at a time, so every sample gets its own timeout: a worker that overruns
-    is killed and replaced, and the sample scores 0. Exceptions score 0 as well; both are counted
-    and the first traceback is printed once per run. So do NaN or infinite scores (counted in
-    Scored.nonfinite, the sample shown once); a run that would rather stop on them says so with
-    --stop-on-nonfinite-reward (common.tracking stops it at that step).
-    """
+    """Scores (data_source, solution_str, ground_truth, extra_info) tuples in worker processes, one
+    task per worker at a time, so every sample gets its own timeout. A sample that overruns (its worker
+    is killed and replaced), raises, or scores NaN or infinity gets 0 and is counted; the first traceback
+    and the first such score are logged once. --stop-on-nonfinite-reward stops the run at a NaN or
+    infinite score instead (common.tracking)."""
 
     def __init__(self, spec: str | None = None, workers: int = 2, timeout: float = 10.0, log_path=None):
         self.spec, self.timeout = spec, timeout
-        self.tools = self.interactions = None  # the agent loop's pools (start_agent_pools), closed with this one
-        self.envs = None  # the environment workers of an --env-config run (start_env_pool), closed with it
+        self.tools = self.interactions = self.envs = None  # side pools: start_agent_pools, start_env_pool
         self.dry_run_report = None  # (every row scored, what dry_run scored in words): common.check
         self.output = _WorkerOutput(log_path)
         self.workers = [self._start() for _ in range(max(1, workers))]
@@ -185,16 +166,11 @@ class RewardPool:
         self.printed_error = self.printed_nonfinite = False
 
     def _start(self):
-        """A new worker, returned once it has loaded the reward function, so that start-up time
-        never counts against a sample's timeout. Workers are fresh interpreters running only this
-        module: no fork of a multi-threaded trainer, no re-import of the recipe."""
+        """A new worker, once it has loaded its function (start-up never counts against a timeout): a
+        fresh interpreter running only this module, no fork of a multi-threaded trainer or re-import of the recipe."""
         mine, theirs = socket.socketpair()
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(
-                [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]
-            ),
-        }
+        root = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
         code = "import sys; from common.rewards import _worker_main; _worker_main(int(sys.argv[1]), sys.argv[2])"
         proc = subprocess.Popen(
             [sys.executable, "-c", code, str(theirs.fileno()), self.spec or ""], pass_fds=[theirs.fileno()], env=env,
@@ -210,10 +186,8 @@ class RewardPool:
             proc.wait()
             if not self.spec:
                 raise RuntimeError(f"reward worker for the built-in rewards failed to start: {detail}")
-            flag, shown = next(
-                ((flag, self.spec.removeprefix(prefix)) for prefix, flag in SIDE_POOLS if self.spec.startswith(prefix)),
-                ("--reward-fn", self.spec),
-            )
+            prefix = next((p for p in SIDE_POOLS if self.spec.startswith(p)), "")
+            flag, shown = SIDE_POOLS.get(prefix, "--reward-fn"), self.spec.removeprefix(prefix)
             shown = shown.partition(":")[2] if flag == "--env-config" else shown  # past max_traj_per_env
             if status == "hung":
                 raise UsageError(f"{flag} {shown}: importing it did not finish in {STARTUP_TIMEOUT:.0f}s (it hangs?)")
@@ -234,10 +208,8 @@ class RewardPool:
 
     def score(self, tasks: list[tuple]) -> Scored:
         t0 = time.time()
-        if self.spec and self.spec.startswith(BATCH_PREFIX):
-            results, failures, first_error = self._run_batch(tasks)
-        else:
-            results, failures, first_error = self.run(tasks)
+        run = self._run_batch if self.spec and self.spec.startswith(BATCH_PREFIX) else self.run
+        results, failures, first_error = run(tasks)
         timeouts = sum(1 for f in failures.values() if f == "timeout")
         errors = len(failures) - timeouts
         if first_error and not self.printed_error:
@@ -249,18 +221,13 @@ class RewardPool:
         nonfinite = [i for i, s in enumerate(scores) if not finite(s)]
         if nonfinite and not self.printed_nonfinite:
             self.printed_nonfinite = True
-            i = nonfinite[0]
             log.warning("reward function returned %r for data_source=%r (scored 0, counted in reward/nonfinite; "
-                        "shown once)", results[i], tasks[i][0])  # fmt: skip
+                        "shown once)", results[nonfinite[0]], tasks[nonfinite[0]][0])  # fmt: skip
         scores = [s if finite(s) else 0.0 for s in scores]
-        extras = [
-            {k: float(v) for k, v in r.items() if k != "score" and isinstance(v, int | float)}
-            if isinstance(r, dict)
-            else {}
-            for r in results
-        ]
+        dicts = [r if isinstance(r, dict) else {} for r in results]
+        extras = [{k: float(v) for k, v in d.items() if k != "score" and isinstance(v, int | float)} for d in dicts]
         ok = [r is not None for r in results]
-        preds = [r.get("pred") if isinstance(r, dict) and isinstance(r.get("pred"), str) else None for r in results]
+        preds = [d.get("pred") if isinstance(d.get("pred"), str) else None for d in dicts]
         return Scored(scores, extras, errors, timeouts, first_error, time.time() - t0, ok, len(nonfinite), preds)
 
     def _run_batch(self, tasks: list[tuple]) -> tuple[list, dict[int, str], str | None]:
@@ -278,11 +245,10 @@ class RewardPool:
         return list(result), {}, None
 
     def run(self, tasks: list[tuple], slots: list[int] | None = None) -> tuple[list, dict[int, str], str | None]:
-        """Each task's arguments through the workers' function, one task per worker at a time:
-        (results, None where it failed; {task index: "timeout" or the last line of what it
-        raised}; the first traceback). slots: the worker each task must run on (modulo the
-        workers), in order, as stateful hosts need (common.envs.EnvHost); default: any free one.
-        A worker that dies or overruns is replaced: restarts[slot] counts how often."""
+        """Each task's arguments through the workers' function, one task per worker at a time. Returns
+        (results, None where a task failed; {task index: "timeout" or the last line it raised}; the first
+        traceback). slots: each task's worker (modulo the workers), in order, as stateful hosts need
+        (common.envs.EnvHost); default: any free one. A worker that dies or overruns is replaced (restarts)."""
         results: list = [None] * len(tasks)
         anywhere: deque = deque()
         pinned: list[deque] = [deque() for _ in self.workers]
@@ -325,11 +291,10 @@ class RewardPool:
         return results, failures, first_error
 
     def dry_run(self, rows: list[dict], per_source: int = 2) -> None:
-        """Score up to `per_source` rows of every data_source among `rows` before the first step,
-        each row's ground truth standing in for a response, under the same timeout as training. A
-        data_source whose every tried row fails (a bad signature or return type, a data_source
-        without a built-in, a missing ground truth) is an error now, naming it, rather than a run of
-        zeros; some rows failing is a warning."""
+        """Before the first step, score up to `per_source` rows of each data_source, the ground truth
+        standing in for a response, under the training timeout. A data_source whose every tried row fails
+        (a bad signature or return type, no built-in, no ground truth) is a UsageError naming it rather
+        than a run of zeros; some rows failing is a warning."""
         tried: dict[str, list[dict]] = {}
         for r in rows:
             if len(tried.setdefault(r["data_source"], [])) < per_source:
@@ -350,15 +315,13 @@ class RewardPool:
         ok = {r["data_source"] for r, score_ok in zip(picked, scored.ok) if score_ok}
         for source, group in tried.items():
             if source not in ok:
-                where = f"{group[0].get('file', '?')} row {group[0].get('row', '?')}"
                 raise UsageError(
                     f"reward dry run failed ({name}) on every row tried for data_source={source!r}, e.g. "
-                    f"{where}: {reason[0]}"
+                    f"{group[0].get('file', '?')} row {group[0].get('row', '?')}: {reason[0]}"
                 )
-        if scored.errors + scored.timeouts:
-            log.warning("reward dry run (%s): %d of %d rows failed: %s", name,
-                        scored.errors + scored.timeouts, len(picked), reason[0])  # fmt: skip
         failed = scored.errors + scored.timeouts
+        if failed:
+            log.warning("reward dry run (%s): %d of %d rows failed: %s", name, failed, len(picked), reason[0])
         self.dry_run_report = (failed == 0, (
             f"{name} scored {len(picked) - failed} of {len(picked)} real rows ({len(tried)} data_source"
             f"{'s' if len(tried) > 1 else ''}) in {time.time() - start:.1f}s (--reward-timeout {self.timeout:g}s)"
@@ -370,10 +333,8 @@ class RewardPool:
             if side is not None:
                 side.close()
         for proc, conn in self.workers:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(None)
-            except OSError:
-                pass
             try:
                 proc.wait(timeout=1)
             except subprocess.TimeoutExpired:
@@ -397,13 +358,12 @@ def start_reward_pool(
     env: dict | None = None,
     tokenizer=None,
 ) -> RewardPool:
-    """The worker pool for --reward-fn (or the built-ins), checked before any model loads: a
-    missing file fails with its name; the file is imported only in the workers (its code never
-    runs in the trainer, and a hang or error at import is a UsageError, not a stuck run); a dry
-    run scores rows of every data_source in dry_run_rows (prompt rows from common.data) with their
-    ground truths. Pass no rows when a reward model scores instead. What the workers print goes
-    to log_path (see _WorkerOutput). env: start_env_pool's arguments, for an --env-config run, whose
-    rows (common.envs.env_rows) it checks with the tokenizer instead of scoring."""
+    """The worker pool for --reward-fn (or the built-ins), checked before any model loads: a missing
+    file fails with its name; the file is imported only in the workers (its code never runs in the
+    trainer; a hang or error at import is a UsageError, not a stuck run); a dry run scores rows of each
+    data_source in dry_run_rows (common.data's prompt rows; none when a reward model scores). What the
+    workers print goes to log_path (_WorkerOutput). env: start_env_pool's arguments (--env-config),
+    whose rows (common.envs.env_rows) it checks with the tokenizer instead of scoring."""
     if reward_fn and not Path(reward_fn.partition(":")[0]).expanduser().is_file():
         raise UsageError(f"--reward-fn {reward_fn}: file {reward_fn.partition(':')[0]!r} does not exist")
     spec = BATCH_PREFIX + reward_fn if batch and reward_fn else reward_fn
@@ -419,21 +379,14 @@ def start_reward_pool(
 
 def start_agent_pools(tool_config: str | None, interaction_config: str | None, *, workers: int, timeout: float,
                       log_path=None) -> tuple[RewardPool | None, RewardPool | None]:  # fmt: skip
-    """The agent loop's worker pools (common.agent), each None without its flag: the tools of
-    --tool-config (`workers` of them) and the interactions of --interaction-config (one worker,
-    which holds every running interaction's state). Started now, so an import that fails or hangs
-    is an error before any model loads."""
-    tools = (
-        RewardPool(TOOLS_PREFIX + tool_config, workers=workers, timeout=timeout, log_path=log_path)
-        if tool_config
-        else None
-    )
-    interactions = (
-        RewardPool(INTERACTIONS_PREFIX + interaction_config, workers=1, timeout=timeout, log_path=log_path)
-        if interaction_config
-        else None
-    )
-    return tools, interactions
+    """The agent loop's pools (common.agent), each None without its flag: --tool-config's tools (`workers`
+    workers) and --interaction-config's interactions (one worker: it holds every interaction's state).
+    Started now, so an import that fails or hangs is an error before any model loads."""
+
+    def pool(prefix: str, config: str | None, workers: int) -> RewardPool | None:
+        return RewardPool(prefix + config, workers=workers, timeout=timeout, log_path=log_path) if config else None
+
+    return pool(TOOLS_PREFIX, tool_config, workers), pool(INTERACTIONS_PREFIX, interaction_config, 1)
 
 
 def start_env_pool(config: str, *, workers: int, timeout: float, max_traj_per_env: int, max_prompt_length: int,

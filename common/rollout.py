@@ -1,8 +1,6 @@
-"""A step's batch, whichever engine samples it: start_engine builds the engine the flags ask for
-(common.engines, common.remote, behind common.agent's loop for tool rows); generate_and_score
-samples and scores one rank's prompts and packs them for the trainer; evaluate gives val/*; Rollout
-holds what steps 1-3 and validation use together.
-"""
+"""A step's batch, whichever engine samples it: start_engine builds the engine the flags ask for; generate_and_score
+samples, scores and packs one rank's prompts for the trainer; evaluate gives val/*; Rollout holds what steps 1-3 and
+validation use together. Also the rollout's flag groups, with their cross-flag checks."""
 
 import logging
 import math
@@ -27,11 +25,10 @@ from common.scoring import hit, load_from_file
 
 log = logging.getLogger(__name__)
 
-# The largest and mean |trainer - engine| logprob over the probe's response tokens that pass, by the
-# dtype the trainer computes in. float32: the bundled model measures 2e-6 to 7e-6 (vLLM) and below
-# 1e-5 (HF), so a real gap (stale weights, a wrong position, another chat template) is orders
-# above the bound. Half precision rounds each side differently: a token's logprob may move by
-# tenths of a nat, the mean far less.
+# The largest and mean |trainer - engine| logprob over the probe's response tokens that pass, by the trainer's dtype.
+# float32: the bundled model measures 2e-6 to 7e-6 (vLLM) and below 1e-5 (HF), so a real gap (stale weights, a wrong
+# position, another chat template) is orders above the bound. Half precision rounds each side differently: a token's
+# logprob may move by tenths of a nat, the mean far less.
 TOLERANCE = {torch.float32: (1e-3, 1e-4), torch.bfloat16: (0.5, 0.05), torch.float16: (0.25, 0.02)}
 
 
@@ -52,9 +49,8 @@ def load_rl_models(
     reward_model: str | None = None,
     remove_padding: bool | str = False,
 ):
-    """The trained policy (common.model.load_trained_model); with_reference a frozen copy for KL terms (with
-    LoRA no copy: AdapterOff, the policy with its adapter switched off); the optional reward model,
-    which reads text with tokenizer. Returns (policy, reference or None, reward model or None, run_info)."""
+    """(policy, reference or None, reward model or None, run_info). The reference, for KL terms, is a frozen copy (with
+    LoRA: AdapterOff, the policy with its adapter off); the reward model reads text with tokenizer."""
     model, run_info = load_trained_model(
         path, dist, strategy=strategy, dtype=dtype, trust_remote_code=trust_remote_code,
         mixed_precision=mixed_precision, gradient_checkpointing=gradient_checkpointing, lora_rank=lora_rank,
@@ -89,15 +85,11 @@ def load_rl_data(
     env: dict | None = None,
     difficulty: bool = False,
 ) -> tuple[list[dict], LoadStats, list[dict]]:
-    """Training and validation prompts of an RL recipe (validation empty without val_files);
-    too few training prompts for one batch fail here, before any model loads. ground_truth:
-    "required" (the built-in rewards score against it: a row without one is an error naming it),
-    "optional" (a user's reward function may not need one: rows without are counted in a warning)
-    or "unused" (a reward model scores). tools: the --tool-config schemas, which tool_agent rows
-    are templated with; interactions: the --interaction-config names; tool_classes: the names of
-    its tool classes (common.tools.check_agent_rows). env: an --env-config run's common.envs.env_rows arguments: its rows
-    replace the files'. difficulty: every training row must hold a number in its `difficulty`
-    column (or extra_info.difficulty), for --difficulty-loss-weight."""
+    """(train, its LoadStats, val) prompts of an RL recipe; too few training prompts for one batch fail here, before
+    any model loads. ground_truth: "required" (the built-in rewards score against it: a row without one is an error),
+    "optional" (a user's reward function may not need one: a warning counts rows without) or "unused" (a reward model
+    scores). tools, interactions, tool_classes: what common.tools.check_agent_rows holds agent rows to. env: the
+    arguments of common.envs.env_rows, whose rows replace the files'. difficulty: every training row needs a number."""
     if env is not None:
         if difficulty:
             raise DataError("--difficulty-loss-weight: environment rows have no difficulty column; drop the flag")
@@ -146,38 +138,30 @@ def _agent_row(row: dict) -> bool:
 
 
 def reward_task(row: dict, completion: Completion, text: str) -> tuple:
-    """The reward pool's (data_source, solution_str, ground_truth, extra_info) for one response;
-    a conversation's own extra_info (common.agent) is added to a copy of the row's."""
-    extra_info = row["extra_info"]
-    if completion.extra_info:
-        extra_info = {**(extra_info or {}), **completion.extra_info}
+    """The reward pool's (data_source, solution_str, ground_truth, extra_info), with a conversation's extra_info."""
+    extra_info = {**(row["extra_info"] or {}), **completion.extra_info} if completion.extra_info else row["extra_info"]
     return row["data_source"], text, row["ground_truth"], extra_info
 
 
 def start_engine(model, tokenizer, dist, version: int = 0, *, rollout_name: str = "hf", batch_size: int = 256,
                  remote: dict | None = None, agent: dict | None = None, env: dict | None = None,
                  **vllm_kwargs):  # fmt: skip
-    """The rollout engine --rollout-name and --rollout-placement ask for, holding weights `version`
-    (the step the run starts from): the HF engine on the live policy (the vLLM flags unused), a
-    VLLMEngine loaded from model_path and synced with `model` at once, or (remote: the
-    PlacementArgs) common.remote.RemoteEngines, HF or vLLM engines in Ray actors, synced at once. Call it
-    after a resume has loaded the trainer's weights, or an engine with its own copy would start
-    from the checkpoint's base model. With `agent` (common.config.AgentArgs.agent_kwargs) the
-    engine runs behind common.agent.AgentLoop; with `env` (common.config.EnvArgs.env_kwargs) behind
-    common.env_manager.EnvLoop, or the --env-manager class that subclasses it."""
-    if env is not None:
+    """The engine the flags ask for, holding weights `version` (the step the run starts from): HFEngine on the live
+    policy (the vLLM flags unused), a VLLMEngine loaded from model_path, or with `remote` common.remote.RemoteEngines
+    (HF or vLLM engines in Ray actors). One with its own weights syncs with `model` at once: call this after a resume
+    has loaded them. `agent` / `env` (AgentArgs.agent_kwargs / EnvPlayArgs.env_kwargs) put it behind
+    common.agent.AgentLoop / common.env_manager.EnvLoop (or the --env-manager subclass)."""
+    if env is not None or agent is not None:
+        inner = start_engine(model, tokenizer, dist, version, rollout_name=rollout_name, batch_size=batch_size,
+                             remote=remote, **vllm_kwargs)  # fmt: skip
+        if env is None:
+            from common.agent import AgentLoop
+
+            return AgentLoop(inner, tokenizer, **agent)
         from common.env_manager import EnvLoop
 
-        inner = start_engine(model, tokenizer, dist, version, rollout_name=rollout_name, batch_size=batch_size,
-                             remote=remote, **vllm_kwargs)  # fmt: skip
         manager = load_from_file(env["manager"], "--env-manager", "", kind="class") if env["manager"] else EnvLoop
         return manager(inner, tokenizer, **{k: v for k, v in env.items() if k != "manager"})
-    if agent is not None:
-        from common.agent import AgentLoop
-
-        inner = start_engine(model, tokenizer, dist, version, rollout_name=rollout_name, batch_size=batch_size,
-                             remote=remote, **vllm_kwargs)  # fmt: skip
-        return AgentLoop(inner, tokenizer, **agent)
     if remote is not None:
         from common.remote import RemoteEngines
 
@@ -201,23 +185,20 @@ def start_engine(model, tokenizer, dist, version: int = 0, *, rollout_name: str 
 
 
 def engine_logprobs(engine, batch: dict, temperature: float) -> torch.Tensor:
-    """The logprob an engine's model gives each response token of a trainer batch (common.engines'
-    score of each row's prompt and response, read off the batch's tensors), (B, T) on the batch's
-    device, 0 past each response. Collective for remote engines, as generate is."""
+    """The engine's logprob of each response token of a trainer batch (its score of each row's prompt and response),
+    (B, T) float32 on the batch's device, 0 past each response. Collective for remote engines, as generate is."""
     T = batch["responses"].shape[1]
     P = batch["input_ids"].shape[1] - T
     ids, real = batch["input_ids"].cpu(), batch["attention_mask"].cpu().bool()
     prompts = [row[:P][keep[:P]].tolist() for row, keep in zip(ids, real)]
     responses = [row[P:][keep[P:]].tolist() for row, keep in zip(ids, real)]
-    scored = engine.score(prompts, responses, temperature)
-    padded = [logprobs + [0.0] * (T - len(logprobs)) for logprobs in scored]
+    padded = [logprobs + [0.0] * (T - len(logprobs)) for logprobs in engine.score(prompts, responses, temperature)]
     return torch.tensor(padded, dtype=torch.float32, device=batch["responses"].device)
 
 
 def pack_groups(rows: list[tuple], n: int, tokenizer, device) -> dict:
-    """The trainer tensors (common.data.pack_sequences) for rows [(prompt row, Completion)] whose
-    group g sits at rows g*n .. g*n+n-1, plus those rows, group_ids (B,) and rollout_logprobs
-    (B, T): the engine's logprob of each sampled token (0 past a response's end)."""
+    """The trainer tensors (common.data.pack_sequences) of rows [(prompt row, Completion)], group g at rows g*n ..
+    g*n+n-1, plus those rows, group_ids (B,) and rollout_logprobs (B, T): the engine's (0 past a response's end)."""
     prompts, responses = [p["prompt_ids"] for p, _ in rows], [c.token_ids for _, c in rows]
     batch = pack_sequences(prompts, responses, tokenizer.pad_token_id, device)
     width = batch["responses"].shape[1]
@@ -233,10 +214,8 @@ def pack_groups(rows: list[tuple], n: int, tokenizer, device) -> dict:
 
 
 def regroup(groups: list[list[tuple]], parts: list[dict], tokenizer, device) -> dict:
-    """One batch of groups picked from several generate_and_score batches (parts, of any rank), as
-    DAPO's dynamic sampling keeps them: each group [(row, reward, score, extra)] per response, in
-    the order of its part's rows / rewards / scored. The counts of every part's scoring (errors,
-    timeouts) stay counted, and timing sums over the parts."""
+    """One batch of the groups [(row, reward, score, extra)] DAPO's dynamic sampling keeps from several
+    generate_and_score batches (parts, of any rank); the parts' scoring counts (errors, timeouts) and timing add up."""
     rows, rewards, scores, extras = zip(*(member for group in groups for member in group))
     batch = pack_groups(rows, len(groups[0]), tokenizer, device)
     batch["rewards"] = torch.tensor(rewards, dtype=torch.float32, device=device)
@@ -249,21 +228,15 @@ def regroup(groups: list[list[tuple]], parts: list[dict], tokenizer, device) -> 
 
 
 def sample(engine, prompts: list[dict], sampling: Sampling) -> list[list[Completion]]:
-    """sampling.n completions of each prompt row: through the agent loop when the engine runs one
-    (common.agent.AgentLoop: each row's agent_name), else from its prompt ids alone."""
+    """sampling.n completions of each prompt row, through the agent loop (each row's agent_name) if there is one."""
     if hasattr(engine, "generate_rows"):
         return engine.generate_rows(prompts, sampling)
     return engine.generate([p["prompt_ids"] for p in prompts], sampling)
 
 
-def is_env_row(row: dict) -> bool:
-    return row.get("agent_name") == "env"
-
-
 def score(pool, rows: list[tuple], texts: list[str]) -> Scored:
-    """The reward pool's scores for [(prompt row, Completion)]; an environment's trajectory
-    (common.env_manager) scores its return, and counts as correct when it succeeded."""
-    if rows and is_env_row(rows[0][0]):
+    """The pool's scores of [(prompt row, Completion)]; an environment's trajectory scores its return (won: correct)."""
+    if rows and rows[0][0].get("agent_name") == "env":
         results = [c.extra_info["env"] for _, c in rows]
         return Scored([e["return"] for e in results], [{"acc": float(e["success"])} for e in results],
                       ok=[True] * len(rows))  # fmt: skip
@@ -271,24 +244,16 @@ def score(pool, rows: list[tuple], texts: list[str]) -> Scored:
 
 
 def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, reward_model=None) -> dict:
-    """Steps 2-3 of every RL recipe for this rank's prompts (rows from common.data.load_prompts):
-    sampling.n responses each, packed for the trainer (common.data.pack_sequences), then scored
-    by the reward pool (verl's compute_score) or, when given, the reward model.
-
-    Adds rows [(prompt row, Completion)] with group g at rows g*n .. g*n+n-1, group_ids (B,),
-    rollout_logprobs (B, T), weight_version (the engine's), scored (the pool's Scored: errors,
-    timeouts, nonfinite, extra keys), rewards (B,) float32, and timing
-    {perf/generate_s, perf/score_s}, and started (when the generation began: perf/step_s counts from it).
-    """
+    """Steps 2-3 for this rank's prompts: sampling.n responses each, packed (pack_groups), scored by the reward pool
+    (verl's compute_score) or the reward model. Adds weight_version (the engine's), engine_stats, scored (the pool's
+    Scored: errors, timeouts, nonfinite, extra keys), rewards (B,) float32, timing {perf/generate_s, perf/score_s} and
+    started (when generation began: perf/step_s counts from it)."""
     t = time.time()
-    groups = sample(engine, prompts, sampling)
-    rows = [(p, c) for p, group in zip(prompts, groups) for c in group]
+    rows = [(p, c) for p, group in zip(prompts, sample(engine, prompts, sampling)) for c in group]
     responses = [c.token_ids for _, c in rows]
     batch = pack_groups(rows, sampling.n, tokenizer, device)
     batch["started"], batch["timing"] = t, {"perf/generate_s": time.time() - t}
-    batch["weight_version"] = (
-        engine.weight_version
-    )  # the weights it holds now (a Completion's version: those that sampled it)
+    batch["weight_version"] = engine.weight_version  # held now (a Completion's version: the weights that sampled it)
     batch["engine_stats"] = engine.stats() if hasattr(engine, "stats") else {}
 
     t = time.time()
@@ -307,21 +272,17 @@ def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, rewar
 
 
 def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist, log_generations: int = 0) -> dict:
-    """Sample responses to every row (sharded over ranks), score them, and return val/* metrics:
-    the mean reward, the accuracy overall and per data_source (a result's own "acc" key when
-    it has one, else score > 0), and the samples whose scoring raised, timed out or gave NaN (counted
-    in val/reward/errors, timeouts and nonfinite: they score 0, so they must not pass for wrong
-    answers). With log_generations N (verl's trainer.log_val_generations), val/generations holds
-    the first N rows' prompt, first response, ground truth and score, for common.tracking to log.
-    Through the agent loop (common.agent), also val/agent/*: this rank's conversations."""
+    """val/* of every row's responses (sharded over ranks): the mean reward, the accuracy overall and per data_source
+    (hit: a result's "acc", else score > 0), and the samples whose scoring raised, timed out or gave NaN (they score 0,
+    so must not pass for wrong answers). log_generations N (verl's trainer.log_val_generations): val/generations holds
+    the first N rows' prompt, first response, ground truth and score. With the agent loop, val/agent/*: this rank's."""
     local, n_real = shard_evenly(rows, dist)
     completions = sample(engine, local, sampling)[:n_real]
     agent = engine.agent_metrics() if hasattr(engine, "agent_metrics") else {}  # this rank's conversations
     pairs = [(row, c) for row, group in zip(local[:n_real], completions) for c in group]
     texts = tokenizer.batch_decode([c.token_ids for _, c in pairs], skip_special_tokens=True)
     scored = score(pool, pairs, texts)
-    hits = [hit(s, e) for s, e in zip(scored.scores, scored.extras)]
-    mine = list(zip([r["data_source"] for r, _ in pairs], scored.scores, hits))
+    mine = [(r["data_source"], s, hit(s, e)) for (r, _), s, e in zip(pairs, scored.scores, scored.extras)]
     results = [x for part in gather_objects(mine) for x in part]
     failures = [sum(c) for c in zip(*gather_objects((scored.errors, scored.timeouts, scored.nonfinite)))]
     metrics = {
@@ -332,7 +293,7 @@ def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist
         "val/reward/nonfinite": failures[2],
         **{f"val/{k}": v for k, v in agent.items()},
     }
-    if local and is_env_row(local[0]):
+    if local and local[0].get("agent_name") == "env":
         from common.envs import env_metrics
 
         metrics.update(env_metrics(pairs, "val/env"))
@@ -350,12 +311,9 @@ def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist
 
 @dataclass
 class Rollout:
-    """Steps 1-3 and validation of every RL recipe, over what they use together: the prompts, the
-    engine, the reward pool (and reward model, when one scores), the tokenizer and the process
-    layout. step(i): this rank's share of step i's prompts (common.data.step_rows: batch_size
-    prompts a step in a seeded order per epoch), sampling.n responses each, scored
-    (generate_and_score), with the step's epoch. validate(): val/* over `val` (evaluate) and its
-    seconds, perf/validate_s."""
+    """Steps 1-3 and validation of every RL recipe, over what they use together. step(i): this rank's share of step
+    i's prompts (common.data.step_rows: batch_size a step, in a seeded order per epoch), sampled and scored
+    (generate_and_score), with the step's epoch. validate(): val/* over `val` (evaluate) and perf/validate_s."""
 
     train: list[dict]
     val: list[dict]
@@ -386,13 +344,12 @@ class Rollout:
         return {**metrics, "perf/validate_s": time.time() - start}
 
 
-# --- the flag groups of the rollout: sampling and batches, placement, teacher, agent, environments, validation,
-# and ROLL's conditioning (a feature: common.conditioning loads only when a knob of it is on)
+# --- the rollout's flag groups: placement, sampling and batches, ROLL's conditioning, agent, environments, validation
 @dataclass
 class PlacementArgs:
     rollout_placement: Literal["colocated", "remote"] = "colocated"
-    """colocated: the engine runs in the trainer's processes; remote: --num-rollout-engines Ray actors
-    with their own copy of the weights, streamed to them after every step"""
+    """colocated: the engine runs in the trainer's processes; remote: in Ray actors with their own copy of the weights,
+    streamed to them after every step"""
     num_rollout_engines: int = flag(2, ge=1)
     """remote: engine processes (Ray actors)"""
     engine_num_cpus: float = flag(1.0, gt=0)
@@ -402,26 +359,21 @@ class PlacementArgs:
     ray_address: str | None = None
     """remote: the Ray cluster to join (default: $RAY_ADDRESS, else Ray starts inside this job)"""
     max_staleness: int = flag(0, ge=0, note="0 is synchronous")
-    """remote: steps of rollouts generated ahead while the trainer trains; no sample is trained on
-    more than this many weight versions after the one that sampled it (0: synchronous)"""
+    """remote: most weight versions a sample may lag the policy it trains (rollouts generated ahead; 0: synchronous)"""
     engine_timeout: float = flag(300.0, gt=0, unit="seconds")
     """remote: seconds any wait on an engine may last before the run stops, naming the engine"""
 
     def placement_kwargs(self, train: list, total_steps: int) -> dict:
-        """The keyword arguments of common.rollout.start_engine for the placement: with remote
-        engines, the requests of the steps ahead (common.remote.StepPrompts over `train`)."""
+        """start_engine's `remote` (none colocated), with the steps' requests (common.remote.StepPrompts of `train`)."""
         if self.rollout_placement == "colocated":
             return {}
         from common.remote import StepPrompts
 
-        names = ("num_rollout_engines", "engine_num_cpus", "engine_num_gpus", "ray_address", "max_staleness",
-                 "engine_timeout")  # fmt: skip
-        schedule = (
-            None
-            if getattr(self, "env_config", None)  # an environment's prompts come as it plays
-            else StepPrompts(train, self.train_batch_size, self.seed, self.shuffle, self.samplings()[0])
-        )
-        return {"remote": {**{k: getattr(self, k) for k in names}, "schedule": schedule, "total_steps": total_steps}}
+        remote = {f.name: getattr(self, f.name) for f in fields(PlacementArgs) if f.name != "rollout_placement"}
+        schedule = None  # an environment's prompts come as it plays
+        if not getattr(self, "env_config", None):
+            schedule = StepPrompts(train, self.train_batch_size, self.seed, self.shuffle, self.samplings()[0])
+        return {"remote": {**remote, "schedule": schedule, "total_steps": total_steps}}
 
 
 @dataclass
@@ -473,10 +425,9 @@ class RolloutArgs:
     bypass_mode: bool = False
     """take the engine's logprobs as the old policy (saves the trainer's old-logprob pass)"""
     check_freq: int = flag(10, ge=0, note="0: never during training")
-    """after the launch check, the engine's logprobs stay the trainer's: the gap logged every step
-    (rollout/logprob_diff_*) is bounded, or, where it proves nothing (--top-p, --top-k, --max-staleness,
-    --bypass-mode, a rollout correction), the check's probe runs every N steps after the sync
-    (check/engine_gap_*); past the bounds the run saves and stops (0: never)"""
+    """after the launch check, the engine's logprobs stay the trainer's: the per-step gap (rollout/logprob_diff_*) is
+    bounded or, where it proves nothing (--top-p, --top-k, --max-staleness, --bypass-mode, a rollout correction), the
+    check's probe reruns every N steps (check/engine_gap_*); past the bounds the run saves and stops (0: never)"""
 
     @property
     def engine_holds_own_weights(self) -> bool:
@@ -485,45 +436,38 @@ class RolloutArgs:
 
     @property
     def old_logprobs_from(self) -> Literal["engine", "pass", "when-stale"]:
-        """Where step 4's old logprobs come from: the engine's own ("engine", --bypass-mode); a
-        no-grad trainer pass ("pass") when they are needed before the update (a KL in the reward,
-        --use-kl-in-reward) or set against the engine's (its mismatch measured for an engine with
-        its own weights, or corrected by --rollout-is); else a pass only when the policy moves
-        before a sample is used ("when-stale"), the update's own logprobs being exact."""
+        """Where step 4's old logprobs come from: the engine ("engine", --bypass-mode); a no-grad trainer pass ("pass")
+        when needed before the update (--use-kl-in-reward) or set against the engine's (an engine with its own weights,
+        --rollout-is, --rollout-rs); else a pass only for a sample the policy moved past ("when-stale": the update's
+        own logprobs are exact for the rest)."""
         if self.bypass_mode:
             return "engine"
         before_update = getattr(self, "use_kl_in_reward", False) or self.engine_holds_own_weights
-        before_update = before_update or self.rollout_is or self.rollout_rs
-        return "pass" if before_update else "when-stale"
+        return "pass" if before_update or self.rollout_is or self.rollout_rs else "when-stale"
 
     @property
     def gap_proves_sync(self) -> bool:
-        """Whether the trainer-engine gap the run logs every step (rollout/logprob_diff_*) proves the weight
-        sync: an engine with its own weights sampling on policy (--max-staleness 0) from the whole
-        distribution (no --top-p / --top-k, whose engine logprobs are of the truncated one), set against
-        the trainer's own old logprobs (not --bypass-mode), in a run that does not correct for a gap it
-        expects (--rollout-is, --rollout-rs)."""
+        """Whether the per-step gap proves the weight sync: an engine with its own weights sampling on policy from the
+        whole distribution (no --max-staleness, --top-p, --top-k), against the trainer's old logprobs (no
+        --bypass-mode), in a run that expects no gap (no --rollout-is / --rollout-rs)."""
         whole = self.top_p == 1 and self.top_k == -1 and not getattr(self, "max_staleness", 0)
         expected = self.bypass_mode or self.rollout_is or self.rollout_rs
         return self.engine_holds_own_weights and whole and not expected
 
     def gap_bound(self, dtype) -> dict | None:
-        """common.tracking.Tracker's bound on that logged gap's mean, the launch check's TOLERANCE for the
-        dtype the trainer computes in (none with --check off or --check-freq 0, or where it proves nothing)."""
+        """Tracker's bound on the logged gap's mean: TOLERANCE for the trainer's dtype (none with --check off,
+        --check-freq 0, or where the gap proves nothing)."""
         if self.check == "off" or not self.check_freq or not self.gap_proves_sync:
             return None
         return dict(mean=TOLERANCE[dtype][1], dtype=str(dtype).removeprefix("torch."), warn=self.check == "warn")
 
     @property
     def probe_freq(self) -> int:
-        """--check-freq for the launch check's probe (common.check.Check.during): only where the logged gap
-        cannot prove the sync of an engine with its own weights; the HF engine samples with the trainer's."""
+        """--check-freq for the probe (common.check), only for own-weights engines whose logged gap proves nothing."""
         return self.check_freq if self.engine_holds_own_weights and not self.gap_proves_sync else 0
 
     def rollout_kwargs(self) -> dict:
-        """The keyword arguments of common.rollout.Rollout that these flags set: the data order, the
-        training and validation sampling (samplings) and what validation logs. Environment seeds are
-        played in order (common.envs.env_rows: each batch holds every tag's share; the seeds are the randomness)."""
+        """Rollout's keyword arguments; environment seeds play in order (each batch holds every tag's share)."""
         sampling, val_sampling = self.samplings()
         return dict(
             sampling=sampling,
@@ -534,7 +478,7 @@ class RolloutArgs:
             log_val_generations=self.log_val_generations,
         )
 
-    def batch_plan(self, world_size: int) -> "BatchPlan":
+    def batch_plan(self, world_size: int) -> BatchPlan:
         """The checked batch arithmetic (plan_batches) for this many processes."""
         return plan_batches(
             world_size=world_size, train_batch_size=self.train_batch_size, rollout_n=self.rollout_n,
@@ -547,9 +491,8 @@ class RolloutArgs:
     def samplings(self):
         """(training sampling: rollout_n per prompt, validation sampling: val_n per prompt)."""
         shared = dict(top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_response_length)
-        return Sampling(self.rollout_n, self.temperature, **shared), Sampling(
-            self.val_n, self.val_temperature, **shared
-        )
+        sampling = Sampling(self.rollout_n, self.temperature, **shared)
+        return sampling, Sampling(self.val_n, self.val_temperature, **shared)
 
     def rollout_is_kwargs(self) -> dict:
         """The keyword arguments of common.ops.rollout_correction that these flags set."""
@@ -560,19 +503,17 @@ class RolloutArgs:
 
 @dataclass
 class ConditioningArgs:
-    """ROLL's reward and advantage conditioning (common.conditioning) and loss terms, every knob off
-    by default. RLArgs holds them as its `conditioning` group: the flags keep their names, --help
-    shows them under one heading, and args.reward_norm reads as args.conditioning.reward_norm."""
+    """ROLL's reward and advantage conditioning and loss terms (common.conditioning, loaded only when a knob is on;
+    all off by default). RLArgs holds them as its `conditioning` group: the flags keep their names under one --help
+    heading, and args.reward_norm reads as args.conditioning.reward_norm."""
 
     reward_normalization_grouping: Literal["state", "batch", "inductive"] = "state"
-    """ROLL's reward_normalization.grouping: normalise rewards within a prompt's (seed's) group, the whole
-    step, or each data_source (environment tag)"""
+    """ROLL's reward_normalization.grouping: normalise per prompt (seed) group, per step, or per data_source (tag)"""
     reward_normalization_method: Literal["identity", "mean_std", "asym_clip"] = "identity"
     """ROLL's reward_normalization.method: identity (off), mean_std, or mean_std clipped to [-1, 3]"""
-
     add_len_reward: bool = False
-    """ROLL's add_len_reward, as Kimi k1.5 defines it: within a group, shorter correct responses gain up to
-    +0.5 and longer ones lose up to -0.5 (wrong ones only lose), times --len-reward-coef"""
+    """ROLL's add_len_reward, as Kimi k1.5 defines it: within a group, shorter correct responses gain up to +0.5 and
+    longer ones lose up to -0.5 (wrong ones only lose), times --len-reward-coef"""
     len_reward_coef: float = flag(1.0, gt=0)
     """weight of the length reward"""
     reward_norm: Literal["batch", "group", "running"] | None = None
@@ -604,9 +545,7 @@ class ConditioningArgs:
         return any(getattr(self, n) != getattr(ConditioningArgs, n) for n in names)
 
     def rewards(self, rewards, batch: dict, state: dict) -> "torch.Tensor":
-        """Step 3's conditioning (common.conditioning.condition_rewards, a feature loaded only when a
-        knob of it is on). state: the run's trainer state (common.checkpoint.resume's, saved with each
-        checkpoint), where --reward-norm running keeps its moments as state["reward_stats"]."""
+        """Step 3's conditioning; --reward-norm running keeps its moments in `state`, the checkpointed trainer state."""
         names = ("reward_norm", "reward_shift", "reward_scale", "whiten_rewards", "reward_clip", "add_len_reward",
                  "len_reward_coef", "reward_normalization_grouping", "reward_normalization_method")  # fmt: skip
         if not self._on(names):
@@ -630,8 +569,7 @@ class ConditioningArgs:
         return condition_advantages(advantages, response_mask, batch, **{k: getattr(self, k) for k in names})
 
     def loss(self, terms: dict, metrics: dict, *tensors) -> "torch.Tensor":
-        """The loss from a recipe's compute_loss terms: their sum, or with ROLL's loss terms
-        (common.conditioning.roll_loss, whose arguments tensors are)."""
+        """The sum of a recipe's compute_loss terms, or with ROLL's terms (common.conditioning.roll_loss of tensors)."""
         names = ("rl_loss_coef", "sft_loss_coef", "use_topr_loss")
         if not self._on(names):
             return sum(terms.values())
@@ -646,7 +584,7 @@ CONDITIONING_FLAGS = {f.name for f in fields(ConditioningArgs)}
 @dataclass
 class AgentArgs:
     tool_config: str | None = None
-    """YAML listing the tools of tool_agent rows: OpenAI function schemas and path/to/file.py:function (verl's tool config)"""
+    """YAML of tool_agent rows' tools: OpenAI function schemas and path/to/file.py:function (verl's tool config)"""
     interaction_config: str | None = None
     """YAML listing the interactions a row's extra_info.interaction_kwargs names (verl's interaction config)"""
     max_assistant_turns: int = flag(5, ge=1)
@@ -654,7 +592,7 @@ class AgentArgs:
     max_user_turns: int = flag(5, ge=1)
     """tool_agent: most interaction replies in one conversation"""
     tool_timeout: float = flag(10.0, gt=0, unit="seconds")
-    """tool_agent: seconds one tool or interaction call may take (a tool's then tells the model; an interaction's ends the conversation)"""
+    """tool_agent: seconds a tool call may take before the model is told (an interaction's ends the conversation)"""
     tokenization_sanity_check_mode: Literal["strict", "ignore_strippable", "off"] = "strict"
     """tool_agent: compare the turn-by-turn tokens with the whole conversation tokenised at once"""
 
@@ -682,10 +620,8 @@ class AgentArgs:
         return read_interaction_config(self.interaction_config).names
 
     def agent_kwargs(self, tool_pool, interaction_pool, lockstep: bool = True) -> dict:
-        """common.rollout.start_engine's `agent`: the keyword arguments of common.agent.AgentLoop
-        these flags set, its tools and interactions running in those pools
-        (common.rewards.start_agent_pools), and lockstep (AgentLoop's: False where each process
-        generates alone); none without --tool-config or --interaction-config."""
+        """start_engine's `agent` (none without --tool-config or --interaction-config): AgentLoop's keyword arguments,
+        its tools and interactions running in those pools; lockstep False where each process generates alone."""
         if not self.tool_config and not self.interaction_config:
             return {}
         from common.tools import read_interaction_config, read_tool_config
@@ -714,11 +650,9 @@ class EnvPlayArgs:
     format_penalty: float = flag(0.0, le=0, note="a penalty: ROLL's is negative")
     """environment: reward added to a turn whose action does not parse, <= 0 (ROLL's format_penalty)"""
     max_traj_per_env: int = flag(-1, rule=(lambda v: v == -1 or v >= 1, "-1 (no limit) or >= 1"))
-    """environment: trajectories one environment plays (reset with the next seed) before it is made anew; -1: no
-    limit (ROLL's max_traj_per_env)"""
+    """environment: trajectories per environment before it is made anew (-1: no limit; ROLL's max_traj_per_env)"""
     env_manager: str | None = None
-    """environment: path/to/file.py:Class, a subclass of common.env_manager.EnvLoop that plays instead (ROLL's
-    worker_cls)"""
+    """environment: path/to/file.py:Class subclassing common.env_manager.EnvLoop, to play instead (ROLL's worker_cls)"""
     env_gamma: float = flag(1.0, ge=0, le=1)
     """environment: discount of the per-turn rewards in a trajectory's return"""
     env_timeout: float = flag(10.0, gt=0, unit="seconds")
@@ -734,9 +668,7 @@ class EnvPlayArgs:
         return read_env_config(self.env_config).tags
 
     def env_kwargs(self, pool, lockstep: bool = True) -> dict:
-        """common.rollout.start_engine's `env`: the keyword arguments of common.env_manager.EnvLoop these flags
-        set, its environments running in `pool` (a RewardPool's .envs, or an environment pool itself); none
-        without --env-config."""
+        """start_engine's `env` (none without --env-config): EnvLoop's keyword arguments, its environments in `pool`."""
         if not self.env_config:
             return {}
         from common.envs import read_env_config
@@ -760,17 +692,14 @@ class EnvArgs(EnvPlayArgs):
     """A training run's environment flags: the groups of a step and the seeds of an epoch."""
 
     env_n_groups: tuple[int, ...] = flag((), ge=1)
-    """environment: groups a step of each tag, summing to --train-batch-size (default: an even split; ROLL's n_groups)"""
+    """environment: groups a step of each tag, summing to --train-batch-size (default: split evenly; ROLL's n_groups)"""
     env_train_seeds: int = flag(10000, ge=1)
     """environment: training seeds 0..N-1, each played once an epoch"""
 
     def env_groups(self) -> tuple[list[str], list[int]]:
-        """(tags, groups a step of each): --env-tags / --env-n-groups, or every tag of --env-config with
-        --train-batch-size split evenly."""
+        """(tags, groups a step of each): --env-tags / --env-n-groups, or every tag, the train batch split evenly."""
         tags = self.env_tag_list()
-        if self.env_n_groups:
-            return tags, list(self.env_n_groups)
-        return tags, [self.train_batch_size // len(tags)] * len(tags)
+        return tags, list(self.env_n_groups) or [self.train_batch_size // len(tags)] * len(tags)
 
 
 @dataclass
@@ -792,24 +721,19 @@ ENV_UNUSED = ("train_files", "val_files", "data_path", "prompt_key", "truncation
 
 
 def check_placement(args) -> None:
-    """The remote-engine flags only mean something with --rollout-placement remote (the Ray cluster
-    and the timeout also with --teacher-placement remote)."""
-    if args.rollout_placement == "colocated":
-        shared = ("ray_address", "engine_timeout") if getattr(args, "teacher_placement", "") == "remote" else ()
-        changed = [
-            f for f in fields(PlacementArgs)
-            if f.name not in ("rollout_placement", *shared) and getattr(args, f.name) != f.default
-        ]  # fmt: skip
-        if changed:
-            name = changed[0].name
-            also = " (or --teacher-placement remote)" if hasattr(args, "teacher_placement") and name in (
-                "ray_address", "engine_timeout") else ""  # fmt: skip
-            raise UsageError(f"{flag_name(name)} applies to remote engines: add --rollout-placement remote{also}")
+    """Remote-engine flags need --rollout-placement remote (the cluster and timeout: or --teacher-placement remote)."""
+    if args.rollout_placement != "colocated":
+        return
+    shared = ("ray_address", "engine_timeout")  # --teacher-placement remote reads them too
+    ignored = shared if getattr(args, "teacher_placement", "") == "remote" else ()
+    for f in fields(PlacementArgs):
+        if f.name not in ("rollout_placement", *ignored) and getattr(args, f.name) != f.default:
+            also = " (or --teacher-placement remote)" if hasattr(args, "teacher_placement") and f.name in shared else ""
+            raise UsageError(f"{flag_name(f.name)} applies to remote engines: add --rollout-placement remote{also}")
 
 
 def check_env(args) -> None:
-    """--env-config: the file, the tags and their groups (summing to the train batch), and no flag the
-    run would not read."""
+    """--env-config: the file, the tags and their groups (summing to the train batch), and no flag the run ignores."""
     from common.envs import read_env_config
 
     config = read_env_config(args.env_config)
@@ -828,26 +752,19 @@ def check_env(args) -> None:
     tags = list(args.env_tags) or config.tags
     if len(set(tags)) < len(tags):
         raise UsageError(f"--env-tags {' '.join(tags)}: a tag is named twice")
-    if hasattr(args, "env_n_groups"):  # a training run (generate.py plays every tag's held-out seeds)
-        _check_env_groups(args, tags)
+    groups = getattr(args, "env_n_groups", None)  # None in generate.py, which plays every tag's held-out seeds
+    if groups:
+        if len(groups) != len(tags):
+            raise UsageError(f"--env-n-groups {' '.join(map(str, groups))}: one number per tag ({', '.join(tags)})")
+        if sum(groups) != args.train_batch_size:
+            raise UsageError(f"--env-n-groups {' '.join(map(str, groups))}: sums to {sum(groups)}, not "
+                             f"--train-batch-size {args.train_batch_size} (groups a step)")  # fmt: skip
+    elif groups is not None and args.train_batch_size % len(tags):  # no --env-n-groups: an even split
+        raise UsageError(f"--train-batch-size {args.train_batch_size} groups cannot be split evenly over the "
+                         f"{len(tags)} tags {', '.join(tags)}; pass --env-n-groups with one number per tag")  # fmt: skip
     if getattr(args, "env_train_seeds", 0) >= 10**9:
         raise UsageError(f"--env-train-seeds {args.env_train_seeds}: must be below 10^9, where validation seeds begin")
     if args.env_manager:
-        file = args.env_manager.partition(":")[0]
-        if not Path(file).expanduser().is_file() or not args.env_manager.partition(":")[2]:
+        file, _, cls = args.env_manager.partition(":")
+        if not Path(file).expanduser().is_file() or not cls:
             raise UsageError(f"--env-manager {args.env_manager}: expected path/to/file.py:Class of an existing file")
-
-
-def _check_env_groups(args, tags: list[str]) -> None:
-    """--env-n-groups: one number per tag, summing to the train batch; without it, an even split."""
-    if args.env_n_groups:
-        if len(args.env_n_groups) != len(tags):
-            raise UsageError(f"--env-n-groups {' '.join(map(str, args.env_n_groups))}: one number per tag "
-                             f"({', '.join(tags)})")  # fmt: skip
-        if sum(args.env_n_groups) != args.train_batch_size:
-            raise UsageError(f"--env-n-groups {' '.join(map(str, args.env_n_groups))}: sums to "
-                             f"{sum(args.env_n_groups)}, not --train-batch-size {args.train_batch_size} (groups a "
-                             f"step)")  # fmt: skip
-    elif args.train_batch_size % len(tags):
-        raise UsageError(f"--train-batch-size {args.train_batch_size} groups cannot be split evenly over the "
-                         f"{len(tags)} tags {', '.join(tags)}; pass --env-n-groups with one number per tag")  # fmt: skip

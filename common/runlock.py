@@ -1,20 +1,17 @@
 """One live run per run folder (and per generate / evaluate output): a lock file that names the
 process holding it, taken before a run reads or writes anything there, removed when it exits.
 
-Why a file that names its holder rather than an OS lock alone: the folders users share between
-nodes sit on NFS, Lustre or GPFS, where advisory locks are sometimes off (NFS mounted `nolock`,
-Lustre without `-o flock`) and then succeed everywhere without a word. A holder named in the file
-can be checked from anywhere the folder is seen:
-- on the holder's host, its pid (and that process's start time, so a reused pid is not taken
-  for it) says whether it still runs: a lock left by a killed run is taken over, with a line;
-- from another host nothing can tell, so such a lock is taken over only by a later attempt of the
-  same Slurm job (SLURM_JOB_ID equal, SLURM_RESTART_COUNT higher: Slurm starts a requeued attempt
-  once the last one has ended) or with --force-unlock.
-The file is created with O_EXCL and a dead holder's is replaced in one rename, which NFS (v3 and
-later), Lustre and GPFS honour across nodes.
+Why not an OS lock alone: folders shared between nodes sit on NFS, Lustre or GPFS, where advisory
+locks are sometimes off (NFS mounted `nolock`, Lustre without `-o flock`) and then silently succeed.
+On its host, the holder's pid and process start time say whether it still runs: a killed run's lock
+is taken over, with a line. From another host nothing can tell, so only a later attempt of the same
+Slurm job (same SLURM_JOB_ID, higher SLURM_RESTART_COUNT: Slurm requeues once the last attempt has
+ended) or --force-unlock takes it over. The lock is created with O_EXCL and taken over in one
+rename, both atomic across nodes on NFS (v3 and later), Lustre and GPFS.
 """
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -31,8 +28,7 @@ log = logging.getLogger(__name__)
 
 
 def claim_run_dir(folder, dist: Dist, force_unlock: bool = False) -> Path:
-    """Take `folder`/run.lock for this run (claim). Returns the folder, where the ranks' watchdogs
-    now share their state (common.watchdog)."""
+    """Take `folder`/run.lock for this run (claim); the ranks' watchdogs now share their state there."""
     folder = Path(folder)
     claim(folder / "run.lock", f"run folder {folder}", "--output-dir", dist, force_unlock)
     watchdog.share_state_in(folder)
@@ -40,16 +36,14 @@ def claim_run_dir(folder, dist: Dist, force_unlock: bool = False) -> Path:
 
 
 def claim_output(path, dist: Dist | None = None, force_unlock: bool = False, flag: str = "--output-path") -> Path:
-    """Take <path>.lock for a generate / evaluate output file (claim; `flag` names the file).
-    Returns the path."""
+    """Take <path>.lock for a generate / evaluate output file (claim; `flag` names the file)."""
     path = Path(path)
     claim(path.with_name(path.name + ".lock"), f"output {path}", flag, dist, force_unlock)
     return path
 
 
 def claim(lock: Path, what: str, flag: str, dist: Dist | None, force_unlock: bool) -> None:
-    """Process 0 takes the lock (take_lock) and every process gets the outcome, so all of them
-    raise the same UsageError when another live run holds it."""
+    """Process 0 takes the lock (take_lock); every process raises the same UsageError if it is refused."""
     refused = None
     if dist is None or dist.is_main:
         try:
@@ -63,21 +57,17 @@ def claim(lock: Path, what: str, flag: str, dist: Dist | None, force_unlock: boo
 
 
 def take_lock(path: Path, what: str, flag: str, force: bool = False) -> None:
-    """Create the lock file `path` naming this process, or take over one whose holder is gone
-    (see the module's docstring); a live or unknowable holder is a UsageError naming it and what
-    to do (`flag`: the flag that picks another place). The lock goes when this process exits."""
+    """Create the lock file `path` naming this process, or take over one whose holder is gone; a live or
+    unknowable holder is a UsageError saying what to do (`flag` picks another place). Released at exit."""
     me = holder()
     path.parent.mkdir(parents=True, exist_ok=True)
     for _ in range(200):  # each pass takes the lock, refuses, or finds another process taking it over
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            with os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644), "w") as f:
+                _write(f, me)
+            break
         except FileExistsError:
             pass
-        else:
-            with os.fdopen(fd, "w") as f:
-                _write(f, me)
-            atexit.register(release, path, me)
-            return
         held, seen = _read(path)
         if seen is None:  # released meanwhile
             continue
@@ -86,22 +76,18 @@ def take_lock(path: Path, what: str, flag: str, force: bool = False) -> None:
             raise UsageError(_refusal(what, flag, held, me))
         if _take_over(path, seen, me):
             if held is None or held.get("pid") != me["pid"] or held.get("host") != me["host"]:
-                log.warning(
-                    "%s: taking over %s: %s",
-                    what,
-                    f"the lock of {describe(held)}" if held else "an unreadable lock",
-                    reason,
-                )
-            atexit.register(release, path, me)
-            return
+                taken = f"the lock of {describe(held)}" if held else "an unreadable lock"
+                log.warning("%s: taking over %s: %s", what, taken, reason)
+            break
         time.sleep(0.05)
-    raise UsageError(f"{what}: {path} kept changing while this run looked; start one run at a time")
+    else:
+        raise UsageError(f"{what}: {path} kept changing while this run looked; start one run at a time")
+    atexit.register(release, path, me)
 
 
 def release(path: Path, me: dict) -> None:
     """Remove the lock if it is still this process's (a run that took it over since keeps it)."""
-    held, _ = _read(path)
-    if held == me:
+    if _read(path)[0] == me:
         path.unlink(missing_ok=True)
 
 
@@ -120,22 +106,18 @@ def holder() -> dict:
 
 def describe(held: dict) -> str:
     job = f", Slurm job {held['slurm_job']}" if held.get("slurm_job") else ""
-    return (
-        f"pid {held.get('pid')} on {held.get('host')}{job}, started {held.get('started')} "
-        f"({held.get('command') or 'command unknown'})"
-    )
+    command = held.get("command") or "command unknown"
+    return f"pid {held.get('pid')} on {held.get('host')}{job}, started {held.get('started')} ({command})"
 
 
 def _gone(held: dict | None, me: dict, force: bool) -> str | None:
-    """Why the holder no longer runs (so its lock may be taken over), or None if it may."""
+    """Why the holder's lock may be taken over (it no longer runs, or --force-unlock), or None."""
     if held is None:
         return "--force-unlock (the lock file is unreadable)" if force else None
     if held.get("host") == me["host"]:
         if held.get("pid") == me["pid"] and held.get("process_start") == me["process_start"]:
             return "an earlier run in this same process"  # a notebook or a test calling main again
-        if not _alive(held.get("pid"), held.get("process_start")):
-            return f"its process {held.get('pid')} is gone"
-        return None
+        return None if _alive(held.get("pid"), held.get("process_start")) else f"its process {held.get('pid')} is gone"
     same_job = me["slurm_job"] is not None and held.get("slurm_job") == me["slurm_job"]
     if same_job and isinstance(held.get("slurm_restart"), int) and held["slurm_restart"] < me["slurm_restart"]:
         return f"an earlier attempt of Slurm job {me['slurm_job']}, which has ended (this is a requeued attempt)"
@@ -184,18 +166,16 @@ def _write(f, me: dict) -> None:
 
 
 def _take_over(path: Path, seen: os.stat_result, me: dict) -> bool:
-    """Replace the lock judged dead with this process's, unless it changed since it was judged.
-    One process at a time does this (path.takeover, created with O_EXCL, is the turn), and the
-    lock is swapped in one rename, so a run starting meanwhile never finds the folder unlocked."""
+    """Replace the lock judged dead with this process's unless it changed since; one process at a time
+    (path.takeover, made with O_EXCL, is the turn), in one rename, so no run finds the folder unlocked."""
     turn = path.with_name(path.name + ".takeover")
     try:
         os.close(os.open(turn, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     except FileExistsError:
-        try:  # a takeover takes milliseconds: an old turn file is one a killed process left
+        # a takeover takes milliseconds: an old turn file is one a killed process left
+        with contextlib.suppress(FileNotFoundError):
             if time.time() - turn.stat().st_mtime > 30:
                 turn.unlink(missing_ok=True)
-        except FileNotFoundError:
-            pass
         return False
     try:
         try:
@@ -214,8 +194,7 @@ def _take_over(path: Path, seen: os.stat_result, me: dict) -> bool:
 
 
 def process_start_of(pid: int) -> str | None:
-    """When process `pid` started (boot id and clock ticks since boot; Linux), to tell it from a
-    later process given the same pid; None where /proc cannot say."""
+    """Boot id and start tick of `pid`, to tell it from a later process with its pid; None where /proc cannot say."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         ticks = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
@@ -233,10 +212,7 @@ def _alive(pid, process_start: str | None) -> bool:
         return False
     except PermissionError:  # another user's process: it runs
         pass
-    try:  # a killed process its parent has not reaped yet is gone too
+    with contextlib.suppress(OSError, IndexError):  # a killed process its parent has not reaped yet is gone too
         if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
             return False
-    except (OSError, IndexError):
-        pass
-    now = process_start_of(pid)
-    return process_start is None or now is None or now == process_start
+    return process_start is None or process_start_of(pid) in (None, process_start)

@@ -2,9 +2,8 @@
 
     compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
 
-A dict carries the score under "score"; its other numeric keys become metrics. `--reward-fn
-path/to/file.py:name` loads a user function (name defaults to compute_score); without it the
-built-in for each row's data_source is used. common.rewards runs these in hang-proof workers.
+A dict carries the score under "score"; its other numeric keys become metrics. Without --reward-fn
+each row's data_source picks a built-in. common.rewards runs these in hang-proof workers.
 """
 
 import importlib.util
@@ -15,8 +14,6 @@ from pathlib import Path
 
 from common.errors import UsageError
 
-# --- built-in scorers --------------------------------------------------------------------------
-
 BUNDLED_SOURCES = ("bundled/addition", "bundled/calculator")  # the bundled tasks: 2-digit, and 3-digit with a tool
 GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
 MATH_SOURCES = (
@@ -26,6 +23,7 @@ MATH_SOURCES = (
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
 _NUMBER = re.compile(r"(\-?[0-9\.\,]+)")
+FLOAT32_MAX = 3.4028234663852886e38  # rewards train as float32: a larger score would be infinite there
 
 
 def extract_answer_tag(text: str) -> str | None:
@@ -39,21 +37,21 @@ def addition_score(solution_str: str, ground_truth) -> float:
     return float(extract_answer_tag(solution_str) == str(ground_truth).strip())
 
 
+def _gsm8k_answer(text: str, method: str = "strict") -> str | None:
+    """The number after '#### ' (strict) or the last number (flexible) in text[-300:], less commas and a final dot."""
+    tail = text[-300:]
+    found = _GSM8K_STRICT.findall(tail) if method == "strict" else [n for n in _NUMBER.findall(tail) if n != "."]
+    return found[-1].replace(",", "").rstrip(".") if found else None
+
+
 def gsm8k_score(
     solution_str: str, ground_truth, method: str = "strict", format_score: float = 0.0, score: float = 1.0
 ) -> float:
-    """verl's GSM8K rule: strict reads the number after '#### ', flexible the last number in the
-    text; commas and a trailing period are ignored. format_score for an answer that is wrong."""
-    if method == "strict":
-        found = _GSM8K_STRICT.findall(solution_str[-300:])
-        answer = found[-1] if found else None
-    else:
-        numbers = [n for n in _NUMBER.findall(solution_str[-300:]) if n not in ("", ".")]
-        answer = numbers[-1] if numbers else None
+    """verl's GSM8K rule on the answer _gsm8k_answer reads; format_score for an answer that is wrong."""
+    answer = _gsm8k_answer(solution_str, method)
     if answer is None:
         return 0.0
-    clean = answer.replace(",", "").rstrip(".")
-    return score if clean == str(ground_truth).replace(",", "").strip() else format_score
+    return score if answer == str(ground_truth).replace(",", "").strip() else format_score
 
 
 def math_score(solution_str: str, ground_truth) -> float:
@@ -86,20 +84,6 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def extract_answer(data_source: str, text: str) -> str | None:
-    """The final answer a built-in reward reads from a response, as a string to vote on (maj@k in
-    recipes/evaluate.py): the <answer> tag (bundled task), the number after '#### ' (GSM8K, commas
-    dropped), the last \\boxed{} (math sources). None when there is none or no built-in."""
-    if data_source in BUNDLED_SOURCES:
-        return extract_answer_tag(text)
-    if data_source in GSM8K_SOURCES:
-        found = _GSM8K_STRICT.findall(text[-300:])
-        return found[-1].replace(",", "").rstrip(".") if found else None
-    if data_source in MATH_SOURCES or data_source.startswith(("math", "aime")):
-        return last_boxed(text)
-    return None
-
-
 def builtin_scorer(data_source: str):
     """The built-in (solution_str, ground_truth) -> score for a data_source, or None."""
     if data_source in BUNDLED_SOURCES:
@@ -113,6 +97,13 @@ def builtin_scorer(data_source: str):
     return None
 
 
+def extract_answer(data_source: str, text: str) -> str | None:
+    """The final answer a built-in reward reads from a response (for maj@k votes in recipes/evaluate.py), or None."""
+    readers = {addition_score: extract_answer_tag, gsm8k_score: _gsm8k_answer, math_score: last_boxed}
+    read = readers.get(builtin_scorer(data_source))
+    return read(text) if read else None
+
+
 def default_compute_score(data_source, solution_str, ground_truth, extra_info=None):
     scorer = builtin_scorer(data_source)
     if scorer is None:
@@ -124,26 +115,21 @@ def default_compute_score(data_source, solution_str, ground_truth, extra_info=No
     return scorer(solution_str, ground_truth)
 
 
-# --- user reward functions ----------------------------------------------------------------------
-
-
 def load_reward_fn(spec: str | None):
     """`path/to/file.py[:name]` -> the function (name defaults to compute_score); None -> built-ins."""
     return load_from_file(spec, "--reward-fn", "compute_score") if spec else default_compute_score
 
 
 def load_from_file(spec: str, flag: str, default_name: str, kind: str = "function"):
-    """`path/to/file.py[:name]` -> the function (or class: kind) the file names so, the file run
-    as a module of its own; errors name `flag`."""
+    """`path/to/file.py[:name]` -> that function (or class: kind), the file run as its own module; errors name flag."""
     path, _, name = spec.partition(":")
     name = name or default_name
     file = Path(path).expanduser()
     if not file.is_file():
         raise UsageError(f"{flag} {spec}: file {path!r} does not exist")
-    module_name = f"_user_code_{abs(hash(str(file.resolve())))}"
-    module_spec = importlib.util.spec_from_file_location(module_name, file)
+    module_spec = importlib.util.spec_from_file_location(f"_user_code_{abs(hash(str(file.resolve())))}", file)
     module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
+    sys.modules[module_spec.name] = module
     module_spec.loader.exec_module(module)
     found = getattr(module, name, None)
     if not callable(found):
@@ -157,15 +143,11 @@ def hit(score: float, extras: dict) -> float:
 
 
 def score_value(result) -> float:
-    """The float score of a reward result (a number, or a dict with a 'score' key). It may be NaN
-    or infinite: RewardPool.score counts and zeroes those."""
+    """The float score of a number or a dict's "score"; NaN and infinity pass (RewardPool.score zeroes them)."""
     value = result["score"] if isinstance(result, dict) else result
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"reward must be a number or a dict with a numeric 'score', got {result!r}")
     return float(value)
-
-
-FLOAT32_MAX = 3.4028234663852886e38  # rewards train as float32: a larger score would be infinite there
 
 
 def finite(score: float) -> bool:

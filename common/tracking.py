@@ -37,11 +37,8 @@ class NonFiniteError(RunStopped):
 
 
 class Tracker:
-    """Writes every metric record to <run_dir>/metrics.jsonl (rank 0 only).
-
-    On resume from step k, records after step k (logged by the interrupted run after its last
-    checkpoint) are dropped so the file reads like one uninterrupted run.
-    """
+    """Writes every metric record to <run_dir>/metrics.jsonl (rank 0 only). On resume from step k, the records
+    the interrupted run logged after step k are dropped, so the file reads like one uninterrupted run."""
 
     def __init__(
         self,
@@ -67,8 +64,7 @@ class Tracker:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.bar_keys = bar_keys
-        self.wandb = self.tb = None
-        self.bar = None
+        self.wandb = self.tb = self.bar = None
         self.val_first, self.val_last = {}, {}  # before training (step 0), and the latest
         self.zero_grad_steps, self.warned_zero_grad = 0, False
         self.perf = _perf_context(perf) if perf and perf.get("flops") else None
@@ -86,34 +82,22 @@ class Tracker:
         if "wandb" in loggers:
             import wandb
 
-            # wandb keeps WANDB_MODE from the first init in a process unless mode is passed.
+            mode = os.environ.get("WANDB_MODE", "online")  # unless passed, wandb keeps a process's first init's mode
             self.wandb = wandb.init(
-                project=project,
-                name=experiment,
-                config=config,
-                dir=str(self.run_dir),
-                mode=os.environ.get("WANDB_MODE", "online"),
-                resume="allow",
+                project=project, name=experiment, config=config, dir=str(self.run_dir), mode=mode, resume="allow"
             )
         if "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         if "console" in loggers:
-            self.bar = tqdm(
-                total=total_steps,
-                initial=start_step,
-                desc=experiment,
-                dynamic_ncols=True,
-                file=sys.stderr,
-            )
+            self.bar = tqdm(total=total_steps, initial=start_step, desc=experiment, dynamic_ncols=True, file=sys.stderr)
 
     def log(self, metrics: dict, step: int) -> None:
-        """Append a record for `step` (nothing when metrics is empty) and move the bar to it. The
-        val/ metrics are also kept (on every rank) for the closing summary. Logged generations
-        (val/generations, see common.rollout.evaluate) go to val_generations.jsonl, one line each,
-        and to wandb as a table. A step's sequence lengths (step_metrics' _sequence_tokens) and its
-        perf/update_s give perf/train_tokens_per_s, perf/update_tflop and perf/mfu."""
+        """Append a record for `step` (none when metrics is empty), move the bar to it, and keep (every rank) the
+        val/ metrics for the closing summary. Generations (val/generations: common.rollout.evaluate) go to
+        val_generations.jsonl and to wandb as a table. step_metrics' _sequence_tokens and perf/update_s give
+        perf/train_tokens_per_s, perf/update_tflop and perf/mfu."""
         watchdog.progress()
         metrics = dict(metrics)
         sums = metrics.pop("_sequence_tokens", None)
@@ -159,9 +143,8 @@ class Tracker:
             self.bar.update(max(0, step - self.bar.n))
 
     def _check_gap(self, metrics: dict, step: int) -> None:
-        """The mean trainer-engine gap of the step's sampled tokens (rollout/logprob_diff_mean, the same on
-        every rank) against gap_bound's: past it the engine no longer samples what the trainer trains, and
-        the run is asked to save and stop (--check warn: a warning)."""
+        """Past gap_bound's mean, the step's trainer-engine gap (rollout/logprob_diff_mean, the same on every rank)
+        means the engine no longer samples what the trainer trains: request_stop (--check warn: a warning)."""
         bound = self.gap_bound
         if not bound or "rollout/logprob_diff_max" not in metrics:
             return
@@ -174,14 +157,10 @@ class Tracker:
             f"The engine no longer samples what the trainer trains: check its weight sync and dtype (--dtype, "
             f"--rollout-name); --check warn goes on"
         )
-        if bound["warn"]:
-            log.warning(message)
-        else:
-            request_stop(message)
+        (log.warning if bound["warn"] else request_stop)(message)
 
     def _add_up(self, metrics: dict) -> None:
-        """Sum what the closing block reports: every phase's seconds, the tokens generated and
-        trained, and the update's model FLOPs with the seconds they took."""
+        """Sum what the closing block reports: phase seconds, tokens generated and trained, update FLOPs and seconds."""
         t = self.totals
         for key, value in metrics.items():
             if key.startswith("perf/") and key.endswith("_s") and key not in ("perf/step_s", "perf/engine_generate_s"):
@@ -197,9 +176,8 @@ class Tracker:
             t["padding"] += metrics["perf/padding_share"]
 
     def time_report(self, wall: float) -> str:
-        """The closing "where the time went" block: each phase's share of the wall time, tokens
-        generated and trained a second, the update's MFU, and the verdict with its advice
-        (common.perf.verdict)."""
+        """The closing "where the time went" block: each phase's share of the wall time, tokens generated and
+        trained a second, the update's MFU, and common.perf.verdict's bound and advice."""
         seconds = phase_seconds({**self.totals, "perf/save_s": self.totals["perf/save_s"] + PHASES.pop("save", 0.0)})
         seconds["other"] = max(0.0, wall - sum(seconds.values()))
         shares = "  ".join(f"{name} {s / wall:.0%}" for name, s in seconds.items() if s > 0 and wall > 0)
@@ -221,9 +199,8 @@ class Tracker:
         return "\n".join(lines)
 
     def _check(self, metrics: dict, step: int) -> None:
-        """On every rank (the values are global, so ranks agree): stop at a non-finite quantity
-        (or a NaN reward, zeroed by the reward pool, when asked to), and say once when
-        ZERO_GRAD_STEPS steps in a row had no gradient at all."""
+        """On every rank (the values are global, so ranks agree): stop at a non-finite quantity (or, when asked
+        to, a NaN reward the reward pool zeroed), and say once when ZERO_GRAD_STEPS steps in a row had no gradient."""
         bad = {k: _plain(metrics[k]) for k in MUST_BE_FINITE if k in metrics and not math.isfinite(_plain(metrics[k]))}
         counts = ("reward/nonfinite", "val/reward/nonfinite") if self.stop_on_nonfinite_reward else ()
         nonfinite = {k: _plain(metrics[k]) for k in counts if metrics.get(k)}
@@ -260,38 +237,27 @@ class Tracker:
 
     def finish(self, plot_keys: tuple[str, ...] = (), saved: bool = False, stopped: bool = False,
                failure: str | None = None) -> dict:  # fmt: skip
-        """Collective (every rank calls it). Close the loggers, draw the curves and print the
-        closing summary: val accuracy before (step 0) -> after (the latest val/ metrics logged),
-        steps, time, run folder and, when the run saved, the exported model folder; a run that a
-        signal stopped (common.parallel.StopSignal) says where its checkpoint is and how to go on,
-        and one stopped by a failure (StopSignal.fail) ends with it: RunStopped, exit status 1.
-        Returns the summary."""
+        """Collective. Close the loggers, draw the curves and print the closing summary: val accuracy before
+        (step 0) -> after (the latest val/ metrics), steps, time, run folder and the exported model when saved.
+        A run a signal stopped (common.parallel.StopSignal) says where its checkpoint is and how to go on; one
+        a failure stopped (StopSignal.fail) raises it as RunStopped (exit status 1). Returns the summary."""
         barrier()
-        first_val = self.val_first
         summary = {"steps": self.last_step - self.start_step, "seconds": time.time() - self.t_start, **self.val_last}
         png = self.close(plot_keys)
         if "val/accuracy" in summary:
-            before = f"{first_val['val/accuracy']:.1%} -> " if "val/accuracy" in first_val else ""
-            self.write(
-                f"val accuracy {before}{summary['val/accuracy']:.1%}"
-                + (f", val loss {summary['val/loss']:.4f}" if "val/loss" in summary else "")
-            )
-        self.write(
-            f"{summary['steps']} steps in {summary['seconds']:.0f}s; run folder {self.run_dir}"
-            + (f"; curves {png}" if png else "")
-        )
+            before = f"{self.val_first['val/accuracy']:.1%} -> " if "val/accuracy" in self.val_first else ""
+            loss = f", val loss {summary['val/loss']:.4f}" if "val/loss" in summary else ""
+            self.write(f"val accuracy {before}{summary['val/accuracy']:.1%}{loss}")
+        curves = f"; curves {png}" if png else ""
+        self.write(f"{summary['steps']} steps in {summary['seconds']:.0f}s; run folder {self.run_dir}{curves}")
         if self.totals:
             self.write(self.time_report(summary["seconds"]))
         checkpoint = self.run_dir / "checkpoints" / f"step_{self.last_step}"
+        where = f"after step {self.last_step} of {self.total_steps}; checkpoint {checkpoint}"
         if failure:
-            raise RunStopped(
-                f"{failure}\nstopped after step {self.last_step} of {self.total_steps}; checkpoint {checkpoint}"
-            )
+            raise RunStopped(f"{failure}\nstopped {where}")
         if stopped:
-            self.write(
-                f"stopped by a signal after step {self.last_step} of {self.total_steps}; checkpoint "
-                f"{checkpoint}; the same command (--resume auto) continues"
-            )
+            self.write(f"stopped by a signal {where}; the same command (--resume auto) continues")
         elif saved:
             final = self.run_dir / "checkpoints" / f"step_{self.total_steps}" / "hf"
             self.write(f"final model: {final} (a Hugging Face folder: from_pretrained loads it)")
@@ -333,17 +299,11 @@ def console_line(record: dict, total_steps: int) -> str:
 
 
 def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
-    """Step 7's shared part for a batch from common.rollout.generate_and_score: reward/* and
-    response/* over every rank, the advantages' mean, max and min over response tokens (verl's
-    critic/advantages/*), the phase timings, train/epoch, perf/step_s (since the batch's generation
-    began) and perf/tokens_per_s, the engine's rollout/weight_version, rollout/staleness_mean and
-    _max (how many versions older the weights that sampled each response are: 0 but for remote
-    engines sampling ahead) and the engine's own counters (common.remote.RemoteEngines.stats).
-    `rewards` (B,) are the final rewards, after any shaping the recipe did; `advantages` are (B,)
-    or (B, T). With the trainer's `old_logprobs` (B, T),
-    also rollout/logprob_diff_mean and _max: |trainer - engine| over response tokens, the
-    mismatch between the policy trained and the one that sampled (not logged when the old
-    logprobs are the engine's own, as --bypass-mode makes them)."""
+    """Step 7's shared metrics of a common.rollout.generate_and_score batch, over every rank: reward/*, response/*,
+    verl's critic/advantages/* over response tokens, the phase timings, train/epoch, perf/step_s, perf/tokens_per_s,
+    rollout/weight_version and staleness_*, and the engine's counters (common.remote.RemoteEngines.stats).
+    `rewards` (B,) are final, after any shaping; `advantages` (B,) or (B, T). With the trainer's `old_logprobs`
+    (B, T), also rollout/logprob_diff_mean and _max: |trainer - engine| over response tokens (none in --bypass-mode)."""
     rows = batch["rows"]
     truncated = [c.finish_reason == "length" for _, c in rows]
     sources = [p["data_source"] for p, _ in rows]
@@ -351,7 +311,7 @@ def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
     metrics = rollout_metrics(rewards.tolist(), lengths, truncated, sources, batch["scored"])
     metrics.update(advantage_metrics(advantages, batch["response_mask"]))
     metrics["rollout/weight_version"] = batch["weight_version"]
-    # Weight versions between the trainer's and those that sampled (remote engines sample ahead).
+    # How many versions older the weights that sampled each response are: 0 but for remote engines sampling ahead.
     staleness = [batch["weight_version"] - c.version if c.version is not None else 0 for _, c in rows]
     parts = gather_objects((sum(staleness), len(staleness), max(staleness, default=0)))
     metrics["rollout/staleness_mean"] = sum(p[0] for p in parts) / max(1, sum(p[1] for p in parts))
@@ -377,10 +337,7 @@ def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
                     "perf/total_num_tokens": tokens, "_sequence_tokens": (tokens, needed, needed_sq)})  # fmt: skip
     if batch["timing"].get("perf/generate_s"):
         metrics["perf/generate_tokens_per_s"] = generated / batch["timing"]["perf/generate_s"]
-    counts = torch.tensor(
-        [LAYOUTS["packed"], LAYOUTS.total()], dtype=torch.float64, device=batch["attention_mask"].device
-    )
-    packed, total = all_reduce_sum(counts).tolist()
+    packed, total = all_reduce_sum(lengths.new_tensor([LAYOUTS["packed"], LAYOUTS.total()])).tolist()
     LAYOUTS.clear()
     if total:  # a model that can run padding-free (--use-remove-padding auto or True): the share that did
         metrics["perf/packed_share"] = packed / total
@@ -397,11 +354,8 @@ def _perf_context(perf: dict) -> dict:
 
 
 def update_metrics(perf: dict, tokens: float, needed: float, needed_sq: float, update_s: float) -> dict:
-    """perf/train_tokens_per_s (sequence tokens through the update, every pass and rank, a
-    second), perf/update_tflop (the model FLOPs of the work it needs, common.perf: needed and
-    needed_sq sum the tokens and squared sequence lengths with each group's prompt once) and
-    perf/mfu (those FLOPs a second over the peak of every device). Padding, prompts run again for
-    each response and recomputed activations are work, but not needed work: they lower MFU."""
+    """perf/train_tokens_per_s (sequence tokens through the update, every pass and rank, a second), perf/update_tflop
+    (model FLOPs of the work common.perf.needed_tokens counts) and perf/mfu (those a second over all devices' peak)."""
     flops = perf["epochs"] * update_flops(perf["flops"], needed, needed_sq)
     return {"perf/train_tokens_per_s": perf["epochs"] * tokens / update_s, "perf/update_tflop": flops / 1e12,
             "perf/mfu": flops / update_s / perf["peak"]}  # fmt: skip
@@ -424,8 +378,7 @@ def advantage_metrics(advantages, response_mask) -> dict:
 
 
 def logprob_diff_metrics(trainer, engine, response_mask) -> dict:
-    """rollout/logprob_diff_mean and _max: |trainer - engine| logprob over the response tokens of
-    every rank."""
+    """rollout/logprob_diff_mean and _max: |trainer - engine| logprob over the response tokens of every rank."""
     diff = (trainer.float() - engine.float()).abs()[response_mask.bool()]
     parts = gather_objects((diff.sum().item(), len(diff), diff.max().item() if len(diff) else 0.0))
     count = sum(p[1] for p in parts)
@@ -452,9 +405,7 @@ def _keep_until(path: Path, step: int) -> None:
 
 
 def _plain(v):
-    if hasattr(v, "item"):
-        v = v.item()
-    return v
+    return v.item() if hasattr(v, "item") else v
 
 
 def read_metrics(path) -> list[dict]:
@@ -488,16 +439,15 @@ def plot_curves(metrics_path, out_path, patterns: tuple[str, ...]) -> Path | Non
         points = [(r["step"], r[name]) for r in records if isinstance(r.get(name), int | float)]
         ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3)
         ax.set_title(name, fontsize=10)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
     if steps:
         ax = axes.flat[len(names)]
         phases = [phase_seconds(r) for r in steps]
         shown = [name for name in phases[0] if any(p[name] for p in phases)]
         ax.stackplot([r["step"] for r in steps], *[[p[name] for p in phases] for name in shown], labels=shown)
         ax.set_title("where the time went (s per step)", fontsize=10)
-        ax.set_xlabel("step")
         ax.legend(fontsize=7, loc="upper left")
+    for ax in list(axes.flat)[:panels]:
+        ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[panels:]:
         ax.axis("off")
@@ -508,19 +458,10 @@ def plot_curves(metrics_path, out_path, patterns: tuple[str, ...]) -> Path | Non
 
 
 def rollout_metrics(rewards, lengths, truncated, sources, scored) -> dict:
-    """reward/* and response/* over the samples of every rank (gathered; rank order). `rewards`
-    are the final per-sample rewards; accuracy and the extra keys of dict results come from
-    `scored`, the reward pool's output."""
-    mine = list(
-        zip(
-            rewards,
-            lengths,
-            truncated,
-            sources,
-            [hit(s, e) for s, e in zip(scored.scores, scored.extras)],
-            scored.extras,
-        )
-    )
+    """reward/* and response/* over the samples of every rank (gathered; rank order). `rewards` are the final
+    per-sample rewards; accuracy and the extra keys of dict results come from `scored`, the reward pool's output."""
+    hits = [hit(s, e) for s, e in zip(scored.scores, scored.extras)]
+    mine = list(zip(rewards, lengths, truncated, sources, hits, scored.extras))
     rows = [r for part in gather_objects(mine) for r in part]
     values = torch.tensor([r[0] for r in rows], dtype=torch.float64)
     lens = torch.tensor([r[1] for r in rows], dtype=torch.float64)

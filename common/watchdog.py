@@ -1,20 +1,14 @@
-"""No silent hang: a run that stops making progress for --wait-timeout seconds says who waits on
-whom and ends (exit status HANG_EXIT), instead of blocking forever.
+"""No silent hang: a run stuck for --wait-timeout seconds says who waits on whom and exits HANG_EXIT.
 
-Every cross-process wait in common/ runs inside `waiting(what)` (collectives, engine requests,
-remote engines' Ray calls and weight stream, checkpoint saves); compute in between reports
-progress (`progress()`: a micro-batch, a generated batch, a scored row). A daemon thread looks
-once a second: when nothing has progressed for the timeout (a wait that declares a longer one of
-its own, like --check full's child runs, holds it off until then), it prints the dump to stderr
-and ends the process. The dump names this rank, the step and policy version (`note`), the wait it
-is in and since when, its caller in the recipe, the last collective that completed and its
-caller, live figures that other modules register (`probe`: queue depths, requests in flight) and
-where every other rank of the launch is (each rank's watchdog writes its state to a small file in
-the run folder every second). A rank stuck in compute (not in a wait) is found the same way: its
-own watchdog sees no progress, and its peers' dumps say it is the one they wait on.
-
-The thread needs the interpreter: torch's collectives and kernels release it while they wait or
-compute, so a rank blocked in one is seen.
+Every cross-process wait in common/ (collectives, engine requests, remote engines' Ray calls and
+weight stream, checkpoint saves) runs inside `waiting(what)`; compute in between calls `progress()`.
+A daemon thread looks once a second: after the timeout with no progress (or a wait's own longer
+deadline, like --check full's child runs) it prints the dump to stderr and ends the process. The
+dump names this rank, its step and policy version (`note`), its wait, since when and its caller in
+the recipe, the last collective completed, live figures other modules register (`probe`) and where
+every other rank is (each rank writes its state to the run folder every second), so a rank stuck in
+compute is named by its peers. Torch's collectives and kernels release the interpreter, so the
+thread runs while a rank blocks in one.
 """
 
 import contextlib
@@ -25,26 +19,20 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 HANG_EXIT = 124  # as timeout(1) exits
 
 _lock = threading.Lock()
 _state: dict = {"rank": 0, "step": None, "version": None}
-_waits: list["_Wait"] = []  # the waits in progress, every thread's, oldest first
+_waits: list[SimpleNamespace] = []  # the waits in progress (what, timeout, start, caller), every thread's, oldest first
 _last_collective: list = [None]  # (what, caller, finished at)
 _probes: dict = {}
 _armed: dict = {"timeout": None, "progress": 0.0, "folder": None, "shared_since": 0.0, "thread": None, "generation": 0}
 
 
-class _Wait:
-    def __init__(self, what: str, timeout: float | None, collective: bool):
-        self.what, self.timeout, self.collective = what, timeout, collective
-        self.start, self.caller = time.monotonic(), _caller()
-
-
 def _caller() -> str:
-    """The first frame outside common/watchdog.py, common/parallel.py and contextlib: who asked for
-    the wait."""
+    """Who asked for the wait: the first frame outside this module, parallel.py and contextlib."""
     skip = (__file__, os.path.join(os.path.dirname(__file__), "parallel.py"), contextlib.__file__)
     found = []
     for frame, line in traceback.walk_stack(sys._getframe(1)):
@@ -110,9 +98,8 @@ def progress() -> None:
 
 @contextlib.contextmanager
 def waiting(what: str, timeout: float | None = None, collective: bool = False):
-    """A wait on another process. `timeout`: a deadline of its own, longer than --wait-timeout (a
-    job known to take long), counted from the start of the wait."""
-    wait = _Wait(what, timeout, collective)
+    """A wait on another process. `timeout`: its own deadline from the wait's start, longer than --wait-timeout."""
+    wait = SimpleNamespace(what=what, timeout=timeout, start=time.monotonic(), caller=_caller())
     with _lock:
         _waits.append(wait)
     progress()
@@ -131,8 +118,7 @@ def _deadline() -> float | None:
         timeout = _armed["timeout"]
         if timeout is None:
             return None
-        own = [w.start + w.timeout for w in _waits if w.timeout]
-        return max([_armed["progress"] + timeout, *own])
+        return max([_armed["progress"] + timeout, *(w.start + w.timeout for w in _waits if w.timeout)])
 
 
 def _ago(t: float) -> str:
@@ -152,17 +138,13 @@ def _where() -> dict:
 
 
 def report(stack: bool = True) -> str:
-    """Who waits on whom, as this rank sees it (also part of other modules' timeout messages), with
-    the main thread's innermost frames if `stack`."""
+    """Who waits on whom, as this rank sees it (also in other modules' timeout messages), and the main
+    thread's innermost frames if `stack`."""
     me = _where()
     lines = [f"rank {me['rank']} (pid {me['pid']} on {me['host']}): step {me['step']}, policy version {me['version']}"]
     with _lock:
-        waits = list(_waits)
-    if waits:
-        for w in waits:
-            lines.append(f"  waits in {w.what} since {_ago(w.start)} (from {w.caller})")
-    else:
-        lines.append(f"  in no wait on another process; no progress for {me['idle_s']}s (its stack below)")
+        waits = [f"  waits in {w.what} since {_ago(w.start)} (from {w.caller})" for w in _waits]
+    lines += waits or [f"  in no wait on another process; no progress for {me['idle_s']}s (its stack below)"]
     last = _last_collective[0]
     lines.append(f"  last collective completed: {last[0]} (from {last[1]}), {_ago(last[2])}" if last else
                  "  last collective completed: none yet")  # fmt: skip
@@ -172,11 +154,10 @@ def report(stack: bool = True) -> str:
         except Exception as e:  # a probe of a half-broken engine must not hide the rest of the dump
             lines.append(f"  {name}: unavailable ({type(e).__name__}: {e})")
     lines += _peers(me["rank"])
-    if not stack:
-        return "\n".join(lines)
-    stack = traceback.format_stack(sys._current_frames().get(threading.main_thread().ident))
-    lines.append("  main thread's stack (innermost last):")
-    lines += ["    " + line.strip().replace("\n", "\n    ") for line in stack[-6:]]
+    if stack:
+        frames = traceback.format_stack(sys._current_frames().get(threading.main_thread().ident))
+        lines.append("  main thread's stack (innermost last):")
+        lines += ["    " + line.strip().replace("\n", "\n    ") for line in frames[-6:]]
     return "\n".join(lines)
 
 
@@ -204,12 +185,10 @@ def _publish() -> None:
     if folder is None:
         return
     path = folder / f"rank_{_state['rank']}.json"
-    try:
+    with contextlib.suppress(OSError):  # the run folder went away: the dump has this rank's own state
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(_where()))
         tmp.replace(path)
-    except OSError:
-        pass  # the run folder went away: the dump has this rank's own state
 
 
 def _watch() -> None:
@@ -219,11 +198,9 @@ def _watch() -> None:
         if deadline is None:
             continue
         _publish()
-        if deadline > time.monotonic():
-            continue
         generation, timeout = _armed["generation"], _armed["timeout"]
-        if timeout is None:
-            continue  # disarmed since the deadline was read
+        if deadline > time.monotonic() or timeout is None:  # None: disarmed since the deadline was read
+            continue
         message = (
             f"\nerror: no progress for {timeout:g}s (--wait-timeout): the run is stuck waiting, and "
             f"ends here (exit {HANG_EXIT}) instead of blocking forever.\n{report()}\n"
@@ -232,6 +209,5 @@ def _watch() -> None:
         if _armed["generation"] != generation or _deadline() is None:
             continue  # re-armed or disarmed meanwhile
         _publish()
-        sys.stderr.write(message + "\n")
-        sys.stderr.flush()
+        print(message, file=sys.stderr, flush=True)
         os._exit(HANG_EXIT)

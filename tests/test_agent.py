@@ -680,7 +680,7 @@ def test_per_row_tools_kwargs_go_to_tool_classes_only_and_are_counted_elsewhere(
     with pytest.raises(DataError, match="expected a mapping with any of create_kwargs"):
         check_agent_rows(rows("tool_agent", kwargs={"add": {"kwargs": {}}}), [schema("add")], None, ["add"])
     check_agent_rows(rows("tool_agent"), [schema("add")], None, ["add"])  # a tool class takes them
-    with caplog.at_level("WARNING", logger="common.data"):
+    with caplog.at_level("WARNING", logger="common.tools"):
         check_agent_rows(rows("single_turn_agent", 3), None, None)
     assert "3 rows carry extra_info.tools_kwargs but are not tool_agent rows" in caplog.text
     caplog.clear()

@@ -163,7 +163,9 @@ def test_rollout_correction_gives_the_weights_and_their_metrics_only_when_on():
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     weights, loss_mask, metrics = ops.rollout_correction(old, rollout, mask, mode="token", threshold=2.0)
     assert torch.equal(weights, correction.rollout_is_weights(old, rollout, mask, "token", 2.0)) and loss_mask is mask
-    assert metrics == correction.rollout_is_metrics(weights, mask, 2.0) and metrics["rollout_corr/rollout_is_max"] == 2.0
+    assert (
+        metrics == correction.rollout_is_metrics(weights, mask, 2.0) and metrics["rollout_corr/rollout_is_max"] == 2.0
+    )
     weights, loss_mask, metrics = ops.rollout_correction(None, rollout, mask, mode=None, threshold=2.0)
     assert torch.equal(weights, mask) and loss_mask is mask and metrics == {}
 
