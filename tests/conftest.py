@@ -133,7 +133,7 @@ def run_recipe(
             "--nproc_per_node",
             str(nproc),
             "--master_port",
-            str(29500 + os.getpid() % 1000),
+            str(free_port()),
             str(script),
             *map(str, flags),
         ]
@@ -148,6 +148,16 @@ def run_recipe(
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now: each torchrun launch its own rendezvous, so that two launches
+    of one test can run side by side."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_recipes_together(runs: list[tuple], folder, nproc: int = 2, timeout: int = 1200) -> list[int]:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import BUNDLED
+from conftest import BUNDLED, ROOT
 
 from common.check import check_engine_logprobs, launch_check
 from common.data import load_prompts
@@ -200,28 +200,36 @@ SMALL = ["--train-batch-size", "8", "--ppo-mini-batch-size", "8", "--rollout-n",
 
 
 @pytest.mark.e2e
-def test_check_full_proves_a_resumed_step_equals_the_uninterrupted_one(tmp_path, capsys, monkeypatch, small_files):
+def test_check_full_proves_a_resumed_step_equals_the_uninterrupted_one(tmp_path, capsys, small_files):
     """--check full: two child runs of the command line (2 steps; a fresh process resumed from step
     1's checkpoint) give the same step 2, metrics and weights, before the run's models load. A resume
     that forgets torch's generator (planted in the children) samples another step 2: the item fails
     naming what differs and keeps the children's folders, the run stops with exit 1."""
+    import subprocess
+
     import common.check
 
     flags = ["grpo", "--check", "full", *small_files, *SMALL]
-    assert common.check.main([*flags, "--output-dir", str(tmp_path / "ok")]) == 0
-    out = capsys.readouterr().out
-    line = next(x for x in out.splitlines() if "check resume" in x)
-    assert "pass" in line and "step 2 resumed from step 1's checkpoint vs uninterrupted (1 process;" in line
-    assert "largest gaps 0 (relative) and 0" in line, line
-
     plant = tmp_path / "plant"
     plant.mkdir()  # the children import it at start-up (sitecustomize), before the recipe
     (plant / "sitecustomize.py").write_text(
         "import common.checkpoint\ncommon.checkpoint._set_rng_state = lambda s: None\n"
     )
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(plant), os.environ.get("PYTHONPATH", "")]))
-    assert common.check.main([*flags, "--output-dir", str(tmp_path / "bad")]) == 1
-    err = capsys.readouterr().err
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plant), os.environ.get("PYTHONPATH", "")])}
+    # The planted run is the tool's own command line in a process of its own, beside the sound one
+    # here: the two sets of child runs overlap their start-ups.
+    bad = subprocess.Popen([sys.executable, "-m", "common.check", *flags, "--output-dir", str(tmp_path / "bad")],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert common.check.main([*flags, "--output-dir", str(tmp_path / "ok")]) == 0
+        out = capsys.readouterr().out
+    finally:
+        _, err = bad.communicate(timeout=900)
+    line = next(x for x in out.splitlines() if "check resume" in x)
+    assert "pass" in line and "step 2 resumed from step 1's checkpoint vs uninterrupted (1 process;" in line
+    assert "largest gaps 0 (relative) and 0" in line, line
+
+    assert bad.returncode == 1, err[-3000:]
     line = next(x for x in err.splitlines() if "check resume" in x)
     assert "FAIL" in line and "a repeat of the uninterrupted run differs by 0 and 0" in line, line
     assert "resume: a run resumed from its checkpoint does not continue as the uninterrupted run (most:" in err

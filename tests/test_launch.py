@@ -202,14 +202,15 @@ def test_ray_script_stops_the_cluster_on_a_signal_and_on_a_missing_node(tmp_path
 
 # --- accelerate configs ---------------------------------------------------------------------------------
 GPU_CONFIGS = ["single_gpu", "ddp", "fsdp2", "fsdp2_offload", "multi_node"]
+LAUNCHED = ["single_gpu", "ddp"]  # launched for real: one process, and two that must say it once between them
 
 
 @pytest.fixture(scope="module")
 def gpu_config_launches():
-    """`accelerate launch --config_file configs/<config>.yaml recipes/grpo.py` for each GPU config,
-    the launches run side by side (each is mostly interpreter start-up): {config: CompletedProcess}."""
+    """`accelerate launch --config_file configs/<config>.yaml recipes/grpo.py` for LAUNCHED, the
+    launches run side by side (each is mostly interpreter start-up): {config: CompletedProcess}."""
     procs = {}
-    for i, config in enumerate(GPU_CONFIGS):
+    for i, config in enumerate(LAUNCHED):
         size = ["--num_processes", "1"] if config == "single_gpu" else ["--num_processes", "2", "--num_machines", "1"]
         # Side by side, each launch needs its own rendezvous port (they all default to 29500).
         port = ["--main_process_port", str(29500 + os.getpid() % 1000 + 100 + i)]
@@ -225,7 +226,7 @@ def gpu_config_launches():
 
 @pytest.mark.e2e
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks what a machine without CUDA says")
-@pytest.mark.parametrize("config", GPU_CONFIGS)
+@pytest.mark.parametrize("config", LAUNCHED)
 def test_a_gpu_config_without_cuda_stops_before_anything_starts(gpu_config_launches, config):
     """accelerate alone runs single_gpu.yaml on the CPU without a word, and ddp / fsdp2 as 8 gloo
     processes; the recipe says at once that the config wants GPUs the machine lacks."""
@@ -234,6 +235,23 @@ def test_a_gpu_config_without_cuda_stops_before_anything_starts(gpu_config_launc
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-2000:]
     assert f"accelerate config configs/{config}.yaml runs on GPUs" in errors[0] and "no CUDA device" in errors[0]
     assert "params" not in proc.stdout  # no model was loaded
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks what a machine without CUDA says")
+@pytest.mark.parametrize("config", GPU_CONFIGS)
+def test_every_gpu_config_is_refused_without_cuda(monkeypatch, config):
+    """What each shipped GPU config asks, read as a launch with it reads it (the launches above
+    prove that a recipe finds the file its launcher was given): refused on a machine without CUDA."""
+    import yaml
+
+    import common.parallel
+    from common.errors import UsageError
+
+    path = f"configs/{config}.yaml"
+    settings = yaml.safe_load((ROOT / path).read_text())
+    monkeypatch.setattr(common.parallel, "accelerate_config", lambda: (path, settings))
+    with pytest.raises(UsageError, match=rf"accelerate config {path} runs on GPUs .* no CUDA device"):
+        common.parallel.check_accelerate_config(settings.get("num_processes", 1))
 
 
 @pytest.mark.e2e
