@@ -52,3 +52,32 @@ LAYERS = (
 # check's fast probes (common.check) run in every run (--check fast) and are core.
 FEATURES = ("tools", "envs", "agent", "env_manager", "remote", "vllm_engine", "weight_sync", "conditioning",
             "resume_proof", "reward_model", "correction", "verl")  # fmt: skip
+
+# The names the recipes import, by module: the surface a fork builds on. tests/test_layers.py holds
+# the recipes to it, so that every name a recipe uses is named here and every name here is used.
+PUBLIC = {
+    "check": "launch_check prove_resume trainer_check",
+    "checkpoint": "find_resume resume save_checkpoint",
+    "config": "AgentArgs BUNDLED DataArgs EngineArgs EnvPlayArgs KLRewardArgs ModelArgs OptimArgs RLArgs TrainerArgs "
+    "WaitArgs check_flags cli_args is_due plan_batches",
+    "critic": "load_critic response_values",
+    "data": "DataError get_field has_column load_prompts pad read_parquet split_rows step_rows take_rows",
+    "engines": "Sampling hf_generate_greedy",
+    "envs": "env_rows",
+    "errors": "UsageError usage_errors",
+    "flags": "flag",
+    "model": "load_policy load_tokenizer load_trained_model response_logits sequence_logits",
+    "ops": "agg_loss jsd_from_logits kl_controller_step kl_from_logits kl_penalty logprobs_and_entropy "
+    "logprobs_from_logits masked_mean masked_mean_all_ranks masked_var masked_whiten masked_whiten_all_ranks "
+    "rollout_correction",
+    "parallel": "StopSignal all_reduce_sum barrier clip_grad_norm gather_objects grad_sync init_distributed "
+    "resolve_strategy seed_everything setup_logging shard_evenly",
+    "rewards": "Scored start_agent_pools start_env_pool start_reward_pool",
+    "rollout": "Rollout engine_logprobs load_rl_data load_rl_models regroup sample start_engine",
+    "runlock": "claim_output claim_run_dir",
+    "scoring": "builtin_scorer exact_match extract_answer hit",
+    "sft_data": "load_sft",
+    "teacher": "TeacherArgs check_teacher start_teacher",
+    "tools": "check_agent_rows",
+    "tracking": "Tracker describe_run step_metrics",
+}

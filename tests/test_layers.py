@@ -4,7 +4,7 @@ import (at top level or inside a function) only modules listed before it. Parsed
 import ast
 from pathlib import Path
 
-from common import FEATURES, LAYERS
+from common import FEATURES, LAYERS, PUBLIC
 
 COMMON = Path(__file__).resolve().parent.parent / "common"
 
@@ -174,3 +174,26 @@ def test_an_older_forks_imports_still_resolve():
     missing = [f"{m}.{n}" for m, names in FORK_IMPORTS.items() for n in names.split()
                if not hasattr(importlib.import_module(m), n)]  # fmt: skip
     assert not missing, f"names a fork of an earlier recipe imports are gone: {missing}"
+
+
+def test_the_recipes_import_exactly_the_public_names():
+    """common.PUBLIC names what the recipes import from common/, and nothing else: a recipe reaching
+    for a name not listed, or a listed name no recipe uses (or that does not exist), fails here."""
+    import importlib
+
+    used: dict[str, set[str]] = {}
+    for path in sorted((COMMON.parent / "recipes").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("common."):
+                used.setdefault(node.module.split(".")[1], set()).update(a.name for a in node.names)
+    listed = {module: set(names.split()) for module, names in PUBLIC.items()}
+    assert used == listed, {m: (sorted(used.get(m, set()) - listed.get(m, set())),
+                                sorted(listed.get(m, set()) - used.get(m, set()))) for m in used.keys() | listed.keys()
+                            if used.get(m) != listed.get(m)}  # fmt: skip
+    missing = [
+        f"{m}.{n}"
+        for m, names in listed.items()
+        for n in names
+        if not hasattr(importlib.import_module(f"common.{m}"), n)
+    ]
+    assert not missing, missing

@@ -55,7 +55,7 @@ def test_the_core_stays_within_its_line_budget(capsys):
     script = (
         "import runpy, sys\n"
         "runpy.run_path('recipes/grpo.py', run_name='imported')\n"
-        "print('\\n'.join(sorted(m.__file__ for n, m in sys.modules.items() if n.startswith('common.'))))\n"
+        "print('\\n'.join(sorted(m.__file__ for n, m in sys.modules.items() if n.split('.')[0] == 'common')))\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
