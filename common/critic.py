@@ -4,7 +4,6 @@ logprobs use. Only ppo.py loads it.
 """
 
 import logging
-from pathlib import Path
 
 import torch
 
@@ -33,8 +32,7 @@ def load_critic(
     from transformers import AutoConfig, AutoModelForTokenClassification
     from transformers.utils import logging as hf_logging
 
-    check_source(path, "critic model")
-    source = str(Path(path).expanduser()) if Path(path).expanduser().exists() else path
+    source = check_source(path, "critic model")
     config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     config.num_labels, config.classifier_dropout = 1, 0.0
     verbosity = hf_logging.get_verbosity()

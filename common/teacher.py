@@ -5,7 +5,6 @@ start_teacher. Only distill.py loads it.
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from common.errors import UsageError
@@ -86,10 +85,8 @@ def check_teacher(path: str, tokenizer, trust_remote_code: bool = False) -> None
     Reads only the tokenizer files: it runs before any model loads."""
     from transformers import AutoTokenizer
 
-    check_source(path, "teacher model")
-    theirs = AutoTokenizer.from_pretrained(
-        str(Path(path).expanduser()) if Path(path).expanduser().exists() else path, trust_remote_code=trust_remote_code
-    ).get_vocab()
+    source = check_source(path, "teacher model")
+    theirs = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code).get_vocab()
     ours = tokenizer.get_vocab()
     if theirs != ours:
         moved = sorted(t for t in ours.keys() & theirs.keys() if ours[t] != theirs[t])
