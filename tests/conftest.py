@@ -397,6 +397,32 @@ def tokenizer():
     return load_tokenizer(str(TINY))
 
 
+DEFAULT_RUN = """\
+import json, runpy, sys
+sys.argv = ['recipes/grpo.py', '--output-dir', sys.argv[1], '--total-training-steps', '1', '--test-freq', '0',
+            '--save-freq', '0', '--no-val-before-train']
+runpy.run_path('recipes/grpo.py', run_name='__main__')
+run = {name: getattr(module, '__file__', None) for name, module in sys.modules.items()}
+recipe = runpy.run_path('recipes/grpo.py', run_name='imported')
+sys.argv = ['recipes/grpo.py', 'trainer.total_epochs=1']
+recipe['cli_args'](recipe['Args'], 'grpo')  # the command line read as the recipe's __main__ reads it
+print('MODULES', json.dumps({'run': run, 'verl': sorted(sys.modules)}))
+"""
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory) -> dict:
+    """A plain grpo.py run (one step, the launch check on) in a new interpreter, as a user starts it:
+    {"run": {module: its file} loaded by the end of the run, "verl": the modules loaded once a verl
+    key=value on the command line has been read after it}. One interpreter for the tests that judge
+    what a default run loads (tests/test_layers.py, tests/test_shape.py)."""
+    out = tmp_path_factory.mktemp("default_run") / "run"
+    proc = subprocess.run([sys.executable, "-c", DEFAULT_RUN, str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("MODULES ", 1)[1])
+
+
 SHARED_RAY: set[int] = set()  # the shared Ray's own processes (gcs_server, raylet), while it runs
 
 
