@@ -8,7 +8,9 @@ import os
 import re
 import sys
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Literal
 
 import tyro
@@ -18,7 +20,7 @@ from common.data import plan_batches as plan_batches  # re-exported for older fo
 from common.engines import EngineArgs
 from common.errors import ORIGINS, UsageError
 from common.errors import usage_errors as usage_errors  # re-exported for older forks
-from common.flags import BUNDLED, check_ranges, flag, flag_defaults, flag_name
+from common.flags import BUNDLED, check_ranges, flag, flag_defaults, flag_name, flag_values
 from common.flags import flag_types as flag_types  # re-exported: tests/test_docs.py reads flags with it
 from common.model import ModelArgs, looks_local
 from common.ops import KLRewardArgs as KLRewardArgs  # re-exported: recipes build on it
@@ -26,7 +28,6 @@ from common.optim import OptimArgs
 from common.parallel import WaitArgs
 from common.rewards import RewardArgs
 from common.rollout import (
-    CONDITIONING_FLAGS,
     AgentArgs,
     ConditioningArgs,
     EnvArgs,
@@ -99,11 +100,12 @@ USED_ONLY_WITH = [
 
 def check_used(args) -> None:
     """USED_ONLY_WITH: a flag set to a value of its own that this run would not read."""
-    defaults = flag_defaults(args)
+    defaults, values = flag_defaults(args), flag_values(args)
+    view = SimpleNamespace(**values)  # every flag by its name, a group's (args.optim.lr) too
     for names, decider, used, add in USED_ONLY_WITH:
-        given = [name for name in names if name in defaults and getattr(args, name) != defaults[name]]
-        if given and hasattr(args, decider) and not used(args):
-            raise UsageError(f"{flag_name(given[0])} {getattr(args, given[0])!r} would change nothing in this run: "
+        given = [name for name in names if name in defaults and values[name] != defaults[name]]
+        if given and decider in values and not used(view):
+            raise UsageError(f"{flag_name(given[0])} {values[given[0]]!r} would change nothing in this run: "
                              f"{add}, or drop the flag")  # fmt: skip
 
 
@@ -163,11 +165,6 @@ def check_flags(args) -> None:
         from common.correction import check_rejection  # a feature: loaded where asked for
 
         check_rejection(args)
-    if getattr(args, "rl_loss_coef", 1.0) == 0 and args.sft_loss_coef == 0:
-        raise UsageError("--rl-loss-coef 0 with --sft-loss-coef 0: the loss would have no term left to learn from")
-    if getattr(args, "reward_shift", False) and args.reward_scale:
-        raise UsageError("--reward-shift with --reward-scale: shift only subtracts the mean and scale only divides "
-                         "by the std; for both, drop the two flags (--reward-norm alone does both)")  # fmt: skip
     if getattr(args, "bypass_mode", False) and getattr(args, "rollout_is", None):
         raise UsageError(
             f"--bypass-mode with --rollout-is {args.rollout_is}: in bypass mode the engine's logprobs are the old "
@@ -250,7 +247,6 @@ class RLArgs(
     RolloutArgs,
     EngineArgs,
     TrainerArgs,
-    OptimArgs,
     DataArgs,
     ModelArgs,
 ):
@@ -259,10 +255,10 @@ class RLArgs(
 
     model: str = str(BUNDLED / "tiny-qwen2-sft")
     """policy: a local Hugging Face folder or a hub name"""
-    lr: float = 2e-4
-    """peak learning rate (AdamW)"""
-    lr_scheduler: Literal["constant", "cosine", "wsd"] = "cosine"
-    """lr after warmup: constant, cosine decay, or warmup-stable-decay"""
+    optim: Annotated[OptimArgs, tyro.conf.OmitArgPrefixes] = field(
+        default_factory=partial(OptimArgs, lr=2e-4, lr_scheduler="cosine")
+    )
+    """AdamW and the lr schedule (common.optim)"""
     total_training_steps: int | None = 80
     """stop after this many optimizer steps (overrides total_epochs)"""
     test_freq: int = 20
@@ -271,12 +267,6 @@ class RLArgs(
     """validate once before the first step"""
     conditioning: Annotated[ConditioningArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=ConditioningArgs)
     """ROLL's reward and advantage conditioning and loss terms (common.conditioning), all off by default"""
-
-    def __getattr__(self, name: str):
-        """A grouped flag reads as the others do: args.reward_norm is args.conditioning.reward_norm."""
-        if name in CONDITIONING_FLAGS and "conditioning" in self.__dict__:
-            return getattr(self.__dict__["conditioning"], name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # Derived values, computed from the flags above (no side effects).
     def data_kwargs(self) -> dict:
@@ -291,7 +281,7 @@ class RLArgs(
             "tool_classes": self.tool_class_names(),
             "env": dict(zip(("tags", "n_groups"), self.env_groups()), config=self.env_config,
                         train_seeds=self.env_train_seeds, val_seeds=self.env_val_seeds) if self.env_config else None,
-            "difficulty": self.difficulty_loss_weight,
+            "difficulty": self.conditioning.difficulty_loss_weight,
         }  # fmt: skip
 
     def reward_kwargs(self, run_dir: Path, tokenizer=None, rows: list[dict] = ()) -> dict:

@@ -60,10 +60,14 @@ def in_range(f, value) -> bool:
 
 
 def _flags(args):
-    """(the dataclass holding it, field) per flag of args; a group's from its value, in a class its class."""
+    """(the dataclass holding it, field) per flag of args; a group's from its value (in a class, its default)."""
     for f in fields(args):
-        if isinstance(f.default_factory, type) and is_dataclass(f.default_factory):
-            yield from _flags(f.default_factory if isinstance(args, type) else getattr(args, f.name))
+        if isinstance(args, type):
+            value = f.default_factory() if f.default_factory is not MISSING else f.default
+        else:
+            value = getattr(args, f.name)
+        if is_dataclass(value) and not isinstance(value, type):  # a group: RLArgs.optim, RLArgs.conditioning
+            yield from _flags(type(value) if isinstance(args, type) else value)
         else:
             yield args, f
 
@@ -91,12 +95,20 @@ def check_ranges(args) -> None:
 
 
 def flag_defaults(args) -> dict:
-    """{flag: its default} for every flag of args (a dataclass or its class) that has one."""
+    """{flag: its default} for every flag of args (a dataclass or its class) that has one; a group's are
+    those of the group's default (RLArgs.optim's lr is RLArgs', not OptimArgs')."""
     out = {}
-    for _, f in _flags(args if isinstance(args, type) else type(args)):
-        if f.default is not MISSING or f.default_factory is not MISSING:
-            out[f.name] = f.default if f.default is not MISSING else f.default_factory()
+    for f in fields(args):
+        if f.default is MISSING and f.default_factory is MISSING:
+            continue
+        value = f.default if f.default is not MISSING else f.default_factory()
+        out.update(flag_values(value) if is_dataclass(value) and not isinstance(value, type) else {f.name: value})
     return out
+
+
+def flag_values(args) -> dict:
+    """{flag: its value} for every flag of args, a group's beside the others: what a rule between flags reads."""
+    return {f.name: getattr(holder, f.name) for holder, f in _flags(args)}
 
 
 def flag_types(args_class) -> dict:

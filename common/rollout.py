@@ -505,7 +505,7 @@ class RolloutArgs:
 class ConditioningArgs:
     """ROLL's reward and advantage conditioning and loss terms (common.conditioning, loaded only when a knob is on;
     all off by default). RLArgs holds them as its `conditioning` group: the flags keep their names under one --help
-    heading, and args.reward_norm reads as args.conditioning.reward_norm."""
+    heading, and a recipe reads them as args.conditioning.reward_norm."""
 
     reward_normalization_grouping: Literal["state", "batch", "inductive"] = "state"
     """ROLL's reward_normalization.grouping: normalise per prompt (seed) group, per step, or per data_source (tag)"""
@@ -540,6 +540,13 @@ class ConditioningArgs:
     """ROLL's sft_loss_coef: add this times the negative log-likelihood of the responses that scored > 0"""
     use_topr_loss: bool = False
     """ROLL's use_topr_loss: TOPR's truncated-importance REINFORCE instead of the clipped surrogate"""
+
+    def __post_init__(self):
+        if self.rl_loss_coef == 0 and self.sft_loss_coef == 0:
+            raise UsageError("--rl-loss-coef 0 with --sft-loss-coef 0: the loss would have no term left to learn from")
+        if self.reward_shift and self.reward_scale:
+            raise UsageError("--reward-shift with --reward-scale: shift only subtracts the mean and scale only divides "
+                             "by the std; for both, drop the two flags (--reward-norm alone does both)")  # fmt: skip
 
     def _on(self, names: tuple[str, ...]) -> bool:
         return any(getattr(self, n) != getattr(ConditioningArgs, n) for n in names)
@@ -576,9 +583,6 @@ class ConditioningArgs:
         from common.conditioning import roll_loss
 
         return roll_loss(terms, metrics, *tensors, **{k: getattr(self, k) for k in names})
-
-
-CONDITIONING_FLAGS = {f.name for f in fields(ConditioningArgs)}
 
 
 @dataclass

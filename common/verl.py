@@ -18,18 +18,17 @@ is a UsageError before anything loads. Our own flags win over a verl key that se
 and the clash is said.
 """
 
-import dataclasses
 import os
 import re
 import shlex
 import sys
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from common.errors import ORIGINS, UsageError
+from common.flags import flag_defaults, flag_types
 
 
 @dataclass(frozen=True)
@@ -451,9 +450,7 @@ def translate(
     the user gave it (or the default), for usage errors to name (common.errors). Raises one UsageError naming every key that is unknown, refused, fixed
     to another value, or sets a flag `recipe` does not have, and an algorithm.adv_estimator that is
     not this recipe's."""
-    hints = typing.get_type_hints(args_class)
-    fields = {f.name: hints.get(f.name, f.type) for f in dataclasses.fields(args_class)}
-    defaults = {f.name: f.default for f in dataclasses.fields(args_class)}
+    fields, defaults = flag_types(args_class), flag_defaults(args_class)  # a group's flags (--lr) too
     ours, overrides = [], {key: (f"{source}: {key}={value}", value) for key, value in (config or {}).items()}
     for arg in argv:
         match = OVERRIDE.match(arg)

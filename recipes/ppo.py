@@ -145,7 +145,7 @@ class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL contr
             clip_ratio_high=self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high,
             clip_ratio_c=self.clip_ratio_c, entropy_coeff=self.entropy_coeff, kl_loss_coef=self.kl_loss_coef,
         )  # fmt: skip
-        return dict(grad_clip=self.grad_clip, rollout_is=self.rollout_is_kwargs(), loss=loss,
+        return dict(grad_clip=self.optim.grad_clip, rollout_is=self.rollout_is_kwargs(), loss=loss,
                     agg=dict(mode=self.loss_agg_mode, norm_constant=self.max_response_length),
                     kl_loss_type=self.kl_loss_type if self.use_kl_loss else None, roll=self.conditioning)  # fmt: skip
 
@@ -153,7 +153,7 @@ class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL contr
         """update_critic's knobs: the grad clip, and compute_value_loss's (the value clip, the policy loss's aggregation)."""
         loss = dict(cliprange_value=self.cliprange_value, loss_agg_mode=self.loss_agg_mode,
                     norm_constant=self.max_response_length)  # fmt: skip
-        return dict(grad_clip=self.grad_clip, value_loss=loss)
+        return dict(grad_clip=self.optim.grad_clip, value_loss=loss)
 
     def critic_kwargs(self) -> dict:  # PPO
         """common.critic.load_critic's keyword arguments: --critic-model (default the policy's), trained
@@ -162,9 +162,9 @@ class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL contr
         return {"path": self.critic_model or self.model, "strategy": resolve_strategy(self.strategy),
                 "remove_padding": self.use_remove_padding, **{k: getattr(self, k) for k in names}}  # fmt: skip
 
-    def critic_optim(self) -> "Args":  # PPO
-        """These flags with --critic-lr as the lr: the critic's AdamW and lr schedule (the policy's otherwise)."""
-        return dataclasses.replace(self, lr=self.critic_lr)
+    def critic_optim(self):  # PPO
+        """The critic's AdamW and lr schedule: the policy's (args.optim) with --critic-lr as the lr."""
+        return dataclasses.replace(self.optim, lr=self.critic_lr)
 
 
 # --- the algorithm ------------------------------------------------------------------------------------
@@ -438,7 +438,7 @@ def main(args: Args) -> dict:
     pool = start_reward_pool(**args.reward_kwargs(run_dir, tokenizer, train + val))
     resumed = prove_resume(args.check, dist)  # --check full: save, resume, a step, in child runs of this command
     model, ref, reward_model, run_info = load_rl_models(args.model, dist, tokenizer, **args.model_kwargs())
-    policy = args.trainable(model, max(1, total_steps - args.critic_warmup))  # PPO: its schedule starts after warmup
+    policy = args.optim.trainable(model, max(1, total_steps - args.critic_warmup))  # PPO: schedule after warmup
     critic = args.critic_optim().trainable(load_critic(dist=dist, **args.critic_kwargs()), total_steps)  # PPO
     state = resume(checkpoint, policy, dist=dist, extra_models={"critic": critic})
     engine = start_engine(model, tokenizer, dist, state["step"], **args.engine_kwargs(train, total_steps, pool))

@@ -116,7 +116,7 @@ class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL contr
             clip_ratio_high=self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high,
             clip_ratio_c=self.clip_ratio_c, entropy_coeff=self.entropy_coeff, kl_loss_coef=self.kl_loss_coef,
         )  # fmt: skip
-        return dict(grad_clip=self.grad_clip, rollout_is=self.rollout_is_kwargs(), loss=loss,
+        return dict(grad_clip=self.optim.grad_clip, rollout_is=self.rollout_is_kwargs(), loss=loss,
                     agg=dict(mode=self.loss_agg_mode, norm_constant=self.max_response_length),
                     kl_loss_type=self.kl_loss_type if self.use_kl_loss else None, roll=self.conditioning)  # fmt: skip
 
@@ -300,7 +300,7 @@ def main(args: Args) -> dict:
     pool = start_reward_pool(**args.reward_kwargs(run_dir, tokenizer, train + val))
     resumed = prove_resume(args.check, dist)  # --check full: save, resume, a step, in child runs of this command
     model, ref, reward_model, run_info = load_rl_models(args.model, dist, tokenizer, **args.model_kwargs())
-    policy = args.trainable(model, total_steps)  # the policy with its AdamW and lr schedule
+    policy = args.optim.trainable(model, total_steps)  # the policy with its AdamW and lr schedule
     state = resume(checkpoint, policy, dist=dist)  # the trainer state: step 0, or the checkpoint's
     engine = start_engine(model, tokenizer, dist, state["step"], **args.engine_kwargs(train, total_steps, pool))
     rollout = Rollout(train, val, engine, pool, tokenizer, dist, reward_model=reward_model, **args.rollout_kwargs())

@@ -19,9 +19,10 @@ Run (the tests run the same commands, shortened):
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Annotated
 
 import torch
 import tyro
@@ -56,7 +57,7 @@ PLOTS = ("val/accuracy", "val/loss", "train/loss", "train/lr")  # panels of curv
 
 # --- config ---------------------------------------------------------------------------------------
 @dataclass
-class Args(TrainerArgs, OptimArgs, DataArgs, ModelArgs):  # flags listed model, data, optim, trainer
+class Args(TrainerArgs, DataArgs, ModelArgs):  # flags listed model, data, trainer; optim is a group
     response_key: str = "extra_info.answer"
     """column holding the response (dotted keys reach into structs)"""
     messages_key: str = "messages"
@@ -69,14 +70,10 @@ class Args(TrainerArgs, OptimArgs, DataArgs, ModelArgs):  # flags listed model, 
     """examples per optimizer step, over all processes"""
     micro_batch_size_per_gpu: int = flag(32, ge=1)
     """examples per forward/backward pass on one process"""
-    lr: float = 2e-3
-    """peak learning rate (AdamW)"""
-    lr_warmup_steps_ratio: float = 0.05
-    """fraction of the total steps spent warming the lr up linearly from 0"""
-    lr_scheduler: Literal["constant", "cosine", "wsd"] = "cosine"
-    """lr after warmup: constant, cosine decay, or warmup-stable-decay"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
+    optim: Annotated[OptimArgs, tyro.conf.OmitArgPrefixes] = field(
+        default_factory=partial(OptimArgs, lr=2e-3, lr_warmup_steps_ratio=0.05, lr_scheduler="cosine", weight_decay=0.0)
+    )
+    """AdamW and the lr schedule (common.optim)"""
     total_epochs: int = 6
     """passes over the training data (ignored when total_training_steps is set)"""
     test_freq: int = 100
@@ -208,7 +205,7 @@ def main(args: Args) -> dict:
     # Model, optimizer, schedule; then resume.
     resumed = prove_resume(args.check, dist)  # --check full: save, resume, a step, in child runs of this command
     model, run_info = load_trained_model(args.model, dist, strategy=args.strategy, **args.policy_kwargs())
-    policy = args.trainable(model, total_steps)  # the model with its AdamW and lr schedule
+    policy = args.optim.trainable(model, total_steps)  # the model with its AdamW and lr schedule
     start_step = resume(checkpoint, policy, dist=dist)["step"]
     tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, bar_keys=("train/loss", "val/accuracy"),
                       **args.tracker_kwargs(RECIPE, run_info))  # fmt: skip
@@ -226,7 +223,7 @@ def main(args: Args) -> dict:
 
         # 2-3. forward / backward over micro-batches, optimizer step
         metrics = train_step(policy, ranks[dist.rank], epoch, tokenizer.pad_token_id, dist,
-                             micro_batch_size=args.micro_batch_size_per_gpu, grad_clip=args.grad_clip)  # fmt: skip
+                             micro_batch_size=args.micro_batch_size_per_gpu, grad_clip=args.optim.grad_clip)  # fmt: skip
 
         # 4. validate / save (and, after a stop signal, save and end the run here)
         done = step + 1

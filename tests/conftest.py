@@ -68,16 +68,16 @@ def load_recipe(name: str):
 
 
 def make_args(args_class, **flags):
-    """args_class(**flags) with the flags of a group (RLArgs.conditioning) given to their group, as
-    the command line gives them: make_args(Args, lr=1e-3, reward_norm="batch")."""
-    from dataclasses import fields, is_dataclass
+    """args_class(**flags) with the flags of a group (RLArgs.optim, RLArgs.conditioning) given to their
+    group, as the command line gives them: make_args(Args, lr=1e-3, reward_norm="batch")."""
+    from dataclasses import MISSING, fields, is_dataclass, replace
 
     for f in fields(args_class):
-        group = f.default_factory
-        if isinstance(group, type) and is_dataclass(group):
+        group = f.default_factory() if f.default_factory is not MISSING else None  # the group as the recipe sets it
+        if is_dataclass(group):
             mine = {g.name for g in fields(group)} & set(flags)
             if mine:
-                flags[f.name] = group(**{name: flags.pop(name) for name in mine})
+                flags[f.name] = replace(group, **{name: flags.pop(name) for name in mine})
     return args_class(**flags)
 
 

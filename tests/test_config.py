@@ -4,7 +4,7 @@ import typing
 import pytest
 from conftest import ROOT, load_recipe, make_args
 
-from common.config import ConditioningArgs, flag_types, plan_batches
+from common.config import flag_types, plan_batches
 from common.errors import UsageError
 from common.flags import flag_fields, must_be
 
@@ -130,8 +130,7 @@ def test_every_range_rule_holds_at_its_edges(recipe):
     field declares), and the edge's allowed side passes that rule (another check may still refuse
     it: a LoRA alpha without LoRA)."""
     module = load_recipe(recipe)
-    hints = typing.get_type_hints(module.Args)
-    hints.update(typing.get_type_hints(ConditioningArgs))
+    hints = flag_types(module.Args)  # a group's flags (RLArgs.optim, RLArgs.conditioning) too
     ruled = [f for f in flag_fields(module.Args) if f.metadata.get("bounds")]
     for f in ruled:
         inside, outside = edges(f, hints[f.name])
