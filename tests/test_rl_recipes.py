@@ -66,7 +66,9 @@ def test_every_flag_has_one_description(recipe):
     a base) keeps the base's words: copies that drift are how docs start to lie."""
     args_cls = load_recipe(recipe).Args
     declared = {}  # field -> [(class, docstring)] from the most derived class to the base
-    factories = [f.default_factory for f in dataclasses.fields(args_cls) if f.default_factory is not dataclasses.MISSING]
+    factories = [
+        f.default_factory for f in dataclasses.fields(args_cls) if f.default_factory is not dataclasses.MISSING
+    ]
     groups = [type(g) for g in map(lambda make: make(), factories) if dataclasses.is_dataclass(g)]
     for cls in [*args_cls.__mro__, *groups]:  # a group's flags (RLArgs.optim, RLArgs.conditioning) are flags too
         if dataclasses.is_dataclass(cls) and cls is not object:
