@@ -55,7 +55,7 @@ def arm(sft_steps: int | None, args, tmp: Path) -> dict:
     model = ROOT / "bundled" / "tiny-qwen2-tools"
     if not tool:  # the conversations' messages left unread: each prompt and its answer alone
         run("sft", ["--model", ROOT / "bundled" / "tiny-qwen2", "--train-files", DATA / "sft.parquet", "--val-files",
-                    "--messages-key", "no-messages", "--total-training-steps", sft_steps, "--save-freq", "-1",
+                    "--messages-key", "no-messages", "--total-training-steps", sft_steps,
                     "--output-dir", tmp / f"sft-{sft_steps}", "--resume", "disable"])  # fmt: skip
         model = tmp / f"sft-{sft_steps}" / "checkpoints" / f"step_{sft_steps}" / "hf"
     train, test = DATA / "train.parquet", DATA / "test.parquet"

@@ -200,10 +200,12 @@ class TrainerArgs(WaitArgs):
     """passes over the training data (ignored when total_training_steps is set)"""
     total_training_steps: int | None = flag(None, ge=1, note="or left unset: total_epochs decides")
     """stop after this many optimizer steps (overrides total_epochs)"""
-    save_freq: int = flag(-1, rule=(lambda v: v >= -1, "-1 (at the end), 0 (never) or a number of steps"))
-    """save a checkpoint every N steps (-1: only at the end); 0 never saves"""
-    test_freq: int = flag(-1, rule=(lambda v: v >= -1, "-1 (at the end), 0 (never) or a number of steps"))
-    """validate every N steps (-1: only at the end); 0 never validates"""
+    save_freq: int | None = None
+    """save a checkpoint every N steps and after the last (unset: only after the last); 0 or below never saves, as
+    verl's trainer.save_freq"""
+    test_freq: int | None = None
+    """validate every N steps and after the last (unset: only after the last); 0 or below never validates, as
+    verl's trainer.test_freq"""
     val_before_train: bool = False
     """validate once before the first step"""
     resume: str = "auto"
@@ -261,8 +263,9 @@ class RLArgs(
     """AdamW and the lr schedule (common.optim)"""
     total_training_steps: int | None = 80
     """stop after this many optimizer steps (overrides total_epochs)"""
-    test_freq: int = 20
-    """validate every N steps (-1: only at the end); 0 never validates"""
+    test_freq: int | None = 20
+    """validate every N steps and after the last (unset: only after the last); 0 or below never validates, as
+    verl's trainer.test_freq"""
     val_before_train: bool = True
     """validate once before the first step"""
     conditioning: Annotated[ConditioningArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=ConditioningArgs)
@@ -345,6 +348,9 @@ class RLArgs(
         return self.total_training_steps or self.total_epochs * (train_rows // self.train_batch_size)
 
 
-def is_due(step: int, freq: int, last_step: int) -> bool:
-    """Whether a periodic action runs after `step`: every `freq` steps and at last_step (-1: only there, 0: never)."""
-    return freq != 0 and (step == last_step or (freq > 0 and step % freq == 0))
+def is_due(step: int, freq: int | None, last_step: int) -> bool:
+    """Whether a periodic action runs after `step`: every `freq` steps and at last_step (None: only there; 0 or
+    below: never, as verl's trainer.save_freq / test_freq)."""
+    if freq is None:
+        return step == last_step
+    return freq > 0 and (step == last_step or step % freq == 0)

@@ -235,10 +235,9 @@ class Tracker:
         if self.is_main:
             (self.bar.write if self.bar is not None else print)(message)
 
-    def finish(self, plot_keys: tuple[str, ...] = (), saved: bool = False, stopped: bool = False,
-               failure: str | None = None) -> dict:  # fmt: skip
+    def finish(self, plot_keys: tuple[str, ...] = (), stopped: bool = False, failure: str | None = None) -> dict:
         """Collective. Close the loggers, draw the curves and print the closing summary: val accuracy before
-        (step 0) -> after (the latest val/ metrics), steps, time, run folder and the exported model when saved.
+        (step 0) -> after (the latest val/ metrics), steps, time, run folder and the exported model if saved.
         A run a signal stopped (common.parallel.StopSignal) says where its checkpoint is and how to go on; one
         a failure stopped (StopSignal.fail) raises it as RunStopped (exit status 1). Returns the summary."""
         barrier()
@@ -258,8 +257,7 @@ class Tracker:
             raise RunStopped(f"{failure}\nstopped {where}")
         if stopped:
             self.write(f"stopped by a signal {where}; the same command (--resume auto) continues")
-        elif saved:
-            final = self.run_dir / "checkpoints" / f"step_{self.total_steps}" / "hf"
+        elif (final := self.run_dir / "checkpoints" / f"step_{self.total_steps}" / "hf").is_dir():
             self.write(f"final model: {final} (a Hugging Face folder: from_pretrained loads it)")
         return {**summary, "stopped": stopped}
 

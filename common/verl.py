@@ -364,6 +364,7 @@ VERL_DEFAULTS: dict[str, dict[str, object]] = {
         ACTOR + "optim.warmup_style": "constant",
         ROLLOUT + "n": 1,
         "trainer.total_epochs": 30,
+        "trainer.save_freq": -1,  # never: verl saves only when asked
         "critic.optim.lr": 1e-5,
         "algorithm.use_kl_in_reward": False,
         "algorithm.kl_ctrl.kl_coef": 0.001,

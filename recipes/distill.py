@@ -92,8 +92,9 @@ class Args(TeacherArgs, RLArgs):  # RLArgs: model, data, optim, trainer, rollout
     """responses sampled per prompt (the group)"""
     total_training_steps: int | None = 30
     """stop after this many optimizer steps (overrides total_epochs)"""
-    test_freq: int = 10
-    """validate every N steps (-1: only at the end); 0 never validates"""
+    test_freq: int | None = 10
+    """validate every N steps and after the last (unset: only after the last); 0 or below never validates, as
+    verl's trainer.test_freq"""
     clip_ratio: float = flag(0.2, gt=0)
     """PPO clip range; clip_ratio_low / clip_ratio_high override each side"""
     clip_ratio_low: float | None = flag(None, gt=0, le=1, note="the ratio is kept above 1 - clip_ratio_low")
@@ -379,7 +380,7 @@ def main(args: Args) -> dict:
             save_checkpoint(run_dir, step + 1, policy, dist=dist, tokenizer=tokenizer, **args.save_kwargs(RECIPE),
                             trainer_state=dict(epoch=batch["epoch"], reward_stats=state.get("reward_stats")))  # fmt: skip
     pool.close()
-    return tracker.finish(PLOTS, saved=args.save_freq != 0, stopped=stop.stopping, failure=stop.failure)
+    return tracker.finish(PLOTS, stopped=stop.stopping, failure=stop.failure)
 
 
 if __name__ == "__main__":

@@ -323,7 +323,7 @@ def main(args: Args) -> dict:
             save_checkpoint(run_dir, step + 1, policy, dist=dist, tokenizer=tokenizer, **args.save_kwargs(RECIPE),
                             trainer_state=dict(epoch=batch["epoch"], reward_stats=state.get("reward_stats")))  # fmt: skip
     pool.close()
-    return tracker.finish(PLOTS, saved=args.save_freq != 0, stopped=stop.stopping, failure=stop.failure)
+    return tracker.finish(PLOTS, stopped=stop.stopping, failure=stop.failure)
 
 
 if __name__ == "__main__":

@@ -335,7 +335,7 @@ def main(args: Args) -> dict:
                             trainer_state=dict(epoch=batch["epoch"], kl_coef=state["kl_coef"],
                                                reward_stats=state.get("reward_stats")))  # fmt: skip
     pool.close()
-    return tracker.finish(PLOTS, saved=args.save_freq != 0, stopped=stop.stopping, failure=stop.failure)
+    return tracker.finish(PLOTS, stopped=stop.stopping, failure=stop.failure)
 
 
 if __name__ == "__main__":

@@ -76,8 +76,9 @@ class Args(TrainerArgs, DataArgs, ModelArgs):  # flags listed model, data, train
     """AdamW and the lr schedule (common.optim)"""
     total_epochs: int = 6
     """passes over the training data (ignored when total_training_steps is set)"""
-    test_freq: int = 100
-    """validate every N steps (-1: only at the end); 0 never validates"""
+    test_freq: int | None = 100
+    """validate every N steps and after the last (unset: only after the last); 0 or below never validates, as
+    verl's trainer.test_freq"""
     max_new_tokens: int = flag(16, ge=1)
     """validation accuracy: greedy tokens generated per prompt"""
     val_batch_size: int = flag(256, ge=1)
@@ -236,7 +237,7 @@ def main(args: Args) -> dict:
                             **args.save_kwargs(RECIPE))  # fmt: skip
         if stopping:
             break
-    return tracker.finish(PLOTS, saved=args.save_freq != 0, stopped=stop.stopping)
+    return tracker.finish(PLOTS, stopped=stop.stopping)
 
 
 if __name__ == "__main__":

@@ -150,17 +150,30 @@ def test_every_range_rule_holds_at_its_edges(recipe):
 def test_every_numeric_flag_has_a_range(recipe):
     """Each int and float flag of every script, set to a negative number (and each float to NaN),
     is a usage error as the flags are parsed: no numeric flag is left without its check (the
-    sentinel -1 of --save-freq, --test-freq and --top-k still passes; -5 does not)."""
+    sentinel -1 of --top-k still passes; -5 does not). --save-freq and --test-freq take any number:
+    0 or below is never, as in verl (test_a_frequency_of_0_or_below_is_never)."""
     module = load_recipe(recipe)
     checked = []
     for name, hint in flag_types(module.Args).items():  # a group's flags (RLArgs.conditioning) too
         kinds = set(typing.get_args(hint) or (hint,))
-        if bool in kinds or not kinds & {int, float}:
+        if bool in kinds or not kinds & {int, float} or name in ("save_freq", "test_freq"):
             continue
         values = [-5] if float not in kinds else [-0.5, math.nan]
         for value in [(v, 0.9) for v in values] if typing.get_origin(hint) is tuple else values:
             with pytest.raises(UsageError, match=f"--{name.replace('_', '-')}"):
                 make_args(module.Args, **{name: value})
         checked.append(name)
-    assert len(checked) >= {"generate": 5, "evaluate": 2}.get(recipe, 20), checked
+    assert len(checked) >= {"sft": 18, "generate": 5, "evaluate": 2}.get(recipe, 20), checked
     assert recipe in ("sft", "generate", "evaluate") or {"reward_clip", "sft_loss_coef"} <= set(checked)
+
+
+def test_a_frequency_of_0_or_below_is_never():
+    """--save-freq / --test-freq N: every N steps and after the last; unset: only after the last; 0
+    or below: never, as verl's trainer.save_freq / test_freq (whose default, -1, is never)."""
+    from common.config import is_due
+
+    def due(freq):
+        return [step for step in range(1, 11) if is_due(step, freq, 10)]
+
+    assert due(None) == [10] and due(3) == [3, 6, 9, 10] and due(10) == due(20) == [10]
+    assert due(0) == due(-1) == due(-7) == []

@@ -266,11 +266,12 @@ def test_keys_a_verl_command_leaves_out_take_verls_defaults():
     found, said = flags(["trainer.total_epochs=2"])
     assert found == {"--total-epochs": "2", "--max-prompt-length": "512", "--max-response-length": "512",
                      "--train-batch-size": "1024", "--ppo-mini-batch-size": "256", "--lr": "1e-06",
-                     "--lr-scheduler": "constant", "--rollout-n": "1"}  # fmt: skip
+                     "--lr-scheduler": "constant", "--rollout-n": "1", "--save-freq": "-1"}  # fmt: skip
     assert said == ["verl's defaults for the keys this command leaves out: data.max_prompt_length=512, "
                     "data.max_response_length=512, data.train_batch_size=1024, "
                     "actor_rollout_ref.actor.ppo_mini_batch_size=256, actor_rollout_ref.actor.optim.lr=1e-06, "
-                    "actor_rollout_ref.actor.optim.warmup_style=constant, actor_rollout_ref.rollout.n=1"]  # fmt: skip
+                    "actor_rollout_ref.actor.optim.warmup_style=constant, actor_rollout_ref.rollout.n=1, "
+                    "trainer.save_freq=-1"]  # fmt: skip
     found, _ = flags(
         ["trainer.total_epochs=2", "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "--lr", "1e-5"]
     )
@@ -360,7 +361,9 @@ def test_print_verl_translation_prints_the_command_and_starts_nothing(tmp_path):
                         "algorithm.lam=0.9", f"trainer.default_local_dir={tmp_path / 'run'}")  # fmt: skip
     command = result.stdout.strip()
     assert f"ppo.py --critic-lr 1e-5 --lam 0.9 --output-dir {tmp_path / 'run'} --max-prompt-length 512 " in command
-    assert command.endswith(" --rollout-n 1 --total-epochs 30 --no-use-kl-in-reward")  # verl's defaults follow
+    assert command.endswith(
+        " --rollout-n 1 --total-epochs 30 --save-freq -1 --no-use-kl-in-reward"
+    )  # verl's defaults follow
     assert not (tmp_path / "run").exists()
 
 
@@ -605,3 +608,19 @@ def test_verls_generation_and_eval_commands_run(tmp_path):
                "data.reward_model_key=reward_model", "--output-json", tmp_path / "eval.json")  # fmt: skip
     metrics = json.loads((tmp_path / "eval.json").read_text())
     assert any("pass@2" in key for key in json.dumps(metrics).split('"')), metrics
+
+
+def test_a_frequency_of_minus_1_means_never_as_in_verl(tmp_path, small_train, small_val):
+    """trainer.test_freq=-1 means no validation and a save_freq left out (verl's -1) no checkpoint, as
+    verl's trainer reads them (> 0 or never): 2 steps with a validation set validate only before
+    training (verl's val_before_train) and leave no checkpoint."""
+    out = tmp_path / "run"
+    run_recipe(
+        "grpo", f"data.train_files={small_train}", f"data.val_files={small_val}", "data.train_batch_size=4",
+        "data.max_prompt_length=64", "data.max_response_length=8", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", f"actor_rollout_ref.model.path={BUNDLED / 'tiny-qwen2-sft'}",
+        "trainer.total_training_steps=2", "trainer.test_freq=-1", f"trainer.default_local_dir={out}",
+    )  # fmt: skip
+    validated = [m["step"] for m in read_metrics(out) if "val/accuracy" in m]
+    assert validated == [0] and len([m for m in read_metrics(out) if "train/loss" in m]) == 2
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
