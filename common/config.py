@@ -201,11 +201,9 @@ class TrainerArgs(WaitArgs):
     total_training_steps: int | None = flag(None, ge=1, note="or left unset: total_epochs decides")
     """stop after this many optimizer steps (overrides total_epochs)"""
     save_freq: int | None = None
-    """save a checkpoint every N steps and after the last (unset: only after the last); 0 or below never saves, as
-    verl's trainer.save_freq"""
+    """save a checkpoint every N steps and after the last (unset: only after the last; 0 or below: never, as in verl)"""
     test_freq: int | None = None
-    """validate every N steps and after the last (unset: only after the last); 0 or below never validates, as
-    verl's trainer.test_freq"""
+    """validate every N steps and after the last (unset: only after the last; 0 or below: never, as in verl)"""
     val_before_train: bool = False
     """validate once before the first step"""
     resume: str = "auto"
@@ -264,8 +262,7 @@ class RLArgs(
     total_training_steps: int | None = 80
     """stop after this many optimizer steps (overrides total_epochs)"""
     test_freq: int | None = 20
-    """validate every N steps and after the last (unset: only after the last); 0 or below never validates, as
-    verl's trainer.test_freq"""
+    """validate every N steps and after the last (unset: only after the last; 0 or below: never, as in verl)"""
     val_before_train: bool = True
     """validate once before the first step"""
     conditioning: Annotated[ConditioningArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=ConditioningArgs)

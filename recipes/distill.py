@@ -93,8 +93,7 @@ class Args(TeacherArgs, RLArgs):  # RLArgs: model, data, optim, trainer, rollout
     total_training_steps: int | None = 30
     """stop after this many optimizer steps (overrides total_epochs)"""
     test_freq: int | None = 10
-    """validate every N steps and after the last (unset: only after the last); 0 or below never validates, as
-    verl's trainer.test_freq"""
+    """validate every N steps and after the last (unset: only after the last; 0 or below: never, as in verl)"""
     clip_ratio: float = flag(0.2, gt=0)
     """PPO clip range; clip_ratio_low / clip_ratio_high override each side"""
     clip_ratio_low: float | None = flag(None, gt=0, le=1, note="the ratio is kept above 1 - clip_ratio_low")

@@ -77,8 +77,7 @@ class Args(TrainerArgs, DataArgs, ModelArgs):  # flags listed model, data, train
     total_epochs: int = 6
     """passes over the training data (ignored when total_training_steps is set)"""
     test_freq: int | None = 100
-    """validate every N steps and after the last (unset: only after the last); 0 or below never validates, as
-    verl's trainer.test_freq"""
+    """validate every N steps and after the last (unset: only after the last; 0 or below: never, as in verl)"""
     max_new_tokens: int = flag(16, ge=1)
     """validation accuracy: greedy tokens generated per prompt"""
     val_batch_size: int = flag(256, ge=1)
