@@ -14,10 +14,12 @@ verl" table is checked against it):
 - Fixed: a key whose verl value must be what this library always does; another value is refused;
 - Refused: a verl feature not built here, refused whatever its value.
 A key not in the table is refused too. Nothing a user wrote is silently dropped, and every refusal
-is a UsageError before anything loads. Our own flags win over a verl key that sets the same flag,
-and the clash is said.
+is a UsageError before anything loads. Two settings of one flag (two verl keys, or a verl key and
+our own flag) must agree, or the run is refused naming both: every value given is read. The command
+line wins over a config file, as in Hydra, and says so.
 """
 
+import itertools
 import os
 import re
 import shlex
@@ -417,6 +419,26 @@ def _same(given, expected) -> bool:
         return str(given) == str(expected)
 
 
+def _given(argv: list[str], field: str) -> list[str]:
+    """Our own flag's tokens on the command line (the last time it is given): [--x, values...], [--x] or [--no-x]."""
+    flag, found = "--" + field.replace("_", "-"), []
+    for i, arg in enumerate(argv):
+        if arg in (flag, "--no-" + flag[2:]):
+            found = [arg, *itertools.takewhile(lambda a: not a.startswith("--"), argv[i + 1 :])]
+        elif arg.startswith(flag + "="):
+            found = [flag, arg.split("=", 1)[1]]
+    return found
+
+
+def _agree(a: list[str], b: list[str]) -> bool:
+    """Whether two settings of one flag, as tokens, say the same: a switch's form, then each value (1e-6 is 0.000001,
+    True is true)."""
+    if len(a) != len(b) or a[0] != b[0]:
+        return False
+    return all(_same(x.lower() if x.lower() in ("true", "false") else x, y.lower() if y.lower() in ("true", "false")
+                     else y) for x, y in zip(a[1:], b[1:]))  # fmt: skip
+
+
 def _is_bool(kind) -> bool:
     return kind is bool or kind == "bool"
 
@@ -453,6 +475,7 @@ def translate(
     not this recipe's."""
     fields, defaults = flag_types(args_class), flag_defaults(args_class)  # a group's flags (--lr) too
     ours, overrides = [], {key: (f"{source}: {key}={value}", value) for key, value in (config or {}).items()}
+    filed = {arg for arg, _ in overrides.values()}  # a config file's settings: the command line's win over them
     for arg in argv:
         match = OVERRIDE.match(arg)
         if match is None:
@@ -465,7 +488,7 @@ def translate(
         a.split("=", 1)[0].removeprefix("--").removeprefix("no-").replace("-", "_") for a in ours if a.startswith("--")
     }
     unread = _unread_by_verl(overrides, adv_estimator)
-    flags, noops, clashes, problems, origin = {}, [], [], [], {}
+    flags, noops, problems, origin, overridden = {}, [], [], {}, []
     for key, (arg, value) in overrides.items():
         entry = lookup(key)
         if key in unread:
@@ -506,9 +529,6 @@ def translate(
         if field not in fields:
             problems.append(f"{arg}: it sets --{field.replace('_', '-')}, which {recipe} does not have")
             continue
-        if field in given:
-            clashes.append(f"{key}={value} (--{field.replace('_', '-')} given as well)")
-            continue
         if key == "reward_model.reward_manager" and value == "dapo":
             if "overlong_buffer_len" not in fields:
                 problems.append(f"{arg}: the dapo reward manager's overlong penalty is dapo.py's; run recipes/dapo.py")
@@ -516,11 +536,29 @@ def translate(
             value = "naive"  # dapo.py applies the overlong buffer to each sample's score itself
         try:
             value = _special(key, value, overrides)
-            if value is not _SKIP:
-                flags[field] = _tokens(field, fields[field], value)
-                origin[field] = arg
+            tokens = None if value is _SKIP else _tokens(field, fields[field], value)
         except (UsageError, ValueError) as e:
             problems.append(f"{arg}: {e}")
+            continue
+        if tokens is None:
+            continue
+        # Two settings of one flag: equal ones are one setting; the command line (our flag or a verl key) wins over a
+        # config file, as in Hydra; any other two that differ are refused, naming both.
+        other = _given(ours, field) if field in given else flags.get(field)
+        other_filed = field not in given and origin.get(field) in filed
+        said_by = " ".join(other or ()) if field in given else origin.get(field)
+        if other is None:
+            flags[field], origin[field] = tokens, arg
+        elif _agree(tokens, other):
+            pass
+        elif other_filed and arg not in filed:  # the command line's verl key replaces the file's
+            overridden.append(f"{said_by} (by {arg})")
+            flags[field], origin[field] = tokens, arg
+        elif arg in filed and not other_filed:  # the file's setting under the command line's
+            overridden.append(f"{arg} (by {said_by})")
+        else:
+            problems.append(f"{arg} and {said_by} both set --{field.replace('_', '-')}, to different values "
+                            f"({' '.join(tokens[1:]) or tokens[0]} and {' '.join(other[1:]) or other[0]}); keep one")  # fmt: skip
     if problems:
         head = (
             "a verl key cannot be run here" if len(problems) == 1 else f"{len(problems)} verl keys cannot be run here"
@@ -546,8 +584,8 @@ def translate(
         said.append("verl's defaults for the keys this command leaves out: " + ", ".join(defaulted))
     if noops:
         said.append("verl keys read, with nothing to change here: " + ", ".join(noops))
-    if clashes:
-        said.append("verl keys overridden by this library's own flags: " + "; ".join(clashes))
+    if overridden:
+        said.append("verl config keys the command line overrides: " + "; ".join(overridden))
     return [token for tokens in flags.values() for token in tokens] + ours, said
 
 
@@ -598,6 +636,8 @@ def _special(key: str, value, overrides: dict):
         return f"{value}:{name}"
     if key.endswith("fsdp_config.model_dtype"):
         return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(value, value)
+    if key == "trainer.resume_from_path" and overrides.get("trainer.resume_mode", (None, "auto"))[1] != "resume_path":
+        return _SKIP  # verl reads the path only with resume_mode=resume_path
     if key == "trainer.resume_mode":
         if value == "resume_path":
             if "trainer.resume_from_path" not in overrides:
@@ -721,8 +761,8 @@ def verl_args(
     args_class, adv_estimator: str | None = None, argv: list[str] | None = None, trainer: str | None = None
 ) -> list[str]:
     """The argument list tyro should read: sys.argv[1:] with verl's key=value arguments and a
-    verl config translated (what was read without effect, verl's defaults applied, and clashes,
-    said on rank 0). The config is a file (--verl-config FILE) or Hydra's launch of one
+    verl config translated (what was read without effect and verl's defaults applied, said on
+    rank 0). The config is a file (--verl-config FILE) or Hydra's launch of one
     (--config-path DIR --config-name NAME, as verl's example scripts start main_ppo). `trainer`
     picks the defaults: "ppo" (the default for a recipe with an adv_estimator), "sft", or None
     (generate.py, evaluate.py). --print-verl-translation prints the translated command and exits."""

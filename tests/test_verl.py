@@ -191,14 +191,43 @@ def test_keys_that_cannot_be_honoured_are_refused_with_the_key_and_why(argv, mes
         grpo(*argv)
 
 
-def test_our_own_flag_wins_over_a_verl_key_and_the_clash_is_said():
-    flags, said = grpo("actor_rollout_ref.actor.optim.lr=1e-6", "data.train_batch_size=8", "--lr", "3e-4")
-    assert flags == ["--train-batch-size", "8", "--lr", "3e-4"]
-    assert said == [
-        "verl keys overridden by this library's own flags: actor_rollout_ref.actor.optim.lr=1e-6 (--lr given as well)"
-    ]
-    flags, _ = grpo("actor_rollout_ref.actor.use_kl_loss=True", "--no-use-kl-loss")
-    assert flags == ["--no-use-kl-loss"]
+def test_two_settings_of_one_flag_must_agree():
+    """A verl key beside our own flag, or two verl keys, that set one flag: equal values (as numbers:
+    1e-6 is 0.000001) are one setting; unequal ones stop the run naming both settings and both
+    values, so no value a user gave goes unread, not even one another setting would have replaced."""
+    flags, said = grpo("actor_rollout_ref.actor.optim.lr=1e-6", "data.train_batch_size=8", "--lr", "0.000001")
+    assert flags == ["--train-batch-size", "8", "--lr", "0.000001"] and said == []
+    refused = [
+        (["actor_rollout_ref.actor.optim.lr=1e-6", "--lr", "3e-4"],
+         "actor_rollout_ref.actor.optim.lr=1e-6 and --lr 3e-4 both set --lr, to different values (1e-6 and 3e-4)"),
+        (["actor_rollout_ref.actor.use_kl_loss=True", "--no-use-kl-loss"],
+         "actor_rollout_ref.actor.use_kl_loss=True and --no-use-kl-loss both set --use-kl-loss, to different values "
+         "(--use-kl-loss and --no-use-kl-loss)"),
+        (["--rollout-n", "4", "actor_rollout_ref.rollout.n=many"],
+         "actor_rollout_ref.rollout.n=many and --rollout-n 4 both set --rollout-n, to different values (many and 4)"),
+    ]  # fmt: skip
+    for argv, words in refused:
+        with pytest.raises(UsageError, match=re.escape(words + "; keep one")):
+            grpo(*argv)
+    # Two verl keys: verl keeps a switch for the policy and one for the critic; here one flag is both.
+    both = ["actor_rollout_ref.model.use_remove_padding=True", "critic.model.use_remove_padding=False"]
+    with pytest.raises(UsageError, match=re.escape(
+        "critic.model.use_remove_padding=False and actor_rollout_ref.model.use_remove_padding=True both set "
+        "--use-remove-padding, to different values (False and True)"
+    )):  # fmt: skip
+        translate(both, ARGS["ppo"], "gae", "ppo.py")
+    same = ["actor_rollout_ref.model.use_remove_padding=True", "critic.model.use_remove_padding=True"]
+    assert translate(same, ARGS["ppo"], "gae", "ppo.py")[0] == ["--use-remove-padding", "True"]
+    # In a config file too; the command line's settings replace the file's, and say so.
+    filed = {"actor_rollout_ref.model.use_remove_padding": True, "critic.model.use_remove_padding": False}
+    with pytest.raises(UsageError, match=re.escape("f.yaml: critic.model.use_remove_padding=False and f.yaml: "
+                                                   "actor_rollout_ref.model.use_remove_padding=True both set")):  # fmt: skip
+        translate([], ARGS["ppo"], "gae", "ppo.py", config=filed, source="f.yaml")
+    flags, said = translate(["--use-remove-padding", "False"], ARGS["ppo"], "gae", "ppo.py", config=filed,
+                            source="f.yaml")  # fmt: skip
+    assert flags == ["--use-remove-padding", "False"]
+    assert said[-1] == ("verl config keys the command line overrides: f.yaml: actor_rollout_ref.model.use_remove_padding"
+                        "=True (by --use-remove-padding False)")  # fmt: skip
 
 
 def test_keys_that_combine_or_rename_values():
@@ -316,7 +345,7 @@ def test_a_hydra_launch_composes_the_config_and_its_defaults(tmp_path, capsys):
     assert found["--rollout-n"] == "2" and found["--output-dir"] == "runs/x"
     assert found["--ppo-mini-batch-size"] == "256"  # verl's default, for the key no file sets
     said = capsys.readouterr().err
-    assert "hydra.searchpath" in said and "actor_rollout_ref.actor.optim.lr=1e-05 (--lr given as well)" in said
+    assert "hydra.searchpath" in said and "actor_rollout_ref.actor.optim.lr=1e-05 (by --lr 3e-5)" in said
     main["defaults"] = ["_self_", "shared"]  # the defaults list's file now comes after the config's own keys
     (tmp_path / "main.yaml").write_text(yaml.safe_dump(main))
     assert launch("--config-name=main")["--train-batch-size"] == "8"
@@ -435,10 +464,10 @@ def test_a_verl_config_file_runs_ppo(tmp_path):
     })  # fmt: skip
     path = tmp_path / "ppo_trainer.yaml"
     path.write_text(yaml.safe_dump(config))
-    result = run_recipe("ppo", "--verl-config", path, "critic.optim.lr=2e-5", "--critic-lr", "3e-5")
+    result = run_recipe("ppo", "--verl-config", path, "critic.optim.lr=3e-5", "--critic-lr", "0.00003")
     run = tmp_path / "verl_yaml" / config["trainer"]["experiment_name"]
     assert [m["step"] for m in read_metrics(run) if "train/loss" in m] == [1, 2]
-    assert "critic.optim.lr=2e-5 (--critic-lr given as well)" in result.stderr
+    assert "both set" not in result.stderr  # the command line's key and flag agree, and replace the file's key
     saved = json.loads((run / "config.json").read_text())
     assert (saved["critic_lr"], saved["optim"]["lr"], saved["rollout_n"], saved["model"]) == (3e-5, 1e-6, 2, model)
 
