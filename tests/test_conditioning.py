@@ -222,6 +222,33 @@ def test_roll_loss_terms_against_rolls_composition():
     assert on.item() == pytest.approx(topr.item())
 
 
+def test_the_sft_term_is_the_nll_of_the_responses_that_scored_above_0():
+    """--sft-loss-coef c adds c times the negative log-likelihood of the response tokens of the
+    responses whose reward is > 0 (0 and negative ones stay out), aggregated as the policy loss is:
+    checked by hand, row by row in float64, on rows of unequal length (one empty) with junk on the
+    padding, for token-mean over the step's own count and over a count given (the mini-batch's), and
+    for seq-mean-token-mean."""
+    lengths, rewards = [3, 1, 4, 0, 2], [1.0, 0.0, -0.5, 2.0, 0.25]  # row 3: an empty response that scored
+    g = torch.Generator().manual_seed(0)
+    new = -torch.rand(5, 4, generator=g, dtype=torch.float64) * 3
+    mask = torch.tensor([[1.0] * n + [0.0] * (4 - n) for n in lengths], dtype=torch.float64)
+    new = torch.where(mask > 0, new, torch.full_like(new, 1e6))  # junk on the padding
+    picked = [i for i, r in enumerate(rewards) if r > 0]
+    tokens = [-new[i, t].item() for i in picked for t in range(lengths[i])]
+    by_row = [sum(-new[i, t].item() for t in range(lengths[i])) / lengths[i] for i in picked if lengths[i]]
+    for agg, want in (
+        ({"mode": "token-mean"}, sum(tokens) / len(tokens)),
+        ({"mode": "token-mean", "num_tokens": 10.0}, sum(tokens) / 10.0),
+        ({"mode": "seq-mean-token-mean"}, sum(by_row) / len(by_row)),
+    ):
+        zero = torch.tensor(0.0, dtype=torch.float64)
+        metrics = {}
+        loss = roll_loss({"pg": zero, "entropy": zero, "kl": zero}, metrics, new, new, torch.zeros_like(new), mask, agg,
+                         torch.tensor(rewards), sft_loss_coef=0.5)  # fmt: skip
+        assert metrics["policy/sft_loss"].item() == pytest.approx(want, abs=1e-9), agg
+        assert loss.item() == pytest.approx(0.5 * want, abs=1e-9), agg
+
+
 @torchrun_plan
 def two_rank_plan(folder, fixture):
     (folder / "probe.py").write_text(TWO_RANKS)
