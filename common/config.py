@@ -85,6 +85,8 @@ USED_ONLY_WITH = [
      "add --reward-fn (the built-in scorers and a reward model take one sample at a time)"),
     (("min_lr_ratio",), "lr_scheduler", lambda a: a.lr_scheduler != "constant", "add --lr-scheduler cosine or wsd"),
     (("temperature", "top_p", "top_k"), "do_sample", lambda a: a.do_sample, "drop --no-do-sample (greedy decoding)"),
+    (("val_top_p", "val_top_k"), "val_temperature", lambda a: a.val_temperature > 0,
+     "add --val-temperature above 0 (at 0 validation is greedy)"),
     (("reward_shift", "reward_scale"), "reward_norm", lambda a: a.reward_norm is not None,
      "add --reward-norm batch, group or running"),
     (("len_reward_coef",), "add_len_reward", lambda a: a.add_len_reward, "add --add-len-reward"),
@@ -348,6 +350,4 @@ class RLArgs(
 def is_due(step: int, freq: int | None, last_step: int) -> bool:
     """Whether a periodic action runs after `step`: every `freq` steps and at last_step (None: only there; 0 or
     below: never, as verl's trainer.save_freq / test_freq)."""
-    if freq is None:
-        return step == last_step
-    return freq > 0 and (step == last_step or step % freq == 0)
+    return step == last_step if freq is None else freq > 0 and (step == last_step or step % freq == 0)

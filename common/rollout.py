@@ -490,9 +490,8 @@ class RolloutArgs:
 
     def samplings(self):
         """(training sampling: rollout_n per prompt, validation sampling: val_n per prompt)."""
-        shared = dict(top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_response_length)
-        sampling = Sampling(self.rollout_n, self.temperature, **shared)
-        return sampling, Sampling(self.val_n, self.val_temperature, **shared)
+        sampling = Sampling(self.rollout_n, self.temperature, self.top_p, self.top_k, self.max_response_length)
+        return sampling, Sampling(self.val_n, self.val_temperature, self.val_top_p, self.val_top_k, sampling.max_tokens)
 
     def rollout_is_kwargs(self) -> dict:
         """The keyword arguments of common.ops.rollout_correction that these flags set."""
@@ -712,6 +711,10 @@ class ValidationArgs:
     """validation sampling temperature; 0 is greedy"""
     val_n: int = flag(1, ge=1)
     """validation responses per prompt"""
+    val_top_p: float = flag(1.0, gt=0, le=1)
+    """validation's nucleus sampling (1.0: off; verl's val_kwargs.top_p, apart from training's --top-p)"""
+    val_top_k: int = flag(-1, rule=(lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"))
+    """validation's top-k sampling (-1: off; verl's val_kwargs.top_k, apart from training's --top-k)"""
     val_batch_size: int = flag(256, ge=1)
     """prompts per generate call in validation"""
     log_val_generations: int = flag(0, ge=0, note="0: none")

@@ -192,6 +192,8 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     ROLLOUT + "calculate_log_probs": NoOp("the engine's logprobs are always kept"),
     ROLLOUT + "val_kwargs.temperature": Flag("val_temperature"),
     ROLLOUT + "val_kwargs.n": Flag("val_n"),
+    ROLLOUT + "val_kwargs.top_k": Flag("val_top_k"),
+    ROLLOUT + "val_kwargs.top_p": Flag("val_top_p"),
     ROLLOUT + "val_kwargs.do_sample": Flag("val_temperature"),  # False: greedy, --val-temperature 0
     ROLLOUT + "multi_turn.enable": NoOp(AGENT_LOOP),
     ROLLOUT + "multi_turn.tool_config_path": Flag("tool_config"),
@@ -292,8 +294,6 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     ROLLOUT + "engine_kwargs.swap_space": Fixed(None, ENGINE_KWARGS),
     ROLLOUT + "engine_kwargs.sglang.*": NoOp("SGLang is not an engine here (rollout.name=sglang is refused)"),
     ROLLOUT + "engine_kwargs.*": Refused(ENGINE_KWARGS),
-    ROLLOUT + "val_kwargs.top_k": Fixed(-1, "validation samples without top-k"),
-    ROLLOUT + "val_kwargs.top_p": Fixed(1.0, "validation samples without top-p"),
     ROLLOUT + "multi_turn": NoOp(AGENT_LOOP),
     ROLLOUT + "tool_kwargs.tools_config_file": Flag("tool_config"),
     ROLLOUT + "interaction_config_file": Flag("interaction_config"),

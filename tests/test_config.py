@@ -177,3 +177,19 @@ def test_a_frequency_of_0_or_below_is_never():
 
     assert due(None) == [10] and due(3) == [3, 6, 9, 10] and due(10) == due(20) == [10]
     assert due(0) == due(-1) == due(-7) == []
+
+
+def test_validation_samples_with_its_own_top_p_and_top_k():
+    """As verl's val_kwargs: validation's top-p / top-k are their own flags (off by default), not
+    training's; at --val-temperature 0 (greedy) they would change nothing, so setting them is refused."""
+    from common.config import RLArgs
+    from common.verl import translate
+
+    train, val = RLArgs(top_p=0.5, top_k=3, val_temperature=0.7).samplings()
+    assert (train.top_p, train.top_k, val.top_p, val.top_k, val.temperature) == (0.5, 3, 1.0, -1, 0.7)
+    val = RLArgs(val_temperature=0.7, val_top_p=0.9, val_top_k=20).samplings()[1]
+    assert (val.top_p, val.top_k) == (0.9, 20)
+    with pytest.raises(UsageError, match="--val-top-k 20 would change nothing in this run: add --val-temperature"):
+        RLArgs(val_top_k=20)
+    keys = ["actor_rollout_ref.rollout.val_kwargs.top_p=0.95", "actor_rollout_ref.rollout.val_kwargs.top_k=50"]
+    assert translate(keys, RLArgs, "grpo", "grpo.py")[0] == ["--val-top-p", "0.95", "--val-top-k", "50"]
