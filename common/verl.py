@@ -56,7 +56,10 @@ class Refused:
 
 LAUNCHER = "processes and GPUs come from the launcher here (accelerate / torchrun / launch/)"
 MICRO = "a memory-only micro-batch; --micro-batch-size-per-gpu sets every forward's here"
-OFFLOAD = "CPU offload is not built: the run is the same, in the GPU memory offload would save"
+OFFLOAD = "offload here is the launch's and covers every model (configs/fsdp2_offload.yaml, FSDP_OFFLOAD_PARAMS=true)"
+# The trained model's offload keys: on, they need that launch (without it they are refused, naming it).
+OFFLOAD_KEYS = ("actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+                "model.fsdp_config.cpu_offload", "model.fsdp_config.offload_params")  # fmt: skip
 SP = "sequence parallelism is not built"
 WRAP = "FSDP2 wraps each decoder layer"
 CKPT = "a checkpoint holds the model, the optimizer and the rest of the state, with hf/ beside it"
@@ -68,7 +71,7 @@ EXTERNAL = "importing a module named in the config would run its code"
 TOKEN_IDS = "the engines here take token ids; the chat is rendered once"
 OVERRIDE_CONFIG = "a model config override is not built; edit config.json"
 AGENT_LOOP = "the agent loop runs when --tool-config or --interaction-config is given"
-STRATEGY = "one process group: --strategy auto picks DDP or FSDP2 from the launch"
+STRATEGY = "fsdp / fsdp2: one process group, --strategy auto picks DDP or FSDP2 from the launch (megatron is refused)"
 TRUST = "one --trust-remote-code (actor_rollout_ref.model.trust_remote_code) covers every model and tokenizer"
 EOS = "generation stops at the tokenizer's eos"
 DATASET_CLASS = "a dataset class named by path would run code from the config"
@@ -273,7 +276,9 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
         False, "MoE router freezing is not built"
     ),
     "actor_rollout_ref.model.override_config.*": Refused(OVERRIDE_CONFIG),
-    "actor_rollout_ref.model.enable_activation_offload": NoOp(OFFLOAD),
+    "actor_rollout_ref.model.enable_activation_offload": NoOp(
+        "activation offload is not built; --gradient-checkpointing saves the activations' memory"
+    ),
     ACTOR + "use_torch_compile": NoOp("the update runs eagerly; compiling would change its speed, not its result"),
     ACTOR + "data_loader_seed": NoOp("mini-batches are taken in an order seeded by --seed"),
     ACTOR + "optim.num_cycles": Fixed(0.5, "the cosine schedule is half a cycle"),
@@ -510,6 +515,17 @@ def translate(
                 problems.append(f"{arg}: only {key}={entry.value} is supported here: {entry.why}")
             else:
                 noops.append(key)
+            continue
+        if key in OFFLOAD_KEYS and value is True and os.environ.get("FSDP_OFFLOAD_PARAMS", "").lower() not in (
+            "1", "true", "yes"
+        ):  # fmt: skip
+            problems.append(f"{arg}: CPU offload here is the launch's: accelerate launch --config_file "
+                            f"configs/fsdp2_offload.yaml (or FSDP_OFFLOAD_PARAMS=true torchrun), which keeps "
+                            f"parameters, gradients and the optimizer step of every model in CPU memory")  # fmt: skip
+            continue
+        if key.endswith("strategy") and value == "megatron":
+            problems.append(f"{arg}: Megatron is not built here; FSDP2 shards the model (--strategy fsdp2, or an "
+                            f"accelerate FSDP config: configs/fsdp2.yaml)")  # fmt: skip
             continue
         if isinstance(entry, NoOp):
             if key == "algorithm.adv_estimator":

@@ -653,3 +653,22 @@ def test_a_frequency_of_minus_1_means_never_as_in_verl(tmp_path, small_train, sm
     validated = [m["step"] for m in read_metrics(out) if "val/accuracy" in m]
     assert validated == [0] and len([m for m in read_metrics(out) if "train/loss" in m]) == 2
     assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
+
+
+def test_offload_is_the_launchs_and_megatron_is_refused(monkeypatch):
+    """The trained model's param_offload / optimizer_offload=True needs the launch's FSDP2 offload
+    (configs/fsdp2_offload.yaml sets FSDP_OFFLOAD_PARAMS): without it the key is refused naming the
+    config, with it the key is read as on; the reference's offload follows the launch either way.
+    strategy=megatron is refused, naming FSDP2."""
+    on = "actor_rollout_ref.actor.fsdp_config.param_offload=True"
+    monkeypatch.delenv("FSDP_OFFLOAD_PARAMS", raising=False)
+    with pytest.raises(UsageError, match=re.escape(f"{on}: CPU offload here is the launch's: accelerate launch "
+                                                   "--config_file configs/fsdp2_offload.yaml")):  # fmt: skip
+        grpo(on)
+    flags, said = grpo("actor_rollout_ref.ref.fsdp_config.param_offload=True", f"{on[:-4]}False")
+    assert flags == [] and "actor_rollout_ref.ref.fsdp_config.param_offload" in said[0]
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    assert grpo(on, "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True")[0] == []
+    with pytest.raises(UsageError, match="actor_rollout_ref.actor.strategy=megatron: Megatron is not built here"):
+        grpo("actor_rollout_ref.actor.strategy=megatron")
+    assert grpo("actor_rollout_ref.actor.strategy=fsdp2")[0] == []
