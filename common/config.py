@@ -324,7 +324,7 @@ class RLArgs(
     def model_kwargs(self) -> dict:
         """common.rollout.load_rl_models's keyword arguments, a frozen reference among them when a KL term needs one."""
         return {**self.policy_kwargs(), "strategy": self.strategy, "reward_model": self.reward_model,
-                "with_reference": self.needs_ref}  # fmt: skip
+                "with_reference": self.needs_ref, "micro_batch_size": self.micro_batch_size_per_gpu}  # fmt: skip
 
     def frozen_kwargs(self) -> dict:
         """common.model.load_frozen's keyword arguments, the policy's (a forward-only model: distill.py's teacher)."""

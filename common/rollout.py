@@ -48,9 +48,11 @@ def load_rl_models(
     with_reference: bool = False,
     reward_model: str | None = None,
     remove_padding: bool | str = False,
+    micro_batch_size: int = 64,
 ):
     """(policy, reference or None, reward model or None, run_info). The reference, for KL terms, is a frozen copy (with
-    LoRA: AdapterOff, the policy with its adapter off); the reward model reads text with tokenizer."""
+    LoRA: AdapterOff, the policy with its adapter off); the reward model reads text with tokenizer, scoring
+    micro_batch_size sequences a forward (--micro-batch-size-per-gpu, as every forward here)."""
     model, run_info = load_trained_model(
         path, dist, strategy=strategy, dtype=dtype, trust_remote_code=trust_remote_code,
         mixed_precision=mixed_precision, gradient_checkpointing=gradient_checkpointing, lora_rank=lora_rank,
@@ -64,7 +66,7 @@ def load_rl_models(
     if reward_model:
         from common.reward_model import RewardModel  # a feature: loaded where --reward-model asks for it
 
-        rm = RewardModel(reward_model, tokenizer, dist.device, trust_remote_code, remove_padding=remove_padding)
+        rm = RewardModel(reward_model, tokenizer, dist.device, trust_remote_code, micro_batch_size, remove_padding)
     return model, ref, rm, run_info
 
 

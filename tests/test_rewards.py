@@ -184,6 +184,14 @@ def test_a_packed_reward_model_scores_as_the_padded_one(tmp_path, tokenizer):
     want = padded.score(*args)
     assert torch.allclose(scores[True], want, atol=1e-5) and torch.allclose(scores["auto"], want, atol=1e-5)
     assert len(set(want.tolist())) == 4
+    # Its forwards take --micro-batch-size-per-gpu sequences, as every forward here (verl's
+    # reward_model.micro_batch_size_per_gpu is said to follow it): 4 conversations, 3 a forward.
+    from common.config import RLArgs
+
+    assert RLArgs(micro_batch_size_per_gpu=3).model_kwargs()["micro_batch_size"] == 3
+    small, calls = RewardModel(str(tmp_path / "rm"), tokenizer, device="cpu", batch_size=3), []
+    small.model.register_forward_hook(lambda *_: calls.append(1))
+    assert torch.allclose(small.score(*args), want, atol=1e-5) and len(calls) == 2
 
 
 @pytest.mark.e2e

@@ -655,7 +655,7 @@ def test_a_frequency_of_minus_1_means_never_as_in_verl(tmp_path, small_train, sm
     assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
 
 
-def test_offload_is_the_launchs_and_megatron_is_refused(monkeypatch):
+def test_offload_is_the_launchs_and_megatron_and_a_mini_batch_shuffle_are_refused(monkeypatch):
     """The trained model's param_offload / optimizer_offload=True needs the launch's FSDP2 offload
     (configs/fsdp2_offload.yaml sets FSDP_OFFLOAD_PARAMS): without it the key is refused naming the
     config, with it the key is read as on; the reference's offload follows the launch either way.
@@ -669,6 +669,8 @@ def test_offload_is_the_launchs_and_megatron_is_refused(monkeypatch):
     assert flags == [] and "actor_rollout_ref.ref.fsdp_config.param_offload" in said[0]
     monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
     assert grpo(on, "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True")[0] == []
+    with pytest.raises(UsageError, match=r"actor_rollout_ref.actor.shuffle=True: only .*=False is supported here"):
+        grpo("actor_rollout_ref.actor.shuffle=True")  # a step's mini-batches come in one order here
     with pytest.raises(UsageError, match="actor_rollout_ref.actor.strategy=megatron: Megatron is not built here"):
         grpo("actor_rollout_ref.actor.strategy=megatron")
     assert grpo("actor_rollout_ref.actor.strategy=fsdp2")[0] == []

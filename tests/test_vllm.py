@@ -270,12 +270,13 @@ def test_generate_py_with_vllm_writes_what_the_hf_engine_writes(tmp_path):
 def test_grpo_with_the_vllm_engine_learns(tmp_path, capsys):
     """The main job's recipe with --rollout-name vllm: 20 seeded steps from the shipped checkpoint
     raise the greedy accuracy by a clear margin (the HF engine's run gains 16 points; the bar is 6)."""
-    from conftest import SHIPPED_ACCURACY, load_recipe, read_metrics
+    from conftest import SHIPPED_ACCURACY, load_recipe, make_args, read_metrics
 
     module = load_recipe("grpo")
     out = tmp_path / "grpo-vllm"
     module.main(
-        module.Args(
+        make_args(
+            module.Args,
             output_dir=str(out),
             rollout_name="vllm",
             total_training_steps=20,
