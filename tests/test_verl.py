@@ -674,3 +674,15 @@ def test_offload_is_the_launchs_and_megatron_and_a_mini_batch_shuffle_are_refuse
     with pytest.raises(UsageError, match="actor_rollout_ref.actor.strategy=megatron: Megatron is not built here"):
         grpo("actor_rollout_ref.actor.strategy=megatron")
     assert grpo("actor_rollout_ref.actor.strategy=fsdp2")[0] == []
+
+
+def test_generation_yamls_rollout_keys_are_read():
+    """verl's generation.yaml's rollout.mode, rollout.n and rollout.calculate_log_probs (the guide's
+    defaults) are read by generate.py's translation; another rollout.n is refused, since generate.py
+    samples data.n_samples responses per prompt."""
+    generate = args_class("generate")
+    keys = ["rollout.mode=sync", "rollout.n=1", "rollout.calculate_log_probs=False", "data.n_samples=4"]
+    flags, said = translate(keys, generate, None, "generate.py")
+    assert flags == ["--n-samples", "4"] and "rollout.mode" in said[0] and "rollout.calculate_log_probs" in said[0]
+    with pytest.raises(UsageError, match=r"rollout.n=4: only rollout.n=1 is supported here"):
+        translate(["rollout.n=4"], generate, None, "generate.py")
