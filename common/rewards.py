@@ -61,7 +61,13 @@ TOOLS_PREFIX = "tools:"  # a pool spec naming a --tool-config file rather than a
 INTERACTIONS_PREFIX = "interactions:"  # ... or an --interaction-config file
 ENVS_PREFIX = "envs:"  # ... or the environments of an --env-config file (common.envs.EnvHost)
 BATCH_PREFIX = "batch:"  # a reward function called once with lists (--reward-manager batch)
+VERL_NAMES = ("data_source", "solution_str", "ground_truth", "extra_info")  # compute_score's, as verl passes them
 SIDE_POOLS = {TOOLS_PREFIX: "--tool-config", INTERACTIONS_PREFIX: "--interaction-config", ENVS_PREFIX: "--env-config"}
+
+
+def _by_name(fn, plural: str = ""):
+    """fn called as verl's reward managers call compute_score: by name (a batch's: data_sources, ...), in any order."""
+    return lambda *args: fn(**{name + plural: arg for name, arg in zip(VERL_NAMES, args)})
 
 
 def _check_batch(result) -> None:
@@ -91,9 +97,9 @@ def _worker_main(fd: int, spec: str) -> None:
 
             fn, check = load_env_host(spec.removeprefix(ENVS_PREFIX)), lambda result: None
         elif spec.startswith(BATCH_PREFIX):
-            fn, check = load_reward_fn(spec.removeprefix(BATCH_PREFIX)), _check_batch
+            fn, check = _by_name(load_reward_fn(spec.removeprefix(BATCH_PREFIX)), "s"), _check_batch
         else:
-            fn, check = load_reward_fn(spec), score_value
+            fn, check = _by_name(load_reward_fn(spec)), score_value
     except BaseException:
         conn.send(("failed", traceback.format_exc()))
         return

@@ -302,3 +302,29 @@ def test_the_batch_reward_manager_calls_once_a_step_with_lists(tmp_path, monkeyp
         assert calls.read_text().split() == ["3", "2", "3", "1"]
     finally:
         pool.close()
+
+
+def test_a_reward_function_is_called_by_name_as_verl_calls_it(tmp_path):
+    """verl's reward managers pass compute_score's arguments by name (data_source=, solution_str=,
+    ground_truth=, extra_info=; a batch's in the plural), so a function that lists them in another
+    order gets each where it asked for it, one sample at a time and as a batch."""
+    from common.rewards import start_reward_pool
+
+    (tmp_path / "any_order.py").write_text(
+        "def compute_score(extra_info, ground_truth, solution_str, data_source):\n"
+        "    return {'score': float(solution_str == ground_truth), 'src': float(data_source == 'src'), 'i': extra_info['i']}\n"
+        "def batch(ground_truths, extra_infos, data_sources, solution_strs):\n"
+        "    return [float(s == g) + 10 * e['i'] for s, g, e in zip(solution_strs, ground_truths, extra_infos)]\n"
+    )
+    tasks = [("src", s, "12", {"i": i}) for i, s in enumerate(["12", "7"])]
+    pool = start_reward_pool(str(tmp_path / "any_order.py"), workers=1, timeout=5.0, dry_run_rows=[])
+    try:
+        out = pool.score(tasks)
+        assert out.scores == [1.0, 0.0] and [(e["src"], e["i"]) for e in out.extras] == [(1.0, 0), (1.0, 1)]
+    finally:
+        pool.close()
+    pool = start_reward_pool(f"{tmp_path / 'any_order.py'}:batch", batch=True, workers=1, timeout=5.0, dry_run_rows=[])
+    try:
+        assert pool.score(tasks).scores == [1.0, 10.0]
+    finally:
+        pool.close()
