@@ -348,6 +348,5 @@ class RLArgs(
 
 
 def is_due(step: int, freq: int | None, last_step: int) -> bool:
-    """Whether a periodic action runs after `step`: every `freq` steps and at last_step (None: only there; 0 or
-    below: never, as verl's trainer.save_freq / test_freq)."""
+    """Whether an action runs after `step`: every freq steps and at last_step (None: only there; <= 0: never)."""
     return step == last_step if freq is None else freq > 0 and (step == last_step or step % freq == 0)

@@ -62,10 +62,8 @@ def in_range(f, value) -> bool:
 def _flags(args):
     """(the dataclass holding it, field) per flag of args; a group's from its value (in a class, its default)."""
     for f in fields(args):
-        if isinstance(args, type):
-            value = f.default_factory() if f.default_factory is not MISSING else f.default
-        else:
-            value = getattr(args, f.name)
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        value = default if isinstance(args, type) else getattr(args, f.name)
         if is_dataclass(value) and not isinstance(value, type):  # a group: RLArgs.optim, RLArgs.conditioning
             yield from _flags(type(value) if isinstance(args, type) else value)
         else:
@@ -95,12 +93,9 @@ def check_ranges(args) -> None:
 
 
 def flag_defaults(args) -> dict:
-    """{flag: its default} for every flag of args (a dataclass or its class) that has one; a group's are
-    those of the group's default (RLArgs.optim's lr is RLArgs', not OptimArgs')."""
+    """{flag: its default} for every flag of args (a dataclass or its class); a group's from the group's default."""
     out = {}
-    for f in fields(args):
-        if f.default is MISSING and f.default_factory is MISSING:
-            continue
+    for f in (f for f in fields(args) if f.default is not MISSING or f.default_factory is not MISSING):
         value = f.default if f.default is not MISSING else f.default_factory()
         out.update(flag_values(value) if is_dataclass(value) and not isinstance(value, type) else {f.name: value})
     return out

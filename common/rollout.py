@@ -50,9 +50,8 @@ def load_rl_models(
     remove_padding: bool | str = False,
     micro_batch_size: int = 64,
 ):
-    """(policy, reference or None, reward model or None, run_info). The reference, for KL terms, is a frozen copy (with
-    LoRA: AdapterOff, the policy with its adapter off); the reward model reads text with tokenizer, scoring
-    micro_batch_size sequences a forward (--micro-batch-size-per-gpu, as every forward here)."""
+    """(policy, reference or None, reward model or None, run_info). The reference, for KL terms, is a frozen copy
+    (with LoRA: AdapterOff, the policy with its adapter off); the reward model scores micro_batch_size texts a pass."""
     model, run_info = load_trained_model(
         path, dist, strategy=strategy, dtype=dtype, trust_remote_code=trust_remote_code,
         mixed_precision=mixed_precision, gradient_checkpointing=gradient_checkpointing, lora_rank=lora_rank,

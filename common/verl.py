@@ -98,7 +98,7 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "data.return_raw_chat": NoOp(TOKEN_IDS),
     "data.return_raw_input_ids": NoOp(TOKEN_IDS),
     "data.reward_fn_key": Fixed("data_source", "rewards are chosen by the data_source column"),
-    "data.image_key": NoOp("multimodal columns in the data are refused when it is read"),
+    "data.image_key": NoOp("multimodal input is not built: columns named images or videos are refused, others unread"),
     "data.custom_cls.path": Fixed(None, DATASET_CLASS),
     # the policy
     "actor_rollout_ref.model.path": Flag("model"),
@@ -289,7 +289,7 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
         "activation offload is not built; --gradient-checkpointing saves the activations' memory"
     ),
     ACTOR + "use_torch_compile": NoOp("the update runs eagerly; compiling would change its speed, not its result"),
-    ACTOR + "data_loader_seed": NoOp("mini-batches are taken in an order seeded by --seed"),
+    ACTOR + "data_loader_seed": NoOp("a step's mini-batches come in its order; --seed orders the prompts"),
     ACTOR + "optim.num_cycles": Fixed(0.5, "the cosine schedule is half a cycle"),
     ACTOR + "fsdp_config.wrap_policy.min_num_params": NoOp(WRAP),
     ACTOR + "fsdp_config.fsdp_size": Fixed(-1, "FSDP shards over every process (hybrid sharding is not built)"),
@@ -384,6 +384,7 @@ VERL_DEFAULTS: dict[str, dict[str, object]] = {
         ROLLOUT + "n": 1,
         "trainer.total_epochs": 30,
         "trainer.save_freq": -1,  # never: verl saves only when asked
+        "trainer.total_training_steps": None,  # verl's null: total_epochs passes over the data decide
         "critic.optim.lr": 1e-5,
         "algorithm.use_kl_in_reward": False,
         "algorithm.kl_ctrl.kl_coef": 0.001,
@@ -662,6 +663,8 @@ def _special(key: str, value, overrides: dict):
     if key == "custom_reward_function.path":
         name = overrides.get("custom_reward_function.name", (None, "compute_score"))[1]
         return f"{value}:{name}"
+    if key == "trainer.max_actor_ckpt_to_keep" and value is None:
+        return 0  # verl's null keeps every checkpoint: --max-ckpt-to-keep 0
     if key.endswith("fsdp_config.model_dtype"):
         return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(value, value)
     if key == "trainer.resume_from_path" and overrides.get("trainer.resume_mode", (None, "auto"))[1] != "resume_path":

@@ -184,8 +184,9 @@ def overlong_penalty(lengths, max_len, buffer_len, factor):  # DAPO
 
 
 def select_groups(group_rewards, want):  # DAPO
-    """Dynamic sampling's pick of groups [[reward]], in order: the first `want` with unequal rewards (verl's scripts
-    compare acc; a group of one counts, as in verl), then zero-variance fillers. Returns (indices, spread flags)."""
+    """Dynamic sampling's pick of groups [[reward]], in order: the first `want` with unequal rewards (the rewards with
+    the overlong penalty: verl's default metric, seq_reward; a group of one counts, as in verl), then zero-variance
+    fillers. Returns (indices, spread flags)."""
     spread = [len(r) == 1 or max(r) > min(r) for r in group_rewards]
     chosen = sorted(sorted(range(len(spread)), key=lambda i: not spread[i])[:want])  # a stable sort
     return chosen, [spread[i] for i in chosen]

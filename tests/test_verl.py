@@ -277,11 +277,14 @@ def test_keys_a_verl_command_leaves_out_take_verls_defaults():
     guide = yaml.safe_load((ROOT / "tests" / "data" / "verl_keys.yaml").read_text())
     for trainer, defaults in VERL_DEFAULTS.items():
         for key, value in defaults.items():
-            assert (
-                float(value) == float(guide[trainer][key])
-                if not isinstance(value, str)
-                else value == guide[trainer][key]
-            )
+            if value is None:  # verl's null, which the guides leave out or list as null
+                assert guide[trainer].get(key) is None, key
+            else:
+                assert (
+                    float(value) == float(guide[trainer][key])
+                    if not isinstance(value, str)
+                    else value == guide[trainer][key]
+                )
 
     def flags(argv, recipe="grpo", estimator="grpo", trainer="ppo"):
         tokens, said = translate(argv, ARGS[recipe], estimator, f"{recipe}.py", trainer=trainer)
@@ -295,12 +298,13 @@ def test_keys_a_verl_command_leaves_out_take_verls_defaults():
     found, said = flags(["trainer.total_epochs=2"])
     assert found == {"--total-epochs": "2", "--max-prompt-length": "512", "--max-response-length": "512",
                      "--train-batch-size": "1024", "--ppo-mini-batch-size": "256", "--lr": "1e-06",
-                     "--lr-scheduler": "constant", "--rollout-n": "1", "--save-freq": "-1"}  # fmt: skip
+                     "--lr-scheduler": "constant", "--rollout-n": "1", "--save-freq": "-1",
+                     "--total-training-steps": "None"}  # fmt: skip
     assert said == ["verl's defaults for the keys this command leaves out: data.max_prompt_length=512, "
                     "data.max_response_length=512, data.train_batch_size=1024, "
                     "actor_rollout_ref.actor.ppo_mini_batch_size=256, actor_rollout_ref.actor.optim.lr=1e-06, "
                     "actor_rollout_ref.actor.optim.warmup_style=constant, actor_rollout_ref.rollout.n=1, "
-                    "trainer.save_freq=-1"]  # fmt: skip
+                    "trainer.save_freq=-1, trainer.total_training_steps=None"]  # fmt: skip
     found, _ = flags(
         ["trainer.total_epochs=2", "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "--lr", "1e-5"]
     )
@@ -391,7 +395,7 @@ def test_print_verl_translation_prints_the_command_and_starts_nothing(tmp_path):
     command = result.stdout.strip()
     assert f"ppo.py --critic-lr 1e-5 --lam 0.9 --output-dir {tmp_path / 'run'} --max-prompt-length 512 " in command
     assert command.endswith(
-        " --rollout-n 1 --total-epochs 30 --save-freq -1 --no-use-kl-in-reward"
+        " --rollout-n 1 --total-epochs 30 --save-freq -1 --total-training-steps None --no-use-kl-in-reward"
     )  # verl's defaults follow
     assert not (tmp_path / "run").exists()
 
@@ -674,6 +678,13 @@ def test_offload_is_the_launchs_and_megatron_and_a_mini_batch_shuffle_are_refuse
     with pytest.raises(UsageError, match="actor_rollout_ref.actor.strategy=megatron: Megatron is not built here"):
         grpo("actor_rollout_ref.actor.strategy=megatron")
     assert grpo("actor_rollout_ref.actor.strategy=fsdp2")[0] == []
+
+
+def test_a_null_checkpoint_count_keeps_every_checkpoint_as_in_verl():
+    """trainer.max_actor_ckpt_to_keep=null (verl's default, in every saved verl config) keeps them all:
+    --max-ckpt-to-keep 0, where it was passed on as None and refused by the flag's parser."""
+    assert grpo("trainer.max_actor_ckpt_to_keep=null")[0] == ["--max-ckpt-to-keep", "0"]
+    assert grpo("trainer.max_actor_ckpt_to_keep=3")[0] == ["--max-ckpt-to-keep", "3"]
 
 
 def test_generation_yamls_rollout_keys_are_read():
