@@ -663,6 +663,8 @@ def _special(key: str, value, overrides: dict):
     if key == "custom_reward_function.path":
         name = overrides.get("custom_reward_function.name", (None, "compute_score"))[1]
         return f"{value}:{name}"
+    if key == "trainer.critic_warmup":  # verl's actor first updates at its step N (counted from 1): N - 1 alone
+        return max(0, int(value) - 1)
     if key == "trainer.max_actor_ckpt_to_keep" and value is None:
         return 0  # verl's null keeps every checkpoint: --max-ckpt-to-keep 0
     if key.endswith("fsdp_config.model_dtype"):

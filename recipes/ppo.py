@@ -126,7 +126,8 @@ class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL contr
     cliprange_value: float = flag(0.5, gt=0)
     """value clip: a new value may move at most this far from the rollout's value (verl: 0.5)"""
     critic_warmup: int = flag(0, ge=0, note="steps that train the critic alone")
-    """train only the critic for the first N steps (the policy stays unchanged)"""
+    """train only the critic for the first N steps (the policy stays unchanged), as ROLL's critic_warmup; verl's
+    trainer.critic_warmup=N is N - 1 here (verl's actor first updates at its step N, counting from 1)"""
 
     def __post_init__(self):  # checked as the flags are parsed, before anything loads
         super().__post_init__()  # the shared flags (common.config.check_flags)

@@ -680,6 +680,14 @@ def test_offload_is_the_launchs_and_megatron_and_a_mini_batch_shuffle_are_refuse
     assert grpo("actor_rollout_ref.actor.strategy=fsdp2")[0] == []
 
 
+def test_verls_critic_warmup_counts_as_verl_counts():
+    """verl updates the actor from its step trainer.critic_warmup on, counting steps from 1: N leaves
+    N - 1 critic-only steps, which --critic-warmup (ROLL's count) says as N - 1."""
+    for n, alone in ((0, 0), (1, 0), (3, 2)):
+        flags = translate([f"trainer.critic_warmup={n}"], ARGS["ppo"], "gae", "ppo.py")[0]
+        assert flags == ["--critic-warmup", str(alone)], (n, flags)
+
+
 def test_a_null_checkpoint_count_keeps_every_checkpoint_as_in_verl():
     """trainer.max_actor_ckpt_to_keep=null (verl's default, in every saved verl config) keeps them all:
     --max-ckpt-to-keep 0, where it was passed on as None and refused by the flag's parser."""
