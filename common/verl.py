@@ -191,8 +191,8 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     ROLLOUT + "tensor_model_parallel_size": Flag("tensor_parallel_size"),
     ROLLOUT + "log_prob_micro_batch_size_per_gpu": NoOp(MICRO),
     ROLLOUT + "log_prob_micro_batch_size": NoOp(MICRO),
-    ROLLOUT + "prompt_length": NoOp("verl fills it in from data.max_prompt_length"),
-    ROLLOUT + "response_length": NoOp("verl fills it in from data.max_response_length"),
+    ROLLOUT + "prompt_length": Flag("max_prompt_length"),  # verl's default: data.max_prompt_length's value
+    ROLLOUT + "response_length": Flag("max_response_length"),  # (another value is refused: one length here)
     ROLLOUT + "load_format": NoOp("the engine's weights come from the trainer at each sync"),
     ROLLOUT + "mode": NoOp("the engine is called in-process, or through Ray with --rollout-placement remote"),
     ROLLOUT + "calculate_log_probs": NoOp("the engine's logprobs are always kept"),

@@ -216,6 +216,12 @@ def test_two_settings_of_one_flag_must_agree():
         "--use-remove-padding, to different values (False and True)"
     )):  # fmt: skip
         translate(both, ARGS["ppo"], "gae", "ppo.py")
+    # verl fills the rollout's lengths in from the data's: another value is a second setting, refused.
+    lengths = ["data.max_response_length=512", "actor_rollout_ref.rollout.response_length=1024"]
+    with pytest.raises(UsageError, match=re.escape("actor_rollout_ref.rollout.response_length=1024 and "
+                                                   "data.max_response_length=512 both set --max-response-length")):  # fmt: skip
+        grpo(*lengths)
+    assert grpo(lengths[0], "actor_rollout_ref.rollout.response_length=512")[0] == ["--max-response-length", "512"]
     same = ["actor_rollout_ref.model.use_remove_padding=True", "critic.model.use_remove_padding=True"]
     assert translate(same, ARGS["ppo"], "gae", "ppo.py")[0] == ["--use-remove-padding", "True"]
     # In a config file too; the command line's settings replace the file's, and say so.
