@@ -245,7 +245,7 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "reward_model.model.path": Flag("reward_model"),
     "reward_model.enable": NoOp("a reward model is used when --reward-model is given"),
     "reward_model.reward_manager": Flag("reward_manager"),  # naive, prime, batch; dapo is dapo.py's own
-    "reward_model.overlong_buffer.enable": NoOp("dapo.py's overlong penalty is on when its buffer is longer than 0"),
+    "reward_model.overlong_buffer.enable": Flag("overlong_buffer_len"),  # False: 0, off; True: dapo.py's buffer
     "reward_model.overlong_buffer.len": Flag("overlong_buffer_len"),
     "reward_model.overlong_buffer.penalty_factor": Flag("overlong_penalty_factor"),
     # the trainer
@@ -641,6 +641,9 @@ def _unread_by_verl(overrides: dict, adv_estimator: str | None) -> dict[str, str
         elif key.startswith("algorithm.kl_ctrl.") or key == "algorithm.kl_penalty":
             if value.get("algorithm.use_kl_in_reward") is not True:
                 unread[key] = "verl reads it only with algorithm.use_kl_in_reward=True"
+        elif key in ("reward_model.overlong_buffer.len", "reward_model.overlong_buffer.penalty_factor"):
+            if value.get("reward_model.overlong_buffer.enable") is False:
+                unread[key] = "verl reads it only with reward_model.overlong_buffer.enable=True"
     return unread
 
 
@@ -663,6 +666,8 @@ def _special(key: str, value, overrides: dict):
     if key == "custom_reward_function.path":
         name = overrides.get("custom_reward_function.name", (None, "compute_score"))[1]
         return f"{value}:{name}"
+    if key == "reward_model.overlong_buffer.enable":  # off is a buffer of 0; on keeps the buffer's own setting
+        return 0 if value is False else _SKIP
     if key == "trainer.critic_warmup":  # verl's actor first updates at its step N (counted from 1): N - 1 alone
         return max(0, int(value) - 1)
     if key == "trainer.max_actor_ckpt_to_keep" and value is None:

@@ -711,3 +711,17 @@ def test_generation_yamls_rollout_keys_are_read():
     assert flags == ["--n-samples", "4"] and "rollout.mode" in said[0] and "rollout.calculate_log_probs" in said[0]
     with pytest.raises(UsageError, match=r"rollout.n=4: only rollout.n=1 is supported here"):
         translate(["rollout.n=4"], generate, None, "generate.py")
+
+
+def test_dapos_overlong_buffer_is_off_when_verl_says_so():
+    """reward_model.overlong_buffer.enable=False turns dapo.py's overlong penalty off (a buffer of 0),
+    and verl then reads neither the buffer's length nor its factor; enable=True keeps the buffer the
+    command gives (or dapo.py's own); grpo.py, which has no such penalty, reads enable=False as a no-op."""
+    dapo = args_class("dapo")
+    off = ["reward_model.overlong_buffer.enable=False", "reward_model.overlong_buffer.len=4096"]
+    flags, said = translate(off, dapo, "grpo", "dapo.py")
+    assert flags == ["--overlong-buffer-len", "0"] and "overlong_buffer.len (verl reads it only with" in said[0]
+    on = ["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=8"]
+    assert translate(on, dapo, "grpo", "dapo.py")[0] == ["--overlong-buffer-len", "8"]
+    assert translate(on[:1], dapo, "grpo", "dapo.py")[0] == []
+    assert grpo("reward_model.overlong_buffer.enable=False")[0] == []
