@@ -13,6 +13,7 @@ A group (a field whose default is a dataclass, such as RLArgs.conditioning) stan
 import functools
 import math
 import operator
+import os
 import typing
 from dataclasses import MISSING, field, fields, is_dataclass
 from pathlib import Path
@@ -110,6 +111,10 @@ def flag_types(args_class) -> dict:
     """{flag: its type} for every flag of a dataclass of flags."""
     hints = functools.cache(typing.get_type_hints)  # once per class, not per flag
     return {f.name: hints(holder)[f.name] for holder, f in _flags(args_class)}
+
+
+def env_flag(name: str, default: str = "false") -> bool:
+    return os.environ.get(name, default).strip().lower() in ("1", "true", "yes")
 
 
 def flag_name(name: str) -> str:

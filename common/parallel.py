@@ -20,7 +20,7 @@ from torch import nn
 
 from common import watchdog
 from common.errors import UsageError
-from common.flags import flag
+from common.flags import env_flag, flag
 
 
 @dataclass(frozen=True)
@@ -125,36 +125,32 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _env_flag(name: str, default: str = "false") -> bool:
-    return os.environ.get(name, default).strip().lower() in ("1", "true", "yes")
-
-
 def fsdp_options() -> dict:
     """The FSDP settings an accelerate FSDP config exports (under torchrun, set them yourself).
     FSDP_OFFLOAD_PARAMS keeps parameters, gradients and the optimizer step in CPU memory, moving each
     block's parameters to the accelerator for its forward and backward (verl's fsdp_config.param_offload +
     optimizer_offload); FSDP_RESHARD_AFTER_FORWARD=false keeps the gathered parameters from forward to
     backward (faster, more memory). Settings the recipes would not apply are refused, not ignored."""
-    if _env_flag("ACCELERATE_USE_FSDP") and os.environ.get("FSDP_VERSION", "2") != "2":
+    if env_flag("ACCELERATE_USE_FSDP") and os.environ.get("FSDP_VERSION", "2") != "2":
         raise UsageError(
             f"the accelerate config asks for FSDP version {os.environ['FSDP_VERSION']}; the recipes shard with "
             "FSDP2 (torch's fully_shard): set fsdp_version: 2 in its fsdp_config, as configs/fsdp2.yaml does"
         )
-    if _env_flag("FSDP_ACTIVATION_CHECKPOINTING"):
+    if env_flag("FSDP_ACTIVATION_CHECKPOINTING"):
         raise UsageError(
             "the accelerate config sets fsdp_activation_checkpointing, which the recipes do not read: "
             "remove it from the config and pass --gradient-checkpointing"
         )
     return {
-        "offload": _env_flag("FSDP_OFFLOAD_PARAMS"),
-        "reshard_after_forward": _env_flag("FSDP_RESHARD_AFTER_FORWARD", "true"),
+        "offload": env_flag("FSDP_OFFLOAD_PARAMS"),
+        "reshard_after_forward": env_flag("FSDP_RESHARD_AFTER_FORWARD", "true"),
     }
 
 
 def resolve_strategy(strategy: str) -> str:
     """--strategy auto: fsdp2 under an accelerate FSDP config or FSDP_OFFLOAD_PARAMS, else ddp. A UsageError:
     either with --strategy ddp (it would replicate what the config shards), or offload without a process group."""
-    use_fsdp = _env_flag("ACCELERATE_USE_FSDP")
+    use_fsdp = env_flag("ACCELERATE_USE_FSDP")
     offload = fsdp_options()["offload"]
     if strategy == "ddp" and (use_fsdp or offload):
         what = "an accelerate FSDP config" if use_fsdp else "FSDP_OFFLOAD_PARAMS=true"

@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from common.errors import ORIGINS, UsageError
-from common.flags import flag_defaults, flag_types
+from common.flags import env_flag, flag_defaults, flag_types
 
 
 @dataclass(frozen=True)
@@ -451,10 +451,11 @@ def _given(argv: list[str], field: str) -> list[str]:
 def _agree(a: list[str], b: list[str]) -> bool:
     """Whether two settings of one flag, as tokens, say the same: a switch's form, then each value (1e-6 is 0.000001,
     True is true)."""
-    if len(a) != len(b) or a[0] != b[0]:
-        return False
-    return all(_same(x.lower() if x.lower() in ("true", "false") else x, y.lower() if y.lower() in ("true", "false")
-                     else y) for x, y in zip(a[1:], b[1:]))  # fmt: skip
+
+    def plain(token: str) -> str:
+        return token.lower() if token.lower() in ("true", "false") else token
+
+    return len(a) == len(b) and a[0] == b[0] and all(_same(plain(x), plain(y)) for x, y in zip(a[1:], b[1:]))
 
 
 def _is_bool(kind) -> bool:
@@ -529,9 +530,7 @@ def translate(
             else:
                 noops.append(key)
             continue
-        if key in OFFLOAD_KEYS and value is True and os.environ.get("FSDP_OFFLOAD_PARAMS", "").lower() not in (
-            "1", "true", "yes"
-        ):  # fmt: skip
+        if key in OFFLOAD_KEYS and value is True and not env_flag("FSDP_OFFLOAD_PARAMS"):  # the launch's offload
             problems.append(f"{arg}: CPU offload here is the launch's: accelerate launch --config_file "
                             f"configs/fsdp2_offload.yaml (or FSDP_OFFLOAD_PARAMS=true torchrun), which keeps "
                             f"parameters, gradients and the optimizer step of every model in CPU memory")  # fmt: skip
