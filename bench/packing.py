@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.data import load_prompts, pack_sequences  # noqa: E402
 from common.model import forward_layout, load_policy, load_tokenizer, register_varlen, response_logits  # noqa: E402
-from common.ops import entropy_from_logits, logprobs_from_logits  # noqa: E402
+from common.ops import logprobs_and_entropy  # noqa: E402
 from common.perf import device_peak, flop_terms, needed_tokens, update_flops  # noqa: E402
 
 SFT = ROOT / "bundled" / "tiny-qwen2-sft"
@@ -91,7 +91,8 @@ def batches(args, tokenizer) -> dict:
 def step(model, batch) -> None:
     logits = response_logits(model, batch, share_prompts=True)  # the recipes' default (--shared-prompt-forward)
     mask = batch["response_mask"].bool()
-    loss = logprobs_from_logits(logits, batch["responses"])[mask].sum() + entropy_from_logits(logits)[mask].sum()
+    logprobs, entropy = logprobs_and_entropy(logits, batch["responses"], mask)  # the recipes' update, as they call it
+    loss = logprobs[mask].sum() + entropy[mask].sum()
     loss.backward()
 
 

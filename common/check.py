@@ -148,16 +148,18 @@ def _probe(engine, tokenizer, prompts: list[list[int]], temperature: float, devi
     return batch, torch.tensor(reported, dtype=torch.float32, device=device)
 
 
+def _within(gap: tuple[float, float], dtype) -> tuple[bool, str]:
+    """(within TOLERANCE for the trainer's compute dtype, the figure said) of a (largest, mean) gap."""
+    (largest, mean), (top, avg), name = gap, TOLERANCE[dtype], str(dtype).removeprefix("torch.")
+    return largest <= top and mean <= avg, f"max gap {largest:.2g}, mean {mean:.2g} ({name} bounds {top:g}, {avg:g})"
+
+
 def check_engine_logprobs(model, batch, reported, temperature, dtype) -> Item:
-    largest, mean = _gap(_trainer_logprobs(model, batch, temperature), reported, batch)
-    bound = TOLERANCE[dtype]
-    figure = f"max gap {largest:.2g}, mean {mean:.2g} ({str(dtype).removeprefix('torch.')} bounds {bound[0]:g}, {bound[1]:g})"
-    advice = (
-        "the engine's logprobs of its own samples differ from the trainer's forward pass on the same tokens: a "
-        "different model, dtype or attention kernel on one side, or positions that differ (padding); compare "
-        "--dtype and --rollout-name, and the engine's version against transformers'"
-    )
-    return Item("engine logprobs", largest <= bound[0] and mean <= bound[1], figure, advice)
+    ok, figure = _within(_gap(_trainer_logprobs(model, batch, temperature), reported, batch), dtype)
+    return Item("engine logprobs", ok, figure,
+                "the engine's logprobs of its own samples differ from the trainer's forward pass on the same tokens: a "
+                "different model, dtype or attention kernel on one side, or positions that differ (padding); compare "
+                "--dtype and --rollout-name, and the engine's version against transformers'")  # fmt: skip
 
 
 def check_weight_sync(model, engine, batch, version: int, dtype) -> Item:
@@ -204,10 +206,10 @@ def check_weight_sync(model, engine, batch, version: int, dtype) -> Item:
     return Item("weight sync", ok, figure, advice)
 
 
-def check_packing(model, batch) -> Item:
-    """Packed and padded forward passes of the probe agree (the same logprobs of every token)."""
-    inner = unwrap(model)
-    mode = pack_mode(model)
+def check_packing(model, batch, dtype) -> Item:
+    """Packed and padded passes of the probe agree within TOLERANCE for the dtype they compute in (under
+    --mixed-precision bf16 that is bf16, with float32 weights: flash-attention's varlen kernel is 0.012 off)."""
+    inner, mode = unwrap(model), pack_mode(model)
     if not mode:
         return Item("packing", None, "the model runs padded (--use-remove-padding False, or its attention cannot pack)")
     results = {}
@@ -217,9 +219,8 @@ def check_packing(model, batch) -> Item:
             results[packed] = _trainer_logprobs(model, batch, 1.0)
     finally:
         inner.padding_free = mode
-    largest, mean = _gap(results[True], results[False], batch)
-    ok = largest <= 1e-3 if next(inner.parameters()).dtype == torch.float32 else mean <= 0.05
-    return Item("packing", ok, f"packed vs padded: max gap {largest:.2g}, mean {mean:.2g}",
+    ok, figure = _within(_gap(results[True], results[False], batch), dtype)
+    return Item("packing", ok, f"packed vs padded: {figure}",
                 "padding-free attention disagrees with the padded pass on this model: set --use-remove-padding False "
                 "and report the model")  # fmt: skip
 
@@ -294,7 +295,7 @@ def launch_check(mode: str, model, engine, rollout, tracker, resumed: Item | Non
             items.append(check_weight_sync(model, check.engine, batch, version, dtype))
         else:
             items.append(Item("weight sync", None, "the HF engine samples with the trainer's own weights"))
-        items.append(check_packing(model, batch))
+        items.append(check_packing(model, batch, dtype))
     dry = rollout.pool.dry_run_report
     items.append(Item("rewards", None, "no reward function dry run (a reward model or environments score)")
                  if dry is None else Item("rewards", True if dry[0] else "warn", dry[1], REWARD_ADVICE))  # fmt: skip

@@ -83,6 +83,34 @@ def test_the_check_leaves_the_samplers_generator_where_it_was(tokenizer):
     assert torch.equal(torch.rand(4), want)
 
 
+def test_the_packing_item_holds_each_layout_to_the_compute_dtypes_bound(tokenizer, monkeypatch):
+    """Packed against padded logprobs of the probe, within TOLERANCE for the dtype the passes compute in. Under
+    --mixed-precision bf16 the weights stay float32 while both passes run in bf16: the H100 found the item failing
+    every such run at the float32 bound (the flash-attention varlen kernel 0.012 from the padded pass at most). A
+    packed pass that disagrees past the dtype's bound still fails."""
+    import common.check as check
+    from common.check import _probe, check_packing
+
+    policy = load_policy(SFT, remove_padding=True)
+    engine = HFEngine(policy, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu")
+    rows = rollout_of(engine, tokenizer).val[:4]
+    batch, _ = _probe(engine, tokenizer, [r["prompt_ids"] for r in rows], 1.0, "cpu")
+    item = check_packing(policy, batch, torch.float32)
+    assert item.ok is True and "float32 bounds 0.001, 0.0001" in item.figure
+    trainer_logprobs = check._trainer_logprobs
+    for planted, dtype, want in (
+        (0.012, torch.float32, False),
+        (0.012, torch.bfloat16, True),
+        (0.2, torch.bfloat16, False),
+    ):
+        monkeypatch.setattr(
+            check, "_trainer_logprobs", lambda m, b, t, d=planted: trainer_logprobs(m, b, t) + d * m.padding_free
+        )
+        item = check_packing(policy, batch, dtype)
+        assert item.ok is want, (planted, dtype, item.figure)
+    assert policy.padding_free is True  # the item puts the model's layout back
+
+
 def test_check_off_and_warn_are_flags_of_every_rl_recipe():
     from conftest import RL_RECIPES, load_recipe, make_args
 
