@@ -388,6 +388,7 @@ VERL_DEFAULTS: dict[str, dict[str, object]] = {
         "critic.optim.lr": 1e-5,
         "algorithm.use_kl_in_reward": False,
         "algorithm.kl_ctrl.kl_coef": 0.001,
+        "reward_model.overlong_buffer.enable": False,  # not the guides': verl's DAPO config (dapo.py reads it alone)
     },
     "sft": {"optim.lr": 1e-5, "optim.weight_decay": 0.01, "optim.warmup_steps_ratio": 0.1},
 }
@@ -602,7 +603,7 @@ def translate(
             continue
         if key in _unread_by_verl({**overrides, key: (key, value)}, adv_estimator):
             continue  # verl would not read it either (the critic's lr without GAE, ...)
-        flags[field] = _tokens(field, fields[field], value)
+        flags[field] = _tokens(field, fields[field], _special(key, value, overrides))
         defaulted.append(f"{key}={value}")
         origin[field] = f"verl's default {key}={value}, a key this command leaves out"
     if origins is not None:
@@ -641,7 +642,7 @@ def _unread_by_verl(overrides: dict, adv_estimator: str | None) -> dict[str, str
             if value.get("algorithm.use_kl_in_reward") is not True:
                 unread[key] = "verl reads it only with algorithm.use_kl_in_reward=True"
         elif key in ("reward_model.overlong_buffer.len", "reward_model.overlong_buffer.penalty_factor"):
-            if value.get("reward_model.overlong_buffer.enable") is False:
+            if value.get("reward_model.overlong_buffer.enable") is not True:  # verl's default is False
                 unread[key] = "verl reads it only with reward_model.overlong_buffer.enable=True"
     return unread
 

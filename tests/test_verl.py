@@ -283,7 +283,9 @@ def test_keys_a_verl_command_leaves_out_take_verls_defaults():
     guide = yaml.safe_load((ROOT / "tests" / "data" / "verl_keys.yaml").read_text())
     for trainer, defaults in VERL_DEFAULTS.items():
         for key, value in defaults.items():
-            if value is None:  # verl's null, which the guides leave out or list as null
+            if key == "reward_model.overlong_buffer.enable":  # verl's DAPO config's, not the guides'
+                assert value is False
+            elif value is None:  # verl's null, which the guides leave out or list as null
                 assert guide[trainer].get(key) is None, key
             else:
                 assert (
@@ -716,7 +718,8 @@ def test_generation_yamls_rollout_keys_are_read():
 def test_dapos_overlong_buffer_is_off_when_verl_says_so():
     """reward_model.overlong_buffer.enable=False turns dapo.py's overlong penalty off (a buffer of 0),
     and verl then reads neither the buffer's length nor its factor; enable=True keeps the buffer the
-    command gives (or dapo.py's own); grpo.py, which has no such penalty, reads enable=False as a no-op."""
+    command gives (or dapo.py's own); grpo.py, which has no such penalty, reads enable=False as a no-op. A verl
+    command that leaves enable out gets verl's default, False, as its DAPO config has it (dapo.py's own flag wins)."""
     dapo = args_class("dapo")
     off = ["reward_model.overlong_buffer.enable=False", "reward_model.overlong_buffer.len=4096"]
     flags, said = translate(off, dapo, "grpo", "dapo.py")
@@ -725,3 +728,15 @@ def test_dapos_overlong_buffer_is_off_when_verl_says_so():
     assert translate(on, dapo, "grpo", "dapo.py")[0] == ["--overlong-buffer-len", "8"]
     assert translate(on[:1], dapo, "grpo", "dapo.py")[0] == []
     assert grpo("reward_model.overlong_buffer.enable=False")[0] == []
+    # verl's default is off: a verl command that leaves enable out has no penalty, and its len is unread
+    flags, said = translate(["reward_model.overlong_buffer.len=4096"], dapo, "grpo", "dapo.py", trainer="ppo")
+    assert flags[flags.index("--overlong-buffer-len") + 1] == "0"
+    assert (
+        "reward_model.overlong_buffer.enable=False" in said[0] and "overlong_buffer.len (verl reads it only" in said[1]
+    )
+    flags, _ = translate(on, dapo, "grpo", "dapo.py", trainer="ppo")
+    assert flags[flags.index("--overlong-buffer-len") + 1] == "8"
+    flags, _ = translate(
+        ["data.train_batch_size=8", "--overlong-buffer-len", "2"], dapo, "grpo", "dapo.py", trainer="ppo"
+    )
+    assert flags[-2:] == ["--overlong-buffer-len", "2"] and flags.count("--overlong-buffer-len") == 1
