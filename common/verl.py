@@ -390,7 +390,21 @@ VERL_DEFAULTS: dict[str, dict[str, object]] = {
         "algorithm.kl_ctrl.kl_coef": 0.001,
         "reward_model.overlong_buffer.enable": False,  # not the guides': verl's DAPO config (dapo.py reads it alone)
     },
-    "sft": {"optim.lr": 1e-5, "optim.weight_decay": 0.01, "optim.warmup_steps_ratio": 0.1},
+    "sft": {
+        "optim.lr": 1e-5,
+        "optim.weight_decay": 0.01,
+        "optim.warmup_steps_ratio": 0.1,
+        # not in the guides: verl's sft_trainer.yaml (this library's own defaults fit the bundled task)
+        "optim.betas": [0.9, 0.95],
+        "data.train_batch_size": 256,
+        "data.micro_batch_size_per_gpu": 4,
+        "data.max_length": 1024,
+        "data.truncation": "error",
+        "trainer.total_epochs": 4,
+        "trainer.total_training_steps": None,
+        "trainer.save_freq": -1,
+        "trainer.test_freq": -1,
+    },
 }
 
 OVERRIDE = re.compile(r"^\+{0,2}([A-Za-z_][\w-]*(?:\.[\w-]+)+)=(.*)$", re.DOTALL)

@@ -108,7 +108,7 @@ def collate(examples, pad_id, device):
 def validate(model, tokenizer, val, dist, *, batch_size, max_new_tokens):
     """Token-mean loss over all val examples; greedy accuracy over those with a ground truth
     (max_new_tokens generated); batch_size examples per forward / generate call."""
-    local, n_real = shard_evenly(val, dist)
+    started, (local, n_real) = time.time(), shard_evenly(val, dist)
     # Padding copies count no tokens: their loss mask is zeroed.
     local = local[:n_real] + [dict(e, loss_mask=[0] * len(e["loss_mask"])) for e in local[n_real:]]
     nll, tokens = torch.zeros((), device=dist.device), torch.zeros((), device=dist.device)
@@ -142,7 +142,7 @@ def validate(model, tokenizer, val, dist, *, batch_size, max_new_tokens):
             hits = [s for d, s in results if d == source]
             metrics[f"val/accuracy/{source}"] = sum(hits) / len(hits)
     model.train()
-    return metrics
+    return {**metrics, "perf/validate_s": time.time() - started}
 
 
 # --- one step ---------------------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def train_step(policy, mine, epoch, pad_id, dist, *, micro_batch_size, grad_clip
     return {
         "train/loss": (all_reduce_sum(nll_total) / num_tokens).item(), "train/grad_norm": grad_norm,
         "train/lr": lr, "train/epoch": epoch, "train/tokens": num_tokens.item(),
-        "perf/step_s": step_s, "perf/tokens_per_s": num_tokens.item() / step_s,
+        "perf/step_s": step_s, "perf/update_s": step_s, "perf/tokens_per_s": num_tokens.item() / step_s,
     }  # fmt: skip
 
 

@@ -53,7 +53,7 @@ def test_help_renders():
 
 def test_smoke_checkpoint_and_export_reload(tmp_path, small_files, small_val, tokenizer):
     out = tmp_path / "run"
-    run_recipe(
+    proc = run_recipe(
         "sft",
         *base_flags(
             out,
@@ -64,6 +64,11 @@ def test_smoke_checkpoint_and_export_reload(tmp_path, small_files, small_val, to
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert "val/accuracy" in records[2] and "val/loss" in records[5]
+    # the closing block names the update and validation, not "other" (each step's perf/update_s, each
+    # validation's perf/validate_s)
+    assert all(r["perf/update_s"] > 0 for r in records) and records[2]["perf/validate_s"] > 0
+    block = (proc.stdout + proc.stderr).split("where the time went")[1].splitlines()[0]
+    assert "update" in block and "validate" in block, block
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_4", "step_6"]
     assert (out / "curves.png").stat().st_size > 1000
     ckpt = out / "checkpoints" / "step_6"
