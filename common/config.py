@@ -22,7 +22,7 @@ from common.errors import ORIGINS, UsageError
 from common.errors import usage_errors as usage_errors  # re-exported for older forks
 from common.flags import BUNDLED, check_ranges, flag, flag_defaults, flag_name, flag_values
 from common.flags import flag_types as flag_types  # re-exported: tests/test_docs.py reads flags with it
-from common.model import ModelArgs, looks_local
+from common.model import FROZEN_KNOBS, ModelArgs, looks_local
 from common.ops import KLRewardArgs as KLRewardArgs  # re-exported: recipes build on it
 from common.optim import OptimArgs
 from common.parallel import WaitArgs
@@ -328,8 +328,7 @@ class RLArgs(
 
     def frozen_kwargs(self) -> dict:
         """common.model.load_frozen's keyword arguments, the policy's (a forward-only model: distill.py's teacher)."""
-        names = ("dtype", "trust_remote_code", "mixed_precision", "remove_padding")
-        return {**{k: v for k, v in self.policy_kwargs().items() if k in names}, "strategy": self.strategy}
+        return {**{k: self.policy_kwargs()[k] for k in FROZEN_KNOBS}, "strategy": self.strategy}
 
     @property
     def needs_ref(self) -> bool:

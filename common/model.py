@@ -91,29 +91,19 @@ def load_policy(
 
 
 def load_trained_model(
-    path: str,
-    dist,
-    *,
-    strategy: str,
-    dtype: str = "float32",
-    trust_remote_code: bool = False,
-    gradient_checkpointing: bool = False,
-    lora_rank: int = 0,
-    lora_alpha: int = 16,
-    target_modules=("all-linear",),
-    mixed_precision: str = "no",
-    remove_padding: bool | str = False,
+    path: str, dist, *, strategy: str, dtype: str = "float32", mixed_precision: str = "no", **policy
 ):
-    """The policy (load_policy) wrapped for DDP / FSDP2 (strategy auto|ddp|fsdp2). Returns (model, run_info:
-    common.parallel.sharding_report of the layout in effect, plus the FLOP terms and matmul dtype MFU needs)."""
+    """The policy (load_policy, with `policy` its knobs) wrapped for DDP / FSDP2 (strategy auto|ddp|fsdp2). Returns
+    (model, run_info: common.parallel.sharding_report of the layout in effect, plus the FLOP terms and matmul dtype
+    MFU needs)."""
     strategy = resolve_strategy(strategy)
-    model = load_policy(
-        path, dtype=dtype, trust_remote_code=trust_remote_code, gradient_checkpointing=gradient_checkpointing,
-        lora_rank=lora_rank, lora_alpha=lora_alpha, target_modules=target_modules, remove_padding=remove_padding,
-    )  # fmt: skip
+    model = load_policy(path, dtype=dtype, **policy)
     model = wrap_model(model, strategy, dist, mixed_precision)
     compute = str(compute_dtype(dtype, mixed_precision)).removeprefix("torch.")
     return model, {**sharding_report(model, strategy, dist), "flops": flop_terms(model), "compute_dtype": compute}
+
+
+FROZEN_KNOBS = ("dtype", "trust_remote_code", "mixed_precision", "remove_padding")  # load_frozen's, of the policy's
 
 
 def load_frozen(

@@ -17,7 +17,7 @@ from common.engines import Completion, HFEngine, Sampling
 from common.engines import hf_generate_greedy as hf_generate_greedy  # re-exported for older forks
 from common.errors import UsageError
 from common.flags import band_ok, flag, flag_defaults, flag_name
-from common.model import AdapterOff, load_frozen, load_trained_model
+from common.model import FROZEN_KNOBS, AdapterOff, load_frozen, load_trained_model
 from common.ops import RunningMoments
 from common.parallel import Dist, gather_objects, shard_evenly
 from common.rewards import Scored
@@ -32,40 +32,21 @@ log = logging.getLogger(__name__)
 TOLERANCE = {torch.float32: (1e-3, 1e-4), torch.bfloat16: (0.5, 0.05), torch.float16: (0.25, 0.02)}
 
 
-def load_rl_models(
-    path: str,
-    dist,
-    tokenizer=None,
-    *,
-    strategy: str,
-    dtype: str = "float32",
-    trust_remote_code: bool = False,
-    gradient_checkpointing: bool = False,
-    lora_rank: int = 0,
-    lora_alpha: int = 16,
-    target_modules=("all-linear",),
-    mixed_precision: str = "no",
-    with_reference: bool = False,
-    reward_model: str | None = None,
-    remove_padding: bool | str = False,
-    micro_batch_size: int = 64,
-):
-    """(policy, reference or None, reward model or None, run_info). The reference, for KL terms, is a frozen copy
-    (with LoRA: AdapterOff, the policy with its adapter off); the reward model scores micro_batch_size texts a pass."""
-    model, run_info = load_trained_model(
-        path, dist, strategy=strategy, dtype=dtype, trust_remote_code=trust_remote_code,
-        mixed_precision=mixed_precision, gradient_checkpointing=gradient_checkpointing, lora_rank=lora_rank,
-        lora_alpha=lora_alpha, target_modules=target_modules, remove_padding=remove_padding,
-    )  # fmt: skip
-    ref = AdapterOff(model) if with_reference and lora_rank else None
-    if with_reference and lora_rank == 0:
-        ref = load_frozen(path, dist, strategy=strategy, dtype=dtype, trust_remote_code=trust_remote_code,
-                          mixed_precision=mixed_precision, remove_padding=remove_padding)  # fmt: skip
+def load_rl_models(path: str, dist, tokenizer=None, *, strategy: str, with_reference: bool = False,
+                   reward_model: str | None = None, micro_batch_size: int = 64, **policy):  # fmt: skip
+    """(policy, reference or None, reward model or None, run_info); `policy`: load_policy's knobs (policy_kwargs).
+    The reference, for KL terms, is a frozen copy (with LoRA: AdapterOff, the policy with its adapter off); the
+    reward model scores micro_batch_size texts a pass."""
+    model, run_info = load_trained_model(path, dist, strategy=strategy, **policy)
+    ref = AdapterOff(model) if with_reference and policy["lora_rank"] else None
+    if with_reference and not policy["lora_rank"]:
+        ref = load_frozen(path, dist, strategy=strategy, **{k: policy[k] for k in FROZEN_KNOBS})
     rm = None
     if reward_model:
         from common.reward_model import RewardModel  # a feature: loaded where --reward-model asks for it
 
-        rm = RewardModel(reward_model, tokenizer, dist.device, trust_remote_code, micro_batch_size, remove_padding)
+        rm = RewardModel(reward_model, tokenizer, dist.device, policy["trust_remote_code"], micro_batch_size,
+                         policy["remove_padding"])  # fmt: skip
     return model, ref, rm, run_info
 
 
