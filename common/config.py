@@ -234,6 +234,20 @@ class TrainerArgs(WaitArgs):
             log_interval=self.log_interval, config={**asdict(self), "recipe": recipe, "run": run_info},
         )  # fmt: skip
 
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """The run's optimizer steps: --total-training-steps, else --total-epochs passes. A verl command's
+        trainer.total_training_steps ends a verl run at the epochs' end if that comes first; here it overrides
+        the epochs, so where the two differ the run is refused rather than train steps verl would not."""
+        epochs, steps = self.total_epochs * steps_per_epoch, self.total_training_steps
+        if steps and steps > epochs and ORIGINS.get("total_training_steps"):
+            raise UsageError(
+                f"{ORIGINS['total_training_steps']}: verl would stop after {self.total_epochs} epochs "
+                f"({ORIGINS.get('total_epochs', '--total-epochs')}), {epochs} steps of {steps_per_epoch}, and here "
+                f"it would train all {steps}; give trainer.total_training_steps={epochs}, or trainer.total_epochs="
+                f"{-(-steps // max(1, steps_per_epoch))} for all {steps}"
+            )
+        return steps or epochs
+
     def save_kwargs(self, recipe: str) -> dict:
         """common.checkpoint.save_checkpoint's keyword arguments: the recipe (the checkpoint's owner), the flags."""
         return dict(recipe=recipe, keep=self.max_ckpt_to_keep, merged_lora=self.export_merged_lora, flags=asdict(self))
@@ -343,7 +357,7 @@ class RLArgs(
         return in_loss or getattr(self, "use_kl_in_reward", False) and getattr(self, "kl_penalty", "") != "full"
 
     def total_steps(self, train_rows: int) -> int:
-        return self.total_training_steps or self.total_epochs * (train_rows // self.train_batch_size)
+        return super().total_steps(train_rows // self.train_batch_size)
 
 
 def is_due(step: int, freq: int | None, last_step: int) -> bool:

@@ -199,7 +199,7 @@ def main(args: Args) -> dict:
     steps_per_epoch = len(train) // args.train_batch_size
     if steps_per_epoch == 0:
         raise UsageError(f"train_files hold {len(train)} examples, fewer than train_batch_size={args.train_batch_size}")
-    total_steps = args.total_training_steps or args.total_epochs * steps_per_epoch
+    total_steps = args.total_steps(steps_per_epoch)
     checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps, flags=dataclasses.asdict(args))
 
     # Model, optimizer, schedule; then resume.

@@ -678,6 +678,36 @@ def test_a_frequency_of_minus_1_means_never_as_in_verl(tmp_path, small_train, sm
     assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
 
 
+def test_total_training_steps_past_verls_epochs_is_refused(tmp_path, small_train, monkeypatch):
+    """verl ends a run at trainer.total_training_steps or at the end of trainer.total_epochs, whichever
+    comes first; --total-training-steps overrides the epochs. A verl key asking for more steps than its
+    epochs hold (verl's default 30 epochs included) is refused before the model loads, with both ways out;
+    our own flag keeps its meaning, and a verl command whose epochs cover the steps runs them."""
+    from conftest import make_args
+
+    args = make_args(args_class("grpo"), total_training_steps=1000, total_epochs=2)
+    monkeypatch.delitem(ORIGINS, "total_training_steps", raising=False)
+    assert args.total_steps(16 * 100) == 1000  # our flag: 1000 steps, 10 passes over the data
+    monkeypatch.setitem(ORIGINS, "total_training_steps", "trainer.total_training_steps=1000")
+    assert args.total_steps(16 * 500) == 1000  # 2 epochs of 500 steps cover it
+    with pytest.raises(UsageError, match=r"trainer.total_training_steps=1000: verl would stop after 2 epochs "
+                                         r"\(--total-epochs\), 200 steps of 100.* give trainer.total_training_steps=200,"
+                                         r" or trainer.total_epochs=10 for all 1000"):  # fmt: skip
+        args.total_steps(16 * 100)
+    monkeypatch.delitem(ORIGINS, "total_training_steps")
+    rows = len(__import__("pyarrow.parquet").parquet.read_table(small_train))
+    proc = run_recipe(
+        "grpo", f"data.train_files={small_train}", "data.train_batch_size=4", "trainer.total_training_steps=9999",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", f"trainer.default_local_dir={tmp_path / 'run'}", check=False,
+    )  # fmt: skip
+    assert (
+        proc.returncode == 2
+        and "trainer.total_training_steps=9999: verl would stop after 30 epochs (verl's "
+        f"default trainer.total_epochs=30, a key this command leaves out), {30 * (rows // 4)} steps"
+        in proc.stderr
+    )
+
+
 def test_offload_is_the_launchs_and_megatron_and_a_mini_batch_shuffle_are_refused(monkeypatch):
     """The trained model's param_offload / optimizer_offload=True needs the launch's FSDP2 offload
     (configs/fsdp2_offload.yaml sets FSDP_OFFLOAD_PARAMS): without it the key is refused naming the
