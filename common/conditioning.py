@@ -14,10 +14,11 @@ condition_rewards, in this order (each step only when its flag asks for it):
    checkpoint); eps 1e-6, and for running the float32 machine epsilon, as ROLL. --reward-shift only
    subtracts the mean, --reward-scale only divides by the std. A group of one (or a batch of one)
    has mean 0 and std 1, as grpo.py's advantage treats it.
-4. --whiten-rewards: (r - mean) / sqrt(var + 1e-8) over every rank's rewards, unbiased var. ROLL
+4. --reward-clip c: clamp to [-c, c] (metric reward/clip_frac), before the whitening, as ROLL clips in
+   its reward post-processing and whitens later, in its advantage step.
+5. --whiten-rewards: (r - mean) / sqrt(var + 1e-8) over every rank's rewards, unbiased var. ROLL
    whitens its token-level rewards, where the score sits on the last token and zeros fill the rest;
    here the rewards are one per response, so this whitens the responses' rewards.
-5. --reward-clip c: clamp to [-c, c] (metric reward/clip_frac).
 
 condition_advantages (B, T), in this order:
 1. --whiten-advantages: (A - mean) / sqrt(var + 1e-8) over every response token of every rank.
@@ -95,11 +96,11 @@ def condition_rewards(
         mean, std, eps = _reward_stats(rewards, batch["group_ids"], running, reward_norm)
         rewards = rewards - (0.0 if reward_scale else mean)
         rewards = rewards if reward_shift else rewards / (std + eps)
-    if whiten_rewards:
-        rewards = masked_whiten_all_ranks(rewards, torch.ones_like(rewards))
     if reward_clip is not None:
         metrics["reward/clip_frac"] = _mean_every_rank((rewards.abs() > reward_clip).float())
         rewards = rewards.clamp(-reward_clip, reward_clip)
+    if whiten_rewards:
+        rewards = masked_whiten_all_ranks(rewards, torch.ones_like(rewards))
     return rewards
 
 

@@ -103,6 +103,11 @@ def test_length_reward_whitening_and_clip_in_order():
     batch = batch_of([0, 0, 0, 1])
     clipped = condition_rewards(r, batch, RunningMoments(), reward_clip=1.5)
     assert clipped.tolist() == [1.0, 0.0, 1.0, 1.5] and batch["conditioning"]["reward/clip_frac"] == 0.25
+    # both: clipped first, then whitened (ROLL clips in its reward post-processing, whitens in its advantage step)
+    both = condition_rewards(r, batch_of([0, 0, 0, 1]), RunningMoments(), reward_clip=1.5, whiten_rewards=True)
+    c = [1.0, 0.0, 1.0, 1.5]
+    mean, var = sum(c) / 4, sum((v - sum(c) / 4) ** 2 for v in c) / 3
+    assert both.tolist() == pytest.approx([(v - mean) / math.sqrt(var + 1e-8) for v in c], abs=1e-6)
 
 
 def test_advantage_whitening_clip_and_weights():
