@@ -235,9 +235,8 @@ class TrainerArgs(WaitArgs):
         )  # fmt: skip
 
     def total_steps(self, steps_per_epoch: int) -> int:
-        """The run's optimizer steps: --total-training-steps, else --total-epochs passes. A verl command's
-        trainer.total_training_steps ends a verl run at the epochs' end if that comes first; here it overrides
-        the epochs, so where the two differ the run is refused rather than train steps verl would not."""
+        """--total-training-steps, else --total-epochs passes; verl stops at whichever comes first, so a verl key's
+        steps past its epochs' end are refused rather than trained."""
         epochs, steps = self.total_epochs * steps_per_epoch, self.total_training_steps
         if steps and steps > epochs and ORIGINS.get("total_training_steps"):
             raise UsageError(
@@ -318,7 +317,7 @@ class RLArgs(
         facts = ("rollout_name", "rollout_placement", "max_staleness", "reward_workers", "use_remove_padding",
                  "micro_batch_size_per_gpu", "gradient_checkpointing", "mixed_precision", "dtype", "lora_rank")  # fmt: skip
         run = {**{k: getattr(self, k) for k in facts}, "device": run_info["device"],
-               "micro_batches": plan.mini_batches_per_step * max(1, plan.grad_accum)}  # fmt: skip
+               "micro_batches": plan.grad_accum}  # a mini-batch's passes (0: by a token budget)  # fmt: skip
         return {**super().tracker_kwargs(recipe, run_info), "stop_on_nonfinite_reward": self.stop_on_nonfinite_reward,
                 "perf": {**run_info, "epochs": self.ppo_epochs, "run": run},
                 "gap_bound": self.gap_bound(self.trainer_dtype)}  # fmt: skip

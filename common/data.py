@@ -397,17 +397,17 @@ def micro_batches(
     return sorted((torch.tensor(sorted(c), dtype=torch.long) for c in chunks if c), key=lambda t: int(t[0]))
 
 
-def split_rows(
-    batch: dict, start: int, stop: int, *, max_seqs: int, max_tokens: int | None = None
-) -> list[torch.Tensor]:
-    """micro_batches over the rows start..stop-1 of a packed batch (absolute row indices), with as
-    many micro-batches on this rank as on the rank that needs the most."""
+def split_rows(batch: dict, rows: torch.Tensor | None = None, *, max_seqs: int, max_tokens: int | None = None):
+    """micro_batches over the given rows of a packed batch (all of them by default), each an ascending tensor of
+    row indices, with as many micro-batches on this rank as on the rank that needs the most."""
+    rows = torch.arange(batch["responses"].shape[0]) if rows is None else rows.cpu()
     T = batch["responses"].shape[1]
-    prompt_lengths = batch["attention_mask"][start:stop, :-T].sum(-1).tolist()
-    response_lengths = batch["response_mask"][start:stop].sum(-1).tolist()
+    prompt_lengths = batch["attention_mask"][rows, :-T].sum(-1).tolist()
+    response_lengths = batch["response_mask"][rows].sum(-1).tolist()
     limits = dict(max_seqs=max_seqs, max_tokens=max_tokens)
     count = all_reduce_max(len(micro_batches(prompt_lengths, response_lengths, **limits)))
-    return [rows + start for rows in micro_batches(prompt_lengths, response_lengths, **limits, min_count=count)]
+    picked = micro_batches(prompt_lengths, response_lengths, **limits, min_count=count)
+    return [rows[p].sort().values for p in picked]
 
 
 @dataclass
@@ -439,6 +439,17 @@ class BatchPlan:
     micro: dict = field(default_factory=dict)  # split_rows' limits: max_seqs, and max_tokens with dynamic batching
     temperature: float = 1.0  # the sampling temperature: the trainer's passes divide the logits by it too
     share_prompts: bool = True  # the trainer's passes run each group's shared prompt once (model.response_logits)
+    shuffle: bool = False  # mini-batches of whole groups in a new order each epoch (verl's actor.shuffle)
+
+    def mini_batches(self, group_ids: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's rows of each mini-batch of an epoch: as sampled, or (shuffle, several mini-batches) whole groups
+        in a new order drawn from torch's generator, which a checkpoint keeps, so a resumed run draws the same."""
+        rows = torch.arange(len(group_ids))
+        if self.shuffle and self.mini_batches_per_step > 1:
+            groups, which = torch.unique(group_ids.cpu(), return_inverse=True)
+            place = torch.randperm(len(groups)).argsort()  # each group's place in the new order
+            rows = rows[torch.argsort(place[which], stable=True)]  # a group's rows stay together, in their order
+        return list(rows.split(self.local_mini_batch))
 
 
 def plan_batches(
@@ -454,6 +465,7 @@ def plan_batches(
     epochs: int = 1,
     temperature: float = 1.0,
     share_prompts: bool = True,
+    shuffle: bool = False,
 ) -> BatchPlan:
     """Check that the global batch splits evenly into mini-batches and ranks, before any model loads;
     raises UsageError naming the numbers to change. train_batch_size and mini_batch_size count prompts
@@ -502,4 +514,5 @@ def plan_batches(
         micro={"max_seqs": micro_batch_size_per_gpu, "max_tokens": max_token_len_per_gpu if use_dynamic_bsz else None},
         temperature=temperature,
         share_prompts=share_prompts,
+        shuffle=shuffle,
     )

@@ -106,19 +106,11 @@ def load_trained_model(
 FROZEN_KNOBS = ("dtype", "trust_remote_code", "mixed_precision", "remove_padding")  # load_frozen's, of the policy's
 
 
-def load_frozen(
-    path: str,
-    dist,
-    *,
-    strategy: str,
-    dtype: str = "float32",
-    trust_remote_code: bool = False,
-    mixed_precision: str = "no",
-    remove_padding: bool | str = False,
-):
-    """A causal LM that only runs forward passes (a reference, a teacher): no gradient, eval mode,
-    sharded like the policy under FSDP2 (its forwards then collective), else on this rank's device."""
-    model = load_policy(path, dtype=dtype, trust_remote_code=trust_remote_code, remove_padding=remove_padding)
+def load_frozen(path: str, dist, *, strategy: str, mixed_precision: str = "no", **policy):
+    """A causal LM that only runs forward passes (a reference, a teacher; `policy`: load_policy's dtype,
+    trust_remote_code, remove_padding): no gradient, eval mode, sharded like the policy under FSDP2 (its forwards
+    then collective), else on this rank's device."""
+    model = load_policy(path, **policy)
     model = model.eval().requires_grad_(False)
     return wrap_model(model, "fsdp2" if resolve_strategy(strategy) == "fsdp2" else "none", dist, mixed_precision)
 

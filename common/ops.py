@@ -288,22 +288,18 @@ def agg_loss(
     return out
 
 
-def rollout_correction(
-    old_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, *,
-    mode: str | None, threshold: float | str, batch_normalize: bool = False, rs: str | None = None,
-    rs_threshold: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, dict]:  # fmt: skip
-    """(weights, loss mask, metrics): rollout_is_weights at `mode` (1 on every response token when None), with
-    batch_normalize rescaled to mean 1 over every rank's response tokens (sequence weights: the responses' means;
-    verl's rollout_is_batch_normalize); response_mask zeroed where rollout_rejection_mask rejects (rs: its options),
-    so out of the loss and its denominator; verl's rollout_corr/* metrics plus rollout_rs_masked_fraction (tokens
-    rejected) and rollout_rs_seq_masked_fraction (responses with any). Collective when mode or rs is set."""
-    if mode is None and rs is None:  # the correction off (the default): no feature module loads
+def rollout_correction(old_logprobs, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, **options):
+    """(weights, loss mask, metrics): common.correction.correct with its options (mode, threshold, batch_normalize,
+    rs, rs_threshold: RLArgs.rollout_is_kwargs): rollout_is_weights at `mode`, with batch_normalize rescaled to mean
+    1 over every rank's response tokens (sequence weights: the responses' means; verl's rollout_is_batch_normalize);
+    response_mask zeroed where rollout_rejection_mask rejects (rs: its options), so out of the loss and its
+    denominator; verl's rollout_corr/* metrics plus rollout_rs_masked_fraction (tokens rejected) and
+    rollout_rs_seq_masked_fraction (responses with any). Collective when mode or rs is set."""
+    if options.get("mode") is None and options.get("rs") is None:  # off (the default): no feature module loads
         return response_mask.to(torch.float32), response_mask, {}
     from common.correction import correct
 
-    return correct(old_logprobs, rollout_logprobs, response_mask, mode=mode, threshold=threshold,
-                   batch_normalize=batch_normalize, rs=rs, rs_threshold=rs_threshold)  # fmt: skip
+    return correct(old_logprobs, rollout_logprobs, response_mask, **options)
 
 
 def update_kl_coef(coef: float, kl: float, *, kind: str, target_kl: float, horizon: int, n_steps: int) -> float:

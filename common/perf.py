@@ -178,7 +178,7 @@ def verdict(seconds: dict, wall: float, run: dict) -> tuple[str, str]:
             advice.append("no --gradient-checkpointing if memory allows: it runs every forward twice")
         if run.get("micro_batches", 1) > 1:
             advice.append(f"a larger --micro-batch-size-per-gpu (now {run.get('micro_batch_size_per_gpu')}) if "
-                          f"memory allows: {run['micro_batches']} micro-batches a step, each a pass of its own")  # fmt: skip
+                          f"memory allows: {run['micro_batches']} micro-batches an optimizer step, each a pass of its own")  # fmt: skip
         if not advice:
             advice.append("more GPUs (torchrun --nproc_per_node N) or a smaller model: the trainer has no flag left")
     elif bound == "reward":

@@ -380,6 +380,9 @@ class RolloutArgs:
     """with --use-dynamic-bsz: most padded tokens (prompt + response) per micro-batch on one process"""
     ppo_epochs: int = flag(1, ge=1)
     """passes over each step's samples"""
+    shuffle_mini_batches: bool = False
+    """each epoch, deal the step's groups into its mini-batches in a new seeded order (verl's actor.shuffle; off:
+    the order sampled); it changes something only with several mini-batches (--ppo-mini-batch-size)"""
     temperature: float = flag(1.0, ge=0, note="0 is greedy decoding")
     """sampling temperature (the trainer scales logits by it too)"""
     top_p: float = flag(1.0, gt=0, le=1)
@@ -467,7 +470,7 @@ class RolloutArgs:
             mini_batch_size=self.ppo_mini_batch_size, micro_batch_size_per_gpu=self.micro_batch_size_per_gpu,
             use_dynamic_bsz=self.use_dynamic_bsz, max_token_len_per_gpu=self.ppo_max_token_len_per_gpu,
             max_sequence_length=self.max_prompt_length + self.max_response_length, epochs=self.ppo_epochs,
-            temperature=self.temperature, share_prompts=self.shared_prompt_forward,
+            temperature=self.temperature, share_prompts=self.shared_prompt_forward, shuffle=self.shuffle_mini_batches,
         )  # fmt: skip
 
     def samplings(self):

@@ -154,7 +154,7 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     ACTOR + "use_dynamic_bsz": Flag("use_dynamic_bsz"),
     ACTOR + "ppo_max_token_len_per_gpu": Flag("ppo_max_token_len_per_gpu"),
     ACTOR + "ppo_epochs": Flag("ppo_epochs"),
-    ACTOR + "shuffle": Fixed(False, "a step's mini-batches are taken in its order (data.shuffle orders the prompts)"),
+    ACTOR + "shuffle": Flag("shuffle_mini_batches"),
     ACTOR + "clip_ratio": Flag("clip_ratio"),
     ACTOR + "clip_ratio_low": Flag("clip_ratio_low"),
     ACTOR + "clip_ratio_high": Flag("clip_ratio_high"),

@@ -297,7 +297,7 @@ def old_ref_logprobs(model, ref, critic, batch, plan, source, with_ref, with_ful
     (--kl-penalty full): the exact KL(policy || ref) at each token, from a pass of both. PPO: the
     critic's values at rollout (old_values). (B, T) each."""
     t, old_logprobs, ref_logprobs, full_kl = time.time(), None, None, None
-    micro = split_rows(batch, 0, len(batch["rows"]), **plan.micro)
+    micro = split_rows(batch, **plan.micro)
     order = torch.cat(micro).argsort()  # micro-batches may be length-sorted: back to row order
     if source == "engine":  # the engine's logprobs are the old policy: no pass
         old_logprobs = batch["rollout_logprobs"]
@@ -315,7 +315,7 @@ def old_ref_logprobs(model, ref, critic, batch, plan, source, with_ref, with_ful
 def old_values(critic, batch, plan):
     """Step 4 for the critic: its values at rollout, in micro-batches, (B, T)."""
     t = time.time()
-    micro = split_rows(batch, 0, len(batch["rows"]), **plan.micro)
+    micro = split_rows(batch, **plan.micro)
     values = torch.cat([forward_values(critic, batch, rows, plan) for rows in micro])[torch.cat(micro).argsort()]
     batch["timing"]["perf/values_s"] = time.time() - t
     return values
@@ -345,12 +345,11 @@ def update_critic(critic, plan, batch, values, returns, loss_mask, *, grad_clip,
     model, optimizer, scheduler = critic
     t, stats, grad_norms, loss_sum = time.time(), [], [], 0.0
     for _ in range(plan.epochs):
-        for m in range(plan.mini_batches_per_step):
-            start, stop = m * plan.local_mini_batch, (m + 1) * plan.local_mini_batch
+        for mini in plan.mini_batches(batch["group_ids"]):  # this rank's rows of each (--shuffle-mini-batches)
             # Normalise by the whole mini-batch (every micro-batch, every rank), as the policy loss.
-            num_tokens = all_reduce_sum(loss_mask[start:stop].sum())
-            num_seqs = all_reduce_sum((loss_mask[start:stop].sum(-1) > 0).sum().float())
-            micro = split_rows(batch, start, stop, **plan.micro)
+            num_tokens = all_reduce_sum(loss_mask[mini].sum())
+            num_seqs = all_reduce_sum((loss_mask[mini].sum(-1) > 0).sum().float())
+            micro = split_rows(batch, mini, **plan.micro)
             for k, rows in enumerate(micro):
                 with grad_sync(model, enabled=k == len(micro) - 1):
                     loss, clipfrac = compute_value_loss(
@@ -389,13 +388,12 @@ def update(
     advantages = advantages * is_weights  # the advantages themselves when the correction is off
     t, stats, grad_norms, loss_sum = time.time(), [], [], 0.0
     for _ in range(plan.epochs):
-        for m in range(plan.mini_batches_per_step):
-            start, stop = m * plan.local_mini_batch, (m + 1) * plan.local_mini_batch
+        for mini in plan.mini_batches(batch["group_ids"]):  # this rank's rows of each (--shuffle-mini-batches)
             # Normalise by the whole mini-batch (every micro-batch, every rank), not per micro-batch.
-            num_tokens = all_reduce_sum(loss_mask[start:stop].sum())
-            num_seqs = all_reduce_sum((loss_mask[start:stop].sum(-1) > 0).sum().float())
+            num_tokens = all_reduce_sum(loss_mask[mini].sum())
+            num_seqs = all_reduce_sum((loss_mask[mini].sum(-1) > 0).sum().float())
             whole = dict(agg, num_tokens=num_tokens, num_seqs=num_seqs)  # agg_loss's mode and the counts
-            micro = split_rows(batch, start, stop, **plan.micro)
+            micro = split_rows(batch, mini, **plan.micro)
             for k, rows in enumerate(micro):
                 with grad_sync(model, enabled=k == len(micro) - 1):
                     new_logprobs, entropy, full_kl = forward_logprobs(model, batch, rows, plan, True, kl_ref)

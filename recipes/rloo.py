@@ -211,7 +211,7 @@ def old_ref_logprobs(model, ref, batch, plan, source, with_ref, with_full_kl):
     LoRA the reference is the policy with its adapter off: common.model.AdapterOff). with_full_kl
     (--kl-penalty full): the exact KL(policy || ref) at each token, from a pass of both. (B, T) each."""
     t, old_logprobs, ref_logprobs, full_kl = time.time(), None, None, None
-    micro = split_rows(batch, 0, len(batch["rows"]), **plan.micro)
+    micro = split_rows(batch, **plan.micro)
     order = torch.cat(micro).argsort()  # micro-batches may be length-sorted: back to row order
     if source == "engine":  # the engine's logprobs are the old policy: no pass
         old_logprobs = batch["rollout_logprobs"]
@@ -242,13 +242,12 @@ def update(
     advantages = advantages * is_weights  # the advantages themselves when the correction is off
     t, stats, grad_norms, loss_sum = time.time(), [], [], 0.0
     for _ in range(plan.epochs):
-        for m in range(plan.mini_batches_per_step):
-            start, stop = m * plan.local_mini_batch, (m + 1) * plan.local_mini_batch
+        for mini in plan.mini_batches(batch["group_ids"]):  # this rank's rows of each (--shuffle-mini-batches)
             # Normalise by the whole mini-batch (every micro-batch, every rank), not per micro-batch.
-            num_tokens = all_reduce_sum(loss_mask[start:stop].sum())
-            num_seqs = all_reduce_sum((loss_mask[start:stop].sum(-1) > 0).sum().float())
+            num_tokens = all_reduce_sum(loss_mask[mini].sum())
+            num_seqs = all_reduce_sum((loss_mask[mini].sum(-1) > 0).sum().float())
             whole = dict(agg, num_tokens=num_tokens, num_seqs=num_seqs)  # agg_loss's mode and the counts
-            micro = split_rows(batch, start, stop, **plan.micro)
+            micro = split_rows(batch, mini, **plan.micro)
             for k, rows in enumerate(micro):
                 with grad_sync(model, enabled=k == len(micro) - 1):
                     new_logprobs, entropy, full_kl = forward_logprobs(model, batch, rows, plan, True, kl_ref)

@@ -86,6 +86,35 @@ def test_the_plan_carries_how_the_trainer_passes_run():
     assert packed.micro == {"max_seqs": 12, "max_tokens": 300} and packed.grad_accum == 0
 
 
+def test_shuffled_mini_batches_hold_whole_groups_in_a_new_seeded_order_each_epoch():
+    """--shuffle-mini-batches (verl's actor.shuffle): each call deals whole groups, each group's rows
+    together and in order, into the mini-batches, every row once; two epochs differ; the order comes
+    from torch's generator (so a resumed run, which restores it, deals the same). Without the flag, or
+    with one mini-batch, the rows come as sampled and no number is drawn."""
+    import torch
+
+    group_ids = torch.arange(8).repeat_interleave(4)  # 8 prompts x 4 responses, one rank
+    plan = plan_batches(world_size=1, train_batch_size=8, micro_batch_size_per_gpu=16, mini_batch_size=2,
+                        rollout_n=4, shuffle=True)  # fmt: skip
+    torch.manual_seed(0)
+    epochs = [plan.mini_batches(group_ids) for _ in range(2)]
+    for minis in epochs:
+        assert [len(m) for m in minis] == [8] * 4 and sorted(torch.cat(minis).tolist()) == list(range(32))
+        for m in minis:
+            for g in group_ids[m].unique():
+                rows = m[group_ids[m] == g]
+                assert rows.tolist() == list(range(int(g) * 4, int(g) * 4 + 4))  # whole, in order, adjacent
+    assert any(not torch.equal(a, b) for a, b in zip(*epochs)), "each epoch a new order"
+    torch.manual_seed(0)
+    assert all(torch.equal(a, b) for a, b in zip(plan.mini_batches(group_ids), epochs[0]))
+    state = torch.get_rng_state()
+    for shuffle, mini in ((False, 2), (True, 8)):
+        same = plan_batches(world_size=1, train_batch_size=8, micro_batch_size_per_gpu=16, mini_batch_size=mini,
+                            rollout_n=4, shuffle=shuffle)  # fmt: skip
+        assert torch.equal(torch.cat(same.mini_batches(group_ids)), torch.arange(32))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_where_old_logprobs_come_from():
     """The engine's own with --bypass-mode; a trainer pass whenever they are set against the
     engine's (remote engines hold their own weights; --rollout-is weighs them); else only when the

@@ -186,3 +186,17 @@ def test_a_slow_update_makes_the_run_trainer_bound(tmp_path, small_files, monkey
     shares = dict(part.rsplit(" ", 1) for part in block.splitlines()[0].split(": ", 1)[1].split("  "))
     assert int(shares["update"].rstrip("%")) >= 50
     assert sum(int(v.rstrip("%")) for v in shares.values()) in range(97, 104)  # every second, once (rounded)
+
+
+def test_the_micro_batch_advice_counts_the_passes_of_one_optimizer_step():
+    """A larger --micro-batch-size-per-gpu merges the passes of one mini-batch, not the mini-batches of a step:
+    four mini-batches of 8 sequences at a cap of 64 make no such advice; a cap of 4 splits each into 2 passes."""
+    from common.config import RLArgs
+
+    info = {"world_size": 1, "device": "cpu"}
+    for cap, passes in ((64, 1), (4, 2)):
+        args = RLArgs(train_batch_size=8, ppo_mini_batch_size=2, rollout_n=4, micro_batch_size_per_gpu=cap)
+        run = args.tracker_kwargs("grpo", info)["perf"]["run"]
+        assert run["micro_batches"] == passes
+        advice = verdict({"update": 8.0, "generate": 2.0}, 10.0, {**RUN, **run})[1]
+        assert ("--micro-batch-size-per-gpu" in advice) is (passes > 1), advice

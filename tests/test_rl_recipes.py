@@ -150,11 +150,11 @@ def test_help_renders_without_loading_the_libraries(help_pages, recipe):
 def test_smoke_checkpoint_and_exact_resume(tmp_path, small_files, small_args, recipe):
     """Four steps with validation and checkpoints; then, as if killed after step 4's log and
     before its save, a resumed run repeats steps 3-4 exactly (the running reward moments of
-    --reward-norm running included: their rewards depend on every step before); a re-run of the
-    finished run says so."""
+    --reward-norm running included: their rewards depend on every step before; and the order
+    --shuffle-mini-batches deals two mini-batches a step in); a re-run of the finished run says so."""
     out = tmp_path / recipe
     flags = ["--total-training-steps", 4, "--save-freq", 2, "--test-freq", 2, "--max-ckpt-to-keep", 0,
-             "--reward-norm", "running"]  # fmt: skip
+             "--reward-norm", "running", "--ppo-mini-batch-size", 4, "--shuffle-mini-batches"]  # fmt: skip
     # In this process: the `python recipes/x.py` code path without a start-up of several seconds
     # (grpo.py's start in a new process: test_a_copied_recipe_starts_its_own_run, test_preemption.py)
     first = run(recipe, out, small_files, *flags, "--log-interval", 2)
@@ -177,7 +177,8 @@ def test_smoke_checkpoint_and_exact_resume(tmp_path, small_files, small_args, re
             output_dir=str(out),
             **small_args,
             train_batch_size=8,
-            ppo_mini_batch_size=8,
+            ppo_mini_batch_size=4,
+            shuffle_mini_batches=True,
             rollout_n=4,
             micro_batch_size_per_gpu=16,
             val_before_train=False,

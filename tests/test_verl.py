@@ -709,11 +709,11 @@ def test_total_training_steps_past_verls_epochs_is_refused(tmp_path, small_train
     )
 
 
-def test_offload_is_the_launchs_and_megatron_and_a_mini_batch_shuffle_are_refused(monkeypatch):
+def test_offload_is_the_launchs_megatron_is_refused_and_a_mini_batch_shuffle_is_read(monkeypatch):
     """The trained model's param_offload / optimizer_offload=True needs the launch's FSDP2 offload
     (configs/fsdp2_offload.yaml sets FSDP_OFFLOAD_PARAMS): without it the key is refused naming the
     config, with it the key is read as on; the reference's offload follows the launch either way.
-    strategy=megatron is refused, naming FSDP2."""
+    strategy=megatron is refused, naming FSDP2; actor.shuffle=True is --shuffle-mini-batches."""
     on = "actor_rollout_ref.actor.fsdp_config.param_offload=True"
     monkeypatch.delenv("FSDP_OFFLOAD_PARAMS", raising=False)
     with pytest.raises(UsageError, match=re.escape(f"{on}: CPU offload here is the launch's: accelerate launch "
@@ -723,8 +723,7 @@ def test_offload_is_the_launchs_and_megatron_and_a_mini_batch_shuffle_are_refuse
     assert flags == [] and "actor_rollout_ref.ref.fsdp_config.param_offload" in said[0]
     monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
     assert grpo(on, "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True")[0] == []
-    with pytest.raises(UsageError, match=r"actor_rollout_ref.actor.shuffle=True: only .*=False is supported here"):
-        grpo("actor_rollout_ref.actor.shuffle=True")  # a step's mini-batches come in one order here
+    assert grpo("actor_rollout_ref.actor.shuffle=True")[0] == ["--shuffle-mini-batches"]
     with pytest.raises(UsageError, match="actor_rollout_ref.actor.strategy=megatron: Megatron is not built here"):
         grpo("actor_rollout_ref.actor.strategy=megatron")
     assert grpo("actor_rollout_ref.actor.strategy=fsdp2")[0] == []
