@@ -278,9 +278,10 @@ class Check:
 
 
 def launch_check(mode: str, model, engine, rollout, tracker, resumed: Item | None = None, *, dtype,
-                 own_weights: bool, version: int, freq: int = 0) -> Check:  # fmt: skip
+                 own_weights: bool, version: int, freq: int = 0, trainer_dtype=None) -> Check:  # fmt: skip
     """Run the items before step 1 (collective), print them with `resumed` (--check full: prove_resume's item)
-    and return the Check that --check-freq repeats. A failed item stops the run unless mode is "warn" (_report)."""
+    and return the Check that --check-freq repeats. A failed item stops the run unless mode is "warn" (_report).
+    dtype bounds the engine-trainer gap; trainer_dtype (default: dtype) the trainer's packed-padded one."""
     check = Check(mode, freq, model, getattr(engine, "engine", engine), rollout, dtype, own_weights)
     if mode == "off":
         return check
@@ -295,7 +296,7 @@ def launch_check(mode: str, model, engine, rollout, tracker, resumed: Item | Non
             items.append(check_weight_sync(model, check.engine, batch, version, dtype))
         else:
             items.append(Item("weight sync", None, "the HF engine samples with the trainer's own weights"))
-        items.append(check_packing(model, batch, dtype))
+        items.append(check_packing(model, batch, trainer_dtype or dtype))
     dry = rollout.pool.dry_run_report
     items.append(Item("rewards", None, "no reward function dry run (a reward model or environments score)")
                  if dry is None else Item("rewards", True if dry[0] else "warn", dry[1], REWARD_ADVICE))  # fmt: skip

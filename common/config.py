@@ -22,12 +22,13 @@ from common.errors import ORIGINS, UsageError
 from common.errors import usage_errors as usage_errors  # re-exported for older forks
 from common.flags import BUNDLED, check_ranges, flag, flag_defaults, flag_name, flag_values
 from common.flags import flag_types as flag_types  # re-exported: tests/test_docs.py reads flags with it
-from common.model import FROZEN_KNOBS, ModelArgs, looks_local
+from common.model import DTYPES, FROZEN_KNOBS, ModelArgs, looks_local
 from common.ops import KLRewardArgs as KLRewardArgs  # re-exported: recipes build on it
 from common.optim import OptimArgs
 from common.parallel import WaitArgs
 from common.rewards import RewardArgs
 from common.rollout import (
+    TOLERANCE,
     AgentArgs,
     ConditioningArgs,
     EnvArgs,
@@ -68,6 +69,8 @@ USED_ONLY_WITH = [
     (("rollout_rs_threshold",), "rollout_rs", lambda a: a.rollout_rs is not None, "add --rollout-rs"),
     (("check_freq",), "check", lambda a: a.check != "off", "drop --check off (the probe comes from the launch check)"),
     (("gpu_memory_utilization",), "rollout_name", lambda a: a.rollout_name == "vllm", "add --rollout-name vllm"),
+    (("rollout_dtype",), "rollout_name", lambda a: a.rollout_name == "vllm" or getattr(a, "rollout_placement", "") ==
+     "remote", "add --rollout-name vllm or --rollout-placement remote (the HF engine runs in --dtype)"),
     (("enforce_eager", "max_num_seqs", "max_num_batched_tokens", "enable_sleep_mode"), "rollout_name",
      lambda a: a.rollout_name == "vllm" or getattr(a, "teacher_engine", "hf") == "vllm",
      "add --rollout-name vllm (or --teacher-engine vllm)"),
@@ -320,7 +323,7 @@ class RLArgs(
                "micro_batches": plan.grad_accum}  # a mini-batch's passes (0: by a token budget)  # fmt: skip
         return {**super().tracker_kwargs(recipe, run_info), "stop_on_nonfinite_reward": self.stop_on_nonfinite_reward,
                 "perf": {**run_info, "epochs": self.ppo_epochs, "run": run},
-                "gap_bound": self.gap_bound(self.trainer_dtype)}  # fmt: skip
+                "gap_bound": self.gap_bound(self.gap_dtype)}  # fmt: skip
 
     def engine_kwargs(self, train: list, total_steps: int, pool) -> dict:
         """EngineArgs.engine_kwargs (validation's prompts per generate call as the batch), the placement's, the
@@ -330,9 +333,8 @@ class RLArgs(
 
     def check_kwargs(self, version: int) -> dict:
         """common.check.launch_check's keyword arguments (an engine with weights of its own has its sync checked)."""
-        return dict(
-            dtype=self.trainer_dtype, own_weights=self.engine_holds_own_weights, version=version, freq=self.probe_freq
-        )
+        return dict(dtype=self.gap_dtype, own_weights=self.engine_holds_own_weights, version=version,
+                    freq=self.probe_freq, trainer_dtype=self.trainer_dtype)  # fmt: skip
 
     def model_kwargs(self) -> dict:
         """common.rollout.load_rl_models's keyword arguments, a frozen reference among them when a KL term needs one."""
@@ -342,6 +344,12 @@ class RLArgs(
     def frozen_kwargs(self) -> dict:
         """common.model.load_frozen's keyword arguments, the policy's (a forward-only model: distill.py's teacher)."""
         return {**{k: self.policy_kwargs()[k] for k in FROZEN_KNOBS}, "strategy": self.strategy}
+
+    @property
+    def gap_dtype(self):
+        """The dtype whose TOLERANCE bounds the engine-trainer gap: the coarser of the trainer's and --rollout-dtype."""
+        engine = self.trainer_dtype if self.rollout_dtype == "auto" else DTYPES[self.rollout_dtype]
+        return max(self.trainer_dtype, engine, key=lambda dtype: TOLERANCE[dtype][1])
 
     @property
     def needs_ref(self) -> bool:

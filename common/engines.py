@@ -226,11 +226,15 @@ class EngineArgs:
     """vllm: most tokens in one engine step"""
     enable_sleep_mode: bool = False
     """vllm (GPU): free the engine's memory between rollouts (verl's free_cache_engine)"""
+    rollout_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """the dtype an engine with weights of its own (vLLM, remote) samples in, each sync cast to it (verl's
+    rollout.dtype: say bfloat16 beside float32 master weights); auto: --dtype, as the HF engine's always is"""
 
     def engine_kwargs(self, batch_size: int) -> dict:
         """The keyword arguments of common.rollout.start_engine that these flags set, with the
         model, dtype, seed and length flags of the Args that build on this class."""
         names = ("rollout_name", "gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "max_num_seqs",
-                 "max_num_batched_tokens", "enable_sleep_mode", "dtype", "seed", "trust_remote_code")  # fmt: skip
+                 "max_num_batched_tokens", "enable_sleep_mode", "seed", "trust_remote_code")  # fmt: skip
         return {**{k: getattr(self, k) for k in names}, "model_path": self.model, "batch_size": batch_size,
+                "dtype": self.dtype if self.rollout_dtype == "auto" else self.rollout_dtype,
                 "max_model_len": self.max_prompt_length + self.max_response_length}  # fmt: skip

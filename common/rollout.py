@@ -358,6 +358,9 @@ class PlacementArgs:
         return {"remote": {**remote, "schedule": schedule, "total_steps": total_steps}}
 
 
+BAND_RULE = "a cap >= 1, or lo_hi with 0 < lo <= 1 <= hi (else even an on-policy token's weight of 1 is cut)"
+
+
 @dataclass
 class RolloutArgs:
     max_prompt_length: int = flag(64, ge=1)
@@ -381,8 +384,8 @@ class RolloutArgs:
     ppo_epochs: int = flag(1, ge=1)
     """passes over each step's samples"""
     shuffle_mini_batches: bool = False
-    """each epoch, deal the step's groups into its mini-batches in a new seeded order (verl's actor.shuffle; off:
-    the order sampled); it changes something only with several mini-batches (--ppo-mini-batch-size)"""
+    """each epoch, deal whole groups into the mini-batches (--ppo-mini-batch-size) in a new seeded order (verl's
+    actor.shuffle); off: in the order sampled"""
     temperature: float = flag(1.0, ge=0, note="0 is greedy decoding")
     """sampling temperature (the trainer scales logits by it too)"""
     top_p: float = flag(1.0, gt=0, le=1)
@@ -393,13 +396,7 @@ class RolloutArgs:
     """trainer passes run each group's shared prompt once (same numbers; off: one pass per sequence)"""
     rollout_is: Literal["token", "sequence"] | None = None
     """rollout correction: weight each token by the truncated pi_old / pi_rollout, per token or per response"""
-    rollout_is_threshold: float | str = flag(
-        2.0,
-        rule=(
-            band_ok,
-            "a cap >= 1, or lo_hi with 0 < lo <= 1 <= hi (else even an on-policy token's weight of 1 is cut)",
-        ),
-    )
+    rollout_is_threshold: float | str = flag(2.0, rule=(band_ok, BAND_RULE))
     """rollout correction: the cap on those importance weights, or lo_hi (e.g. 0.5_5.0): weights outside are zeroed"""
     rollout_is_batch_normalize: bool = False
     """rollout correction: rescale the importance weights to mean 1 over the step"""

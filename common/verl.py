@@ -301,7 +301,7 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": NoOp(MICRO),
     ROLLOUT + "log_prob_use_dynamic_bsz": NoOp(MICRO),
     ROLLOUT + "log_prob_max_token_len_per_gpu": NoOp(MICRO),
-    ROLLOUT + "dtype": NoOp("the engine runs in the policy's dtype (--dtype, --mixed-precision)"),
+    ROLLOUT + "dtype": Flag("rollout_dtype"),
     ROLLOUT + "ignore_eos": Fixed(False, EOS),
     ROLLOUT + "do_sample": Fixed(True, "training always samples; greedy validation is val_kwargs.do_sample=False"),
     ROLLOUT + "engine_kwargs.vllm.swap_space": Fixed(None, ENGINE_KWARGS),
@@ -463,6 +463,12 @@ def _given(argv: list[str], field: str) -> list[str]:
     return found
 
 
+def _own_weights(ours: list[str], overrides: dict) -> bool:
+    """Whether the run's engine holds weights of its own (vLLM, or remote engines), by our flags or verl's key."""
+    name = _given(ours, "rollout_name")[1:] or [overrides.get(ROLLOUT + "name", (None, "hf"))[1]]
+    return name == ["vllm"] or _given(ours, "rollout_placement")[1:] == ["remote"]
+
+
 def _agree(a: list[str], b: list[str]) -> bool:
     """Whether two settings of one flag, as tokens, say the same: a switch's form, then each value (1e-6 is 0.000001,
     True is true)."""
@@ -566,6 +572,9 @@ def translate(
             noops.append(key)
             continue
         field = entry.flag
+        if field == "rollout_dtype" and not _own_weights(ours, overrides):  # verl's HF rollout runs in the policy's
+            noops.append(f"{key} (the HF engine runs in the policy's dtype, --dtype)")
+            continue
         if field not in fields and value in (False, None, "0", "0.0", 0):
             noops.append(key)  # switched off, and this recipe has nothing of it to switch
             continue
@@ -686,7 +695,7 @@ def _special(key: str, value, overrides: dict):
         return max(0, int(value) - 1)
     if key == "trainer.max_actor_ckpt_to_keep" and value is None:
         return 0  # verl's null keeps every checkpoint: --max-ckpt-to-keep 0
-    if key.endswith("fsdp_config.model_dtype"):
+    if key.endswith("fsdp_config.model_dtype") or key == ROLLOUT + "dtype":
         return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(value, value)
     if key == "trainer.resume_from_path" and overrides.get("trainer.resume_mode", (None, "auto"))[1] != "resume_path":
         return _SKIP  # verl reads the path only with resume_mode=resume_path

@@ -116,7 +116,9 @@ def test_check_off_and_warn_are_flags_of_every_rl_recipe():
 
     for name in RL_RECIPES:
         args = make_args(load_recipe(name).Args, check="warn")
-        want = dict(dtype=torch.float32, own_weights=False, version=3, freq=0)  # the HF engine: nothing to re-probe
+        want = dict(
+            dtype=torch.float32, own_weights=False, version=3, freq=0, trainer_dtype=torch.float32
+        )  # the HF engine: nothing to re-probe
         assert args.check == "warn" and args.check_kwargs(3) == want
     # an engine with its own weights: the logged gap is bounded every step, unless it proves nothing
     grpo = load_recipe("grpo").Args

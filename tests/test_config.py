@@ -1,5 +1,6 @@
 import math
 import typing
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT, load_recipe, make_args
@@ -113,6 +114,28 @@ def test_shuffled_mini_batches_hold_whole_groups_in_a_new_seeded_order_each_epoc
                             rollout_n=4, shuffle=shuffle)  # fmt: skip
         assert torch.equal(torch.cat(same.mini_batches(group_ids)), torch.arange(32))
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_the_rollout_dtype_is_the_engines_and_the_gap_takes_the_coarser_bound():
+    """--rollout-dtype (verl's rollout.dtype) sets the dtype of an engine with weights of its own, and the
+    engine-trainer gap (the launch check, the logged per-step gap) is held to the coarser of it and the
+    trainer's; the HF engine runs in --dtype, so there the flag is refused naming what to add."""
+    import torch
+
+    from common.config import RLArgs
+
+    pool = SimpleNamespace(tools=None, interactions=None)
+    remote = RLArgs(rollout_placement="remote", rollout_dtype="bfloat16")
+    assert remote.engine_kwargs([], 1, pool)["dtype"] == "bfloat16" and remote.gap_dtype == torch.bfloat16
+    assert remote.check_kwargs(0)["dtype"] == torch.bfloat16
+    assert RLArgs(rollout_placement="remote").engine_kwargs([], 1, pool)["dtype"] == "float32"
+    assert RLArgs().gap_dtype == torch.float32 and RLArgs(mixed_precision="bf16").gap_dtype == torch.bfloat16
+    assert (
+        RLArgs(rollout_placement="remote", rollout_dtype="float32", mixed_precision="bf16").gap_dtype == torch.bfloat16
+    )
+    with pytest.raises(UsageError, match=r"--rollout-dtype 'float16' would change nothing in this run: add "
+                                         r"--rollout-name vllm or --rollout-placement remote"):  # fmt: skip
+        RLArgs(rollout_dtype="float16")
 
 
 def test_where_old_logprobs_come_from():

@@ -713,7 +713,8 @@ def test_offload_is_the_launchs_megatron_is_refused_and_a_mini_batch_shuffle_is_
     """The trained model's param_offload / optimizer_offload=True needs the launch's FSDP2 offload
     (configs/fsdp2_offload.yaml sets FSDP_OFFLOAD_PARAMS): without it the key is refused naming the
     config, with it the key is read as on; the reference's offload follows the launch either way.
-    strategy=megatron is refused, naming FSDP2; actor.shuffle=True is --shuffle-mini-batches."""
+    strategy=megatron is refused, naming FSDP2; actor.shuffle=True is --shuffle-mini-batches; rollout.dtype is
+    --rollout-dtype for an engine with weights of its own."""
     on = "actor_rollout_ref.actor.fsdp_config.param_offload=True"
     monkeypatch.delenv("FSDP_OFFLOAD_PARAMS", raising=False)
     with pytest.raises(UsageError, match=re.escape(f"{on}: CPU offload here is the launch's: accelerate launch "
@@ -724,6 +725,11 @@ def test_offload_is_the_launchs_megatron_is_refused_and_a_mini_batch_shuffle_is_
     monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
     assert grpo(on, "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True")[0] == []
     assert grpo("actor_rollout_ref.actor.shuffle=True")[0] == ["--shuffle-mini-batches"]
+    # rollout.dtype: the dtype of an engine with weights of its own; the HF engine's is the policy's
+    flags, _ = grpo("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=bf16")
+    assert flags == ["--rollout-name", "vllm", "--rollout-dtype", "bfloat16"]
+    flags, said = grpo("actor_rollout_ref.rollout.dtype=bfloat16")
+    assert flags == [] and "actor_rollout_ref.rollout.dtype (the HF engine runs in the policy's dtype" in said[0]
     with pytest.raises(UsageError, match="actor_rollout_ref.actor.strategy=megatron: Megatron is not built here"):
         grpo("actor_rollout_ref.actor.strategy=megatron")
     assert grpo("actor_rollout_ref.actor.strategy=fsdp2")[0] == []

@@ -325,6 +325,25 @@ def test_grpo_with_the_vllm_engine_resumes_exactly(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-6), (key, a["step"])
 
 
+def test_a_bfloat16_engine_beside_float32_master_weights(tmp_path):
+    """--rollout-dtype bfloat16 (verl's rollout.dtype): vLLM samples in bfloat16 from the float32 trainer's
+    weights, each sync cast to it; the launch check holds its gap to bfloat16's bounds and passes, the
+    weight sync included, and the step trains."""
+    from conftest import read_metrics, run_recipe
+
+    proc = run_recipe("grpo", "--rollout-name", "vllm", "--rollout-dtype", "bfloat16", "--total-training-steps", "1",
+                      "--train-batch-size", "4", "--rollout-n", "4", "--no-val-before-train", "--test-freq", "0",
+                      "--save-freq", "0", "--output-dir", tmp_path)  # fmt: skip
+    for item in ("engine logprobs", "weight sync"):
+        assert f"check {item:<16} pass" in proc.stdout, proc.stdout
+    assert "check engine logprobs  pass  max gap" in proc.stdout and "(bfloat16 bounds 0.5, 0.05)" in proc.stdout
+    assert "packed vs padded: max gap 0, mean 0 (float32 bounds" in proc.stdout, "the trainer's own passes: float32"
+    gap = float(proc.stdout.split("check engine logprobs  pass  max gap ")[1].split(",")[0])
+    assert gap > 1e-3, "a bfloat16 engine's gap, past the float32 bound: the engine did run in bfloat16"
+    (record,) = read_metrics(tmp_path)
+    assert record["train/grad_norm"] > 0
+
+
 def test_the_rollout_correction_band_and_rejection_under_vllm(tmp_path, monkeypatch):
     """With the real engine's logprobs and every other response's planted 0.1 nats low: the
     lo_hi band zeroes exactly those responses' weights (the others' gap to vLLM stays inside
