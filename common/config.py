@@ -210,7 +210,7 @@ class TrainerArgs(WaitArgs):
     test_freq: int | None = None
     """validate every N steps and after the last (unset: only after the last; 0 or below: never, as in verl)"""
     val_before_train: bool = False
-    """validate once before the first step"""
+    """validate once before the first step (not again on resume; verl validates at each start)"""
     resume: str = "auto"
     """auto (latest checkpoint in output_dir), disable, or a path to a checkpoint folder"""
     max_ckpt_to_keep: int = flag(2, ge=0, note="0 keeps all")
@@ -282,7 +282,7 @@ class RLArgs(
     test_freq: int | None = 20
     """validate every N steps and after the last (unset: only after the last; 0 or below: never, as in verl)"""
     val_before_train: bool = True
-    """validate once before the first step"""
+    """validate once before the first step (not again on resume; verl validates at each start)"""
     conditioning: Annotated[ConditioningArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=ConditioningArgs)
     """ROLL's reward and advantage conditioning and loss terms (common.conditioning), all off by default"""
 

@@ -69,19 +69,19 @@ class OptimArgs:
     lr: float = flag(1e-5, gt=0)
     """peak learning rate (AdamW)"""
     weight_decay: float = flag(0.01, ge=0)
-    """AdamW weight decay"""
+    """AdamW weight decay, on the weight matrices (biases and norms get none; verl decays every parameter)"""
     betas: tuple[float, float] = flag(
         (0.9, 0.999), rule=(lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)")
     )
     """AdamW betas"""
     lr_warmup_steps_ratio: float = flag(0.0, ge=0, le=1)
-    """fraction of the total steps spent warming the lr up linearly from 0"""
+    """fraction of the total steps warming the lr up linearly: step k of w at (k + 1) / w of the peak (verl: k / w)"""
     lr_scheduler: Literal["constant", "cosine", "wsd"] = "constant"
     """lr after warmup: constant, cosine decay, or warmup-stable-decay"""
     min_lr_ratio: float = flag(0.0, ge=0, le=1)
     """cosine / wsd: the final lr as a fraction of the peak"""
     grad_clip: float = flag(1.0, ge=0, note="0 disables clipping")
-    """clip the global grad norm to this (0 disables)"""
+    """clip the global grad norm to this (0 disables; verl's 0 would zero every gradient)"""
 
     def trainable(self, model, total_steps: int) -> Trainable:
         """The model with its AdamW (build_optimizer) and lr schedule over total_steps."""

@@ -415,7 +415,8 @@ class RewardArgs:
     reward_fn: str | None = None
     """path/to/file.py[:name] with verl's compute_score signature (default: built-ins by data_source)"""
     reward_timeout: float = flag(10.0, gt=0, unit="seconds")
-    """seconds one sample (with --reward-manager batch: one step's call) may take to score before it gets 0"""
+    """seconds one sample (with --reward-manager batch: one step's call) may take to score before it gets 0 (verl
+    waits without a limit)"""
     reward_manager: Literal["naive", "prime", "batch"] = "naive"
     """verl's reward_model.reward_manager: naive and prime score each sample in the worker pool (in
     parallel, each under --reward-timeout: verl's prime); batch calls --reward-fn once a step with

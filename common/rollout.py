@@ -380,7 +380,7 @@ class RolloutArgs:
     use_dynamic_bsz: bool = False
     """pack micro-batches by a token budget (--ppo-max-token-len-per-gpu) instead of a sequence count"""
     ppo_max_token_len_per_gpu: int = flag(16384, ge=1)
-    """with --use-dynamic-bsz: most padded tokens (prompt + response) per micro-batch on one process"""
+    """with --use-dynamic-bsz: most padded tokens (rows x longest) per micro-batch on one process (verl: real ones)"""
     ppo_epochs: int = flag(1, ge=1)
     """passes over each step's samples"""
     shuffle_mini_batches: bool = False

@@ -54,6 +54,18 @@ class Refused:
     why: str
 
 
+# Flags whose meaning differs from their verl keys' in a detail (docs/configuration.md says each): said when a key
+# that sets one is given.
+DIFFERS = {
+    "weight_decay": "biases and norm weights are not decayed here",
+    "lr_warmup_steps_ratio": "the first warm-up step runs at peak / warm-up steps here, at 0 in verl",
+    "grad_clip": "0 turns clipping off here; a non-finite norm stops the run, where verl skips that step",
+    "ppo_max_token_len_per_gpu": "the budget bounds a micro-batch's padded size here, its real tokens in verl",
+    "max_num_gen_batches": "at the limit the step trains on the groups found here; verl stops the run",
+    "critic_lr": "the critic takes the policy's schedule and warm-up here; verl's critic has its own",
+    "val_before_train": "not again on a resumed run here; verl validates at each start",
+    "reward_fn": "each call within --reward-timeout here, else scored 0 and counted; verl waits",
+}
 LAUNCHER = "processes and GPUs come from the launcher here (accelerate / torchrun / launch/)"
 MICRO = "a memory-only micro-batch; --micro-batch-size-per-gpu sets every forward's here"
 OFFLOAD = "offload here is the launch's and covers every model (configs/fsdp2_offload.yaml, FSDP_OFFLOAD_PARAMS=true)"
@@ -528,7 +540,7 @@ def translate(
         a.split("=", 1)[0].removeprefix("--").removeprefix("no-").replace("-", "_") for a in ours if a.startswith("--")
     }
     unread = _unread_by_verl(overrides, adv_estimator)
-    flags, noops, problems, origin, overridden = {}, [], [], {}, []
+    flags, noops, problems, origin, overridden, differs = {}, [], [], {}, [], []
     for key, (arg, value) in overrides.items():
         entry = lookup(key)
         if key in unread:
@@ -594,6 +606,8 @@ def translate(
             continue
         if tokens is None:
             continue
+        if field in DIFFERS:
+            differs.append(f"{key} ({DIFFERS[field]})")
         # Two settings of one flag: equal ones are one setting; the command line (our flag or a verl key) wins over a
         # config file, as in Hydra; any other two that differ are refused, naming both.
         other = _given(ours, field) if field in given else flags.get(field)
@@ -638,6 +652,8 @@ def translate(
         said.append("verl keys read, with nothing to change here: " + ", ".join(noops))
     if overridden:
         said.append("verl config keys the command line overrides: " + "; ".join(overridden))
+    if differs:
+        said.append("verl keys whose meaning here differs in a detail (docs/configuration.md): " + "; ".join(differs))
     return [token for tokens in flags.values() for token in tokens] + ours, said
 
 

@@ -100,7 +100,8 @@ class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and rewa
     entropy_coeff: float = flag(0.0, ge=0, note="a negative bonus would reward collapsing the entropy")
     """entropy bonus weight"""
     max_num_gen_batches: int = flag(10, ge=0, note="0: no limit")  # DAPO: as verl's DAPO scripts
-    """dynamic sampling: most generation batches per step (0: no limit); then the step trains on the groups found"""
+    """dynamic sampling: most generation batches per step (0: no limit); then the step trains on the groups found
+    (verl stops the run there)"""
     overlong_buffer_len: int = flag(4, ge=0, note="0: off")  # DAPO: 4096 of 20480 tokens in the paper
     """overlong penalty: the last N tokens before max_response_length, where it ramps up (0: off)"""
     overlong_penalty_factor: float = flag(1.0, ge=0)  # DAPO

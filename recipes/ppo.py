@@ -122,7 +122,8 @@ class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL contr
     critic_model: str | None = None
     """critic: a local Hugging Face folder or a hub name (default: the policy's; its value head starts fresh)"""
     critic_lr: float = flag(1e-3, gt=0)
-    """peak learning rate of the critic (AdamW; the schedule and other optimizer flags are the policy's)"""
+    """peak learning rate of the critic (AdamW; the schedule and other optimizer flags are the policy's, where verl's
+    critic has its own)"""
     cliprange_value: float = flag(0.5, gt=0)
     """value clip: a new value may move at most this far from the rollout's value (verl: 0.5)"""
     critic_warmup: int = flag(0, ge=0, note="steps that train the critic alone")
