@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.data import load_prompts  # noqa: E402
-from common.engines import HFEngine, Sampling  # noqa: E402
+from common.engines import HFEngine, Sampling, VLLMArgs  # noqa: E402
 from common.model import load_policy, load_tokenizer  # noqa: E402
 from common.parallel import Dist  # noqa: E402
 from common.vllm_engine import VLLMEngine  # noqa: E402
@@ -58,9 +58,7 @@ def main() -> None:
     hf_s, hf_out = timed(lambda: hf.generate(prompts, sampling), args.repeats)
     vllm = VLLMEngine(
         model, model_path=str(SFT), eos_ids=[tokenizer.eos_token_id], dtype="float32", max_model_len=80, seed=1,
-        dist=Dist(rank=0, world_size=1, local_rank=0, device=device), gpu_memory_utilization=0.3,
-        tensor_parallel_size=1, enforce_eager=True, max_num_seqs=1024, max_num_batched_tokens=8192,
-        enable_sleep_mode=False,
+        dist=Dist(rank=0, world_size=1, local_rank=0, device=device), vllm=VLLMArgs(gpu_memory_utilization=0.3),
     )  # fmt: skip
     vllm_s, vllm_out = timed(lambda: vllm.generate(prompts, sampling), args.repeats)
     sync_s, _ = timed(lambda: vllm.update_weights(vllm.weight_version + 1), args.repeats)

@@ -238,8 +238,7 @@ class TrainerArgs(WaitArgs):
         )  # fmt: skip
 
     def total_steps(self, steps_per_epoch: int) -> int:
-        """--total-training-steps, else --total-epochs passes; verl stops at whichever comes first, so a verl key's
-        steps past its epochs' end are refused rather than trained."""
+        """--total-training-steps, else --total-epochs passes (verl stops at whichever ends first: see the refusal)."""
         epochs, steps = self.total_epochs * steps_per_epoch, self.total_training_steps
         if steps and steps > epochs and ORIGINS.get("total_training_steps"):
             raise UsageError(

@@ -9,11 +9,12 @@ The lifecycle hooks (`sleep`, `wake_up`, `reset_cache`, `update_weights(version)
 with their own copy of the policy (vLLM, remote); the HF engine, the live policy, only records versions.
 """
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
+import tyro
 
 from common import watchdog
 from common.data import pack_sequences, pad
@@ -211,9 +212,7 @@ def hf_generate_greedy(
 
 
 @dataclass
-class EngineArgs:
-    rollout_name: Literal["hf", "vllm"] = "hf"
-    """rollout engine: hf (transformers generate on the live policy) or vllm (its own copy, synced each step)"""
+class VLLMArgs:  # vLLM's engine knobs: common.vllm_engine.VLLMEngine takes them whole (a vLLM teacher too)
     gpu_memory_utilization: float = flag(0.5, gt=0, le=1)
     """vllm: fraction of GPU memory its engine may take (weights and KV cache)"""
     tensor_parallel_size: int = flag(1, ge=1)
@@ -226,6 +225,14 @@ class EngineArgs:
     """vllm: most tokens in one engine step"""
     enable_sleep_mode: bool = False
     """vllm (GPU): free the engine's memory between rollouts (verl's free_cache_engine)"""
+
+
+@dataclass
+class EngineArgs:
+    rollout_name: Literal["hf", "vllm"] = "hf"
+    """rollout engine: hf (transformers generate on the live policy) or vllm (its own copy, synced each step)"""
+    vllm: Annotated[VLLMArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=VLLMArgs)
+    """vLLM's engine knobs (common.vllm_engine)"""
     rollout_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """the dtype an engine with weights of its own (vLLM, remote) samples in, each sync cast to it (verl's
     rollout.dtype: say bfloat16 beside float32 master weights); auto: --dtype, as the HF engine's always is"""
@@ -233,8 +240,7 @@ class EngineArgs:
     def engine_kwargs(self, batch_size: int) -> dict:
         """The keyword arguments of common.rollout.start_engine that these flags set, with the
         model, dtype, seed and length flags of the Args that build on this class."""
-        names = ("rollout_name", "gpu_memory_utilization", "tensor_parallel_size", "enforce_eager", "max_num_seqs",
-                 "max_num_batched_tokens", "enable_sleep_mode", "seed", "trust_remote_code")  # fmt: skip
-        return {**{k: getattr(self, k) for k in names}, "model_path": self.model, "batch_size": batch_size,
+        return {"rollout_name": self.rollout_name, "vllm": self.vllm, "seed": self.seed, "model_path": self.model,
+                "trust_remote_code": self.trust_remote_code, "batch_size": batch_size,
                 "dtype": self.dtype if self.rollout_dtype == "auto" else self.rollout_dtype,
                 "max_model_len": self.max_prompt_length + self.max_response_length}  # fmt: skip

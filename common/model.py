@@ -93,9 +93,8 @@ def load_policy(
 def load_trained_model(
     path: str, dist, *, strategy: str, dtype: str = "float32", mixed_precision: str = "no", **policy
 ):
-    """The policy (load_policy, with `policy` its knobs) wrapped for DDP / FSDP2 (strategy auto|ddp|fsdp2). Returns
-    (model, run_info: common.parallel.sharding_report of the layout in effect, plus the FLOP terms and matmul dtype
-    MFU needs)."""
+    """The policy (load_policy with its knobs) wrapped for DDP / FSDP2 (strategy auto|ddp|fsdp2). Returns (model,
+    run_info: common.parallel.sharding_report of the layout, plus the FLOP terms and matmul dtype MFU needs)."""
     strategy = resolve_strategy(strategy)
     model = load_policy(path, dtype=dtype, **policy)
     model = wrap_model(model, strategy, dist, mixed_precision)
@@ -107,9 +106,8 @@ FROZEN_KNOBS = ("dtype", "trust_remote_code", "mixed_precision", "remove_padding
 
 
 def load_frozen(path: str, dist, *, strategy: str, mixed_precision: str = "no", **policy):
-    """A causal LM that only runs forward passes (a reference, a teacher; `policy`: load_policy's dtype,
-    trust_remote_code, remove_padding): no gradient, eval mode, sharded like the policy under FSDP2 (its forwards
-    then collective), else on this rank's device."""
+    """A forward-only causal LM (a reference, a teacher; load_policy's FROZEN_KNOBS): no gradient, eval mode, sharded
+    like the policy under FSDP2 (its forwards then collective), else on this rank's device."""
     model = load_policy(path, **policy)
     model = model.eval().requires_grad_(False)
     return wrap_model(model, "fsdp2" if resolve_strategy(strategy) == "fsdp2" else "none", dist, mixed_precision)

@@ -289,12 +289,9 @@ def agg_loss(
 
 
 def rollout_correction(old_logprobs, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, **options):
-    """(weights, loss mask, metrics): common.correction.correct with its options (mode, threshold, batch_normalize,
-    rs, rs_threshold: RLArgs.rollout_is_kwargs): rollout_is_weights at `mode`, with batch_normalize rescaled to mean
-    1 over every rank's response tokens (sequence weights: the responses' means; verl's rollout_is_batch_normalize);
-    response_mask zeroed where rollout_rejection_mask rejects (rs: its options), so out of the loss and its
-    denominator; verl's rollout_corr/* metrics plus rollout_rs_masked_fraction (tokens rejected) and
-    rollout_rs_seq_masked_fraction (responses with any). Collective when mode or rs is set."""
+    """(weights, loss mask, metrics): common.correction.correct with RLArgs.rollout_is_kwargs (mode, threshold,
+    batch_normalize, rs, rs_threshold): the importance weights (1 with mode None), the response mask less what the
+    rejection (rs) drops, verl's rollout_corr/* metrics. Off by default; collective when mode or rs is set."""
     if options.get("mode") is None and options.get("rs") is None:  # off (the default): no feature module loads
         return response_mask.to(torch.float32), response_mask, {}
     from common.correction import correct

@@ -3,6 +3,7 @@ actors), its checks before any model loads (the student's vocabulary; what an en
 start_teacher. Only distill.py loads it.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -35,12 +36,8 @@ class TeacherArgs:
         (RLArgs.frozen_kwargs), and the engines' (the vLLM knobs of EngineArgs with the teacher's memory
         share, one more token of room for vLLM's one generated token; remote: micro_batch_size_per_gpu
         sequences per forward, and a local Ray counts the rollout engines' CPUs too)."""
-        vllm = dict(
-            gpu_memory_utilization=self.teacher_gpu_memory_utilization, tensor_parallel_size=self.tensor_parallel_size,
-            enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, enable_sleep_mode=self.enable_sleep_mode,
-            max_model_len=self.max_prompt_length + self.max_response_length + 1, seed=self.seed,
-        )  # fmt: skip
+        vllm = dict(vllm=dataclasses.replace(self.vllm, gpu_memory_utilization=self.teacher_gpu_memory_utilization),
+                    max_model_len=self.max_prompt_length + self.max_response_length + 1, seed=self.seed)  # fmt: skip
         common = dict(dtype=self.dtype, trust_remote_code=self.trust_remote_code)
         rollout_cpus = self.num_rollout_engines * self.engine_num_cpus if self.rollout_placement == "remote" else 0
         remote = dict(

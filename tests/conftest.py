@@ -58,6 +58,16 @@ def _disarm_the_watchdog():
     watchdog.disarm()
 
 
+@pytest.fixture(autouse=True)
+def _forget_verl_origins():
+    """A verl command run in-process leaves common.errors.ORIGINS (which flags its keys set) for the life of the
+    process, as one run's; TrainerArgs.total_steps reads it, so the next test starts as a run of its own."""
+    yield
+    from common.errors import ORIGINS
+
+    ORIGINS.clear()
+
+
 def load_recipe(name: str):
     """Import recipes/<name>.py as a module (recipes are scripts, not a package)."""
     spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")

