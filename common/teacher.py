@@ -33,7 +33,7 @@ class TeacherArgs:
 
     def teacher_kwargs(self) -> dict:
         """The keyword arguments of start_teacher: the placement's, the frozen model's
-        (RLArgs.frozen_kwargs), and the engines' (the vLLM knobs of EngineArgs with the teacher's memory
+        (RLArgs.frozen_kwargs), and the engines' (the vLLM group, args.vllm, with the teacher's memory
         share, one more token of room for vLLM's one generated token; remote: micro_batch_size_per_gpu
         sequences per forward, and a local Ray counts the rollout engines' CPUs too)."""
         vllm = dict(vllm=dataclasses.replace(self.vllm, gpu_memory_utilization=self.teacher_gpu_memory_utilization),
