@@ -69,8 +69,9 @@ USED_ONLY_WITH = [
     (("rollout_rs_threshold",), "rollout_rs", lambda a: a.rollout_rs is not None, "add --rollout-rs"),
     (("check_freq",), "check", lambda a: a.check != "off", "drop --check off (the probe comes from the launch check)"),
     (("gpu_memory_utilization",), "rollout_name", lambda a: a.rollout_name == "vllm", "add --rollout-name vllm"),
-    (("rollout_dtype",), "rollout_name", lambda a: a.rollout_name == "vllm" or getattr(a, "rollout_placement", "") ==
-     "remote", "add --rollout-name vllm or --rollout-placement remote (the HF engine runs in --dtype)"),
+    (("rollout_dtype",), "rollout_name",
+     lambda a: a.rollout_name == "vllm" or getattr(a, "rollout_placement", "") == "remote",
+     "add --rollout-name vllm or --rollout-placement remote (the HF engine runs in --dtype)"),
     (("enforce_eager", "max_num_seqs", "max_num_batched_tokens", "enable_sleep_mode"), "rollout_name",
      lambda a: a.rollout_name == "vllm" or getattr(a, "teacher_engine", "hf") == "vllm",
      "add --rollout-name vllm (or --teacher-engine vllm)"),
