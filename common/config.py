@@ -45,13 +45,14 @@ VERL_KEY = re.compile(r"^\+{0,2}[A-Za-z_][\w-]*(?:\.[\w-]+)+=")
 VERL_FLAGS = ("--verl-config", "--config-path", "-cp", "--config-name", "-cn", "--print-verl-translation")
 
 
-def cli_args(args_class, adv_estimator: str | None = None, trainer: str | None = None) -> list[str]:
-    """sys.argv[1:] for tyro; a verl key=value or verl config flag has common.verl (a feature) translate it."""
+def cli_args(args_class, adv_estimator: str | None = None, trainer: str | None = None, loss_mode="vanilla"):
+    """sys.argv[1:] for tyro; a verl key=value or verl config flag has common.verl (a feature) translate it
+    (adv_estimator and loss_mode: the verl estimator and policy loss the recipe runs)."""
     argv = sys.argv[1:]
     if any(VERL_KEY.match(a) or a.split("=", 1)[0] in VERL_FLAGS for a in argv):
         from common.verl import verl_args
 
-        return verl_args(args_class, adv_estimator, trainer=trainer)
+        return verl_args(args_class, adv_estimator, trainer=trainer, loss_mode=loss_mode)
     ORIGINS.clear()  # no flag came from a verl key (an earlier run in this process may have set some)
     return argv
 

@@ -171,6 +171,15 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     ACTOR + "clip_ratio_low": Flag("clip_ratio_low"),
     ACTOR + "clip_ratio_high": Flag("clip_ratio_high"),
     ACTOR + "clip_ratio_c": Flag("clip_ratio_c"),
+    ACTOR + "policy_loss.loss_mode": NoOp("the recipe file is the loss"),  # checked against the recipe
+    ACTOR + "tau_pos": Flag("tau_pos"),
+    ACTOR + "tau_neg": Flag("tau_neg"),
+    ACTOR + "policy_loss.clip_cov_ratio": Flag("clip_cov_ratio"),
+    ACTOR + "policy_loss.clip_cov_lb": Flag("clip_cov_lb"),
+    ACTOR + "policy_loss.clip_cov_ub": Flag("clip_cov_ub"),
+    ACTOR + "policy_loss.kl_cov_ratio": Flag("kl_cov_ratio"),
+    ACTOR + "policy_loss.ppo_kl_coef": Flag("ppo_kl_coef"),
+    ACTOR + "policy_loss.dro_beta": Flag("dro_beta"),
     ACTOR + "loss_agg_mode": Flag("loss_agg_mode"),
     ACTOR + "entropy_coeff": Flag("entropy_coeff"),
     ACTOR + "entropy_from_logits_with_chunking": NoOp("the entropy is always computed in chunks of rows here"),
@@ -517,6 +526,7 @@ def translate(
     source: str = "",
     trainer: str | None = None,
     origins: dict[str, str] | None = None,
+    loss_mode: str = "vanilla",
 ) -> tuple[list[str], list[str]]:
     """(argv with every verl key replaced by our flags, the lines to say). `config` holds the
     dotted keys of a --verl-config file (read from `source`); the command line's keys win over
@@ -524,7 +534,7 @@ def translate(
     fill the keys left out; `origins`, when given, gets each flag set from a verl key: the key as
     the user gave it (or the default), for usage errors to name (common.errors). Raises one UsageError naming every key that is unknown, refused, fixed
     to another value, or sets a flag `recipe` does not have, and an algorithm.adv_estimator that is
-    not this recipe's."""
+    not this recipe's (an actor.policy_loss.loss_mode likewise: `loss_mode` is the recipe's)."""
     fields, defaults = flag_types(args_class), flag_defaults(args_class)  # a group's flags (--lr) too
     ours, overrides = [], {key: (f"{source}: {key}={value}", value) for key, value in (config or {}).items()}
     filed = {arg for arg, _ in overrides.values()}  # a config file's settings: the command line's win over them
@@ -539,7 +549,7 @@ def translate(
     given = {
         a.split("=", 1)[0].removeprefix("--").removeprefix("no-").replace("-", "_") for a in ours if a.startswith("--")
     }
-    unread = _unread_by_verl(overrides, adv_estimator)
+    unread = _unread_by_verl(overrides, adv_estimator, loss_mode)
     flags, noops, problems, origin, overridden, differs = {}, [], [], {}, [], []
     for key, (arg, value) in overrides.items():
         entry = lookup(key)
@@ -580,6 +590,14 @@ def translate(
                     continue
                 if value == "reinforce_plus_plus_baseline":
                     flags["group_baseline"] = ["--group-baseline"]
+                    continue
+            if key == ACTOR + "policy_loss.loss_mode":
+                problem = _check_loss_mode(arg, value, loss_mode, recipe)
+                if problem:
+                    problems.append(problem)
+                    continue
+                if value != loss_mode:  # the recipe's other loss (cov.py's kl_cov, dppo.py's dppo_kl)
+                    flags["loss_mode"] = ["--loss-mode", value]
                     continue
             noops.append(key)
             continue
@@ -638,7 +656,7 @@ def translate(
         field = VERL_KEYS[key].flag
         if key in overrides or field not in fields or field in given or field in flags:
             continue
-        if key in _unread_by_verl({**overrides, key: (key, value)}, adv_estimator):
+        if key in _unread_by_verl({**overrides, key: (key, value)}, adv_estimator, loss_mode):
             continue  # verl would not read it either (the critic's lr without GAE, ...)
         flags[field] = _tokens(field, fields[field], _special(key, value, overrides))
         defaulted.append(f"{key}={value}")
@@ -657,20 +675,24 @@ def translate(
     return [token for tokens in flags.values() for token in tokens] + ours, said
 
 
-def _unread_by_verl(overrides: dict, adv_estimator: str | None) -> dict[str, str]:
+def _unread_by_verl(overrides: dict, adv_estimator: str | None, loss_mode: str = "vanilla") -> dict[str, str]:
     """Keys verl itself does not read in this run, with why: the critic without GAE, the reward
     model's section unless reward_model.enable=True, the in-reward KL controller unless
-    algorithm.use_kl_in_reward=True (both False by verl's default). A verl config file holds every
-    section whatever the run."""
+    algorithm.use_kl_in_reward=True (both False by verl's default), another loss's knobs (READ_BY).
+    A verl config file holds every section whatever the run."""
     value = {key: v for key, (_, v) in overrides.items()}
+    mode = value.get(ACTOR + "policy_loss.loss_mode", loss_mode)
     unread = {}
     for key in value:
-        if (key.startswith("critic.") or key == "trainer.critic_warmup") and adv_estimator != "gae":
+        knob = key.removeprefix(ACTOR).removeprefix("policy_loss.")
+        if key.startswith(ACTOR) and knob in READ_BY and mode not in READ_BY[knob]:
+            unread[key] = f"verl's {mode} loss does not read it"
+        elif (key.startswith("critic.") or key == "trainer.critic_warmup") and adv_estimator != "gae":
             unread[key] = "verl reads the critic only with adv_estimator=gae"
         elif key in ("algorithm.gamma", "algorithm.lam") and adv_estimator in ("grpo", "rloo"):
             unread[key] = f"verl's {adv_estimator} does not discount"
-        elif key == "algorithm.norm_adv_by_std_in_grpo" and adv_estimator != "grpo":
-            unread[key] = "verl reads it only with adv_estimator=grpo"
+        elif key == "algorithm.norm_adv_by_std_in_grpo" and adv_estimator not in ("grpo", "grpo_passk"):
+            unread[key] = "verl reads it only with adv_estimator=grpo or grpo_passk"
         elif key.startswith("reward_model.model.") or key in (
             "reward_model.micro_batch_size_per_gpu",
             "reward_model.max_length",
@@ -724,14 +746,36 @@ def _special(key: str, value, overrides: dict):
     return value
 
 
+# The recipe that runs each of verl's advantage estimators (algorithm.adv_estimator) and policy losses
+# (actor_rollout_ref.actor.policy_loss.loss_mode) built here; a recipe names its own in common.config.cli_args.
+ESTIMATORS = {"grpo": "grpo.py (or a fork of it: dapo.py, gspo.py, cispo.py, sapo.py, ...)", "rloo": "rloo.py",
+              "reinforce_plus_plus": "reinforce_pp.py", "reinforce_plus_plus_baseline": "reinforce_pp.py",
+              "gae": "ppo.py", "gpg": "gpg.py", "opo": "opo.py", "grpo_passk": "grpo_passk.py"}  # fmt: skip
+LOSS_MODES = {"vanilla": "grpo.py (or rloo.py, reinforce_pp.py, ppo.py, dapo.py, opo.py, grpo_passk.py)",
+              "gspo": "gspo.py", "cispo": "cispo.py", "sapo": "sapo.py", "geo_mean": "gmpo.py", "clip_cov": "clip_cov.py",
+              "kl_cov": "kl_cov.py", "dppo_tv": "dppo.py", "dppo_kl": "dppo.py", "dro": "dro.py", "gpg": "gpg.py"}  # fmt: skip
+# The policy-loss knobs, and verl's loss modes that read them: another mode leaves them unread (a verl config file
+# holds them all).
+CLIPPED = ("vanilla", "gspo", "cispo", "geo_mean", "clip_cov", "dppo_tv", "dppo_kl")
+READ_BY = {"clip_ratio": CLIPPED, "clip_ratio_low": CLIPPED, "clip_ratio_high": CLIPPED,
+           "clip_ratio_c": ("vanilla", "gspo", "dppo_tv", "dppo_kl"), "tau_pos": ("sapo",), "tau_neg": ("sapo",),
+           "clip_cov_ratio": ("clip_cov",), "clip_cov_lb": ("clip_cov",), "clip_cov_ub": ("clip_cov",),
+           "kl_cov_ratio": ("kl_cov",), "ppo_kl_coef": ("kl_cov",), "dro_beta": ("dro",)}  # fmt: skip
+
+
 def _check_estimator(arg: str, value, adv_estimator: str | None, recipe: str) -> str | None:
-    right = {"grpo": "grpo.py (or its forks dapo.py, gspo.py)", "rloo": "rloo.py",
-             "reinforce_plus_plus": "reinforce_pp.py", "reinforce_plus_plus_baseline": "reinforce_pp.py",
-             "gae": "ppo.py"}  # fmt: skip
-    if value not in right:
-        return f"{arg}: not an estimator built here (built: {', '.join(right)})"
-    if adv_estimator is None or value.split("_baseline")[0] != adv_estimator:
-        return f"{arg}: {recipe} does not run that estimator; run recipes/{right[value].split()[0]}"
+    if value not in ESTIMATORS:
+        return f"{arg}: not an estimator built here (built: {', '.join(ESTIMATORS)})"
+    if adv_estimator is None or value.removesuffix("_baseline") != adv_estimator.removesuffix("_baseline"):
+        return f"{arg}: {recipe} does not run that estimator; run recipes/{ESTIMATORS[value].split()[0]} with the same arguments"
+    return None
+
+
+def _check_loss_mode(arg: str, value, loss_mode: str, recipe: str) -> str | None:
+    if value not in LOSS_MODES:
+        return f"{arg}: not a policy loss built here (built: {', '.join(LOSS_MODES)})"
+    if LOSS_MODES[value] != LOSS_MODES[loss_mode]:
+        return f"{arg}: {recipe} does not compute that loss; run recipes/{LOSS_MODES[value].split()[0]} with the same arguments"
     return None
 
 
@@ -835,8 +879,9 @@ def _flatten(tree: dict, flag: str) -> dict:
 
 
 def verl_args(
-    args_class, adv_estimator: str | None = None, argv: list[str] | None = None, trainer: str | None = None
-) -> list[str]:
+    args_class, adv_estimator: str | None = None, argv: list[str] | None = None, trainer: str | None = None,
+    loss_mode: str = "vanilla",
+) -> list[str]:  # fmt: skip
     """The argument list tyro should read: sys.argv[1:] with verl's key=value arguments and a
     verl config translated (what was read without effect and verl's defaults applied, said on
     rank 0). The config is a file (--verl-config FILE) or Hydra's launch of one
@@ -861,7 +906,7 @@ def verl_args(
     elif config_path is not None:
         raise UsageError("--config-path: give --config-name as well (the config file of that folder, without .yaml)")
     ORIGINS.clear()
-    translated, said = translate(argv, args_class, adv_estimator, recipe, config, source, trainer, ORIGINS)
+    translated, said = translate(argv, args_class, adv_estimator, recipe, config, source, trainer, ORIGINS, loss_mode)
     if show:
         print(shlex.join(["python", sys.argv[0], *translated]))
         raise SystemExit(0)

@@ -1,8 +1,8 @@
 """GRPO: group-relative policy optimisation (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300).
 
-For every prompt, sample rollout_n responses; a response's advantage is its reward standardised
-within its group, and the policy climbs a PPO-style clipped surrogate. How this file departs
-from the paper (and matches verl's defaults):
+For every prompt, sample rollout_n responses; a response's advantage is its reward set against its
+group's (point 2), and the policy climbs a surrogate of it (point 3). How this file departs from
+the paper (and matches verl's defaults):
 1. Outcome reward only: one score per response, broadcast to every response token.
 2. Advantage (r - mean_group) / (std_group + eps) with the unbiased std; a group of one uses mean 0
    and std 1; --no-norm-adv-by-std-in-grpo gives Dr.GRPO's r - mean.
@@ -98,9 +98,9 @@ class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and rewa
     """entropy bonus weight"""
 
     def update_kwargs(self) -> dict:
-        """update's knobs: the grad clip, the rollout correction, compute_loss's (the clip range, each side
-        defaulting to clip_ratio, dual-clip, the entropy and KL weights), the aggregation and its constant, the
-        KL estimator in the loss (None without --use-kl-loss) and ROLL's loss terms (args.conditioning)."""
+        """update's knobs: the grad clip, the rollout correction, compute_loss's keyword arguments (`loss`), the
+        aggregation and its constant, the KL estimator in the loss (None without --use-kl-loss) and ROLL's loss
+        terms (args.conditioning)."""
         loss = dict(
             clip_ratio_low=self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low,
             clip_ratio_high=self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high,

@@ -105,9 +105,9 @@ class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL contr
             raise UsageError("--use-kl-in-reward and --use-kl-loss: put the KL in the reward or the loss, not both")
 
     def update_kwargs(self) -> dict:
-        """update's knobs: the grad clip, the rollout correction, compute_loss's (the clip range, each side
-        defaulting to clip_ratio, dual-clip, the entropy and KL weights), the aggregation and its constant, the
-        KL estimator in the loss (None without --use-kl-loss) and ROLL's loss terms (args.conditioning)."""
+        """update's knobs: the grad clip, the rollout correction, compute_loss's keyword arguments (`loss`), the
+        aggregation and its constant, the KL estimator in the loss (None without --use-kl-loss) and ROLL's loss
+        terms (args.conditioning)."""
         loss = dict(
             clip_ratio_low=self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low,
             clip_ratio_high=self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high,

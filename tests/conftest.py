@@ -23,16 +23,43 @@ TASK_TRAIN = BUNDLED / "addition" / "train.parquet"
 TASK_TEST = BUNDLED / "addition" / "test.parquet"
 # Every recipe whose Args build on RLArgs: the RL family, forks dropped into recipes/ included.
 RL_RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py") if "RLArgs):" in p.read_text())
+
+
+def _plumbing(recipe: str) -> list[str]:
+    """The source of a recipe's steps that move the batch (update, forward_logprobs, old_ref_logprobs and
+    main, but main's step 5: the advantage's own lines)."""
+    import ast
+
+    source = (ROOT / "recipes" / f"{recipe}.py").read_text()
+    funcs = {
+        n.name: ast.get_source_segment(source, n) for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)
+    }
+    main = [
+        line for line in funcs.get("main", "").splitlines() if "# 5." not in line and "compute_advantages(" not in line
+    ]
+    return [funcs.get(name) for name in ("update", "forward_logprobs", "old_ref_logprobs")] + main
+
+
+# The RL recipes whose plumbing is their own: a fork whose steps that move the batch are grpo.py's word for word
+# (gspo.py, cispo.py, ...: a new loss or advantage) runs the environments' and the agent loop's end-to-end tests
+# through grpo.py, where that same code is tested; its own smoke, resume, FSDP2, bad-input and learning tests stay.
+OWN_PLUMBING = [r for r in RL_RECIPES if r == "grpo" or _plumbing(r) != _plumbing("grpo")]
 SHIPPED_ACCURACY = 0.488  # bundled/tiny-qwen2-sft's greedy accuracy on TASK_TEST (test_sft.py measures it)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m reads the marks
 def pytest_collection_modifyitems(config, items):
     """Every test that launches torchrun (torchrun_runs) or starts Ray (ray_cluster) is end-to-end
-    (the e2e mark: pytest -m "not e2e" is the inner loop); a GPU test skips without CUDA."""
+    (the e2e mark: pytest -m "not e2e" is the inner loop). Under xdist (-n 2, --dist loadgroup) those of
+    torchrun_runs share one worker, whose session makes the launch once, and the Ray tests another, as
+    they count Ray's processes on the machine; a GPU test skips without CUDA."""
     for item in items:
         if {"torchrun_runs", "ray_cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)
+        if "torchrun_runs" in getattr(item, "fixturenames", ()):  # one worker makes the one torchrun launch
+            item.add_marker(pytest.mark.xdist_group("torchrun"))
+        if item.module.__name__ in ("test_remote", "test_remote_recipes") or "ray_cluster" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("ray"))  # one Ray at a time: its tests count Ray's processes
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 

@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from conftest import RL_RECIPES, torchrun_plan
+from conftest import OWN_PLUMBING, torchrun_plan
 
 from common.agent import AgentLoop, Conversation, check_tokenization
 from common.engines import Completion, Sampling
@@ -270,7 +270,7 @@ def test_grpo_runs_tool_agent_rows_through_the_agent_loop(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("recipe", RL_RECIPES)
+@pytest.mark.parametrize("recipe", OWN_PLUMBING)  # a fork with grpo.py's plumbing: grpo.py's run
 def test_every_rl_recipe_trains_on_tool_conversations(tmp_path, recipe):
     """Each RL recipe takes the agent loop as it is (no change to its algorithm functions): one
     step on the bundled tool task from the tool checkpoint, whose conversations call the

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import BUNDLED, RL_RECIPES, read_metrics, run_recipe, torchrun_plan
+from conftest import BUNDLED, OWN_PLUMBING, read_metrics, run_recipe, torchrun_plan
 
 from common.conditioning import normalize_rewards
 from common.data import render_chat
@@ -431,7 +431,7 @@ PLAY = [
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("recipe", RL_RECIPES)
+@pytest.mark.parametrize("recipe", OWN_PLUMBING)  # a fork with grpo.py's plumbing: grpo.py's run
 def test_every_rl_recipe_plays_the_bundled_games(tmp_path, recipe):
     """Two steps of one group of each game, then validation: the rewards are the returns, and
     env/* and val/env/* come per tag; grpo.py resumed after step 1 repeats step 2 exactly (the same

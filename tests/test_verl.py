@@ -28,9 +28,22 @@ from common.verl import (
     verl_args,
 )
 
-RECIPES = ("sft", "grpo", "rloo", "reinforce_pp", "ppo", "dapo", "gspo", "generate", "evaluate")
-ESTIMATOR = {"grpo": "grpo", "dapo": "grpo", "gspo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_plus_plus",
-             "ppo": "gae", "sft": None, "generate": None, "evaluate": None}  # fmt: skip
+LOSS_FORKS = {
+    "cispo": "cispo",
+    "sapo": "sapo",
+    "gmpo": "geo_mean",
+    "clip_cov": "clip_cov",
+    "kl_cov": "kl_cov",
+    "dppo": "dppo_tv",
+    "dro": "dro",
+    "gpg": "gpg",
+    "gspo": "gspo",
+}  # recipe: the verl loss_mode it computes
+RECIPES = ("sft", "grpo", "rloo", "reinforce_pp", "ppo", "dapo", "distill", "opo", "grpo_passk", *LOSS_FORKS,
+           "generate", "evaluate")  # fmt: skip
+ESTIMATOR = {"grpo": "grpo", "dapo": "grpo", "distill": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_plus_plus",
+             "ppo": "gae", "opo": "opo", "grpo_passk": "grpo_passk", **{r: "grpo" for r in LOSS_FORKS}, "gpg": "gpg",
+             "sft": None, "generate": None, "evaluate": None}  # fmt: skip
 
 
 def args_class(recipe: str):
@@ -69,9 +82,10 @@ def test_every_key_of_verls_trainer_configs_is_classified():
 def test_each_script_reads_verls_keys_as_its_own_estimator(recipe):
     """Every script hands its command line to common.config.cli_args (common.verl's translation,
     where it holds verl's syntax), and names the verl estimator it runs (a fork must keep its
-    parent's: dapo and gspo are verl's grpo)."""
+    parent's: dapo and gspo are verl's grpo), and the verl policy loss when it is not the vanilla one."""
     source = (ROOT / "recipes" / f"{recipe}.py").read_text()
-    expected = f'cli_args(Args, "{ESTIMATOR[recipe]}")' if ESTIMATOR[recipe] else "cli_args(Args)"
+    loss = f', loss_mode="{LOSS_FORKS[recipe]}"' if recipe in LOSS_FORKS else ""
+    expected = f'cli_args(Args, "{ESTIMATOR[recipe]}"{loss})' if ESTIMATOR[recipe] else "cli_args(Args)"
     if recipe == "sft":
         expected = 'cli_args(Args, trainer="sft")'  # verl's SFT trainer's defaults, not its PPO trainer's
     assert f"tyro.cli(Args, args={expected})" in source
@@ -181,7 +195,8 @@ def test_verls_examples_translate_and_run(recipe, tmp_path):
             "data.max_length=64: it sets --max-length, which grpo.py does not have",
         ),
         (["algorithm.adv_estimator=gae"], "grpo.py does not run that estimator; run recipes/ppo.py"),
-        (["algorithm.adv_estimator=remax"], "not an estimator built here"),
+        (["algorithm.adv_estimator=tir_optimal_token_baseline"], "not an estimator built here"),
+        (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"], "not a policy loss built here"),
         (
             ["custom_reward_function.reward_kwargs.bonus=0.1"],
             "keyword arguments for the reward function are not passed",
@@ -791,3 +806,31 @@ def test_dapos_overlong_buffer_is_off_when_verl_says_so():
         ["data.train_batch_size=8", "--overlong-buffer-len", "2"], dapo, "grpo", "dapo.py", trainer="ppo"
     )
     assert flags[-2:] == ["--overlong-buffer-len", "2"] and flags.count("--overlong-buffer-len") == 1
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if ESTIMATOR[r]])
+def test_verls_loss_modes_and_estimators_route_to_their_recipes(recipe):
+    """Every loss_mode and adv_estimator built here, given to a recipe that does not compute it, is refused
+    naming the recipe to run with the same arguments; given to its own recipe it is read (the other
+    divergence of dppo.py becomes --loss-mode). Another loss's knobs in a verl config are unread, as in verl."""
+    from common.verl import ESTIMATORS, LOSS_MODES
+
+    args = args_class(recipe)
+    loss = LOSS_FORKS.get(recipe, "vanilla")
+    for key, table, own in [(ACTOR_KEY + "policy_loss.loss_mode", LOSS_MODES, loss),
+                            ("algorithm.adv_estimator", ESTIMATORS, ESTIMATOR[recipe])]:  # fmt: skip
+        for value, where in table.items():
+            argv = [f"{key}={value}"]
+            if where == table[own.removesuffix("_baseline") if own in table else own]:
+                flags, _ = translate(argv, args, ESTIMATOR[recipe], f"{recipe}.py", loss_mode=loss)
+                other = {"dppo_kl": ["--loss-mode", "dppo_kl"], "reinforce_plus_plus_baseline": ["--group-baseline"]}
+                assert flags == (other.get(value, []) if value not in (loss, ESTIMATOR[recipe]) else []), value
+            else:
+                with pytest.raises(UsageError, match=re.escape(f"run recipes/{where.split()[0]} with the same")):
+                    translate(argv, args, ESTIMATOR[recipe], f"{recipe}.py", loss_mode=loss)
+    config = [f"{ACTOR_KEY}clip_ratio=0.2", f"{ACTOR_KEY}tau_pos=1.0", f"{ACTOR_KEY}policy_loss.dro_beta=0.05",
+              f"{ACTOR_KEY}policy_loss.kl_cov_ratio=0.0002"]  # fmt: skip
+    translate(config, args, ESTIMATOR[recipe], f"{recipe}.py", loss_mode=loss)  # the others' knobs: unread
+
+
+ACTOR_KEY = "actor_rollout_ref.actor."
