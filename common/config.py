@@ -68,6 +68,8 @@ USED_ONLY_WITH = [
     (("rollout_is_threshold", "rollout_is_batch_normalize"), "rollout_is", lambda a: a.rollout_is is not None,
      "add --rollout-is token|sequence"),
     (("rollout_rs_threshold",), "rollout_rs", lambda a: a.rollout_rs is not None, "add --rollout-rs"),
+    (("off_policy_mask_threshold",), "bypass_mode", lambda a: not a.bypass_mode,
+     "drop --bypass-mode (the old policy is then the engine's: no gap to mask)"),
     (("check_freq",), "check", lambda a: a.check != "off", "drop --check off (the probe comes from the launch check)"),
     (("gpu_memory_utilization",), "rollout_name", lambda a: a.rollout_name == "vllm", "add --rollout-name vllm"),
     (("rollout_dtype",), "rollout_name",

@@ -120,14 +120,33 @@ def rollout_is_metrics(weights, response_mask, threshold: float | str) -> dict:
     }
 
 
+def off_policy_sequence_mask(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, advantages: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:  # fmt: skip
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's off_policy_mask_threshold), (B, T) of 0 / 1: 0 on a token with a
+    negative advantage in a response whose mean over its tokens of log(pi_rollout / pi_old) is above threshold (the
+    engine sampled it where the policy has since turned away: learning from its failure is unreliable), 1 elsewhere.
+    An empty response has mean 0. It multiplies the importance weights, not the loss mask: a dropped token still
+    counts in the loss's denominator, as in TRL."""
+    mask = response_mask.float()
+    gap = _masked_mean_rows((rollout_logprobs.float() - old_logprobs.detach().float()) * mask, mask)
+    return 1.0 - ((advantages < 0) & (gap[:, None] > threshold)).float() * mask
+
+
 def correct(
-    old_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, *,
-    mode: str | None, threshold: float | str, batch_normalize: bool = False, rs: str | None = None,
-    rs_threshold: str | None = None,
+    old_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
+    advantages: torch.Tensor | None = None, *, mode: str | None, threshold: float | str, batch_normalize: bool = False,
+    rs: str | None = None, rs_threshold: str | None = None, opsm: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:  # fmt: skip
-    """common.ops.rollout_correction with the correction on (mode or rs set)."""
+    """common.ops.rollout_correction with the correction on (mode, rs or opsm set)."""
     weights = rollout_is_weights(old_logprobs, rollout_logprobs, response_mask, mode, threshold)
     metrics = rollout_is_metrics(weights, response_mask, threshold) if mode else {}
+    if opsm is not None:  # after the IS metrics: they describe the weights themselves
+        keep = off_policy_sequence_mask(old_logprobs, rollout_logprobs, response_mask, advantages, opsm)
+        dropped, tokens = all_reduce_sum(torch.stack([(1 - keep).sum(), response_mask.float().sum()])).tolist()
+        metrics["rollout_corr/off_policy_masked_fraction"] = dropped / max(tokens, 1)
+        weights = weights * keep
     if mode and batch_normalize:
         mask = response_mask.float()
         per_row = _masked_mean_rows(weights, mask) if mode == "sequence" else weights

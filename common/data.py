@@ -239,17 +239,10 @@ def _prompt_text(tokenizer, row: dict, file: str, index: int, prompt_key: str, t
 
 
 def load_prompts(
-    files,
-    tokenizer,
-    *,
-    prompt_key: str = "prompt",
-    max_prompt_length: int,
-    truncation: str = "error",
-    filter_overlong_prompts: bool = False,
-    tools: list[dict] | None = None,
-    what: str = "train_files",
+    files, tokenizer, *, prompt_key: str = "prompt", max_prompt_length: int, truncation: str = "error",
+    filter_overlong_prompts: bool = False, tools: list[dict] | None = None, what: str = "train_files",
     scored: bool = False,
-) -> tuple[list[dict], LoadStats]:
+) -> tuple[list[dict], LoadStats]:  # fmt: skip
     """verl parquet rows as dicts of templated `prompt_ids`, the raw `messages`, data_source,
     ground_truth, extra_info and agent_name; tool_agent rows list `tools` (the --tool-config schemas).
     scored: a reward function will score the rows, so each needs the data_source that picks it

@@ -288,15 +288,15 @@ def agg_loss(
     return out
 
 
-def rollout_correction(old_logprobs, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, **options):
+def rollout_correction(old_logprobs, rollout_logprobs, response_mask: torch.Tensor, advantages=None, **options):
     """(weights, loss mask, metrics): common.correction.correct with RLArgs.rollout_is_kwargs (mode, threshold,
-    batch_normalize, rs, rs_threshold): the importance weights (1 with mode None), the response mask less what the
-    rejection (rs) drops, verl's rollout_corr/* metrics. Off by default; collective when mode or rs is set."""
-    if options.get("mode") is None and options.get("rs") is None:  # off (the default): no feature module loads
+    batch_normalize, rs, rs_threshold, opsm): the importance weights (1 with mode None, 0 where the off-policy mask
+    drops a token), the response mask less what the rejection (rs) drops, rollout_corr/* metrics. Off by default."""
+    if all(options.get(key) is None for key in ("mode", "rs", "opsm")):  # off (the default): no feature module loads
         return response_mask.to(torch.float32), response_mask, {}
     from common.correction import correct
 
-    return correct(old_logprobs, rollout_logprobs, response_mask, **options)
+    return correct(old_logprobs, rollout_logprobs, response_mask, advantages, **options)
 
 
 def update_kl_coef(coef: float, kl: float, *, kind: str, target_kl: float, horizon: int, n_steps: int) -> float:

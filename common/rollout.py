@@ -5,7 +5,7 @@ validation use together. Also the rollout's flag groups, with their cross-flag c
 import logging
 import math
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Literal
 
@@ -51,22 +51,11 @@ def load_rl_models(path: str, dist, tokenizer=None, *, strategy: str, with_refer
 
 
 def load_rl_data(
-    train_files,
-    val_files,
-    tokenizer,
-    *,
-    prompt_key: str,
-    max_prompt_length: int,
-    truncation: str,
-    filter_overlong_prompts: bool,
-    train_batch_size: int,
-    ground_truth: str = "required",
-    tools: list[dict] | None = None,
-    interactions: list[str] | None = None,
-    tool_classes: list[str] = (),
-    env: dict | None = None,
-    difficulty: bool = False,
-) -> tuple[list[dict], LoadStats, list[dict]]:
+    train_files, val_files, tokenizer, *, prompt_key: str, max_prompt_length: int, truncation: str,
+    filter_overlong_prompts: bool, train_batch_size: int, ground_truth: str = "required",
+    tools: list[dict] | None = None, interactions: list[str] | None = None, tool_classes: list[str] = (),
+    env: dict | None = None, difficulty: bool = False,
+) -> tuple[list[dict], LoadStats, list[dict]]:  # fmt: skip
     """(train, its LoadStats, val) prompts of an RL recipe; too few training prompts for one batch fail here, before
     any model loads. ground_truth: "required" (the built-in rewards score against it: a row without one is an error),
     "optional" (a user's reward function may not need one: a warning counts rows without) or "unused" (a reward model
@@ -319,6 +308,17 @@ class Rollout:
         batch["epoch"] = epoch
         return batch
 
+    def greedy_rewards(self, step: int, batch: dict) -> torch.Tensor:
+        """The reward of one greedy response to each of this rank's prompts of `step` (batch's), scored as step's
+        are, (prompts,): ReMax's baseline. Its responses are not trained on; its time counts in batch's."""
+        _, ranks = step_rows(step, self.train, self.batch_size, self.seed, self.shuffle, self.dist.world_size)
+        greedy = replace(self.sampling, n=1, temperature=0.0, top_p=1.0, top_k=-1)
+        out = generate_and_score(ranks[self.dist.rank], self.engine, greedy, self.pool, self.tokenizer,
+                                 self.dist.device, self.reward_model)  # fmt: skip
+        for key in ("perf/generate_s", "perf/score_s"):
+            batch["timing"][key] += out["timing"][key]
+        return out["rewards"]
+
     def validate(self) -> dict:
         start = time.time()
         metrics = evaluate(self.engine, self.pool, self.tokenizer, self.val, self.val_sampling, self.dist,
@@ -404,6 +404,9 @@ class RolloutArgs:
     """rollout rejection: drop tokens / responses whose trainer-engine gap leaves the band, e.g. token_k1,seq_mean_k3"""
     rollout_rs_threshold: str | None = None
     """rollout rejection's bounds, one or one per option: lo_hi for k1 (e.g. 0.5_2.0), an upper bound for k2 / k3"""
+    off_policy_mask_threshold: float | None = flag(None, gt=0)
+    """off-policy sequence mask (DeepSeek-V3.2; TRL's): a negative-advantage token of a response whose mean
+    log(pi_rollout / pi_old) is above this gets no gradient (e.g. 0.5; off: None)"""
     bypass_mode: bool = False
     """take the engine's logprobs as the old policy (saves the trainer's old-logprob pass)"""
     check_freq: int = flag(10, ge=0, note="0: never during training")
@@ -420,12 +423,13 @@ class RolloutArgs:
     def old_logprobs_from(self) -> Literal["engine", "pass", "when-stale"]:
         """Where step 4's old logprobs come from: the engine ("engine", --bypass-mode); a no-grad trainer pass ("pass")
         when needed before the update (--use-kl-in-reward) or set against the engine's (an engine with its own weights,
-        --rollout-is, --rollout-rs); else a pass only for a sample the policy moved past ("when-stale": the update's
-        own logprobs are exact for the rest)."""
+        --rollout-is, --rollout-rs, the off-policy mask); else a pass only for a sample the policy moved past
+        ("when-stale": the update's own logprobs are exact for the rest)."""
         if self.bypass_mode:
             return "engine"
-        before_update = getattr(self, "use_kl_in_reward", False) or self.engine_holds_own_weights
-        return "pass" if before_update or self.rollout_is or self.rollout_rs else "when-stale"
+        correcting = self.rollout_is or self.rollout_rs or self.off_policy_mask_threshold
+        before_update = getattr(self, "use_kl_in_reward", False) or self.engine_holds_own_weights or correcting
+        return "pass" if before_update else "when-stale"
 
     @property
     def gap_proves_sync(self) -> bool:
@@ -479,7 +483,7 @@ class RolloutArgs:
         """The keyword arguments of common.ops.rollout_correction that these flags set."""
         return dict(mode=self.rollout_is, threshold=self.rollout_is_threshold,
                     batch_normalize=self.rollout_is_batch_normalize, rs=self.rollout_rs,
-                    rs_threshold=self.rollout_rs_threshold)  # fmt: skip
+                    rs_threshold=self.rollout_rs_threshold, opsm=self.off_policy_mask_threshold)  # fmt: skip
 
 
 @dataclass

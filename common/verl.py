@@ -750,8 +750,9 @@ def _special(key: str, value, overrides: dict):
 # (actor_rollout_ref.actor.policy_loss.loss_mode) built here; a recipe names its own in common.config.cli_args.
 ESTIMATORS = {"grpo": "grpo.py (or a fork of it: dapo.py, gspo.py, cispo.py, sapo.py, ...)", "rloo": "rloo.py",
               "reinforce_plus_plus": "reinforce_pp.py", "reinforce_plus_plus_baseline": "reinforce_pp.py",
-              "gae": "ppo.py", "gpg": "gpg.py", "opo": "opo.py", "grpo_passk": "grpo_passk.py"}  # fmt: skip
-LOSS_MODES = {"vanilla": "grpo.py (or rloo.py, reinforce_pp.py, ppo.py, dapo.py, opo.py, grpo_passk.py)",
+              "gae": "ppo.py", "gpg": "gpg.py", "opo": "opo.py", "grpo_passk": "grpo_passk.py",
+              "remax": "remax.py"}  # fmt: skip
+LOSS_MODES = {"vanilla": "grpo.py (or rloo.py, reinforce_pp.py, ppo.py, dapo.py, opo.py, grpo_passk.py, remax.py)",
               "gspo": "gspo.py", "cispo": "cispo.py", "sapo": "sapo.py", "geo_mean": "gmpo.py", "clip_cov": "clip_cov.py",
               "kl_cov": "kl_cov.py", "dppo_tv": "dppo.py", "dppo_kl": "dppo.py", "dro": "dro.py", "gpg": "gpg.py"}  # fmt: skip
 # The policy-loss knobs, and verl's loss modes that read them: another mode leaves them unread (a verl config file

@@ -246,7 +246,7 @@ def update(
     model, optimizer, scheduler = policy
     kl_ref = ref if kl_loss_type == "full" else None  # the exact KL: the reference on each micro-batch
     is_weights, loss_mask, is_metrics = rollout_correction(old_logprobs, batch["rollout_logprobs"], loss_mask,
-                                                           **rollout_is)  # fmt: skip
+                                                           advantages, **rollout_is)  # fmt: skip
     advantages = advantages * is_weights  # the advantages themselves when the correction is off
     t, stats, grad_norms, loss_sum = time.time(), [], [], 0.0
     for _ in range(plan.epochs):

@@ -417,3 +417,45 @@ def test_passk_advantage_equals_its_formula(seed):
     assert one[:, 0].tolist() == pytest.approx([1 / (0.5 + 1e-6), 0, 0, 0])  # verl's worked case
     with pytest.raises(Exception, match="pass@k needs 2 or more responses"):
         passk.Args(rollout_n=1)
+
+
+remax = load_recipe("remax")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_remax_advantage_equals_its_formula(seed):
+    """r - b_g, b_g the reward of the greedy response to group g's prompt; no std, no group mean."""
+    rewards, groups, mask = random_groups(seed)
+    baselines = torch.tensor([0.5, -1.0, 1.0, 0.0])[torch.randperm(4, generator=torch.Generator().manual_seed(seed))]
+    want = [r - baselines[g].item() for r, g in zip(rewards.tolist(), groups.tolist())]
+    assert_advantages(remax.compute_advantages(rewards, groups, mask, baselines), want, mask)
+    with pytest.raises(Exception, match="greedy baseline needs the engine in the trainer"):
+        remax.Args(rollout_placement="remote")
+
+
+def test_the_greedy_baseline_samples_this_steps_prompts_once_greedily(monkeypatch):
+    """Rollout.greedy_rewards: one greedy response (n 1, temperature 0, no top-p / top-k) to each of this rank's
+    prompts of the step (the ones step() samples), scored by the same pool; its time adds to the step's."""
+    import common.rollout as rollout
+    from common.data import step_rows
+    from common.engines import Sampling
+    from common.parallel import Dist
+
+    calls = []
+
+    def fake(prompts, engine, sampling, *rest):
+        calls.append((prompts, sampling))
+        return {"rewards": torch.arange(float(len(prompts))), "timing": {"perf/generate_s": 1.0, "perf/score_s": 2.0}}
+
+    monkeypatch.setattr(rollout, "generate_and_score", fake)
+    train = [{"prompt_ids": [i]} for i in range(20)]
+    sampling = Sampling(n=4, temperature=0.9, top_p=0.8, top_k=5, max_tokens=7)
+    run = rollout.Rollout(
+        train, [], None, None, None, Dist(1, 2, 1, torch.device("cpu")), sampling, sampling, 8, 3, True
+    )
+    batch = {"timing": {"perf/generate_s": 0.5, "perf/score_s": 0.25}}
+    baselines = run.greedy_rewards(5, batch)
+    prompts, greedy = calls[0]
+    assert prompts == step_rows(5, train, 8, 3, True, 2)[1][1] and len(baselines) == len(prompts) == 4
+    assert (greedy.n, greedy.temperature, greedy.top_p, greedy.top_k, greedy.max_tokens) == (1, 0.0, 1.0, -1, 7)
+    assert batch["timing"] == {"perf/generate_s": 1.5, "perf/score_s": 2.25}

@@ -325,6 +325,33 @@ def random_batch(seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
+def test_the_off_policy_sequence_mask_equals_deepseek_v32s(seed):
+    """DeepSeek-V3.2's mask as TRL's off_policy_mask_threshold applies it, per row in float64: a token is dropped
+    (weight 0) where its advantage is negative and its response's mean log(pi_rollout / pi_old) over its tokens is
+    above the threshold; the loss mask keeps every token (they still count in the loss's denominator)."""
+    old, rollout, mask = random_batch(seed)
+    g = torch.Generator().manual_seed(seed)
+    advantages = torch.randn(mask.shape, generator=g, dtype=torch.float64)  # per token, as GAE's
+    fractions = []
+    for threshold in (-0.1, 0.01, 0.05, 0.2):
+        weights, loss_mask, metrics = ops.rollout_correction(old, rollout, mask, advantages, mode=None, threshold=2.0,
+                                                             opsm=threshold)  # fmt: skip
+        want, dropped = [], 0
+        for i in range(mask.shape[0]):
+            valid = [t for t in range(mask.shape[1]) if mask[i, t] > 0]
+            gap = sum(rollout[i, t].item() - old[i, t].item() for t in valid) / len(valid) if valid else 0.0
+            row = [0.0 if (mask[i, t] > 0 and advantages[i, t] < 0 and gap > threshold) else mask[i, t].item()
+                   for t in range(mask.shape[1])]  # fmt: skip
+            dropped += sum(1 for t in valid if row[t] == 0.0)
+            want.append(row)
+        torch.testing.assert_close(weights.double(), torch.tensor(want, dtype=torch.float64))
+        assert loss_mask is mask
+        assert metrics["rollout_corr/off_policy_masked_fraction"] == pytest.approx(dropped / mask.sum().item())
+        fractions.append(dropped)
+    assert fractions[0] > fractions[-1] and fractions[0] > 0  # a lower threshold drops more
+
+
+@pytest.mark.parametrize("seed", range(4))
 def test_rollout_is_weights_equal_verls_on_random_batches(seed):
     old, rollout, mask = random_batch(seed)
     as_lists = (old.tolist(), rollout.tolist(), mask.int().tolist())

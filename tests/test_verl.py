@@ -39,10 +39,10 @@ LOSS_FORKS = {
     "gpg": "gpg",
     "gspo": "gspo",
 }  # recipe: the verl loss_mode it computes
-RECIPES = ("sft", "grpo", "rloo", "reinforce_pp", "ppo", "dapo", "distill", "opo", "grpo_passk", *LOSS_FORKS,
+RECIPES = ("sft", "grpo", "rloo", "reinforce_pp", "ppo", "dapo", "distill", "opo", "grpo_passk", "remax", *LOSS_FORKS,
            "generate", "evaluate")  # fmt: skip
 ESTIMATOR = {"grpo": "grpo", "dapo": "grpo", "distill": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_plus_plus",
-             "ppo": "gae", "opo": "opo", "grpo_passk": "grpo_passk", **{r: "grpo" for r in LOSS_FORKS}, "gpg": "gpg",
+             "ppo": "gae", "opo": "opo", "grpo_passk": "grpo_passk", "remax": "remax", **{r: "grpo" for r in LOSS_FORKS}, "gpg": "gpg",
              "sft": None, "generate": None, "evaluate": None}  # fmt: skip
 
 
@@ -196,6 +196,7 @@ def test_verls_examples_translate_and_run(recipe, tmp_path):
         ),
         (["algorithm.adv_estimator=gae"], "grpo.py does not run that estimator; run recipes/ppo.py"),
         (["algorithm.adv_estimator=tir_optimal_token_baseline"], "not an estimator built here"),
+        (["algorithm.adv_estimator=remax"], "grpo.py does not run that estimator; run recipes/remax.py"),
         (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"], "not a policy loss built here"),
         (
             ["custom_reward_function.reward_kwargs.bonus=0.1"],
