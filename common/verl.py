@@ -235,6 +235,8 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "algorithm.gamma": Flag("gamma"),
     "algorithm.lam": Flag("lam"),
     "algorithm.norm_adv_by_std_in_grpo": Flag("norm_adv_by_std_in_grpo"),
+    "algorithm.gdpo_reward_keys": Flag("gdpo_reward_keys"),
+    "algorithm.gdpo_reward_weights": Flag("gdpo_reward_weights"),
     "algorithm.use_kl_in_reward": Flag("use_kl_in_reward"),
     "algorithm.kl_penalty": Flag("kl_penalty"),
     "algorithm.kl_ctrl.type": Flag("kl_ctrl"),
@@ -691,6 +693,8 @@ def _unread_by_verl(overrides: dict, adv_estimator: str | None, loss_mode: str =
             unread[key] = "verl reads the critic only with adv_estimator=gae"
         elif key in ("algorithm.gamma", "algorithm.lam") and adv_estimator in ("grpo", "rloo"):
             unread[key] = f"verl's {adv_estimator} does not discount"
+        elif key.startswith("algorithm.gdpo_") and adv_estimator != "gdpo":
+            unread[key] = "verl reads it only with adv_estimator=gdpo"
         elif key == "algorithm.norm_adv_by_std_in_grpo" and adv_estimator not in ("grpo", "grpo_passk"):
             unread[key] = "verl reads it only with adv_estimator=grpo or grpo_passk"
         elif key.startswith("reward_model.model.") or key in (
@@ -751,8 +755,8 @@ def _special(key: str, value, overrides: dict):
 ESTIMATORS = {"grpo": "grpo.py (or a fork of it: dapo.py, gspo.py, cispo.py, sapo.py, ...)", "rloo": "rloo.py",
               "reinforce_plus_plus": "reinforce_pp.py", "reinforce_plus_plus_baseline": "reinforce_pp.py",
               "gae": "ppo.py", "gpg": "gpg.py", "opo": "opo.py", "grpo_passk": "grpo_passk.py",
-              "remax": "remax.py"}  # fmt: skip
-LOSS_MODES = {"vanilla": "grpo.py (or rloo.py, reinforce_pp.py, ppo.py, dapo.py, opo.py, grpo_passk.py, remax.py)",
+              "remax": "remax.py", "gdpo": "gdpo.py"}  # fmt: skip
+LOSS_MODES = {"vanilla": "grpo.py (or rloo.py, reinforce_pp.py, ppo.py, dapo.py, opo.py, grpo_passk.py, remax.py, gdpo.py)",
               "gspo": "gspo.py", "cispo": "cispo.py", "sapo": "sapo.py", "geo_mean": "gmpo.py", "clip_cov": "clip_cov.py",
               "kl_cov": "kl_cov.py", "dppo_tv": "dppo.py", "dppo_kl": "dppo.py", "dro": "dro.py", "gpg": "gpg.py"}  # fmt: skip
 # The policy-loss knobs, and verl's loss modes that read them: another mode leaves them unread (a verl config file

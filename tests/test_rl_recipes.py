@@ -383,6 +383,32 @@ def test_the_off_policy_mask_drops_the_failures_the_engine_sampled_far_off_polic
         make_args(module.Args, off_policy_mask_threshold=0.2, bypass_mode=True)
 
 
+GDPO_REWARD = """
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    acc = float(solution_str.strip().endswith(f"<answer>{ground_truth}</answer>"))
+    fmt = float("<answer>" in solution_str)
+    return {"score": acc + fmt, "acc": acc, "format": fmt}
+"""
+
+
+def test_gdpo_reads_the_rewards_a_reward_function_names(tmp_path, small_args):
+    """A reward function returning {"score", "acc", "format"}: --gdpo-reward-keys acc format trains on the two
+    rewards, each standardised in its group (advantages whitened: mean 0 over the tokens); a key the function does
+    not return stops the run naming the keys it does return; weights must match the keys."""
+    module = load_recipe("gdpo")
+    (tmp_path / "reward.py").write_text(GDPO_REWARD)
+    fn = f"{tmp_path / 'reward.py'}:score"
+    got = one_step(module, tmp_path / "two", small_args, reward_fn=fn, gdpo_reward_keys=("acc", "format"),
+                   gdpo_reward_weights=(1.0, 0.5))  # fmt: skip
+    assert got["train/grad_norm"] > 0 and abs(got["critic/advantages/mean"]) < 1e-5
+    with pytest.raises(
+        UsageError, match=r"--gdpo-reward-keys fmt: the reward function's results have \['acc', 'format'\]"
+    ):
+        one_step(module, tmp_path / "typo", small_args, reward_fn=fn, gdpo_reward_keys=("acc", "fmt"))
+    with pytest.raises(UsageError, match="give one weight per --gdpo-reward-keys key"):
+        make_args(module.Args, gdpo_reward_keys=("acc", "format"), gdpo_reward_weights=(1.0,))
+
+
 def test_roll_loss_terms(tmp_path, small_args):
     """--rl-loss-coef scales the policy-gradient term (0.5: half the gradient); --sft-loss-coef with
     no RL term leaves only the negative log-likelihood of the responses that scored; TOPR on-policy
@@ -443,12 +469,13 @@ def test_a_padding_free_step_equals_the_padded_one(tmp_path, small_args, recipe,
 # there, but do at 12: reinforce_pp +13.4 / +11.2 / +11.2, dapo +9.6 / +15.4 / +16.4.
 # The 2026 forks at 8: cispo, kl_cov, dppo and dro +14.2 / +13.8 / +14.4, sapo and gmpo +14.6 / +12.0 / +11.4 (at the
 # default one mini-batch and epoch, each of these losses is the policy gradient: grpo's steps, up to rounding, with
-# sapo's and gmpo's sequence-mean aggregation), clip_cov +13.8 / +7.4 / +11.4; gpg +13.4 / +9.0 / +1.6 and opo
+# sapo's and gmpo's sequence-mean aggregation), clip_cov +13.8 / +7.4 / +11.4, gdpo (its one reward, the score,
+# then the whitening) +14.6 / +11.8 / +14.6; gpg +13.4 / +9.0 / +1.6 and opo
 # +18.2 / +6.4 / +13.0 and remax +12.0 / +0.4 / -0.2 need 12: gpg +12.2 / +9.8 / +13.2, opo +13.0 / +8.6 / +17.2,
 # remax +10.8 / +6.8 / +8.2 (its greedy baseline beats most samples at temperature 1: most advantages are negative).
 LEARNING_ROLLOUT_N = {"grpo": 8, "rloo": 8, "ppo": 8, "gspo": 8, "reinforce_pp": 12, "dapo": 12, "gpg": 12, "opo": 12,
                       "remax": 12,
-                      **dict.fromkeys(("cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "dppo", "dro"), 8)}  # fmt: skip
+                      **dict.fromkeys(("cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "dppo", "dro", "gdpo"), 8)}  # fmt: skip
 # pass@k GRPO credits only a group's sole success (a lead of 0 wherever two responses are right): it aims at pass@k,
 # and its greedy accuracy does not keep the bar. Measured at its defaults (16 samples), seeds 1-3: +6.0 / +6.8 / -19.8,
 # and the same without the std; at 12: +3.2 / +6.6 / +10.6; at 8: +4.6 / +9.6 / -4.8.
@@ -502,12 +529,13 @@ def test_learns_the_bundled_task(tmp_path, capsys, recipe):
 # distill's is the largest: a third model (the teacher) runs through steps 4 and 6, beside its own
 # advantage, its own loss (GKD's divergence) and its own defaults (64 prompts x 4 samples, 30 steps).
 SIBLING_BUDGET = {"rloo": 80, "reinforce_pp": 95, "dapo": 60, "gspo": 60, "distill": 145}
-# The forks of the 2026 algorithms: at most 60 changed lines each (ReMax 100), no slack (the advantage and / or the loss, the
+# The forks of the 2026 algorithms: at most 60 changed lines each (ReMax and GDPO 100), no slack (the advantage and / or the loss, the
 # paper and its departures in the docstring).
 FORK_BUDGET = {
     r: 60 for r in ("cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "dppo", "dro", "gpg", "opo", "grpo_passk")
 }
 FORK_BUDGET["remax"] = 100  # its step 5 samples once more: the issue's budget for a fork that changes the sampling
+FORK_BUDGET["gdpo"] = 100  # several rewards: the issue's budget for a fork that changes the reward's shape
 
 
 def changed_lines(a: str, b: str) -> int:

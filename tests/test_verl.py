@@ -39,10 +39,10 @@ LOSS_FORKS = {
     "gpg": "gpg",
     "gspo": "gspo",
 }  # recipe: the verl loss_mode it computes
-RECIPES = ("sft", "grpo", "rloo", "reinforce_pp", "ppo", "dapo", "distill", "opo", "grpo_passk", "remax", *LOSS_FORKS,
+RECIPES = ("sft", "grpo", "rloo", "reinforce_pp", "ppo", "dapo", "distill", "opo", "grpo_passk", "remax", "gdpo", *LOSS_FORKS,
            "generate", "evaluate")  # fmt: skip
 ESTIMATOR = {"grpo": "grpo", "dapo": "grpo", "distill": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_plus_plus",
-             "ppo": "gae", "opo": "opo", "grpo_passk": "grpo_passk", "remax": "remax", **{r: "grpo" for r in LOSS_FORKS}, "gpg": "gpg",
+             "ppo": "gae", "opo": "opo", "grpo_passk": "grpo_passk", "remax": "remax", "gdpo": "gdpo", **{r: "grpo" for r in LOSS_FORKS}, "gpg": "gpg",
              "sft": None, "generate": None, "evaluate": None}  # fmt: skip
 
 
