@@ -142,11 +142,6 @@ def correct(
     """common.ops.rollout_correction with the correction on (mode, rs or opsm set)."""
     weights = rollout_is_weights(old_logprobs, rollout_logprobs, response_mask, mode, threshold)
     metrics = rollout_is_metrics(weights, response_mask, threshold) if mode else {}
-    if opsm is not None:  # after the IS metrics: they describe the weights themselves
-        keep = off_policy_sequence_mask(old_logprobs, rollout_logprobs, response_mask, advantages, opsm)
-        dropped, tokens = all_reduce_sum(torch.stack([(1 - keep).sum(), response_mask.float().sum()])).tolist()
-        metrics["rollout_corr/off_policy_masked_fraction"] = dropped / max(tokens, 1)
-        weights = weights * keep
     if mode and batch_normalize:
         mask = response_mask.float()
         per_row = _masked_mean_rows(weights, mask) if mode == "sequence" else weights
@@ -155,6 +150,11 @@ def correct(
         factor = total / count if count else 1.0
         weights = weights / factor if factor > 1e-8 else weights
         metrics["rollout_corr/rollout_is_batch_norm_factor"] = factor if factor > 1e-8 else 1.0
+    if opsm is not None:  # after the IS metrics and normalisation: the weights' own
+        keep = off_policy_sequence_mask(old_logprobs, rollout_logprobs, response_mask, advantages, opsm)
+        dropped, tokens = all_reduce_sum(torch.stack([(1 - keep).sum(), response_mask.float().sum()])).tolist()
+        metrics["rollout_corr/off_policy_masked_fraction"] = dropped / max(tokens, 1)
+        weights = weights * keep
     if rs is None:
         return weights, response_mask, metrics
     keep = rollout_rejection_mask(old_logprobs, rollout_logprobs, response_mask, rs, rs_threshold)

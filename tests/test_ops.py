@@ -349,6 +349,14 @@ def test_the_off_policy_sequence_mask_equals_deepseek_v32s(seed):
         assert metrics["rollout_corr/off_policy_masked_fraction"] == pytest.approx(dropped / mask.sum().item())
         fractions.append(dropped)
     assert fractions[0] > fractions[-1] and fractions[0] > 0  # a lower threshold drops more
+    # with importance weights normalised over the step, the mask drops tokens after the normalisation
+    keep, _, _ = ops.rollout_correction(old, rollout, mask, advantages, mode=None, threshold=2.0, opsm=-0.1)
+    both, _, with_mask = ops.rollout_correction(old, rollout, mask, advantages, mode="token", threshold=2.0,
+                                                batch_normalize=True, opsm=-0.1)  # fmt: skip
+    alone, _, without = ops.rollout_correction(old, rollout, mask, mode="token", threshold=2.0, batch_normalize=True)
+    key = "rollout_corr/rollout_is_batch_norm_factor"
+    assert with_mask[key] == without[key]
+    torch.testing.assert_close(both, alone * keep)
 
 
 @pytest.mark.parametrize("seed", range(4))
