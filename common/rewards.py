@@ -166,6 +166,7 @@ class RewardPool:
         self.spec, self.timeout = spec, timeout
         self.tools = self.interactions = self.envs = None  # side pools: start_agent_pools, start_env_pool
         self.dry_run_report = None  # (every row scored, what dry_run scored in words): common.check
+        self.dry_run_extras = None  # the dry run's results' other keys, one dict a row (gdpo.py reads their names)
         self.output = _WorkerOutput(log_path)
         self.workers = [self._start() for _ in range(max(1, workers))]
         self.restarts = [0] * len(self.workers)  # per worker slot: how often it was replaced
@@ -325,7 +326,7 @@ class RewardPool:
                     f"reward dry run failed ({name}) on every row tried for data_source={source!r}, e.g. "
                     f"{group[0].get('file', '?')} row {group[0].get('row', '?')}: {reason[0]}"
                 )
-        failed = scored.errors + scored.timeouts
+        self.dry_run_extras, failed = scored.extras, scored.errors + scored.timeouts
         if failed:
             log.warning("reward dry run (%s): %d of %d rows failed: %s", name, failed, len(picked), reason[0])
         self.dry_run_report = (failed == 0, (

@@ -147,16 +147,23 @@ def compute_advantages(rewards, group_ids, response_mask, weights, eps=1e-6):
     return masked_whiten_all_ranks(total.unsqueeze(-1) * response_mask, response_mask)
 
 
+def check_reward_keys(extras, keys):
+    """Each --gdpo-reward-keys key in some result of the reward function (extras: their other keys, a dict a row; a row
+    the function failed on has none), else a UsageError naming the keys they have: from the dry run, before any model
+    loads, and each step."""
+    missing = next((k for k in keys if extras is not None and all(k not in e for e in extras)), None)
+    if missing is not None:
+        raise UsageError(f"--gdpo-reward-keys {missing}: the reward function's results have "
+                         f"{sorted(set().union(*extras)) or 'no key but the score'}; return it in a dict")  # fmt: skip
+
+
 def reward_columns(batch, rewards, keys):
     """(B, K): each response's reward of each key of its reward function's dict result (0 where the function failed:
     the pool counts it); (B, 1), the score, without keys."""
     if not keys:
         return rewards.unsqueeze(-1)
     extras = batch["scored"].extras
-    missing = next((k for k in keys if all(k not in e for e in extras)), None)  # a row the function failed on has none
-    if missing is not None:
-        raise UsageError(f"--gdpo-reward-keys {missing}: the reward function's results have "
-                         f"{sorted(set().union(*extras)) or 'no key but the score'}; return it in a dict")  # fmt: skip
+    check_reward_keys(extras, keys)
     return torch.tensor([[e.get(k, 0.0) for k in keys] for e in extras], dtype=torch.float32, device=rewards.device)
 
 
@@ -300,6 +307,7 @@ def main(args: Args) -> dict:
     total_steps = args.total_steps(len(train))
     checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps, flags=dataclasses.asdict(args))
     pool = start_reward_pool(**args.reward_kwargs(run_dir, tokenizer, train + val))
+    check_reward_keys(pool.dry_run_extras, args.gdpo_reward_keys)  # GDPO's rewards: named by the function's results
     resumed = prove_resume(args.check, dist)  # --check full: save, resume, a step, in child runs of this command
     model, ref, reward_model, run_info = load_rl_models(args.model, dist, tokenizer, **args.model_kwargs())
     policy = args.optim.trainable(model, total_steps)  # the policy with its AdamW and lr schedule

@@ -21,6 +21,7 @@ from conftest import (
     SHIPPED_ACCURACY,
     engine_lagging_by,
     load_recipe,
+    load_recipe_refusing_models,
     make_args,
     read_metrics,
     run_recipe,
@@ -391,10 +392,11 @@ def score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def test_gdpo_reads_the_rewards_a_reward_function_names(tmp_path, small_args):
+def test_gdpo_reads_the_rewards_a_reward_function_names(tmp_path, small_args, monkeypatch):
     """A reward function returning {"score", "acc", "format"}: --gdpo-reward-keys acc format trains on the two
     rewards, each standardised in its group (advantages whitened: mean 0 over the tokens); a key the function does
-    not return stops the run naming the keys it does return; weights must match the keys."""
+    not return stops the run at the reward dry run, before any model loads, naming the keys it does return; weights
+    must match the keys."""
     module = load_recipe("gdpo")
     (tmp_path / "reward.py").write_text(GDPO_REWARD)
     fn = f"{tmp_path / 'reward.py'}:score"
@@ -404,7 +406,8 @@ def test_gdpo_reads_the_rewards_a_reward_function_names(tmp_path, small_args):
     with pytest.raises(
         UsageError, match=r"--gdpo-reward-keys fmt: the reward function's results have \['acc', 'format'\]"
     ):
-        one_step(module, tmp_path / "typo", small_args, reward_fn=fn, gdpo_reward_keys=("acc", "fmt"))
+        one_step(load_recipe_refusing_models("gdpo", monkeypatch), tmp_path / "typo", small_args, reward_fn=fn,
+                 gdpo_reward_keys=("acc", "fmt"))  # fmt: skip
     with pytest.raises(UsageError, match="give one weight per --gdpo-reward-keys key"):
         make_args(module.Args, gdpo_reward_keys=("acc", "format"), gdpo_reward_weights=(1.0,))
 
