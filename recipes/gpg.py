@@ -23,7 +23,7 @@ the paper (and matches verl's defaults):
    --bypass-mode takes the engine's logprobs as the old ones: ratio pi / pi_rollout, no old pass.
 GPG, a fork of grpo.py that changes the advantage and the loss: 6. point 2's advantage, without the std by
 default (the paper's F_norm = 1, as verl), times alpha = (responses of the step) / (those with a nonzero reward, at least
-1), in the policy gradient -A * new: no ratio, no clip. alpha is verl's; the paper's B / (B - M) counts all-equal groups'.
+1), in the policy gradient -A * new: no ratio, no clip. alpha is verl's; the paper's is B / (B - M), M in all-equal groups.
 
 Run (the tests run the same commands, shortened):
     python recipes/gpg.py                    # bundled SFT checkpoint + addition task, CPU
