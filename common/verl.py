@@ -183,6 +183,7 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     ACTOR + "loss_agg_mode": Flag("loss_agg_mode"),
     ACTOR + "entropy_coeff": Flag("entropy_coeff"),
     ACTOR + "entropy_from_logits_with_chunking": NoOp("the entropy is always computed in chunks of rows here"),
+    ACTOR + "calculate_sum_pi_squared": NoOp("otb.py's step 4 always measures it, and nothing else reads it"),
     ACTOR + "entropy_checkpointing": NoOp("the entropy's backward recomputes from the logits; no softmax is kept"),
     ACTOR + "use_kl_loss": Flag("use_kl_loss"),
     ACTOR + "kl_loss_coef": Flag("kl_loss_coef"),
@@ -755,8 +756,9 @@ def _special(key: str, value, overrides: dict):
 ESTIMATORS = {"grpo": "grpo.py (or a fork of it: dapo.py, gspo.py, cispo.py, sapo.py, ...)", "rloo": "rloo.py",
               "reinforce_plus_plus": "reinforce_pp.py", "reinforce_plus_plus_baseline": "reinforce_pp.py",
               "gae": "ppo.py", "gpg": "gpg.py", "opo": "opo.py", "grpo_passk": "grpo_passk.py",
-              "remax": "remax.py", "gdpo": "gdpo.py"}  # fmt: skip
-LOSS_MODES = {"vanilla": "grpo.py (or rloo.py, reinforce_pp.py, ppo.py, dapo.py, opo.py, grpo_passk.py, remax.py, gdpo.py)",
+              "remax": "remax.py", "gdpo": "gdpo.py", "optimal_token_baseline": "otb.py",
+              "tir_optimal_token_baseline": "otb.py"}  # fmt: skip
+LOSS_MODES = {"vanilla": "grpo.py (or rloo.py, reinforce_pp.py, ppo.py, dapo.py, opo.py, otb.py, grpo_passk.py, ...)",
               "gspo": "gspo.py", "cispo": "cispo.py", "sapo": "sapo.py", "geo_mean": "gmpo.py", "clip_cov": "clip_cov.py",
               "kl_cov": "kl_cov.py", "dppo_tv": "dppo.py", "dppo_kl": "dppo.py", "dro": "dro.py", "gpg": "gpg.py"}  # fmt: skip
 # The policy-loss knobs, and verl's loss modes that read them: another mode leaves them unread (a verl config file
@@ -771,7 +773,7 @@ READ_BY = {"clip_ratio": CLIPPED, "clip_ratio_low": CLIPPED, "clip_ratio_high": 
 def _check_estimator(arg: str, value, adv_estimator: str | None, recipe: str) -> str | None:
     if value not in ESTIMATORS:
         return f"{arg}: not an estimator built here (built: {', '.join(ESTIMATORS)})"
-    if adv_estimator is None or value.removesuffix("_baseline") != adv_estimator.removesuffix("_baseline"):
+    if ESTIMATORS[value] != ESTIMATORS.get(adv_estimator):
         return f"{arg}: {recipe} does not run that estimator; run recipes/{ESTIMATORS[value].split()[0]} with the same arguments"
     return None
 

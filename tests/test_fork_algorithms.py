@@ -496,3 +496,97 @@ def test_gdpo_matches_verls_worked_case():
     got = gdpo.compute_advantages(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [1.0, 1.0]]),
                                   torch.tensor([0, 0, 1, 1]), torch.ones(4, 2), [1.0, 1.0])  # fmt: skip
     torch.testing.assert_close(got[:, 0], torch.tensor([0.0, 0.0, -1.3228757, 1.3228757]), rtol=1e-5, atol=1e-6)
+
+
+otb = load_recipe("otb")
+
+
+def random_token_stats(seed, mask, holes=True):
+    """Per token: the old logprob of a token drawn from a random 5-way distribution, that distribution's
+    sum_v pi_v^2 and a --rollout-is weight, junk (50, 9, 7) off the mask; with holes, a tool's tokens cut into
+    the longer responses."""
+    g = torch.Generator().manual_seed(100 + seed)
+    if holes:
+        mask = mask.clone()
+        mask[mask.sum(-1) >= 4, 2] = 0
+    probs = torch.softmax(torch.randn(*mask.shape, 5, generator=g, dtype=torch.float64) * 2, -1)
+    drawn = torch.multinomial(probs.reshape(-1, 5), 1, generator=g).reshape(mask.shape)
+    old = probs.gather(-1, drawn[..., None]).squeeze(-1).log()
+    weights = torch.rand(mask.shape, generator=g, dtype=torch.float64) * 2
+    junk = lambda x, value: torch.where(mask > 0, x, torch.full_like(x, value))  # noqa: E731
+    return mask, junk(old, 50.0), junk(probs.square().sum(-1), 9.0), junk(weights, 7.0)
+
+
+def otb_reference(r, g, mask, old, pi2, weights):
+    """r_i - b_t at the t-th of row i's own tokens, b_t = sum_i r_i W_i,t / (sum_i W_i,t + 1e-8) over the group's
+    rows that have a t-th token, W_i,t = sum of (1 - 2 exp(old) + pi2) * weight^2 over its first t + 1 tokens;
+    b_t = 0 where one row alone has a t-th token. Returns (B, T) lists."""
+    own = [[t for t in range(mask.shape[1]) if mask[i, t] > 0] for i in range(len(r))]
+    energy = []
+    for i, places in enumerate(own):
+        total, row = 0.0, []
+        for t in places:
+            total += (1 - 2 * math.exp(old[i, t].item()) + pi2[i, t].item()) * weights[i, t].item() ** 2
+            row.append(total)
+        energy.append(row)
+    want = [[0.0] * mask.shape[1] for _ in r]
+    for i, places in enumerate(own):
+        members = [j for j in range(len(r)) if g[j] == g[i]]
+        for k, t in enumerate(places):
+            reach = [j for j in members if len(own[j]) > k]
+            num = sum(r[j] * energy[j][k] for j in reach)
+            b = num / (sum(energy[j][k] for j in reach) + 1e-8) if len(reach) > 1 else 0.0
+            want[i][t] = r[i] - b
+    return want
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_otb_advantage_equals_its_formula(seed):
+    rewards, groups, mask = random_groups(seed)
+    mask, old, pi2, weights = random_token_stats(seed, mask)
+    want = torch.tensor(otb_reference(rewards.tolist(), groups.tolist(), mask, old, pi2, weights), dtype=torch.float64)
+    got = otb.compute_advantages(rewards, groups, mask, old, pi2, weights)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    assert torch.all(got[mask == 0] == 0)
+
+
+def verl_otb(r, g, mask, old, pi2):
+    """verl's optimal_token_baseline as its documentation and code describe it, for responses without holes: b_t
+    over the columns, a group of one with no baseline, and handle_zero_tail (on): where the longest response is
+    unique and longer than the second, its baseline from the second's length on is 0."""
+    w = ((1 - 2 * old.exp() + pi2) * mask).cumsum(-1)
+    baseline = torch.zeros_like(w)
+    for group in set(g):
+        rows = [i for i in range(len(r)) if g[i] == group]
+        if len(rows) == 1:
+            continue
+        m, wg = mask[rows], w[rows]
+        returns = torch.tensor([r[i] for i in rows], dtype=torch.float64)[:, None] * m
+        baseline[rows] = ((returns * wg * m).sum(0) / ((wg * m).sum(0) + 1e-8)).expand(len(rows), -1)
+        lengths = sorted(int(x) for x in m.sum(-1))
+        if lengths.count(lengths[-1]) == 1 and lengths[-1] > lengths[-2]:
+            longest = rows[int(m.sum(-1).argmax())]
+            baseline[longest, lengths[-2] :] = 0.0
+    return (torch.tensor(r, dtype=torch.float64)[:, None] - baseline) * mask
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_otb_equals_verls_column_baseline_without_tool_turns(seed):
+    """Without holes a token's place is its column, and "b = 0 where one row alone has a t-th token" is verl's
+    group-of-one rule and handle_zero_tail: verl's two estimators and this recipe agree."""
+    rewards, groups, mask = random_groups(seed)
+    mask, old, pi2, _ = random_token_stats(seed, mask, holes=False)
+    got = otb.compute_advantages(rewards, groups, mask, old, pi2, torch.ones_like(mask))
+    want = verl_otb(rewards.tolist(), groups.tolist(), mask, old, pi2)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_otb_by_hand():
+    """Two responses of lengths 2 and 1, rewards 1 and 0, every token with pi_j = 0.5 and sum_v pi_v^2 = 0.5, so each
+    token adds 1 - 1 + 0.5 = 0.5 to W: at t = 0 both have W = 0.5 and b = 0.5; at t = 1 the first is alone: b = 0."""
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    half = torch.full((2, 2), 0.5)
+    got = otb.compute_advantages(
+        torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), mask, half.log(), half, torch.ones(2, 2)
+    )
+    torch.testing.assert_close(got, torch.tensor([[0.5, 1.0], [-0.5, 0.0]]))

@@ -593,3 +593,39 @@ def test_only_the_vllm_warnings_this_engine_causes_on_purpose_are_dropped():
     filt.tied = True
     assert not shown(filt, "%s: Failed to load weights", "ParallelLMHead")  # tied: the embedding is sent
     assert shown(filt, "VocabParallelEmbedding: Failed to load weights")
+
+
+def test_otbs_step_4_measures_each_tokens_sum_of_squared_probabilities(setup, tokenizer):
+    """otb.py's step 4 runs the policy whatever the plan (step 5 needs it before the update) and leaves each
+    response token's sum_v pi_v^2, pi the next-token distribution at the sampling temperature, in
+    batch["sum_pi_squared"] beside the old logprobs, in row order across length-sorted micro-batches;
+    --bypass-mode keeps the engine's logprobs as the old ones."""
+    from types import SimpleNamespace
+
+    otb, (model, prompts, engine) = load_recipe("otb"), setup
+    torch.manual_seed(0)
+    groups = engine.generate(prompts, Sampling(n=2, temperature=1.0, max_tokens=8))
+    flat = [c for g in groups for c in g]
+    batch = pack_sequences([p for p in prompts for _ in range(2)], [c.token_ids for c in flat], tokenizer.pad_token_id)
+    batch["group_ids"], batch["timing"], T = (
+        torch.arange(len(prompts)).repeat_interleave(2),
+        {},
+        batch["responses"].shape[1],
+    )
+    plan = SimpleNamespace(share_prompts=True, temperature=0.7, micro=dict(max_seqs=3, max_tokens=40),
+                           mini_batches_per_step=1, epochs=1)  # fmt: skip
+    old, ref = otb.old_ref_logprobs(model, None, batch, plan, "trainer", False)
+    keys = ("input_ids", "attention_mask", "position_ids")
+    with torch.no_grad():
+        p = torch.softmax(model(**{k: batch[k] for k in keys}).logits[:, -T - 1 : -1].float() / 0.7, -1)
+    mask = batch["response_mask"].bool()
+    assert ref is None and old is not None, (
+        "one mini-batch, one epoch: grpo.py would leave the old logprobs to the update"
+    )
+    torch.testing.assert_close(batch["sum_pi_squared"][mask], p.square().sum(-1)[mask], atol=1e-5, rtol=1e-5)
+    drawn = p.gather(-1, batch["responses"][..., None])[..., 0].log()
+    torch.testing.assert_close(old[mask], drawn[mask], atol=1e-5, rtol=1e-5)
+    assert 0 < batch["sum_pi_squared"][mask].min() and batch["sum_pi_squared"][mask].max() <= 1 + 1e-6
+    batch["rollout_logprobs"] = torch.full_like(old, -1.5)
+    engine_old, _ = otb.old_ref_logprobs(model, None, batch, plan, "engine", False)
+    assert engine_old is batch["rollout_logprobs"] and "sum_pi_squared" in batch

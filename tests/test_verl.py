@@ -39,10 +39,10 @@ LOSS_FORKS = {
     "gpg": "gpg",
     "gspo": "gspo",
 }  # recipe: the verl loss_mode it computes
-RECIPES = ("sft", "grpo", "rloo", "reinforce_pp", "ppo", "dapo", "distill", "opo", "grpo_passk", "remax", "gdpo", *LOSS_FORKS,
+RECIPES = ("sft", "grpo", "rloo", "reinforce_pp", "ppo", "dapo", "distill", "opo", "otb", "grpo_passk", "remax", "gdpo", *LOSS_FORKS,
            "generate", "evaluate")  # fmt: skip
 ESTIMATOR = {"grpo": "grpo", "dapo": "grpo", "distill": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_plus_plus",
-             "ppo": "gae", "opo": "opo", "grpo_passk": "grpo_passk", "remax": "remax", "gdpo": "gdpo", **{r: "grpo" for r in LOSS_FORKS}, "gpg": "gpg",
+             "ppo": "gae", "opo": "opo", "otb": "optimal_token_baseline", "grpo_passk": "grpo_passk", "remax": "remax", "gdpo": "gdpo", **{r: "grpo" for r in LOSS_FORKS}, "gpg": "gpg",
              "sft": None, "generate": None, "evaluate": None}  # fmt: skip
 
 
@@ -195,7 +195,8 @@ def test_verls_examples_translate_and_run(recipe, tmp_path):
             "data.max_length=64: it sets --max-length, which grpo.py does not have",
         ),
         (["algorithm.adv_estimator=gae"], "grpo.py does not run that estimator; run recipes/ppo.py"),
-        (["algorithm.adv_estimator=tir_optimal_token_baseline"], "not an estimator built here"),
+        (["algorithm.adv_estimator=tir_optimal_token_baseline"], "run recipes/otb.py with the same arguments"),
+        (["algorithm.adv_estimator=vectorised_grpo"], "not an estimator built here"),
         (["algorithm.adv_estimator=remax"], "grpo.py does not run that estimator; run recipes/remax.py"),
         (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"], "not a policy loss built here"),
         (
@@ -822,7 +823,7 @@ def test_verls_loss_modes_and_estimators_route_to_their_recipes(recipe):
                             ("algorithm.adv_estimator", ESTIMATORS, ESTIMATOR[recipe])]:  # fmt: skip
         for value, where in table.items():
             argv = [f"{key}={value}"]
-            if where == table[own.removesuffix("_baseline") if own in table else own]:
+            if where == table.get(own):
                 flags, _ = translate(argv, args, ESTIMATOR[recipe], f"{recipe}.py", loss_mode=loss)
                 other = {"dppo_kl": ["--loss-mode", "dppo_kl"], "reinforce_plus_plus_baseline": ["--group-baseline"]}
                 assert flags == (other.get(value, []) if value not in (loss, ESTIMATOR[recipe]) else []), value

@@ -1,0 +1,325 @@
+"""OTB: the optimal baseline of each token (Li et al. 2026, arXiv:2602.07078).
+
+For every prompt, sample rollout_n responses; a response's advantage is its reward set against its
+group's (point 2), and the policy climbs a surrogate of it (point 3). How this file departs from
+the paper (and matches verl's defaults):
+1. Outcome reward only: one score per response, broadcast to every response token.
+2. Advantage r - b_t at each response token t, b_t the group's optimal token baseline (point 6); no std.
+3. No KL by default (--use-kl-loss adds it to the loss, never to the reward); the clip may be
+   asymmetric (clip-higher) and negative advantages get dual-clip at clip_ratio_c.
+4. The loss is aggregated by --loss-agg-mode with the token / sequence count of the whole
+   mini-batch (all micro-batches, all ranks), so splitting a batch never changes the gradient.
+5. Old logprobs come from the trainer: the detached logprobs of the update pass when each sample
+   is used once at unchanged weights (one mini-batch, one epoch), else one no-grad pass first.
+   Rollout correction (verl's algorithm.rollout_correction, off by default): the engine that
+   sampled (pi_rollout: vLLM's or a remote engine's own copy, other kernels; with --max-staleness k,
+   weights up to k steps older) is not exactly pi_old. --rollout-is token
+   scales each token's advantage by w_t = min(exp(old_t - rollout_t), --rollout-is-threshold),
+   sequence by min(exp(sum_t (old_t - rollout_t)), threshold) on all its tokens (log ratios
+   clamped to +-20); w is detached and positive, so this weights each token's loss as verl does.
+   --rollout-is-threshold lo_hi zeroes the weights outside [lo, hi] instead (IcePop), and
+   --rollout-rs drops the tokens or responses whose gap leaves its band from the loss.
+   --bypass-mode takes the engine's logprobs as the old ones: ratio pi / pi_rollout, no old pass.
+OTB, a fork of opo.py that gives its optimal baseline (rewards weighted by the gradient's squared norm) per token:
+6. b_t = sum_i r_i W_i,t / (sum_i W_i,t + 1e-8) over a group's responses with a t-th token (their own: a tool's
+   don't count; verl's tir_optimal_token_baseline, equal to its optimal_token_baseline without tools: both route
+   here), W_i,t = sum_{j<=t} (1 - 2 pi_j + sum_v pi_v^2) * is_j^2: |onehot - pi|^2 summed, pi the old policy's (so
+   step 4 always runs), is_j the --rollout-is weight. As verl, b_t = 0 where one response alone has a t-th token.
+
+Run (the tests run the same commands, shortened):
+    python recipes/otb.py                    # bundled SFT checkpoint + addition task, CPU
+    torchrun --nproc_per_node 2 recipes/otb.py --strategy fsdp2
+    accelerate launch --config_file configs/fsdp2.yaml recipes/otb.py --model Qwen/Qwen2.5-0.5B-Instruct \
+        --train-files ~/data/gsm8k/train.parquet --val-files ~/data/gsm8k/test.parquet --lr 1e-6
+"""
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+import tyro
+
+from common.check import launch_check, prove_resume
+from common.checkpoint import find_resume, resume, save_checkpoint
+from common.config import RLArgs, cli_args, is_due
+from common.data import split_rows, take_rows
+from common.errors import usage_errors
+from common.flags import flag
+from common.model import load_tokenizer, response_logits
+from common.ops import (
+    agg_loss,
+    kl_from_logits,
+    kl_penalty,
+    logprobs_and_entropy,
+    masked_mean,
+    rollout_correction,
+)
+from common.parallel import (
+    StopSignal,
+    all_reduce_sum,
+    clip_grad_norm,
+    grad_sync,
+    init_distributed,
+)
+from common.rewards import start_reward_pool
+from common.rollout import Rollout, load_rl_data, load_rl_models, start_engine
+from common.runlock import claim_run_dir
+from common.tracking import Tracker, describe_run, step_metrics
+
+RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
+PLOTS = ("val/accuracy", "reward/mean", "response/length_mean", "policy/*", "train/grad_norm")  # panels of curves.png
+
+
+# --- config ---------------------------------------------------------------------------------------
+@dataclass
+class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and reward flags come from RLArgs
+    clip_ratio: float = flag(0.2, gt=0)
+    """PPO clip range; clip_ratio_low / clip_ratio_high override each side"""
+    clip_ratio_low: float | None = flag(None, gt=0, le=1, note="the ratio is kept above 1 - clip_ratio_low")
+    """lower clip range: the ratio is kept above 1 - clip_ratio_low (default clip_ratio)"""
+    clip_ratio_high: float | None = flag(None, gt=0)
+    """upper clip range: the ratio is kept below 1 + clip_ratio_high (DAPO clip-higher uses e.g. 0.28)"""
+    clip_ratio_c: float = flag(3.0, gt=1, note="the dual-clip bound, 3 in verl")
+    """dual-clip bound for negative advantages (> 1; 3 as in Ye et al. 2020, arXiv:1912.09729, and verl)"""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """how per-token losses become one number"""
+    use_kl_loss: bool = False
+    """add a KL(policy || reference) term to the loss"""
+    kl_loss_coef: float = flag(0.001, ge=0, note="a negative weight would push the policy away from the reference")
+    """weight of the KL term in the loss"""
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = "low_var_kl"
+    """KL estimator for the loss term (see common.ops.kl_penalty; full: the exact KL over the vocabulary)"""
+    entropy_coeff: float = flag(0.0, ge=0, note="a negative bonus would reward collapsing the entropy")
+    """entropy bonus weight"""
+
+    def update_kwargs(self) -> dict:
+        """update's knobs: the grad clip, the rollout correction, compute_loss's keyword arguments (`loss`), the
+        aggregation and its constant, the KL estimator in the loss (None without --use-kl-loss) and ROLL's loss
+        terms (args.conditioning)."""
+        loss = dict(
+            clip_ratio_low=self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low,
+            clip_ratio_high=self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high,
+            clip_ratio_c=self.clip_ratio_c, entropy_coeff=self.entropy_coeff, kl_loss_coef=self.kl_loss_coef,
+        )  # fmt: skip
+        return dict(grad_clip=self.optim.grad_clip, rollout_is=self.rollout_is_kwargs(), loss=loss,
+                    agg=dict(mode=self.loss_agg_mode, norm_constant=self.max_response_length),
+                    kl_loss_type=self.kl_loss_type if self.use_kl_loss else None, roll=self.conditioning)  # fmt: skip
+
+
+# --- the algorithm ------------------------------------------------------------------------------------
+def compute_advantages(rewards, group_ids, response_mask, old_logprobs, sum_pi_squared, is_weights, eps=1e-8):
+    """OTB advantage: r - b_t, b_t the group's optimal baseline at each response token t (point 6).
+
+    rewards (B,), group_ids (B,) ints (equal for responses to the same prompt), response_mask
+    (B, T); old_logprobs, sum_pi_squared (sum_v pi_v^2) and is_weights (1 without --rollout-is) (B, T).
+    Returns (B, T), zero on padding.
+    """
+    energy = ((1 - 2 * old_logprobs.exp() + sum_pi_squared) * is_weights**2 * response_mask).cumsum(-1)  # W_t
+    place = (response_mask.cumsum(-1) - 1).clamp(min=0).long()  # t: a token's place among its response's own
+    scores = rewards.float().unsqueeze(-1).repeat(1, response_mask.shape[1])
+    for g in torch.unique(group_ids):
+        idx = group_ids == g
+        on = response_mask[idx].bool()
+        r, w, at = rewards[idx, None].float().expand_as(on)[on], energy[idx][on], place[idx][on]  # the group's tokens
+        num, den, reach = (energy.new_zeros(on.shape[1]).index_add_(0, at, x) for x in (r * w, w, torch.ones_like(w)))
+        scores[idx] -= (num / (den + eps) * (reach > 1))[place[idx]]  # OTB: b_t; 0 where one response alone has a t
+    return scores * response_mask
+
+
+def compute_loss(
+    new_logprobs, old_logprobs, advantages, response_mask, agg, *, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+    entropy=None, entropy_coeff=0.0, kl=None, kl_loss_coef=0.0,
+):  # fmt: skip
+    """Clipped surrogate with dual-clip, plus optional KL-to-reference and entropy terms.
+
+    All tensors (B, T). ratio = exp(clamp(new - old, +-20)); per token
+        pg = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))
+        pg = min(pg, -A * clip_ratio_c)  where A < 0  (dual-clip bounds the loss of bad samples)
+    loss = agg(pg) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl), each agg by common.ops.agg_loss
+    with agg's mode and counts (the whole mini-batch's tokens / sequences); kl is the per-token KL to the
+    reference (update picks its estimator). Returns ({term: value}, metrics): the loss is the terms' sum
+    (ROLL's loss terms, off by default, reweigh them: ConditioningArgs.loss).
+    """
+    mask = response_mask
+    log_ratio = torch.clamp(new_logprobs - old_logprobs, min=-20.0, max=20.0)  # exp overflow guard
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    pg = torch.maximum(loss_unclipped, loss_clipped)
+    dual = -advantages * clip_ratio_c
+    pg_dual = torch.where(advantages < 0, torch.minimum(pg, dual), pg)
+    terms = {"pg": agg_loss(pg_dual, mask, **agg)}
+    metrics = {
+        "policy/pg_loss": terms["pg"].detach(),
+        "policy/clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
+        "policy/clipfrac_dual": masked_mean(((pg > dual) & (advantages < 0)).float(), mask),
+        "policy/approx_kl": masked_mean(-log_ratio.detach(), mask),
+    }
+    if entropy is not None:
+        if entropy_coeff:
+            terms["entropy"] = -entropy_coeff * agg_loss(entropy, mask, **agg)
+        metrics["policy/entropy"] = masked_mean(entropy.detach(), mask)
+    if kl is not None:
+        terms["kl"] = kl_loss_coef * agg_loss(kl, mask, **agg)
+        metrics["policy/kl_ref"] = masked_mean(kl.detach(), mask)
+    return terms, metrics
+
+
+# --- the steps of the loop ------------------------------------------------------------------------
+def forward_logprobs(model, batch, rows, plan, with_entropy=False, kl_ref=None, sum_pi_squared=False):
+    """Logprobs (and entropy) of the response tokens of batch[rows] under the model, (b, T).
+    The logits are divided by the sampling temperature, as the sampler did. With kl_ref (the
+    reference model) also the exact KL(model || kl_ref) of each token's whole next-token
+    distribution (kl_loss_type full), (b, T). Returns (logprobs, entropy or None, KL or None)."""
+    mb = take_rows(batch, rows)  # padding columns trimmed; widened back to T below
+    with torch.no_grad():  # the reference's first: one forward of it, outside the policy's graph
+        ref_logits = None if kl_ref is None else response_logits(kl_ref, mb, plan.share_prompts) / plan.temperature
+    logits = response_logits(model, mb, share_prompts=plan.share_prompts) / plan.temperature
+    widen = (0, batch["responses"].shape[1] - logits.shape[1])
+    logprobs, entropy = logprobs_and_entropy(logits, mb["responses"], mb["response_mask"], with_entropy)
+    logprobs, entropy = F.pad(logprobs, widen), (F.pad(entropy, widen) if with_entropy else None)
+    if sum_pi_squared:  # sum_v pi_v^2 of each token in the KL's place, for step 4 (one float32 copy of the logits)
+        return logprobs, None, F.pad(torch.softmax(logits, -1, dtype=torch.float32).square_().sum(-1), widen)
+    return logprobs, entropy, (None if kl_ref is None else F.pad(kl_from_logits(logits, ref_logits), widen))
+
+
+@torch.no_grad()
+def old_ref_logprobs(model, ref, batch, plan, source, with_ref):
+    """Step 4, in micro-batches. Old logprobs (source: RLArgs.old_logprobs_from) from a pass when
+    they are needed before the update or set against the engine's ("pass"), or when the policy
+    moves before a sample is used (several mini-batches or epochs); otherwise the update pass's
+    detached logprobs are exact. "engine" (--bypass-mode) takes the engine's logprobs as the old
+    ones. OTB: the pass always runs, for step 5. Reference logprobs when a KL term estimates from them (with_ref; under
+    LoRA the reference is the policy with its adapter off: common.model.AdapterOff)."""
+    t, old_logprobs, ref_logprobs = time.time(), None, None
+    micro = split_rows(batch, **plan.micro)
+    order = torch.cat(micro).argsort()  # micro-batches may be length-sorted: back to row order
+    passes = [forward_logprobs(model, batch, rows, plan, sum_pi_squared=True) for rows in micro]
+    old_logprobs, batch["sum_pi_squared"] = (torch.cat([p[i] for p in passes])[order] for i in (0, 2))
+    if source == "engine":  # the engine's logprobs are the old policy: no pass for them
+        old_logprobs = batch["rollout_logprobs"]
+    if with_ref:
+        ref_logprobs = torch.cat([forward_logprobs(ref, batch, rows, plan)[0] for rows in micro])[order]
+    batch["timing"]["perf/logprobs_s"] = time.time() - t
+    return old_logprobs, ref_logprobs
+
+
+def update(
+    policy, ref, plan, batch, advantages, loss_mask, old_logprobs, ref_logprobs, *, grad_clip, loss, agg, kl_loss_type,
+    rollout_is, roll,
+):  # fmt: skip
+    """Step 6: plan.epochs x mini-batches x micro-batches, one optimizer step per mini-batch; then
+    one lr-schedule step (knobs: Args.update_kwargs). The rollout correction (rollout_is, off by
+    default) weighs each token's advantage by the truncated pi_old / pi_rollout, and its rejection
+    drops the tokens it rejects from the loss mask. The KL in the loss (kl_loss_type, None without
+    --use-kl-loss) is estimated from step 4's ref_logprobs; full runs the reference (ref) on each
+    micro-batch for the exact KL instead. roll: ROLL's loss terms around compute_loss's (off by default)."""
+    model, optimizer, scheduler = policy
+    kl_ref = ref if kl_loss_type == "full" else None  # the exact KL: the reference on each micro-batch
+    is_weights, loss_mask, is_metrics = rollout_correction(old_logprobs, batch["rollout_logprobs"], loss_mask,
+                                                           advantages, **rollout_is)  # fmt: skip
+    advantages = advantages * is_weights  # the advantages themselves when the correction is off
+    t, stats, grad_norms, loss_sum = time.time(), [], [], 0.0
+    for _ in range(plan.epochs):
+        for mini in plan.mini_batches(batch["group_ids"]):  # this rank's rows of each (--shuffle-mini-batches)
+            # Normalise by the whole mini-batch (every micro-batch, every rank), not per micro-batch.
+            num_tokens = all_reduce_sum(loss_mask[mini].sum())
+            num_seqs = all_reduce_sum((loss_mask[mini].sum(-1) > 0).sum().float())
+            whole = dict(agg, num_tokens=num_tokens, num_seqs=num_seqs)  # agg_loss's mode and the counts
+            micro = split_rows(batch, mini, **plan.micro)
+            for k, rows in enumerate(micro):
+                with grad_sync(model, enabled=k == len(micro) - 1):
+                    new_logprobs, entropy, full_kl = forward_logprobs(model, batch, rows, plan, True, kl_ref)
+                    # On-policy (one mini-batch, one epoch): old = new at unchanged weights, ratio 1.
+                    old = old_logprobs[rows] if old_logprobs is not None else new_logprobs.detach()
+                    estimated = kl_loss_type not in (None, "full")  # else the exact KL, or none
+                    kl = kl_penalty(new_logprobs, ref_logprobs[rows], kl_loss_type) if estimated else full_kl
+                    terms, metrics = compute_loss(new_logprobs, old, advantages[rows], loss_mask[rows], whole,
+                                                  entropy=entropy, kl=kl, **loss)  # fmt: skip
+                    loss_mb = roll.loss(terms, metrics, new_logprobs, old, advantages[rows], loss_mask[rows], whole,
+                                        batch["rewards"][rows])  # ROLL's loss terms; else the terms' sum  # fmt: skip
+                    # DDP and FSDP2 average gradients over ranks; the loss is already a global mean.
+                    (loss_mb * plan.world_size).backward()
+                stats.append((batch["response_mask"][rows].sum().item(), {k: float(v) for k, v in metrics.items()}))
+                loss_sum += loss_mb.item()
+            grad_norms.append(clip_grad_norm(model, grad_clip))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    weight = sum(w for w, _ in stats) or 1.0
+    metrics = {k: sum(w * m[k] for w, m in stats) / weight for k in stats[0][1]}
+    metrics["train/loss"] = all_reduce_sum(torch.tensor(loss_sum)).item() / len(grad_norms)
+    metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics["train/lr"] = scheduler.get_last_lr()[0]
+    metrics.update(is_metrics)
+    scheduler.step()
+    batch["timing"]["perf/update_s"] = time.time() - t
+    return metrics
+
+
+# --- main ---------------------------------------------------------------------------------------
+def main(args: Args) -> dict:
+    # Setup: process group; batch arithmetic and flags checked before anything loads.
+    dist = init_distributed(args.wait_timeout, args.seed)  # seeded seed + rank: ranks sample different responses
+    plan, run_dir = args.batch_plan(dist.world_size), claim_run_dir(args.run_dir(RECIPE), dist, args.force_unlock)
+
+    # Data, the run to resume and rewards (a reward dry run), then the models, engine and optimizer.
+    tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
+    train, stats, val = load_rl_data(args.train_files, args.val_files, tokenizer, **args.data_kwargs())
+    total_steps = args.total_steps(len(train))
+    checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps, flags=dataclasses.asdict(args))
+    pool = start_reward_pool(**args.reward_kwargs(run_dir, tokenizer, train + val))
+    resumed = prove_resume(args.check, dist)  # --check full: save, resume, a step, in child runs of this command
+    model, ref, reward_model, run_info = load_rl_models(args.model, dist, tokenizer, **args.model_kwargs())
+    policy = args.optim.trainable(model, total_steps)  # the policy with its AdamW and lr schedule
+    state = resume(checkpoint, policy, dist=dist)  # the trainer state: step 0, or the checkpoint's
+    engine = start_engine(model, tokenizer, dist, state["step"], **args.engine_kwargs(train, total_steps, pool))
+    rollout = Rollout(train, val, engine, pool, tokenizer, dist, reward_model=reward_model, **args.rollout_kwargs())
+    tracker = Tracker(run_dir, state["step"], total_steps, dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
+    tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
+    check = launch_check(args.check, model, engine, rollout, tracker, resumed, **args.check_kwargs(state["step"]))
+    if state["step"] == 0 and val and args.val_before_train:
+        tracker.log(rollout.validate(), step=0)
+    stop = StopSignal(dist)  # SIGUSR1 / SIGTERM (Slurm, before the time limit): save after this step, exit 0
+    for step in stop.steps(state["step"], total_steps):  # to the end, or the step a stop signal came in
+        # 1-3. sample prompts (this rank's share), generate rollout_n responses each, score them
+        batch = rollout.step(step)
+        rewards, group_ids, mask = batch["rewards"], batch["group_ids"], batch["response_mask"].float()  # B, B, B x T
+        rewards = args.conditioning.rewards(rewards, batch, state)  # ROLL's knobs (off by default)
+
+        # 4. old / ref logprobs
+        old_logprobs, ref_logprobs = old_ref_logprobs(model, ref, batch, plan, args.old_logprobs_from, args.ref_pass)
+
+        # 5. advantages: each token's reward over its group's optimal token baseline; then ROLL's conditioning
+        is_only = dict(args.rollout_is_kwargs(), rs=None, opsm=None)  # the IS weights (the update applies the rest)
+        is_weights = rollout_correction(old_logprobs, batch["rollout_logprobs"], mask, **is_only)[0]
+        advantages = compute_advantages(rewards, group_ids, mask, old_logprobs, batch["sum_pi_squared"], is_weights)
+        advantages = args.conditioning.advantages(advantages, mask, batch)
+
+        # 6. update (with the rollout correction, if asked), then hand the new weights to the engine
+        metrics = update(policy, ref, plan, batch, advantages, mask, old_logprobs, ref_logprobs, **args.update_kwargs())
+        engine.update_weights(step + 1)
+
+        # 7. log
+        metrics.update(step_metrics(batch, rewards, advantages, old_logprobs))
+        metrics.update(check.during(step + 1, stop))  # --check-freq: the engine still serves the trainer's weights
+
+        # 8. validate / save (and, after a stop signal, save and end the run here)
+        if val and is_due(step + 1, args.test_freq, total_steps):
+            metrics.update(rollout.validate())
+        tracker.log(metrics, step=step + 1)
+        if stop.requested() or is_due(step + 1, args.save_freq, total_steps):  # every rank stops together
+            save_checkpoint(run_dir, step + 1, policy, dist=dist, tokenizer=tokenizer, **args.save_kwargs(RECIPE),
+                            trainer_state=dict(epoch=batch["epoch"], reward_stats=state.get("reward_stats")))  # fmt: skip
+    pool.close()
+    return tracker.finish(PLOTS, stopped=stop.stopping, failure=stop.failure)
+
+
+if __name__ == "__main__":
+    with usage_errors():  # a bad flag, path or file: one line naming it, exit status 2
+        main(tyro.cli(Args, args=cli_args(Args, "optimal_token_baseline")))  # verl's key=value arguments work too
