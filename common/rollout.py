@@ -259,9 +259,7 @@ def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist
     metrics = {
         "val/reward/mean": sum(s for _, s, _ in results) / len(results),
         "val/accuracy": sum(h for *_, h in results) / len(results),
-        "val/reward/errors": failures[0],
-        "val/reward/timeouts": failures[1],
-        "val/reward/nonfinite": failures[2],
+        **dict(zip(("val/reward/errors", "val/reward/timeouts", "val/reward/nonfinite"), failures)),
         **{f"val/{k}": v for k, v in agent.items()},
     }
     if local and local[0].get("agent_name") == "env":
@@ -271,8 +269,10 @@ def evaluate(engine, pool, tokenizer, rows: list[dict], sampling: Sampling, dist
     for source in sorted({d for d, *_ in results}):
         hits_d = [h for d, _, h in results if d == source]
         metrics[f"val/accuracy/{source}"] = sum(hits_d) / len(hits_d)
+    if (n := sampling.n) > 1:  # verl's best@n of the accuracy: a prompt counts once any of its n responses hits
+        solved = sum(gather_objects(sum(any(h for *_, h in mine[i : i + n]) for i in range(0, len(mine), n))))
+        metrics[f"val/pass@{n}"] = solved / (len(results) // n)
     if log_generations:  # rank 0 holds the first rows (shard_evenly is contiguous); every rank sends its first N
-        n = sampling.n
         mine = [{"data_source": row["data_source"], "prompt": tokenizer.decode(row["prompt_ids"]),
                  "response": texts[i * n], "ground_truth": str(row["ground_truth"]), "score": scored.scores[i * n]}
                 for i, row in enumerate(local[:n_real][:log_generations])]  # fmt: skip

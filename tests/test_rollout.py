@@ -629,3 +629,32 @@ def test_otbs_step_4_measures_each_tokens_sum_of_squared_probabilities(setup, to
     batch["rollout_logprobs"] = torch.full_like(old, -1.5)
     engine_old, _ = otb.old_ref_logprobs(model, None, batch, plan, "engine", False)
     assert engine_old is batch["rollout_logprobs"] and "sum_pi_squared" in batch
+
+
+def test_validation_with_several_responses_counts_pass_at_n_by_prompt():
+    """val/pass@n (verl's best@n of the accuracy): the share of prompts with at least one hit among their n
+    responses, beside val/accuracy, the share of responses that hit; with one response a prompt, no pass@1."""
+    from types import SimpleNamespace
+
+    from common.engines import Completion
+    from common.rewards import Scored
+    from common.rollout import evaluate
+
+    hits = {0: [0, 0, 1], 1: [0, 0, 0], 2: [1, 1, 1], 3: [0, 1, 0]}  # prompt: its responses' scores
+
+    class Engine:
+        def generate(self, prompts, sampling):
+            return [[Completion([p[0], j], [0.0, 0.0], "stop") for j in range(sampling.n)] for p in prompts]
+
+    class Pool:
+        def score(self, tasks):
+            scores = [float(hits[int(p)][int(j)]) for _, text, _, _ in tasks for p, j in [text.split()]]
+            return Scored(scores, [{} for _ in scores], ok=[True] * len(scores))
+
+    tokenizer = SimpleNamespace(batch_decode=lambda ids, skip_special_tokens: [" ".join(map(str, t)) for t in ids])
+    rows = [dict(prompt_ids=[i], data_source="sums", ground_truth="", extra_info={}) for i in hits]
+    dist = SimpleNamespace(world_size=1, rank=0)
+    metrics = evaluate(Engine(), Pool(), tokenizer, rows, Sampling(n=3, temperature=1.0, max_tokens=2), dist)
+    assert metrics["val/pass@3"] == 3 / 4 and metrics["val/accuracy"] == 5 / 12
+    one = evaluate(Engine(), Pool(), tokenizer, rows, Sampling(n=1, temperature=1.0, max_tokens=2), dist)
+    assert one["val/accuracy"] == 1 / 4 and not any(k.startswith("val/pass@") for k in one)
