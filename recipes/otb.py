@@ -10,7 +10,7 @@ the paper (and matches verl's defaults):
 4. The loss is aggregated by --loss-agg-mode with the token / sequence count of the whole
    mini-batch (all micro-batches, all ranks), so splitting a batch never changes the gradient.
 5. Old logprobs come from the trainer: the detached logprobs of the update pass when each sample
-   is used once at unchanged weights (one mini-batch, one epoch), else one no-grad pass first.
+   is used once at unchanged weights in grpo.py; here always one no-grad pass first, for pi and sum_v pi_v^2.
    Rollout correction (verl's algorithm.rollout_correction, off by default): the engine that
    sampled (pi_rollout: vLLM's or a remote engine's own copy, other kernels; with --max-staleness k,
    weights up to k steps older) is not exactly pi_old. --rollout-is token
@@ -21,10 +21,9 @@ the paper (and matches verl's defaults):
    --rollout-rs drops the tokens or responses whose gap leaves its band from the loss.
    --bypass-mode takes the engine's logprobs as the old ones: ratio pi / pi_rollout, no old pass.
 OTB, a fork of opo.py that gives its optimal baseline (rewards weighted by the gradient's squared norm) per token:
-6. b_t = sum_i r_i W_i,t / (sum_i W_i,t + 1e-8) over a group's responses with a t-th token (their own: a tool's
-   don't count; verl's tir_optimal_token_baseline, equal to its optimal_token_baseline without tools: both route
-   here), W_i,t = sum_{j<=t} (1 - 2 pi_j + sum_v pi_v^2) * is_j^2: |onehot - pi|^2 summed, pi the old policy's (so
-   step 4 always runs), is_j the --rollout-is weight. As verl, b_t = 0 where one response alone has a t-th token.
+6. b_t = sum_i r_i W_i,t / (sum_i W_i,t + 1e-8) over a group's responses with a t-th own token (not a tool's: verl's
+   tir_optimal_token_baseline, its optimal_token_baseline without tools; both route here), b_t = 0 where one alone
+   has it; W_i,t = sum_{j<=t} |onehot_j - pi|^2 is_j^2 = (1 - 2 pi_j + sum_v pi_v^2) is_j^2, is_j: --rollout-is weights.
 
 Run (the tests run the same commands, shortened):
     python recipes/otb.py                    # bundled SFT checkpoint + addition task, CPU

@@ -47,19 +47,27 @@ OWN_PLUMBING = [r for r in RL_RECIPES if r == "grpo" or _plumbing(r) != _plumbin
 SHIPPED_ACCURACY = 0.488  # bundled/tiny-qwen2-sft's greedy accuracy on TASK_TEST (test_sft.py measures it)
 
 
+# Module- and session-wide fixtures that start processes of their own: a worker that runs one of their tests makes
+# them again, so their tests share a worker (the preemption runs' fixture alone takes ~45 s).
+SHARED_FIXTURES = ("stopped", "default_run", "help_pages", "gpu_config_launches", "single_process_run")
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m reads the marks
 def pytest_collection_modifyitems(config, items):
     """Every test that launches torchrun (torchrun_runs) or starts Ray (ray_cluster) is end-to-end
     (the e2e mark: pytest -m "not e2e" is the inner loop). Under xdist (-n 2, --dist loadgroup) those of
     torchrun_runs share one worker, whose session makes the launch once, and the Ray tests another, as
-    they count Ray's processes on the machine; a GPU test skips without CUDA."""
+    they count Ray's processes on the machine, and those of each of SHARED_FIXTURES another; a GPU test skips
+    without CUDA."""
     for item in items:
         if {"torchrun_runs", "ray_cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)
         if "torchrun_runs" in getattr(item, "fixturenames", ()):  # one worker makes the one torchrun launch
             item.add_marker(pytest.mark.xdist_group("torchrun"))
-        if item.module.__name__ in ("test_remote", "test_remote_recipes") or "ray_cluster" in item.fixturenames:
+        elif item.module.__name__ in ("test_remote", "test_remote_recipes") or "ray_cluster" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("ray"))  # one Ray at a time: its tests count Ray's processes
+        elif shared := [f for f in SHARED_FIXTURES if f in getattr(item, "fixturenames", ())]:
+            item.add_marker(pytest.mark.xdist_group(shared[0]))  # the fixture's work once, not once per worker
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 
