@@ -347,8 +347,7 @@ def response_outputs(model, batch: dict, share_prompts: bool, keep_logits: bool)
     layout = forward_layout(model, batch, share_prompts)
     if layout == "packed":
         return _packed_outputs(model, batch, keep_logits)  # no pad token reaches the model
-    T = batch["responses"].shape[1]
-    P = batch["input_ids"].shape[1] - T
+    T, P = batch["responses"].shape[1], batch["input_ids"].shape[1] - batch["responses"].shape[1]
     keys = ("input_ids", "attention_mask", "position_ids")
     keep = (lambda n: {"logits_to_keep": n}) if keep_logits else (lambda n: {})  # noqa: E731
     if layout == "one pass":
@@ -359,10 +358,11 @@ def response_outputs(model, batch: dict, share_prompts: bool, keep_logits: bool)
     cache = DynamicCache()  # passed in: a token-classification output carries no cache of its own
     cached = {cache_kwarg(model): cache, "use_cache": True}
     prompt = model(**{k: batch[k][first, :P] for k in keys}, **cached, **keep(1))
-    cache.batch_select_indices(owner)
+    for layer in cache.layers:  # index_select: the backward of batch_select_indices' x[owner] took 15x as long
+        layer.keys, layer.values = layer.keys.index_select(0, owner), layer.values.index_select(0, owner)
     positions = batch["position_ids"][:, P:]
     out = model(input_ids=batch["responses"], attention_mask=batch["attention_mask"], position_ids=positions, **cached)
-    return torch.cat([prompt.logits[owner, -1:], out.logits[:, :-1]], 1)
+    return torch.cat([prompt.logits[:, -1:].index_select(0, owner), out.logits[:, :-1]], 1)
 
 
 def cache_kwarg(model) -> str:
