@@ -88,11 +88,11 @@ def trl_worker(args, out: Path) -> None:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from common.data import read_parquet
+    from common.data import read_rows
     from common.model import load_tokenizer
     from common.scoring import addition_score
 
-    rows = read_parquet([TRAIN])[0][1]
+    rows = read_rows([TRAIN])[0][1]
     data = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]} for r in rows])
 
     def reward(prompts, completions, ground_truth, **kwargs):

@@ -10,13 +10,14 @@ imports a recipe.
 
 LAYERS = (
     "watchdog",  # no silent hang: waits under a deadline (--wait-timeout), and who waits on whom when one passes
-    "errors",  # UsageError, RunStopped and usage_errors: what every layer raises and how recipes report it
+    "errors",  # UsageError, DataError, RunStopped and usage_errors: what every layer raises, how recipes report it
     "flags",  # flag(): a knob's field with its range rule; check_ranges reads the rules back
     "verl",  # verl's key=value overrides translated into our flags: the one table of verl's keys
     "optim",  # AdamW and the lr schedules, and their flags (OptimArgs)
     "parallel",  # the process group, DDP / FSDP2 wrapping, collectives, the stop signal, logging setup (WaitArgs)
     "resume_proof",  # --check full's child runs: a run resumed from its checkpoint trains the same next step
     "runlock",  # one live run per run folder (and per generate / evaluate output): the lock and its holder
+    "sources",  # the data files that are not parquet (JSON / JSONL, CSV, Arrow, save_to_disk), through datasets
     "data",  # parquet rows, chat templating, truncation, padding, micro-batches (DataArgs)
     "sft_data",  # sft.py's examples: conversations or prompt / response rows with their loss masks
     "correction",  # verl's rollout correction: importance weights and rejection over the engine's logprobs
@@ -51,7 +52,7 @@ LAYERS = (
 # imports these only inside the function that serves the flag (tests/test_layers.py). The launch
 # check's fast probes (common.check) run in every run (--check fast) and are core.
 FEATURES = ("tools", "envs", "agent", "env_manager", "remote", "vllm_engine", "weight_sync", "conditioning",
-            "resume_proof", "reward_model", "correction", "verl")  # fmt: skip
+            "resume_proof", "reward_model", "correction", "verl", "sources")  # fmt: skip
 
 # The names the recipes import, by module: the surface a fork builds on. tests/test_layers.py holds
 # the recipes to it, so that every name a recipe uses is named here and every name here is used.
@@ -61,7 +62,7 @@ PUBLIC = {
     "config": "AgentArgs BUNDLED DataArgs EngineArgs EnvPlayArgs KLRewardArgs ModelArgs OptimArgs RLArgs TrainerArgs "
     "WaitArgs check_flags cli_args is_due plan_batches",
     "critic": "load_critic response_values",
-    "data": "DataError get_field has_column load_prompts pad read_parquet split_rows step_rows take_rows",
+    "data": "DataError get_field has_column load_prompts pad read_rows split_rows step_rows take_rows",
     "engines": "Sampling hf_generate_greedy",
     "envs": "env_rows",
     "errors": "UsageError usage_errors",

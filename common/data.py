@@ -1,4 +1,4 @@
-"""Parquet loading for verl-format RL prompts and SFT data, chat templating, truncation, batching.
+"""RL prompts and SFT data from parquet (other formats: common.sources), chat templating, truncation, batching.
 Every error names the file, the row and the column, and says what to change."""
 
 import functools
@@ -10,51 +10,51 @@ from typing import Literal
 
 import torch
 
-from common.errors import UsageError
+from common.errors import DataError, UsageError
 from common.flags import BUNDLED
 from common.parallel import all_reduce_max
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 
 
-class DataError(UsageError):
-    """A data file or row that cannot be used as given (the message names it)."""
-
-
 # --- reading -----------------------------------------------------------------------------------
 MULTIMODAL_COLUMNS = ("images", "videos")  # verl's image_key and video_key: refused, never silently dropped
 
 
-def read_parquet(files, what: str = "train_files") -> list[tuple[str, list[dict]]]:
-    """[(file, rows)] for one or many parquet files; rows are plain dicts (structs become dicts).
+def read_rows(files, what: str = "train_files") -> list[tuple[str, list[dict]]]:
+    """[(file, rows)] for one or many inputs; rows are plain dicts (structs become dicts). A parquet file is read
+    here; JSON / JSONL, CSV, Arrow and save_to_disk folders through datasets (common.sources, which names them).
     Rows with images or videos (MULTIMODAL_COLUMNS) are refused: a text-only run would drop them."""
     if isinstance(files, str | Path):
         files = [files]
     if not files:
-        raise DataError(f"{what} is empty; pass at least one parquet file")
-    import pyarrow.parquet as pq
-
+        raise DataError(f"{what} is empty; pass at least one data file")
     out = []
     for file in files:
         path = Path(file).expanduser()
-        if not path.is_file():
-            raise DataError(f"{what}: file {str(file)!r} does not exist")
-        try:
-            table = pq.read_table(path)
-        except Exception as e:  # pyarrow raises several types for a bad file
-            raise DataError(f"{what}: {str(file)!r} is not a readable parquet file ({e})") from e
-        if table.num_rows == 0:
+        if path.suffix != ".parquet" or not path.is_file():  # a missing file is named there too
+            from common.sources import read_source
+
+            rows = read_source(str(file), what)
+        else:
+            import pyarrow.parquet as pq
+
+            try:
+                rows = pq.read_table(path).to_pylist()
+            except Exception as e:  # pyarrow raises several types for a bad file
+                raise DataError(f"{what}: {str(file)!r} is not a readable parquet file ({e})") from e
+        if not rows:
             raise DataError(f"{what}: {str(file)!r} has no rows")
-        rows = table.to_pylist()
         for column in MULTIMODAL_COLUMNS:
             if held := sum(1 for row in rows if row.get(column)):
-                raise DataError(
-                    f"{what}: {str(file)!r} column {column!r} holds {column} in {held} of {len(rows)} rows; the "
-                    f"recipes train text-only models, so those rows would be trained without them. Drop the "
-                    f"column (or empty it) to use the text alone"
-                )
+                raise DataError(f"{what}: {str(file)!r} column {column!r} holds {column} in {held} of {len(rows)} "
+                                f"rows; the recipes train text-only models, so those rows would be trained without "
+                                f"them. Drop the column (or empty it) to use the text alone")  # fmt: skip
         out.append((str(file), rows))
     return out
+
+
+read_parquet = read_rows  # its name before the other formats: a fork made earlier still imports it
 
 
 def has_column(rows: list[dict], key: str) -> bool:
@@ -248,7 +248,7 @@ def load_prompts(
     scored: a reward function will score the rows, so each needs the data_source that picks it
     (verl's reward managers require one too); otherwise a missing one reads "unknown"."""
     stats, out = LoadStats(), []
-    for file, rows in read_parquet(files, what):
+    for file, rows in read_rows(files, what):
         stats.per_file[file] = len(rows)
         # Template every row, then tokenize them in one batched call (about twice as fast as row by row).
         # A row that fails to template is raised after the rows before it are checked: the first bad one is named.
@@ -406,9 +406,9 @@ def split_rows(batch: dict, rows: torch.Tensor | None = None, *, max_seqs: int, 
 @dataclass
 class DataArgs:
     train_files: tuple[str, ...] = (str(BUNDLED / "addition" / "train.parquet"),)
-    """training parquet file(s)"""
+    """training data: parquet, JSON / JSONL, CSV or Arrow files, or datasets' save_to_disk folders (FOLDER@SPLIT)"""
     val_files: tuple[str, ...] = (str(BUNDLED / "addition" / "test.parquet"),)
-    """validation parquet file(s); empty to skip validation"""
+    """validation data, in the same forms as --train-files; empty to skip validation"""
     prompt_key: str = "prompt"
     """column holding the prompt: a chat list of {role, content} or a plain string"""
     truncation: Literal["error", "left", "right", "middle"] = "error"

@@ -1,4 +1,4 @@
-"""The two exceptions every layer raises, and how a recipe reports them (the bottom layer)."""
+"""The exceptions every layer raises (a usage error, bad data, a stopped run), and how a recipe reports them."""
 
 import contextlib
 import os
@@ -21,6 +21,10 @@ STOP_AFTER_CHECK = "RECIPES_STOP_AFTER_CHECK"
 class UsageError(ValueError):
     """Input the user can fix (a flag, a path, a file, a row): reported as one short message that
     names it and says what to change, without a traceback, and exit status 2 (usage_errors)."""
+
+
+class DataError(UsageError):
+    """A data file or row that cannot be used as given (the message names it)."""
 
 
 class RunStopped(RuntimeError):

@@ -1,8 +1,7 @@
 """Process group setup through accelerate, and data parallelism: DDP or FSDP2 (`fully_shard`).
 
 FSDP2 is applied by this module rather than by accelerate's plugin, so the very same code path runs
-on CPU with gloo (in the tests) and on GPUs with NCCL.
-"""
+on CPU with gloo (in the tests) and on GPUs with NCCL."""
 
 import contextlib
 import logging

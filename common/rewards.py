@@ -2,8 +2,7 @@
 tools and interactions (common.tools, common.agent) too.
 
 Scoring runs in worker processes under a per-sample timeout: a function that raises or never
-returns costs that sample a 0 and is counted, never the run.
-"""
+returns costs that sample a 0 and is counted, never the run."""
 
 import contextlib
 import logging

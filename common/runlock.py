@@ -7,8 +7,7 @@ On its host, the holder's pid and process start time say whether it still runs: 
 is taken over, with a line. From another host nothing can tell, so only a later attempt of the same
 Slurm job (same SLURM_JOB_ID, higher SLURM_RESTART_COUNT: Slurm requeues once the last attempt has
 ended) or --force-unlock takes it over. The lock is created with O_EXCL and taken over in one
-rename, both atomic across nodes on NFS (v3 and later), Lustre and GPFS.
-"""
+rename, both atomic across nodes on NFS (v3 and later), Lustre and GPFS."""
 
 import atexit
 import contextlib

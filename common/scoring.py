@@ -3,8 +3,7 @@
     compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
 
 A dict carries the score under "score"; its other numeric keys become metrics. Without --reward-fn
-each row's data_source picks a built-in. common.rewards runs these in hang-proof workers.
-"""
+each row's data_source picks a built-in. common.rewards runs these in hang-proof workers."""
 
 import importlib.util
 import math

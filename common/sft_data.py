@@ -11,7 +11,7 @@ from common.data import (
     as_tools,
     get_field,
     has_column,
-    read_parquet,
+    read_rows,
     template_reads,
     too_long,
     truncate,
@@ -98,7 +98,7 @@ def load_sft(
     out = []
     eos = tokenizer.eos_token_id
     keys = (messages_key, prompt_key, response_key, tools_key)
-    for file, rows in read_parquet(files, what):
+    for file, rows in read_rows(files, what):
         stats.per_file[file] = len(rows)
         chat = has_column(rows, messages_key)
         with_tools = chat and has_column(rows, tools_key)

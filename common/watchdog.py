@@ -8,8 +8,7 @@ dump names this rank, its step and policy version (`note`), its wait, since when
 the recipe, the last collective completed, live figures other modules register (`probe`) and where
 every other rank is (each rank writes its state to the run folder every second), so a rank stuck in
 compute is named by its peers. Torch's collectives and kernels release the interpreter, so the
-thread runs while a rank blocks in one.
-"""
+thread runs while a rank blocks in one."""
 
 import contextlib
 import json

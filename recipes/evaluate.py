@@ -168,9 +168,9 @@ def read_rows(data_path: str, response_key: str, data_source_key: str, reward_mo
     """(per row {data_source, ground_truth, extra_info, extra_infos (each response's, with what its
     conversation added), responses, lengths, reasons}, n) from the --data-path parquet, its columns
     named by the --*-key flags. Every row must hold a list of the same number of response strings."""
-    from common.data import DataError, get_field, has_column, read_parquet
+    from common.data import DataError, get_field, has_column, read_rows
 
-    (file, rows), = read_parquet([data_path], "data_path")  # fmt: skip
+    (file, rows), = read_rows([data_path], "data_path")  # fmt: skip
     if not has_column(rows, response_key):
         raise DataError(
             f"{file}: no column {response_key!r} (it has {sorted(rows[0])}); generate responses with "

@@ -140,6 +140,7 @@ def test_a_default_run_loads_no_ray_gymnasium_engines_agent_or_environments(defa
 FORK_IMPORTS = {
     "common.config": "BUNDLED AgentArgs DataArgs EngineArgs KLRewardArgs ModelArgs OptimArgs RLArgs TrainerArgs "
     "UsageError check_flags is_due plan_batches usage_errors",
+    "common.data": "DataError load_prompts read_parquet",
     "common.rewards": "Scored builtin_scorer exact_match extract_answer hit start_agent_pools start_reward_pool",
     "common.rollout": "Sampling evaluate generate_and_score hf_generate_greedy regroup sample start_engine",
     "common.tracking": "Tracker describe_run rollout_is_metrics setup_logging step_metrics",

@@ -1,0 +1,80 @@
+"""The data files that are not parquet, read through Hugging Face datasets (a feature: loaded for such an input only).
+
+JSON / JSONL, CSV and Arrow files and save_to_disk folders become the same plain rows as a parquet file's. datasets
+turns a file into its Arrow cache once (~/.cache/huggingface/datasets, found again by the file's fingerprint) and
+memory-maps it; a folder is memory-mapped as saved. A flat format's dotted column (CSV: reward_model.ground_truth)
+is nested as verl's structs are. Every error names the input and says what to give instead."""
+
+from pathlib import Path
+
+from common.errors import DataError
+
+# A file's suffix -> the datasets builder that reads it.
+BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".arrow": "arrow"}
+KINDS = "a parquet, JSON / JSONL, CSV or Arrow file, or a folder written by datasets' save_to_disk"
+
+
+def read_source(spec: str, what: str) -> list[dict]:
+    """The rows of one input of `what` (--train-files, say): a file by its suffix (BUILDERS), or a save_to_disk
+    folder, FOLDER@SPLIT choosing one split of a folder that holds several (a DatasetDict)."""
+    path, split = Path(spec).expanduser(), None
+    if not path.exists() and "@" in path.name:
+        base, split = spec.rsplit("@", 1)
+        path = Path(base).expanduser()
+    if not path.exists():
+        raise DataError(f"{what}: file {spec!r} does not exist (give {KINDS})")
+    import datasets
+
+    datasets.disable_progress_bars()  # one line per input is said by the caller, not a bar per split
+    if path.is_dir():
+        data = _folder(datasets, path, spec, split, what)
+    else:
+        builder = BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise DataError(f"{what}: {spec!r} is not a data file this library reads (suffix {path.suffix!r}); "
+                             f"give {KINDS}")  # fmt: skip
+        if split is not None:
+            raise DataError(f"{what}: {spec!r}: @{split} picks a split of a save_to_disk folder; a file is one split")
+        try:
+            data = datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception as e:  # datasets raises several types for a malformed file
+            raise DataError(f"{what}: {spec!r} is not a readable {builder.upper()} file ({_first_line(e)})") from e
+    rows = data.to_list()
+    return [_nested(row) for row in rows] if any("." in column for column in data.column_names) else rows
+
+
+def _folder(datasets, path: Path, spec: str, split: str | None, what: str):
+    """The one split of a save_to_disk folder: a Dataset's, or the DatasetDict's split `split` names."""
+    try:
+        data = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise DataError(f"{what}: {spec!r} is a folder that datasets' save_to_disk did not write "
+                         f"({_first_line(e)}); give {KINDS}") from e  # fmt: skip
+    if not isinstance(data, datasets.DatasetDict):
+        if split is not None:
+            raise DataError(f"{what}: {spec!r}: the folder holds one split, not {split!r}; drop @{split}")
+        return data
+    if split is None and len(data) == 1:
+        return next(iter(data.values()))
+    if split not in data:
+        name = str(path) if split is None else spec.rsplit("@", 1)[0]
+        asked = "" if split is None else f" has no split {split!r}:"
+        raise DataError(f"{what}: {spec!r}{asked} it holds the splits {', '.join(data)}; name one as "
+                         f"{name}@{next(iter(data))}")  # fmt: skip
+    return data[split]
+
+
+def _nested(row: dict) -> dict:
+    """reward_model.ground_truth = x -> reward_model: {ground_truth: x}, as verl's parquet holds it."""
+    out = {}
+    for key, value in row.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return out
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]

@@ -1,0 +1,95 @@
+"""Data files that are not parquet (common.sources, through Hugging Face datasets): each format gives the rows the
+same data gives as parquet, a recipe trains on them, and a bad input is named with what to give instead."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.csv
+import pyarrow.parquet as pq
+import pytest
+from conftest import TASK_TRAIN, run_recipe
+
+from common.data import read_rows
+from common.errors import DataError
+
+ROWS = 40
+
+
+@pytest.fixture(scope="module")
+def rows():
+    """The first ROWS rows of the bundled train split, as parquet holds them (the prompt a chat list, reward_model
+    a struct)."""
+    return pq.read_table(TASK_TRAIN).slice(0, ROWS).to_pylist()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, rows):
+    """The same rows as JSONL, a JSON array, CSV (the prompt as its text, the struct as a dotted column), an Arrow
+    file, and save_to_disk folders of one split and of two."""
+    import datasets
+
+    d = tmp_path_factory.mktemp("sources")
+    (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "rows.json").write_text(json.dumps(rows))
+    flat = [{"prompt": r["prompt"][0]["content"], "data_source": r["data_source"],
+             "reward_model.ground_truth": r["reward_model"]["ground_truth"]} for r in rows]  # fmt: skip
+    pa.csv.write_csv(pa.Table.from_pylist(flat), d / "rows.csv")
+    with (
+        pa.OSFile(str(d / "rows.arrow"), "wb") as sink,
+        pa.ipc.new_stream(sink, pa.Table.from_pylist(rows).schema) as w,
+    ):
+        w.write_table(pa.Table.from_pylist(rows))
+    data = datasets.Dataset.from_list(rows)
+    data.save_to_disk(str(d / "one"))
+    datasets.DatasetDict({"train": data, "test": data.select(range(8))}).save_to_disk(str(d / "two"))
+    return d
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json", "rows.arrow", "one", "two@train"])
+def test_each_format_gives_the_rows_parquet_gives(saved, rows, name):
+    (file, got), = read_rows([str(saved / name)])  # fmt: skip
+    assert file == str(saved / name) and got == rows
+
+
+def test_a_csv_nests_its_dotted_columns_as_verls_structs(saved, rows):
+    (_, got), = read_rows([str(saved / "rows.csv")])  # fmt: skip
+    assert [r["reward_model"]["ground_truth"] for r in got] == [int(r["reward_model"]["ground_truth"]) for r in rows]
+    assert [r["prompt"] for r in got] == [r["prompt"][0]["content"] for r in rows]
+
+
+def test_a_folder_of_two_splits_gives_the_one_named(saved):
+    (_, test), = read_rows([str(saved / "two@test")])  # fmt: skip
+    assert len(test) == 8
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("two", "'{d}/two' it holds the splits train, test; name one as {d}/two@train"),
+        ("two@dev", "'{d}/two@dev' has no split 'dev': it holds the splits train, test"),
+        ("one@test", "the folder holds one split, not 'test'; drop @test"),
+        ("rows.jsonl@train", "@train picks a split of a save_to_disk folder; a file is one split"),
+        ("missing.jsonl", "file '{d}/missing.jsonl' does not exist (give a parquet, JSON / JSONL"),
+        ("rows.txt", "is not a data file this library reads (suffix '.txt'); give a parquet, JSON / JSONL, CSV"),
+        ("bad.jsonl", "'{d}/bad.jsonl' is not a readable JSON file"),
+        ("plain", "'{d}/plain' is a folder that datasets' save_to_disk did not write"),
+    ],
+)
+def test_a_bad_input_is_named_with_what_to_give(saved, name, message):
+    (saved / "rows.txt").write_text("x")
+    (saved / "bad.jsonl").write_text('{"prompt": "1+1="}\n{not json\n')
+    (saved / "plain").mkdir(exist_ok=True)
+    with pytest.raises(DataError) as error:
+        read_rows([str(saved / name)], "train_files")
+    assert str(error.value).startswith("train_files: ") and message.format(d=saved) in str(error.value)
+
+
+def test_grpo_trains_on_a_mixed_list_of_formats(saved, tmp_path):
+    """JSONL and CSV for training, a save_to_disk split for validation: two steps, the rows of every input counted."""
+    out = tmp_path / "run"
+    done = run_recipe("grpo", "--train-files", saved / "rows.jsonl", saved / "rows.csv", "--val-files", saved / "two@test",
+                      "--output-dir", out, "--total-training-steps", 2, "--train-batch-size", 8, "--rollout-n", 2,
+                      "--test-freq", 2, "--save-freq", 0, "--logger")  # fmt: skip
+    assert f"train: {2 * ROWS}/{2 * ROWS} rows from 2 file(s)" in done.stdout + done.stderr
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2] and "val/accuracy" in metrics[-1]
