@@ -406,7 +406,7 @@ def split_rows(batch: dict, rows: torch.Tensor | None = None, *, max_seqs: int, 
 @dataclass
 class DataArgs:
     train_files: tuple[str, ...] = (str(BUNDLED / "addition" / "train.parquet"),)
-    """training data: parquet, JSON / JSONL, CSV or Arrow files, or datasets' save_to_disk folders (FOLDER@SPLIT)"""
+    """training data: parquet, JSON / JSONL, CSV or Arrow files, save_to_disk folders (FOLDER@SPLIT), dataset names"""
     val_files: tuple[str, ...] = (str(BUNDLED / "addition" / "test.parquet"),)
     """validation data, in the same forms as --train-files; empty to skip validation"""
     prompt_key: str = "prompt"

@@ -1,10 +1,12 @@
 """The data files that are not parquet, read through Hugging Face datasets (a feature: loaded for such an input only).
 
-JSON / JSONL, CSV and Arrow files and save_to_disk folders become the same plain rows as a parquet file's. datasets
+JSON / JSONL, CSV and Arrow files, save_to_disk folders and dataset names (ORG/NAME[:SUBSET][@SPLIT], from the
+Hugging Face cache, or the Hub where it is reachable) become the same plain rows as a parquet file's. datasets
 turns a file into its Arrow cache once (~/.cache/huggingface/datasets, found again by the file's fingerprint) and
 memory-maps it; a folder is memory-mapped as saved. A flat format's dotted column (CSV: reward_model.ground_truth)
 is nested as verl's structs are. Every error names the input and says what to give instead."""
 
+import re
 from pathlib import Path
 
 from common.errors import DataError
@@ -12,21 +14,26 @@ from common.errors import DataError
 # A file's suffix -> the datasets builder that reads it.
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".arrow": "arrow"}
 KINDS = "a parquet, JSON / JSONL, CSV or Arrow file, or a folder written by datasets' save_to_disk"
+# A dataset's name: ORG/NAME, then :SUBSET (its configuration) and @SPLIT, each optional.
+NAME = re.compile(r"^(?P<name>[\w.-]+/[\w.-]+)(?::(?P<subset>[\w.-]+))?(?:@(?P<split>[\w.-]+))?$")
 
 
 def read_source(spec: str, what: str) -> list[dict]:
-    """The rows of one input of `what` (--train-files, say): a file by its suffix (BUILDERS), or a save_to_disk
-    folder, FOLDER@SPLIT choosing one split of a folder that holds several (a DatasetDict)."""
+    """The rows of one input of `what` (--train-files, say): a file by its suffix (BUILDERS), a save_to_disk folder
+    (FOLDER@SPLIT choosing one split of a folder that holds several, a DatasetDict), or a dataset's name (NAME)."""
     path, split = Path(spec).expanduser(), None
     if not path.exists() and "@" in path.name:
         base, split = spec.rsplit("@", 1)
         path = Path(base).expanduser()
-    if not path.exists():
-        raise DataError(f"{what}: file {spec!r} does not exist (give {KINDS})")
+    named = None if path.exists() or path.suffix.lower() in (*BUILDERS, ".parquet") else NAME.match(spec)
+    if not path.exists() and named is None:
+        raise DataError(f"{what}: file {spec!r} does not exist (give {KINDS}, or a dataset's name: ORG/NAME)")
     import datasets
 
     datasets.disable_progress_bars()  # one line per input is said by the caller, not a bar per split
-    if path.is_dir():
+    if named is not None:
+        data = _named(datasets, spec, what, **named.groupdict())
+    elif path.is_dir():
         data = _folder(datasets, path, spec, split, what)
     else:
         builder = BUILDERS.get(path.suffix.lower())
@@ -62,6 +69,20 @@ def _folder(datasets, path: Path, spec: str, split: str | None, what: str):
         raise DataError(f"{what}: {spec!r}{asked} it holds the splits {', '.join(data)}; name one as "
                          f"{name}@{next(iter(data))}")  # fmt: skip
     return data[split]
+
+
+def _named(datasets, spec: str, what: str, name: str, subset: str | None, split: str | None):
+    """A dataset by its name: the split asked for (default: test for validation, else train) of its subset."""
+    split = split or ("test" if what.startswith("val") else "train")
+    try:
+        return datasets.load_dataset(name, subset, split=split)
+    except ConnectionError as e:  # offline (HF_HUB_OFFLINE) and not in the cache, or the Hub out of reach
+        raise DataError(f"{what}: {spec!r} is neither a file nor a dataset in the local Hugging Face cache "
+                        f"({datasets.config.HF_DATASETS_CACHE}), and the Hub is out of reach ({_first_line(e)}); "
+                        f"give {KINDS}, or the name of a dataset loaded once with datasets") from e  # fmt: skip
+    except (ValueError, FileNotFoundError) as e:  # an unknown split or subset; a cache without the files
+        raise DataError(f"{what}: {spec!r}: {_first_line(e)} (the split follows @, the subset :, as in "
+                        f"{name}:main@{split})") from e  # fmt: skip
 
 
 def _nested(row: dict) -> dict:

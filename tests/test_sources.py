@@ -2,6 +2,7 @@
 same data gives as parquet, a recipe trains on them, and a bad input is named with what to give instead."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.csv
@@ -84,12 +85,63 @@ def test_a_bad_input_is_named_with_what_to_give(saved, name, message):
     assert str(error.value).startswith("train_files: ") and message.format(d=saved) in str(error.value)
 
 
-def test_grpo_trains_on_a_mixed_list_of_formats(saved, tmp_path):
-    """JSONL and CSV for training, a save_to_disk split for validation: two steps, the rows of every input counted."""
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch, rows):
+    """A dataset named someorg/addition (subset main, split train) in a temporary Hugging Face cache, laid out as a
+    download leaves it (ORG___NAME/SUBSET/0.0.0/HASH/NAME-SPLIT.arrow beside dataset_info.json), with datasets and
+    the Hub offline: a name resolves from the cache alone."""
+    import datasets
+    import huggingface_hub
+    from datasets.data_files import DataFilesDict
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    cache = tmp_path / "hf-datasets"
+    source = tmp_path / "addition.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), source)
+    files = DataFilesDict.from_patterns({"train": [str(source)]})
+    builder = Parquet(cache_dir=str(cache), dataset_name="someorg___addition", config_name="main", data_files=files,
+                      hash="0123abcd")  # fmt: skip
+    builder.download_and_prepare()
+    prepared = Path(builder.cache_dir)  # .../someorg___addition/main-<data files' hash>/0.0.0/0123abcd
+    (prepared / "someorg___addition-train.arrow").rename(prepared / "addition-train.arrow")
+    prepared.parent.parent.rename(prepared.parent.parent.parent / "main")
+    for module, names in (
+        (datasets.config, ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")),
+        (huggingface_hub.constants, ("HF_HUB_OFFLINE",)),
+    ):
+        for name in names:
+            monkeypatch.setattr(module, name, True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    return cache
+
+
+@pytest.mark.parametrize("spec", ["someorg/addition", "someorg/addition:main", "someorg/addition@train"])
+def test_a_dataset_name_resolves_from_the_local_cache(hf_cache, rows, spec):
+    (name, got), = read_rows([spec])  # fmt: skip
+    assert name == spec and got == rows
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("someorg/addition@dev", "'someorg/addition@dev': Unknown split \"dev\""),
+        ("other/missing", "'other/missing' is neither a file nor a dataset in the local Hugging Face cache"),
+    ],
+)
+def test_a_name_the_cache_cannot_serve_is_named(hf_cache, spec, message):
+    with pytest.raises(DataError) as error:
+        read_rows([spec], "train_files")
+    assert message in str(error.value)
+
+
+def test_grpo_trains_on_a_mixed_list_of_formats(saved, hf_cache, tmp_path):
+    """JSONL, CSV and a cached dataset's name for training, a save_to_disk split for validation: two steps, the
+    rows of every input counted."""
     out = tmp_path / "run"
-    done = run_recipe("grpo", "--train-files", saved / "rows.jsonl", saved / "rows.csv", "--val-files", saved / "two@test",
-                      "--output-dir", out, "--total-training-steps", 2, "--train-batch-size", 8, "--rollout-n", 2,
-                      "--test-freq", 2, "--save-freq", 0, "--logger")  # fmt: skip
-    assert f"train: {2 * ROWS}/{2 * ROWS} rows from 2 file(s)" in done.stdout + done.stderr
+    done = run_recipe("grpo", "--train-files", saved / "rows.jsonl", saved / "rows.csv", "someorg/addition",
+                      "--val-files", saved / "two@test", "--output-dir", out, "--total-training-steps", 2,
+                      "--train-batch-size", 8, "--rollout-n", 2, "--test-freq", 2, "--save-freq", 0,
+                      "--logger")  # fmt: skip
+    assert f"train: {3 * ROWS}/{3 * ROWS} rows from 3 file(s)" in done.stdout + done.stderr
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2] and "val/accuracy" in metrics[-1]
