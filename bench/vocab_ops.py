@@ -20,7 +20,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from packing import timed  # noqa: E402  (bench/: the median of timed repeats, synchronised on a GPU)
 
-from common.ops import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits  # noqa: E402
+from common.ops import _row_chunks, logprobs_and_entropy, logprobs_from_logits  # noqa: E402
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """The entropy as the recipes ran it before logprobs_and_entropy (common.ops had it): a pass of its own over
+    every position, chunked over the rows, its backward through autograd. (..., V) -> (...), float32."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = []
+    for rows in _row_chunks(flat.shape[0]):
+        chunk = flat[rows].float()
+        logz = torch.logsumexp(chunk, dim=-1, keepdim=True)
+        probs = torch.exp(chunk - logz)
+        out.append(logz.squeeze(-1) - (probs * chunk).sum(-1))
+    return torch.cat(out).reshape(logits.shape[:-1]) if out else flat.new_zeros(logits.shape[:-1])
 
 
 def main() -> None:

@@ -171,18 +171,6 @@ class _LogprobEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim, (..., V) -> (...), float32, chunked."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    out = []
-    for rows in _row_chunks(flat.shape[0]):
-        chunk = flat[rows].float()
-        logz = torch.logsumexp(chunk, dim=-1, keepdim=True)
-        probs = torch.exp(chunk - logz)
-        out.append(logz.squeeze(-1) - (probs * chunk).sum(-1))
-    return torch.cat(out).reshape(logits.shape[:-1]) if out else flat.new_zeros(logits.shape[:-1])
-
-
 def _kl_rows(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
     logp, ref = torch.log_softmax(logits.float(), dim=-1), torch.log_softmax(ref_logits.float(), dim=-1)
     return (logp.exp() * (logp - ref)).sum(-1)

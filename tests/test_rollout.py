@@ -149,7 +149,7 @@ def test_a_packed_forward_equals_the_padded_one(setup, tokenizer, rows, family):
     from common.critic import load_critic, response_values
     from common.data import take_rows
     from common.model import packs, response_logits, sequence_logits
-    from common.ops import entropy_from_logits
+    from common.ops import logprobs_and_entropy
 
     qwen, prompts, engine = setup
     path = SFT if family == "qwen2" else str(ROOT / "bundled" / "tiny-llama")
@@ -168,7 +168,7 @@ def test_a_packed_forward_equals_the_padded_one(setup, tokenizer, rows, family):
     for model in (base, packed):
         model.train()
         logits = response_logits(model, mb, share_prompts=False)
-        logprobs, entropy = logprobs_from_logits(logits, mb["responses"]), entropy_from_logits(logits)
+        logprobs, entropy = logprobs_and_entropy(logits, mb["responses"])
         grads = torch.autograd.grad(logprobs[mask].sum() + entropy[mask].sum(), list(model.parameters()))
         results.append((logprobs[mask], entropy[mask], grads))
     (lp, ent, grads), (packed_lp, packed_ent, packed_grads) = results
