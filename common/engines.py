@@ -84,13 +84,7 @@ class HFEngine:
         return cls(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device=dist.device,
                    world_size=dist.world_size, batch_size=batch_size)  # fmt: skip
 
-    def sleep(self) -> None:
-        pass
-
-    def wake_up(self) -> None:
-        pass
-
-    def reset_cache(self) -> None:
+    def reset_cache(self) -> None:  # common.remote's engine actors reset theirs after each weight sync
         pass
 
     def update_weights(self, version: int) -> None:
