@@ -96,8 +96,7 @@ def load_trained_model(
     """The policy (load_policy with its knobs) wrapped for DDP / FSDP2 (strategy auto|ddp|fsdp2). Returns (model,
     run_info: common.parallel.sharding_report of the layout, plus the FLOP terms and matmul dtype MFU needs)."""
     strategy = resolve_strategy(strategy)
-    model = load_policy(path, dtype=dtype, **policy)
-    model = wrap_model(model, strategy, dist, mixed_precision)
+    model = wrap_model(load_policy(path, dtype=dtype, **policy), strategy, dist, mixed_precision)
     compute = str(compute_dtype(dtype, mixed_precision)).removeprefix("torch.")
     return model, {**sharding_report(model, strategy, dist), "flops": flop_terms(model), "compute_dtype": compute}
 
@@ -108,8 +107,7 @@ FROZEN_KNOBS = ("dtype", "trust_remote_code", "mixed_precision", "remove_padding
 def load_frozen(path: str, dist, *, strategy: str, mixed_precision: str = "no", **policy):
     """A forward-only causal LM (a reference, a teacher; load_policy's FROZEN_KNOBS): no gradient, eval mode, sharded
     like the policy under FSDP2 (its forwards then collective), else on this rank's device."""
-    model = load_policy(path, **policy)
-    model = model.eval().requires_grad_(False)
+    model = load_policy(path, **policy).eval().requires_grad_(False)
     return wrap_model(model, "fsdp2" if resolve_strategy(strategy) == "fsdp2" else "none", dist, mixed_precision)
 
 

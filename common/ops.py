@@ -17,8 +17,7 @@ CHUNK_ROWS = 1024
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    x = x * mask
-    return x.sum() if dim is None else x.sum(dim)
+    return (x * mask).sum(dim)
 
 
 def masked_mean(
@@ -26,9 +25,7 @@ def masked_mean(
 ) -> torch.Tensor:
     """sum(x * mask) / denom (default mask.sum()); 0, never NaN, at a zero count (e.g. every group filtered out)."""
     total = masked_sum(x, mask, dim)
-    if denom is None:
-        denom = mask.sum() if dim is None else mask.sum(dim)
-    denom = torch.as_tensor(denom, dtype=total.dtype, device=total.device)
+    denom = torch.as_tensor(mask.sum(dim) if denom is None else denom, dtype=total.dtype, device=total.device)
     return torch.where(denom != 0, total / torch.where(denom != 0, denom, 1), 0)
 
 

@@ -140,10 +140,9 @@ def fsdp_options() -> dict:
             "the accelerate config sets fsdp_activation_checkpointing, which the recipes do not read: "
             "remove it from the config and pass --gradient-checkpointing"
         )
-    return {
-        "offload": env_flag("FSDP_OFFLOAD_PARAMS"),
-        "reshard_after_forward": env_flag("FSDP_RESHARD_AFTER_FORWARD", "true"),
-    }
+    return dict(
+        offload=env_flag("FSDP_OFFLOAD_PARAMS"), reshard_after_forward=env_flag("FSDP_RESHARD_AFTER_FORWARD", "true")
+    )
 
 
 def resolve_strategy(strategy: str) -> str:

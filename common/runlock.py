@@ -61,12 +61,10 @@ def take_lock(path: Path, what: str, flag: str, force: bool = False) -> None:
     me = holder()
     path.parent.mkdir(parents=True, exist_ok=True)
     for _ in range(200):  # each pass takes the lock, refuses, or finds another process taking it over
-        try:
+        with contextlib.suppress(FileExistsError):
             with os.fdopen(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644), "w") as f:
                 _write(f, me)
             break
-        except FileExistsError:
-            pass
         held, seen = _read(path)
         if seen is None:  # released meanwhile
             continue

@@ -45,10 +45,8 @@ def _caller() -> str:
 
 def _short(path: str) -> str:
     parts = Path(path).parts
-    for anchor in ("recipes", "common", "tests"):
-        if anchor in parts:
-            return "/".join(parts[parts.index(anchor) :])
-    return Path(path).name
+    anchor = next((a for a in ("recipes", "common", "tests") if a in parts), None)
+    return "/".join(parts[parts.index(anchor) :]) if anchor else Path(path).name
 
 
 def arm(timeout: float, rank: int = 0) -> None:
