@@ -40,7 +40,7 @@ it is on.
 
 import torch
 
-from common.ops import RunningMoments, agg_loss, group_normalize, masked_whiten_all_ranks
+from common.ops import RunningMoments, agg_loss, masked_whiten_all_ranks
 from common.parallel import all_reduce_sum, gather_objects, this_rank
 
 EPS = 1e-6
@@ -61,8 +61,28 @@ def length_reward(scores: torch.Tensor, lengths: torch.Tensor, group_ids: torch.
     return out
 
 
+def group_normalize(scores: torch.Tensor, keys: list, method: str) -> torch.Tensor:
+    """ROLL's reward normalisation (its agentic pipeline's reward_normalization.method) of scores (B,) within
+    the groups that equal keys (B hashables) form, as float32 (B,):
+        identity   x
+        mean_std   (x - mean_g) / (std_g + 1e-6), std unbiased (n - 1); 0 for a group of one or whose std is
+                   at most 1e-6 (nothing to tell apart)
+        asym_clip  mean_std clamped to [-1, 3]: a bad sample is pushed down at most 1, a good one up at most 3"""
+    scores = scores.float()
+    if method == "identity":
+        return scores
+    out = torch.zeros_like(scores)
+    for key in dict.fromkeys(keys):
+        idx = torch.tensor([k == key for k in keys], device=scores.device)
+        x = scores[idx]
+        std = x.std() if x.numel() > 1 else x.new_tensor(0.0)
+        if std > 1e-6:
+            out[idx] = (x - x.mean()) / (std + 1e-6)
+    return out.clamp(min=-1.0, max=3.0) if method == "asym_clip" else out
+
+
 def normalize_rewards(rewards, batch: dict, *, grouping: str = "state", method: str = "identity"):
-    """ROLL's agentic reward_normalization (common.ops.group_normalize) of a step's rewards (B,),
+    """ROLL's agentic reward_normalization (group_normalize) of a step's rewards (B,),
     grouped by `grouping`: state, the samples of one prompt or environment seed (the GRPO group);
     inductive, the samples of one data_source (an environment's tag); batch, the whole step over
     every rank. identity (the default) returns the rewards themselves. Collective unless grouping

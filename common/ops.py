@@ -307,26 +307,6 @@ def kl_controller_step(
     return next_coef, {"policy/kl_coef": coef, "reward/kl_penalty": mean_kl}
 
 
-def group_normalize(scores: torch.Tensor, keys: list, method: str) -> torch.Tensor:
-    """ROLL's reward normalisation (its agentic pipeline's reward_normalization.method) of scores (B,) within
-    the groups that equal keys (B hashables) form, as float32 (B,):
-        identity   x
-        mean_std   (x - mean_g) / (std_g + 1e-6), std unbiased (n - 1); 0 for a group of one or whose std is
-                   at most 1e-6 (nothing to tell apart)
-        asym_clip  mean_std clamped to [-1, 3]: a bad sample is pushed down at most 1, a good one up at most 3"""
-    scores = scores.float()
-    if method == "identity":
-        return scores
-    out = torch.zeros_like(scores)
-    for key in dict.fromkeys(keys):
-        idx = torch.tensor([k == key for k in keys], device=scores.device)
-        x = scores[idx]
-        std = x.std() if x.numel() > 1 else x.new_tensor(0.0)
-        if std > 1e-6:
-            out[idx] = (x - x.mean()) / (std + 1e-6)
-    return out.clamp(min=-1.0, max=3.0) if method == "asym_clip" else out
-
-
 @dataclass
 class KLRewardArgs:
     """verl's algorithm.kl_ctrl knobs, for the recipes that can put a KL penalty in the reward

@@ -12,13 +12,12 @@ import pytest
 import torch
 from conftest import BUNDLED, OWN_PLUMBING, read_metrics, run_recipe, torchrun_plan
 
-from common.conditioning import normalize_rewards
+from common.conditioning import group_normalize, normalize_rewards
 from common.data import render_chat
 from common.engines import Completion, Sampling
 from common.env_manager import EnvLoop
 from common.envs import VAL_SEED_OFFSET, EnvHost, check_envs, env_rows, parse_action, read_env_config
 from common.errors import UsageError
-from common.ops import group_normalize
 from common.rewards import ENVS_PREFIX, RewardPool
 
 GAMES = BUNDLED / "envs" / "games.yaml"
