@@ -290,8 +290,7 @@ def sequence_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 def _packed_outputs(model, batch: dict, keep_logits: bool) -> torch.Tensor:
     """response_outputs packed into one row (pack_inputs): only the outputs predicting a response token
     are made, then set back in the (b, T, ...) layout (zeros past each response's end)."""
-    T = batch["responses"].shape[1]
-    P = batch["input_ids"].shape[1] - T
+    T, P = batch["responses"].shape[1], batch["input_ids"].shape[1] - batch["responses"].shape[1]
     inputs, starts = pack_inputs(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
     real = batch["attention_mask"].bool()
     lengths, prompt_lengths = real.sum(-1), real[:, :P].sum(-1)
@@ -312,8 +311,7 @@ LAYOUTS: Counter = Counter()
 def forward_layout(model, batch: dict, share_prompts: bool = True) -> str:
     """How response_outputs runs this micro-batch: "packed", "one pass" (the padded rows) or "shared
     prompts" (each group's prompt once, then its responses). Collective under FSDP with auto packing."""
-    T = batch["responses"].shape[1]
-    P = batch["input_ids"].shape[1] - T
+    T, P = batch["responses"].shape[1], batch["input_ids"].shape[1] - batch["responses"].shape[1]
     starts = _group_starts(batch["group_ids"])
     one_pass = not share_prompts or _checkpointing(model) or (bool(starts.all()) and not is_fsdp(model))
     padded_tokens = len(starts) * (P + T) if one_pass else int(starts.sum()) * P + len(starts) * T

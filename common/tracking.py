@@ -61,9 +61,8 @@ class Tracker:
         self.gap_bound = gap_bound  # RolloutArgs.gap_bound: past it, the run saves and stops (request_stop)
         self.total_steps, self.start_step, self.log_interval = total_steps, start_step, log_interval
         self.t_start, self.last_step = time.time(), start_step
-        self.run_dir = Path(run_dir)
+        self.run_dir, self.bar_keys = Path(run_dir), bar_keys
         self.path = self.run_dir / "metrics.jsonl"
-        self.bar_keys = bar_keys
         self.wandb = self.tb = self.bar = None
         self.val_first, self.val_last = {}, {}  # before training (step 0), and the latest
         self.zero_grad_steps, self.warned_zero_grad = 0, False
