@@ -5,8 +5,9 @@ gives `sampling.n` completions per prompt, each token's logprob as the sampler s
 temperature / top-k / top-p).
     engine.score(prompts, responses, temperature) -> list[list[float]]
 gives the model's logprob of each response token (distill.py's teacher served by an engine).
-The lifecycle hooks (`sleep`, `wake_up`, `reset_cache`, `update_weights(version)`) serve engines
-with their own copy of the policy (vLLM, remote); the HF engine, the live policy, only records versions.
+The lifecycle hooks (`reset_cache`, `update_weights(version)`) serve engines with their own copy of the
+policy (vLLM, which also sleeps and wakes inside its own calls; remote); the HF engine, the live policy, only
+records versions.
 """
 
 from dataclasses import dataclass, field
