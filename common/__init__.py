@@ -40,19 +40,20 @@ LAYERS = (
     "agent",  # the multi-turn loop with tools and interactions over any engine
     "env_manager",  # ROLL's environment manager: groups of Gymnasium environments played over any engine
     "rollout",  # start_engine, a step's sampled and scored batch, validation; the rollout's flag groups
+    "sync_check",  # --check's weight sync item, for engines with their own copy (vLLM, remote)
     "teacher",  # distill.py's teacher: where it runs (TeacherArgs), its checks, start_teacher
     "config",  # TrainerArgs and RLArgs, which every recipe builds on, and the checks that span flag groups
     "check",  # --check: the launch-time proof that the engine samples what the trainer trains, on this stack
 )
 
 # Opt-in features: only a flag that asks for one loads it (tools and the agent loop, environments,
-# remote Ray engines, the vLLM engine and its weight sync, ROLL's conditioning:
+# remote Ray engines, the vLLM engine, its weight sync and its check, ROLL's conditioning:
 # common.config.ConditioningArgs, the verl translation: common.config.cli_args, --check full's
 # child runs), so a default run reads and imports the rest, the core. A module outside this list
 # imports these only inside the function that serves the flag (tests/test_layers.py). The launch
 # check's fast probes (common.check) run in every run (--check fast) and are core.
-FEATURES = ("tools", "envs", "agent", "env_manager", "remote", "vllm_engine", "weight_sync", "conditioning",
-            "resume_proof", "reward_model", "correction", "verl", "sources")  # fmt: skip
+FEATURES = ("tools", "envs", "agent", "env_manager", "remote", "vllm_engine", "weight_sync", "sync_check",
+            "conditioning", "resume_proof", "reward_model", "correction", "verl", "sources")  # fmt: skip
 
 # The names the recipes import, by module: the surface a fork builds on. tests/test_layers.py holds
 # the recipes to it, so that every name a recipe uses is named here and every name here is used.

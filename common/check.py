@@ -34,9 +34,9 @@ import torch
 from common.data import pack_sequences, render_chat
 from common.engines import Sampling
 from common.errors import STOP_AFTER_CHECK, RunStopped
-from common.model import VARLEN, is_lora, pack_mode, response_logits
-from common.ops import logprobs_from_logits
-from common.parallel import all_reduce_max, all_reduce_sum, unwrap
+from common.model import VARLEN, _trainer_logprobs, pack_mode
+from common.ops import _gap
+from common.parallel import unwrap
 from common.rollout import TOLERANCE, engine_logprobs
 
 log = logging.getLogger(__name__)
@@ -113,21 +113,6 @@ class Item:
         return f"  check {self.name:<16} {verdict:<5} {self.figure}"
 
 
-def _gap(a: torch.Tensor, b: torch.Tensor, batch: dict) -> tuple[float, float]:
-    """(largest, mean) |a - b| over the response tokens of every rank."""
-    mask = batch["response_mask"].float()
-    diff = (a - b).abs() * mask
-    largest = all_reduce_max(float(diff.max()))
-    total = all_reduce_sum(torch.stack([diff.sum(), mask.sum()]).double())
-    return largest, float(total[0] / total[1].clamp(min=1))
-
-
-def _trainer_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
-    with torch.no_grad():
-        logits = response_logits(model, batch, share_prompts=False).float() / temperature
-    return logprobs_from_logits(logits, batch["responses"])
-
-
 def probe_prompts(rows: list[dict], tokenizer) -> list[list[int]]:
     """PROBE_PROMPTS real prompts; rows with none until played (environments) get one fixed chat-templated question."""
     prompts = [r["prompt_ids"] for r in rows if r.get("prompt_ids")][:PROBE_PROMPTS]
@@ -158,50 +143,6 @@ def check_engine_logprobs(model, batch, reported, temperature, dtype) -> Item:
                 "the engine's logprobs of its own samples differ from the trainer's forward pass on the same tokens: a "
                 "different model, dtype or attention kernel on one side, or positions that differ (padding); compare "
                 "--dtype and --rollout-name, and the engine's version against transformers'")  # fmt: skip
-
-
-def check_weight_sync(model, engine, batch, version: int, dtype) -> Item:
-    """Move the trainable weights, sync, and the engine must serve the moved model; then restore."""
-    from torch.distributed.tensor import DTensor
-
-    bound = TOLERANCE[dtype]
-    before = _trainer_logprobs(model, batch, 1.0)
-    trained = [p for p in unwrap(model).parameters() if p.requires_grad]  # LoRA: the adapter's
-    tensors = [p.to_local() if isinstance(p, DTensor) else p.data for p in trained]  # this rank's share, in place
-    saved = [t.detach().to("cpu", copy=True) for t in tensors]
-    g = torch.Generator().manual_seed(1234)
-    try:
-        for scale in (0.05, 0.2, 0.8, 3.2):  # larger moves until the trainer's own logprobs move clearly past the bound
-            with torch.no_grad():
-                for t, copy in zip(tensors, saved):
-                    size = copy.float().abs().mean().item() or 0.02  # a LoRA B starts at zero
-                    noise = torch.randn(copy.shape, generator=g) * scale * size
-                    t.copy_((copy.float() + noise).to(t.dtype))
-            after = _trainer_logprobs(model, batch, 1.0)
-            moved = _gap(after, before, batch)[1]
-            if moved > 4 * bound[1]:
-                break
-        engine.update_weights(version)
-        served = engine_logprobs(engine, batch, 1.0)
-    finally:
-        with torch.no_grad():
-            for t, copy in zip(tensors, saved):
-                t.copy_(copy.to(t.device))
-    engine.update_weights(version)
-    back = engine_logprobs(engine, batch, 1.0)
-    new_gap, old_gap, back_gap = _gap(served, after, batch), _gap(served, before, batch), _gap(back, before, batch)
-    ok = new_gap[0] <= bound[0] and new_gap[1] <= bound[1] and back_gap[1] <= bound[1] and moved > 4 * bound[1]
-    figure = (
-        f"weights moved the probe's logprobs by {moved:.2g} (mean); after the sync the engine is {new_gap[1]:.2g} "
-        f"from the moved model, {old_gap[1]:.2g} from the old; restored: {back_gap[1]:.2g}"
-    )
-    lora = " (a LoRA policy: the engine may be getting the base weights without the adapter merged)" if is_lora(
-        unwrap(model)) else ""  # fmt: skip
-    advice = (
-        f"the engine does not serve the weights the trainer synced{lora}: its rollouts would come from stale "
-        f"weights; check the engine's weight loading (common.weight_sync) for this model and engine version"
-    )
-    return Item("weight sync", ok, figure, advice)
 
 
 def check_packing(model, batch, dtype) -> Item:
@@ -287,7 +228,9 @@ def launch_check(mode: str, model, engine, rollout, tracker, resumed: Item | Non
         check.batch, check.prompts = batch, prompts
         items = [check_engine_logprobs(model, batch, reported, temperature, dtype)]
         if own_weights:
-            items.append(check_weight_sync(model, check.engine, batch, version, dtype))
+            from common.sync_check import check_weight_sync  # a feature: engines with their own copy of the weights
+
+            items.append(Item("weight sync", *check_weight_sync(model, check.engine, batch, version, dtype)))
         else:
             items.append(Item("weight sync", None, "the HF engine samples with the trainer's own weights"))
         items.append(check_packing(model, batch, trainer_dtype or dtype))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from common import watchdog
 from common.errors import UsageError
 from common.flags import BUNDLED, flag
+from common.ops import logprobs_from_logits
 from common.parallel import all_reduce_sum, is_fsdp, resolve_strategy, sharding_report, unwrap, wrap_model
 from common.perf import compute_dtype, flop_terms
 
@@ -374,6 +375,12 @@ def response_logits(model, batch: dict, share_prompts: bool = True) -> torch.Ten
     position t predicts response token t. With share_prompts each group's prompt runs once."""
     watchdog.progress()
     return response_outputs(model, batch, share_prompts, keep_logits=True)
+
+
+def _trainer_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = response_logits(model, batch, share_prompts=False).float() / temperature
+    return logprobs_from_logits(logits, batch["responses"])
 
 
 @dataclass

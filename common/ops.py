@@ -10,7 +10,7 @@ import torch
 import torch.utils.checkpoint
 
 from common.flags import flag
-from common.parallel import all_reduce_sum
+from common.parallel import all_reduce_max, all_reduce_sum
 
 # Rows of (N, V) logits processed at once in float32: bounds the temporary to CHUNK x V floats.
 CHUNK_ROWS = 1024
@@ -95,6 +95,15 @@ def masked_whiten_all_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e
     centred = (x - total / max(n, 1)) * mask
     var = all_reduce_sum(centred.square().sum()).item() / max(n - 1, 1)
     return centred / (var + eps) ** 0.5
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor, batch: dict) -> tuple[float, float]:
+    """(largest, mean) |a - b| over the response tokens of every rank."""
+    mask = batch["response_mask"].float()
+    diff = (a - b).abs() * mask
+    largest = all_reduce_max(float(diff.max()))
+    total = all_reduce_sum(torch.stack([diff.sum(), mask.sum()]).double())
+    return largest, float(total[0] / total[1].clamp(min=1))
 
 
 def _row_chunks(n: int) -> list[slice]:
