@@ -39,9 +39,10 @@ it is on.
 """
 
 import torch
+import torch.distributed as tdist
 
 from common.ops import RunningMoments, agg_loss, masked_whiten_all_ranks
-from common.parallel import all_reduce_sum, gather_objects, this_rank
+from common.parallel import all_reduce_sum, gather_objects
 
 EPS = 1e-6
 
@@ -171,6 +172,10 @@ def condition_advantages(
                         "advantage/weight_max": every.max().item()})  # fmt: skip
         advantages = advantages * weights.to(advantages.device, advantages.dtype).unsqueeze(-1)
     return advantages
+
+
+def this_rank() -> int:
+    return tdist.get_rank() if tdist.is_available() and tdist.is_initialized() else 0
 
 
 def _gather(values: torch.Tensor, keys: list | None = None) -> tuple[torch.Tensor, list, int]:

@@ -266,10 +266,6 @@ def all_reduce_max(value: int | float) -> int | float:
     return value
 
 
-def this_rank() -> int:
-    return tdist.get_rank() if tdist.is_available() and tdist.is_initialized() else 0
-
-
 def gather_objects(obj) -> list:
     """Every rank's obj, in rank order, on every rank."""
     if not (tdist.is_available() and tdist.is_initialized()):
@@ -291,16 +287,6 @@ def broadcast_object(obj, wait_s: float | None = None):
         tdist.broadcast_object_list(box, src=0, group=group)
     if group is not None:
         tdist.destroy_process_group(group)
-    return box[0]
-
-
-def scatter_objects(objs: list | None):
-    """Rank r gets objs[r] of rank 0's list (the other ranks pass None)."""
-    if not (tdist.is_available() and tdist.is_initialized()):
-        return objs[0]
-    box = [None]
-    with watchdog.waiting("scatter_objects from rank 0", collective=True):
-        tdist.scatter_object_list(box, objs if tdist.get_rank() == 0 else None, src=0)
     return box[0]
 
 

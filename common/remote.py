@@ -38,13 +38,14 @@ import uuid
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as tdist
 
 from common import watchdog
 from common.data import step_rows
 from common.engines import Completion, HFEngine, Sampling
 from common.errors import RunStopped
 from common.model import load_policy
-from common.parallel import Dist, broadcast_object, gather_objects, scatter_objects
+from common.parallel import Dist, broadcast_object, gather_objects
 from common.perf import timed
 from common.weight_sync import hf_name, hf_weights, weight_manifest
 
@@ -216,6 +217,16 @@ class _Request:
     futures: list = field(default_factory=list)  # one Ray ObjectRef per chunk; None: to (re)submit
     engines: list = field(default_factory=list)  # the engine of each chunk
     results: list = field(default_factory=list)  # (groups, version, seconds) per chunk once collected
+
+
+def scatter_objects(objs: list | None):
+    """Rank r gets objs[r] of rank 0's list (the other ranks pass None)."""
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return objs[0]
+    box = [None]
+    with watchdog.waiting("scatter_objects from rank 0", collective=True):
+        tdist.scatter_object_list(box, objs if tdist.get_rank() == 0 else None, src=0)
+    return box[0]
 
 
 class RemoteEngines:
