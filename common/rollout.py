@@ -6,7 +6,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 from typing import Literal
 
 import torch
@@ -16,7 +15,7 @@ from common.data import BatchPlan, DataError, LoadStats, load_prompts, pack_sequ
 from common.engines import Completion, HFEngine, Sampling
 from common.engines import hf_generate_greedy as hf_generate_greedy  # re-exported for older forks
 from common.errors import UsageError
-from common.flags import band_ok, flag, flag_defaults, flag_name
+from common.flags import band_ok, flag, flag_name
 from common.model import FROZEN_KNOBS, AdapterOff, load_frozen, load_trained_model
 from common.ops import RunningMoments
 from common.parallel import Dist, gather_objects, shard_evenly
@@ -708,11 +707,6 @@ class ValidationArgs:
 
 
 # --- the cross-flag checks of these groups (common.config.check_flags calls them)
-# Flags an --env-config run has no use for: its rows are environment seeds and its rewards the returns.
-ENV_UNUSED = ("train_files", "val_files", "data_path", "prompt_key", "truncation", "filter_overlong_prompts",
-              "reward_fn", "reward_model", "tool_config", "interaction_config")  # fmt: skip
-
-
 def check_placement(args) -> None:
     """Remote-engine flags need --rollout-placement remote (the cluster and timeout: or --teacher-placement remote)."""
     if args.rollout_placement != "colocated":
@@ -726,38 +720,7 @@ def check_placement(args) -> None:
 
 
 def check_env(args) -> None:
-    """--env-config: the file, the tags and their groups (summing to the train batch), and no flag the run ignores."""
-    from common.envs import read_env_config
+    """--env-config: common.envs.check_env (a feature: loaded where asked for)."""
+    from common import envs
 
-    config = read_env_config(args.env_config)
-    defaults = flag_defaults(args)
-    for name in ENV_UNUSED:
-        if name in defaults and getattr(args, name) != defaults[name]:
-            raise UsageError(f"{flag_name(name)} does nothing in an --env-config run (its rows are environment seeds, "
-                             f"its rewards their returns); drop it")  # fmt: skip
-    if getattr(args, "max_staleness", 0) > 0:
-        raise UsageError("--max-staleness: an environment's next prompt is known only once it has stepped, so "
-                         "nothing can be sampled ahead; use 0 with --env-config")  # fmt: skip
-    unknown = [t for t in args.env_tags if t not in config.specs]
-    if unknown:
-        raise UsageError(f"--env-tags {' '.join(unknown)}: not in --env-config {args.env_config} "
-                         f"(its tags: {', '.join(config.tags)})")  # fmt: skip
-    tags = list(args.env_tags) or config.tags
-    if len(set(tags)) < len(tags):
-        raise UsageError(f"--env-tags {' '.join(tags)}: a tag is named twice")
-    groups = getattr(args, "env_n_groups", None)  # None in generate.py, which plays every tag's held-out seeds
-    if groups:
-        if len(groups) != len(tags):
-            raise UsageError(f"--env-n-groups {' '.join(map(str, groups))}: one number per tag ({', '.join(tags)})")
-        if sum(groups) != args.train_batch_size:
-            raise UsageError(f"--env-n-groups {' '.join(map(str, groups))}: sums to {sum(groups)}, not "
-                             f"--train-batch-size {args.train_batch_size} (groups a step)")  # fmt: skip
-    elif groups is not None and args.train_batch_size % len(tags):  # no --env-n-groups: an even split
-        raise UsageError(f"--train-batch-size {args.train_batch_size} groups cannot be split evenly over the "
-                         f"{len(tags)} tags {', '.join(tags)}; pass --env-n-groups with one number per tag")  # fmt: skip
-    if getattr(args, "env_train_seeds", 0) >= 10**9:
-        raise UsageError(f"--env-train-seeds {args.env_train_seeds}: must be below 10^9, where validation seeds begin")
-    if args.env_manager:
-        file, _, cls = args.env_manager.partition(":")
-        if not Path(file).expanduser().is_file() or not cls:
-            raise UsageError(f"--env-manager {args.env_manager}: expected path/to/file.py:Class of an existing file")
+    envs.check_env(args)
