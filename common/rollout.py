@@ -133,18 +133,9 @@ def start_engine(model, tokenizer, dist, version: int = 0, *, rollout_name: str 
         manager = load_from_file(env["manager"], "--env-manager", "", kind="class") if env["manager"] else EnvLoop
         return manager(inner, tokenizer, **{k: v for k, v in env.items() if k != "manager"})
     if remote is not None:
-        from common.remote import RemoteEngines
+        from common.remote import start_remote_engines
 
-        return RemoteEngines(
-            model, dist, version, model_path=vllm_kwargs["model_path"], num_engines=remote["num_rollout_engines"],
-            engine_num_cpus=remote["engine_num_cpus"], engine_num_gpus=remote["engine_num_gpus"],
-            ray_address=remote["ray_address"], max_staleness=remote["max_staleness"], timeout=remote["engine_timeout"],
-            seed=vllm_kwargs["seed"], dtype=vllm_kwargs["dtype"], trust_remote_code=vllm_kwargs["trust_remote_code"],
-            pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], batch_size=batch_size,
-            schedule=remote["schedule"], total_steps=remote["total_steps"],
-            vllm=None if rollout_name == "hf" else {k: v for k, v in vllm_kwargs.items()
-                                                     if k not in ("model_path", "dtype", "trust_remote_code")},
-        )  # fmt: skip
+        return start_remote_engines(model, tokenizer, dist, version, rollout_name, batch_size, remote, vllm_kwargs)
     if rollout_name == "hf":
         engine = HFEngine.for_policy(model, tokenizer, dist, batch_size=batch_size)
         engine.update_weights(version)
