@@ -17,8 +17,9 @@ LAYERS = (
     "parallel",  # the process group, DDP / FSDP2 wrapping, collectives, the stop signal, logging setup (WaitArgs)
     "resume_proof",  # --check full's child runs: a run resumed from its checkpoint trains the same next step
     "runlock",  # one live run per run folder (and per generate / evaluate output): the lock and its holder
-    "sources",  # the data files that are not parquet (JSON / JSONL, CSV, Arrow, save_to_disk), through datasets
-    "data",  # parquet rows, chat templating, truncation, padding, micro-batches (DataArgs)
+    "sources",  # data through datasets: JSON / JSONL, CSV, Arrow, save_to_disk, dataset names, large parquet
+    "data",  # parquet rows; verl's, TRL's and OpenRLHF's columns, chat templating, truncation, micro-batches (DataArgs)
+    "prompt_cache",  # prompts of large data (--data-workers): a cached datasets map, rows memory-mapped
     "sft_data",  # sft.py's examples: conversations or prompt / response rows with their loss masks
     "correction",  # verl's rollout correction: importance weights and rejection over the engine's logprobs
     "ops",  # masked maths, logprobs and entropy, KL estimators and controller (KLRewardArgs), loss aggregation
@@ -53,7 +54,7 @@ LAYERS = (
 # imports these only inside the function that serves the flag (tests/test_layers.py). The launch
 # check's fast probes (common.check) run in every run (--check fast) and are core.
 FEATURES = ("tools", "envs", "agent", "env_manager", "remote", "vllm_engine", "weight_sync", "sync_check",
-            "conditioning", "resume_proof", "reward_model", "correction", "verl", "sources")  # fmt: skip
+            "conditioning", "resume_proof", "reward_model", "correction", "verl", "sources", "prompt_cache")  # fmt: skip
 
 # The names the recipes import, by module: the surface a fork builds on. tests/test_layers.py holds
 # the recipes to it, so that every name a recipe uses is named here and every name here is used.

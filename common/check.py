@@ -23,6 +23,7 @@ rewards: its check (trainer_check) is that report and the resume item.
 
 import contextlib
 import importlib.metadata
+import itertools
 import logging
 import os
 import sys
@@ -34,8 +35,8 @@ import torch
 from common.data import pack_sequences, render_chat
 from common.engines import Sampling
 from common.errors import STOP_AFTER_CHECK, RunStopped
-from common.model import VARLEN, _trainer_logprobs, pack_mode
-from common.ops import _gap
+from common.model import VARLEN, pack_mode, trainer_logprobs
+from common.ops import logprob_gap
 from common.parallel import unwrap
 from common.rollout import TOLERANCE, engine_logprobs
 
@@ -115,7 +116,7 @@ class Item:
 
 def probe_prompts(rows: list[dict], tokenizer) -> list[list[int]]:
     """PROBE_PROMPTS real prompts; rows with none until played (environments) get one fixed chat-templated question."""
-    prompts = [r["prompt_ids"] for r in rows if r.get("prompt_ids")][:PROBE_PROMPTS]
+    prompts = list(itertools.islice((r["prompt_ids"] for r in rows if r.get("prompt_ids")), PROBE_PROMPTS))
     question = [{"role": "user", "content": "Name three colours."}]
     return prompts or [render_chat(tokenizer, question, add_generation_prompt=True)]
 
@@ -138,7 +139,7 @@ def _within(gap: tuple[float, float], dtype) -> tuple[bool, str]:
 
 
 def check_engine_logprobs(model, batch, reported, temperature, dtype) -> Item:
-    ok, figure = _within(_gap(_trainer_logprobs(model, batch, temperature), reported, batch), dtype)
+    ok, figure = _within(logprob_gap(trainer_logprobs(model, batch, temperature), reported, batch), dtype)
     return Item("engine logprobs", ok, figure,
                 "the engine's logprobs of its own samples differ from the trainer's forward pass on the same tokens: a "
                 "different model, dtype or attention kernel on one side, or positions that differ (padding); compare "
@@ -155,10 +156,10 @@ def check_packing(model, batch, dtype) -> Item:
     try:
         for packed in (True, False):
             inner.padding_free = packed
-            results[packed] = _trainer_logprobs(model, batch, 1.0)
+            results[packed] = trainer_logprobs(model, batch, 1.0)
     finally:
         inner.padding_free = mode
-    ok, figure = _within(_gap(results[True], results[False], batch), dtype)
+    ok, figure = _within(logprob_gap(results[True], results[False], batch), dtype)
     return Item("packing", ok, f"packed vs padded: {figure}",
                 "padding-free attention disagrees with the padded pass on this model: set --use-remove-padding False "
                 "and report the model")  # fmt: skip
@@ -198,7 +199,7 @@ class Check:
             else:
                 rollout, temperature = self.rollout, self.rollout.sampling.temperature
                 batch, served = _probe(self.engine, rollout.tokenizer, self.prompts, temperature, rollout.dist.device)
-            largest, mean = _gap(_trainer_logprobs(self.model, batch, temperature), served, batch)
+            largest, mean = logprob_gap(trainer_logprobs(self.model, batch, temperature), served, batch)
         bound = TOLERANCE[self.dtype]
         if largest > bound[0] or mean > bound[1]:
             message = (

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 import tyro
 
-from common.data import DataArgs
+from common.data import DataArgs, PromptArgs
 from common.data import plan_batches as plan_batches  # re-exported for older forks
 from common.engines import EngineArgs
 from common.errors import ORIGINS, UsageError
@@ -268,6 +268,7 @@ class RLArgs(
     RolloutArgs,
     EngineArgs,
     TrainerArgs,
+    PromptArgs,
     DataArgs,
     ModelArgs,
 ):
@@ -293,7 +294,8 @@ class RLArgs(
     def data_kwargs(self) -> dict:
         """common.rollout.load_rl_data's keyword arguments. A row's ground truth is required by the built-in
         rewards (they score against it), optional for a user's --reward-fn and unused by a --reward-model."""
-        names = ("prompt_key", "max_prompt_length", "truncation", "filter_overlong_prompts", "train_batch_size")
+        names = ("prompt_key", "label_key", "data_source", "apply_chat_template", "max_prompt_length", "truncation",
+                 "filter_overlong_prompts", "data_workers", "train_batch_size")  # fmt: skip
         return {
             **{k: getattr(self, k) for k in names},
             "ground_truth": "unused" if self.reward_model else "optional" if self.reward_fn else "required",
@@ -314,7 +316,7 @@ class RLArgs(
                     timeout=self.reward_timeout,
                     log_path=Path(run_dir) / name, tool_config=self.tool_config, tool_timeout=self.tool_timeout,
                     interaction_config=self.interaction_config, env=self.env_pool_kwargs(), tokenizer=tokenizer,
-                    dry_run_rows=[] if self.reward_model else list(rows))  # fmt: skip
+                    dry_run_rows=[] if self.reward_model else rows)  # fmt: skip
 
     def tracker_kwargs(self, recipe: str, run_info: dict) -> dict:
         """TrainerArgs.tracker_kwargs, plus whether a NaN or infinite reward stops the run, what perf/mfu needs

@@ -1,17 +1,20 @@
 """RL prompts and SFT data from parquet (other formats: common.sources), chat templating, truncation, batching.
 Every error names the file, the row and the column, and says what to change."""
 
+import dataclasses
 import functools
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+import tyro
 
 from common.errors import DataError, UsageError
-from common.flags import BUNDLED
+from common.flags import BUNDLED, flag
 from common.parallel import all_reduce_max
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
@@ -47,11 +50,15 @@ def read_rows(files, what: str = "train_files") -> list[tuple[str, list[dict]]]:
             raise DataError(f"{what}: {str(file)!r} has no rows")
         for column in MULTIMODAL_COLUMNS:
             if held := sum(1 for row in rows if row.get(column)):
-                raise DataError(f"{what}: {str(file)!r} column {column!r} holds {column} in {held} of {len(rows)} "
-                                f"rows; the recipes train text-only models, so those rows would be trained without "
-                                f"them. Drop the column (or empty it) to use the text alone")  # fmt: skip
+                raise multimodal_error(what, file, column, held, len(rows))
         out.append((str(file), rows))
     return out
+
+
+def multimodal_error(what: str, file, column: str, held: int, rows: int) -> DataError:
+    return DataError(f"{what}: {str(file)!r} column {column!r} holds {column} in {held} of {rows} rows; the recipes "
+                     f"train text-only models, so those rows would be trained without them. Drop the column (or "
+                     f"empty it) to use the text alone")  # fmt: skip
 
 
 read_parquet = read_rows  # its name before the other formats: a fork made earlier still imports it
@@ -199,8 +206,20 @@ class LoadStats:
     filtered_overlong: int = 0
     truncated: int = 0
     no_loss_tokens: int = 0
+    no_ground_truth: int = 0
+    agent_rows: int = 0  # rows for the agent loop (common.tools.check_agent_rows checks them)
     per_file: dict = field(default_factory=dict)
+    columns: dict = field(default_factory=dict)  # PromptSpec.describe() -> the files read that way
     described: str | None = None  # rows that come from no file (environment seeds): what they are
+
+    def count(self, fate: int, row: dict) -> None:
+        self.rows += 1
+        self.filtered_overlong += fate == FILTERED
+        self.truncated += fate == TRUNCATED
+        if fate != FILTERED:
+            self.kept += 1
+            self.no_ground_truth += row["ground_truth"] is None
+            self.agent_rows += is_agent_row(row)
 
     def summary(self, what: str) -> str:
         if self.described:
@@ -215,6 +234,12 @@ class LoadStats:
         return "; ".join(parts)
 
 
+def is_agent_row(row: dict) -> bool:
+    """Whether a prompt row asks for the agent loop (common.tools.check_agent_rows checks what it needs)."""
+    extra = row["extra_info"] if isinstance(row["extra_info"], dict) else {}
+    return row["agent_name"] == "tool_agent" or "tools_kwargs" in extra or "interaction_kwargs" in extra
+
+
 def too_long(file, index, n, limit, limit_flag, extra=""):
     return DataError(
         f"{file} row {index}: {n} tokens > {limit_flag}={limit}{extra}; raise "
@@ -223,80 +248,185 @@ def too_long(file, index, n, limit, limit_flag, extra=""):
     )
 
 
-def _prompt_text(tokenizer, row: dict, file: str, index: int, prompt_key: str, tools) -> tuple[str, list, str]:
-    """(chat-template text, messages, agent_name) of a prompt row; tool_agent rows list `tools`."""
-    value = get_field(row, prompt_key, file, index, "prompt_key")
-    messages = as_messages(value, file, index, prompt_key, template_reads(tokenizer))
+LABELS = ("reward_model", "solution", "answer")  # where the ground truth is found: verl's column, then TRL's two
+KEPT, TRUNCATED, FILTERED, BAD = range(4)  # a prompt row's fate (prompt_records)
+LARGE_ROWS = 100_000  # a file this long is templated as a cached datasets map (common.prompt_cache)
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """What prompt_records makes of a file's rows: its columns (for_file finds verl's, TRL's or OpenRLHF's), the
+    length rules, and what the reward needs of a row (ground_truth: required, optional or unused; difficulty)."""
+
+    prompt_key: str = "prompt"
+    label_key: str | None = None
+    data_source: str | None = None  # for rows without a data_source column
+    source_column: bool = True  # whether the file has one (for_file)
+    apply_chat_template: bool = True
+    max_prompt_length: int = 1024
+    truncation: str = "error"
+    filter_overlong_prompts: bool = False
+    tools: list | None = None
+    ground_truth: str = "unused"
+    difficulty: bool = False
+
+    def for_file(self, file: str, columns: list[str], first: dict, what: str) -> "PromptSpec":
+        """This spec with the file's ground-truth column found; a missing column names the flag that maps it."""
+        have = f"its columns: {', '.join(columns)}"
+        for key, option in (self.prompt_key, "--prompt-key (OpenRLHF's --input-key)"), (self.label_key, "--label-key"):
+            if key and not has_column([first], key):
+                raise DataError(f"{what}: {file!r}: column {key!r} not found ({have}); name the column with {option}")
+        label = self.label_key or next((c for c in LABELS if c in columns), None)
+        if label is None and self.ground_truth == "required":
+            raise DataError(f"{what}: {file!r} has no ground-truth column ({have}), which the built-in rewards score "
+                            f"against; name it with --label-key, or pass --reward-fn or --reward-model")  # fmt: skip
+        if "data_source" not in columns and not self.data_source and self.ground_truth != "unused":
+            raise DataError(f"{what}: {file!r} has no data_source column ({have}), which picks each row's reward; "
+                            f"name the task with --data-source (openai/gsm8k for the built-in GSM8K reward, or a "
+                            f"name your --reward-fn reads)")  # fmt: skip
+        return dataclasses.replace(self, label_key=label, source_column="data_source" in columns)
+
+    def describe(self) -> str:
+        """The mapping said once at start: which column (or flag) gives the prompt, the ground truth, data_source."""
+        form = "chat-templated" if self.apply_chat_template else "as written"
+        truth = {None: "none", "reward_model": "'reward_model.ground_truth'"}.get(self.label_key, repr(self.label_key))
+        fallback = f"--data-source {self.data_source!r}" if self.data_source else None
+        source = " else ".join(filter(None, ["'data_source'" if self.source_column else None, fallback])) or "none"
+        return f"prompt <- {self.prompt_key!r} ({form}), ground truth <- {truth}, data_source <- {source}"
+
+
+def _prompt_text(tokenizer, row: dict, file: str, index: int, spec: PromptSpec) -> tuple[str, list, str]:
+    """(the text to tokenize, messages, agent_name) of a prompt row; tool_agent rows list the spec's tools."""
+    value = get_field(row, spec.prompt_key, file, index, "prompt_key")
     agent = row.get("agent_name") or "single_turn_agent"
     if agent not in AGENTS:
         raise DataError(
             f"{file} row {index} column 'agent_name': {agent!r} is not an agent here; use single_turn_agent "
             f"(the default) or tool_agent"
         )
-    tools = tools if agent == "tool_agent" else None
+    if not spec.apply_chat_template:  # TRL's standard format, OpenRLHF without --apply-chat-template
+        if isinstance(value, str) and agent == "single_turn_agent":
+            return value, [{"role": "user", "content": value}], agent
+        raise DataError(f"{file} row {index} column {spec.prompt_key!r}: --no-apply-chat-template feeds a single-turn "
+                        f"prompt as written, and this one is {type(value).__name__} for {agent}; drop the flag")  # fmt: skip
+    messages = as_messages(value, file, index, spec.prompt_key, template_reads(tokenizer))
+    tools = spec.tools if agent == "tool_agent" else None
     text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     return text, messages, agent
 
 
-def load_prompts(
-    files, tokenizer, *, prompt_key: str = "prompt", max_prompt_length: int, truncation: str = "error",
-    filter_overlong_prompts: bool = False, tools: list[dict] | None = None, what: str = "train_files",
-    scored: bool = False,
-) -> tuple[list[dict], LoadStats]:  # fmt: skip
-    """verl parquet rows as dicts of templated `prompt_ids`, the raw `messages`, data_source,
-    ground_truth, extra_info and agent_name; tool_agent rows list `tools` (the --tool-config schemas).
-    scored: a reward function will score the rows, so each needs the data_source that picks it
-    (verl's reward managers require one too); otherwise a missing one reads "unknown"."""
-    stats, out = LoadStats(), []
-    for file, rows in read_rows(files, what):
-        stats.per_file[file] = len(rows)
-        # Template every row, then tokenize them in one batched call (about twice as fast as row by row).
-        # A row that fails to template is raised after the rows before it are checked: the first bad one is named.
-        texts, failed = [], None
-        for i, row in enumerate(rows):
-            try:
-                texts.append(_prompt_text(tokenizer, row, file, i, prompt_key, tools))
-            except DataError as e:
-                failed = e
-                break
-        ids_per_row = tokenizer([t for t, _, _ in texts], add_special_tokens=False)["input_ids"] if texts else []
-        for i, (row, (_, messages, agent), ids) in enumerate(zip(rows, texts, ids_per_row)):
-            stats.rows += 1
-            if len(ids) > max_prompt_length:
-                if filter_overlong_prompts:
-                    stats.filtered_overlong += 1
-                    continue
-                if truncation == "error":
-                    raise too_long(file, i, len(ids), max_prompt_length, "max_prompt_length")
-                ids = truncate(ids, max_prompt_length, truncation)
-                stats.truncated += 1
-            source = row.get("data_source")
-            if scored and not (isinstance(source, str) and source):
-                raise DataError(f"{file} row {i} column 'data_source': expected the task's name, a string such as "
-                                f"openai/gsm8k that picks the reward function, got {source!r}")  # fmt: skip
-            reward_model = row.get("reward_model") or {}
-            if not isinstance(reward_model, dict):
-                raise DataError(f"{file} row {i} column 'reward_model': expected verl's struct {{style, ground_truth}}, "
-                                f"got {type(reward_model).__name__}: {str(reward_model)[:80]!r}")  # fmt: skip
-            out.append(
-                {
-                    "prompt_ids": ids,
-                    "messages": messages,
-                    "data_source": source or "unknown",
-                    "ground_truth": reward_model.get("ground_truth"),
-                    "extra_info": row.get("extra_info"),
-                    "difficulty": row.get("difficulty", (row.get("extra_info") or {}).get("difficulty")),
-                    "agent_name": agent,
-                    "file": file,
-                    "row": i,
-                }
-            )
-            stats.kept += 1
-        if failed is not None:
-            raise failed
-    if not out:
+def prompt_records(rows, file: str, tokenizer, spec: PromptSpec, start: int = 0) -> list[tuple[int, dict | str]]:
+    """(fate, the prompt row; for BAD, the error's message) of each row, numbered from `start`. Every row is
+    templated, then all are tokenized in one batched call (about twice as fast as row by row)."""
+    texts = [_caught(_prompt_text, tokenizer, row, file, i, spec) for i, row in enumerate(rows, start)]
+    good = [t[0] for t in texts if not isinstance(t, str)]
+    ids_of = iter(tokenizer(good, add_special_tokens=False)["input_ids"] if good else ())
+    made = [t if isinstance(t, str) else _caught(_prompt_row, row, i, file, next(ids_of), t, spec)
+            for i, (row, t) in enumerate(zip(rows, texts), start)]  # fmt: skip
+    return [(BAD, m) if isinstance(m, str) else m for m in made]
+
+
+def _caught(fn, *args):
+    """fn(*args), or the message of the DataError it raised."""
+    try:
+        return fn(*args)
+    except DataError as e:
+        return str(e)
+
+
+def _prompt_row(row: dict, i: int, file: str, ids: list, text: tuple, spec: PromptSpec) -> tuple[int, dict]:
+    fate = KEPT
+    if len(ids) > spec.max_prompt_length:
+        if spec.filter_overlong_prompts:
+            return FILTERED, {}
+        if spec.truncation == "error":
+            raise too_long(file, i, len(ids), spec.max_prompt_length, "max_prompt_length")
+        ids, fate = truncate(ids, spec.max_prompt_length, spec.truncation), TRUNCATED
+    source = row.get("data_source") or spec.data_source
+    if spec.ground_truth != "unused" and not (isinstance(source, str) and source):
+        raise DataError(f"{file} row {i} column 'data_source': expected the task's name, a string such as "
+                        f"openai/gsm8k that picks the reward function, got {source!r}")  # fmt: skip
+    truth, where = _ground_truth(row, i, file, spec.label_key)
+    if spec.ground_truth == "required" and not isinstance(truth, str | int | float):
+        raise DataError(
+            f"{file} row {i}: {where} is missing or null; the built-in rewards score against it. Fill it in, or "
+            f"pass --reward-fn (a function that needs none) or --reward-model" if truth is None else
+            f"{file} row {i} column {where!r}: the built-in rewards compare against one answer, got "
+            f"{type(truth).__name__}: {str(truth)[:60]!r} (as text it would never match); store one answer, or "
+            f"pass --reward-fn with a function that reads this form"
+        )  # fmt: skip
+    extra = row.get("extra_info")
+    difficulty = row.get("difficulty", (extra if isinstance(extra, dict) else {}).get("difficulty"))
+    if spec.difficulty and (isinstance(difficulty, bool) or not isinstance(difficulty, int | float)
+                            or not math.isfinite(difficulty)):  # fmt: skip
+        raise DataError(f"{file} row {i} column 'difficulty': --difficulty-loss-weight weights each row by its "
+                        f"difficulty, a number in [0, 1] (as a column or in extra_info), got {difficulty!r}")  # fmt: skip
+    _, messages, agent = text
+    return fate, dict(prompt_ids=ids, messages=messages, data_source=source or "unknown", ground_truth=truth,
+                      extra_info=extra, difficulty=difficulty, agent_name=agent, file=file, row=i)  # fmt: skip
+
+
+def _ground_truth(row: dict, i: int, file: str, label: str | None) -> tuple:
+    """(the row's ground truth, the column it came from): verl's reward_model struct, or the column `label` names."""
+    if label != "reward_model":
+        return (None if label is None else get_field(row, label, file, i, "label_key")), label
+    reward_model = row.get("reward_model") or {}
+    if not isinstance(reward_model, dict):
+        raise DataError(f"{file} row {i} column 'reward_model': expected verl's struct {{style, ground_truth}}, "
+                        f"got {type(reward_model).__name__}: {str(reward_model)[:80]!r}")  # fmt: skip
+    return reward_model.get("ground_truth"), "reward_model.ground_truth"
+
+
+def template_rows(rows: list[dict], file: str, tokenizer, spec: PromptSpec, stats: "LoadStats") -> list[dict]:
+    """The kept prompt rows of one file, templated in this process, counted in stats; the first bad row raises."""
+    out = []
+    for fate, record in prompt_records(rows, file, tokenizer, spec):
+        if fate == BAD:
+            raise DataError(record)
+        stats.count(fate, record)
+        out.append(record) if fate != FILTERED else None
+    return out
+
+
+def load_prompts(files, tokenizer, *, what: str = "train_files", **spec) -> tuple[list[dict], LoadStats]:
+    """Prompt rows (dicts of templated `prompt_ids`, the raw `messages`, data_source, ground_truth, extra_info,
+    difficulty, agent_name, file, row) of any inputs read_rows reads, with verl's, TRL's or OpenRLHF's columns
+    (PromptSpec: its fields are the keyword arguments), templated in this process. common.prompt_cache's load_prompts
+    does the same for large data, as a cached datasets map over several processes."""
+    spec, stats = PromptSpec(**spec), LoadStats()
+    rows = [row for file in as_files(files, what) for row in file_prompts(file, tokenizer, spec, what, stats)]
+    if not stats.kept:
         raise DataError(f"{what}: no rows left after filtering ({stats.summary(what)})")
-    return out, stats
+    return rows, stats
+
+
+def file_prompts(file, tokenizer, spec: PromptSpec, what: str, stats: LoadStats) -> list[dict]:
+    ((file, rows),) = read_rows([file], what)
+    stats.per_file[file] = len(rows)
+    spec = spec.for_file(file, list(rows[0]), rows[0], what)
+    stats.columns.setdefault(spec.describe(), []).append(file)
+    return template_rows(rows, file, tokenizer, spec, stats)
+
+
+def as_files(files, what: str) -> list:
+    if not (files := [files] if isinstance(files, str | Path) else list(files or ())):
+        raise DataError(f"{what} is empty; pass at least one data file")
+    return files
+
+
+def in_process(files, data_workers: int) -> bool:
+    """Whether load_prompts serves `files` (else common.prompt_cache's): one worker and small parquet files."""
+    return data_workers <= 1 and all(_rows_in(Path(f).expanduser()) < LARGE_ROWS for f in files)
+
+
+def _rows_in(path: Path) -> float:
+    """A parquet file's row count from its footer; inf for any other input (0 for a bad file: read_rows names it)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_metadata(path).num_rows if path.suffix == ".parquet" and path.is_file() else math.inf
+    except Exception:  # pyarrow raises several types for a bad file
+        return 0
 
 
 # --- order and batching ----------------------------------------------------------------------------
@@ -409,12 +539,27 @@ class DataArgs:
     """training data: parquet, JSON / JSONL, CSV or Arrow files, save_to_disk folders (FOLDER@SPLIT), dataset names"""
     val_files: tuple[str, ...] = (str(BUNDLED / "addition" / "test.parquet"),)
     """validation data, in the same forms as --train-files; empty to skip validation"""
-    prompt_key: str = "prompt"
-    """column holding the prompt: a chat list of {role, content} or a plain string"""
+    prompt_key: Annotated[str, tyro.conf.arg(aliases=("--input-key",))] = "prompt"
+    """column holding the prompt: a chat list of {role, content} or a plain string (OpenRLHF's --input-key)"""
     truncation: Literal["error", "left", "right", "middle"] = "error"
     """too-long input: error, or keep the end (left), the start (right), or both ends (middle)"""
     shuffle: bool = True
     """shuffle the training data every epoch (seeded)"""
+
+
+@dataclass
+class PromptArgs:
+    """The RL recipes' prompt columns beyond DataArgs' (TRL's and OpenRLHF's names), and their templating."""
+
+    label_key: str | None = None
+    """column holding the ground truth (OpenRLHF's --label-key; unset: verl's reward_model, else solution or answer)"""
+    data_source: str | None = None
+    """data_source of rows without one (TRL's and OpenRLHF's data): the task whose built-in reward scores them"""
+    apply_chat_template: bool = True
+    """template prompts with the tokenizer's chat template; off: a plain-string prompt is fed as written"""
+    data_workers: int = flag(1, ge=1)
+    """processes that template the prompts (verl's filter_overlong_prompts_workers); above 1, or for large data, as a
+    datasets map cached by fingerprint: the next start on the same data and flags reads the cache"""
 
 
 # --- the batch arithmetic: checked against the world size before any model loads

@@ -377,7 +377,7 @@ def response_logits(model, batch: dict, share_prompts: bool = True) -> torch.Ten
     return response_outputs(model, batch, share_prompts, keep_logits=True)
 
 
-def _trainer_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
+def trainer_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
     with torch.no_grad():
         logits = response_logits(model, batch, share_prompts=False).float() / temperature
     return logprobs_from_logits(logits, batch["responses"])

@@ -97,7 +97,7 @@ def masked_whiten_all_ranks(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e
     return centred / (var + eps) ** 0.5
 
 
-def _gap(a: torch.Tensor, b: torch.Tensor, batch: dict) -> tuple[float, float]:
+def logprob_gap(a: torch.Tensor, b: torch.Tensor, batch: dict) -> tuple[float, float]:
     """(largest, mean) |a - b| over the response tokens of every rank."""
     mask = batch["response_mask"].float()
     diff = (a - b).abs() * mask

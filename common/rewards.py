@@ -302,9 +302,10 @@ class RewardPool:
         (a bad signature or return type, no built-in, no ground truth) is a UsageError naming it rather
         than a run of zeros; some rows failing is a warning."""
         tried: dict[str, list[dict]] = {}
-        for r in rows:
-            if len(tried.setdefault(r["data_source"], [])) < per_source:
-                tried[r["data_source"]].append(r)
+        column = getattr(rows, "column", None)  # common.prompt_cache's rows: the column without making every row
+        for i, source in enumerate(column("data_source") if column else (r["data_source"] for r in rows)):
+            if len(tried.setdefault(source, [])) < per_source:
+                tried[source].append(rows[i])
         picked = [r for group in tried.values() for r in group]
         name = (self.spec or "built-in rewards").removeprefix(BATCH_PREFIX)
         start = time.time()

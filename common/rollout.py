@@ -3,14 +3,14 @@ samples, scores and packs one rank's prompts for the trainer; evaluate gives val
 validation use together. Also the rollout's flag groups, with their cross-flag checks."""
 
 import logging
-import math
 import time
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Literal
 
 import torch
 
-from common import watchdog
+from common import data, watchdog
 from common.data import BatchPlan, DataError, LoadStats, load_prompts, pack_sequences, plan_batches, step_rows
 from common.engines import Completion, HFEngine, Sampling
 from common.engines import hf_generate_greedy as hf_generate_greedy  # re-exported for older forks
@@ -50,61 +50,43 @@ def load_rl_models(path: str, dist, tokenizer=None, *, strategy: str, with_refer
 
 
 def load_rl_data(
-    train_files, val_files, tokenizer, *, prompt_key: str, max_prompt_length: int, truncation: str,
-    filter_overlong_prompts: bool, train_batch_size: int, ground_truth: str = "required",
+    train_files, val_files, tokenizer, *, train_batch_size: int, ground_truth: str = "required",
     tools: list[dict] | None = None, interactions: list[str] | None = None, tool_classes: list[str] = (),
-    env: dict | None = None, difficulty: bool = False,
+    env: dict | None = None, difficulty: bool = False, **spec,
 ) -> tuple[list[dict], LoadStats, list[dict]]:  # fmt: skip
     """(train, its LoadStats, val) prompts of an RL recipe; too few training prompts for one batch fail here, before
     any model loads. ground_truth: "required" (the built-in rewards score against it: a row without one is an error),
     "optional" (a user's reward function may not need one: a warning counts rows without) or "unused" (a reward model
     scores). tools, interactions, tool_classes: what common.tools.check_agent_rows holds agent rows to. env: the
-    arguments of common.envs.env_rows, whose rows replace the files'. difficulty: every training row needs a number."""
+    arguments of common.envs.env_rows, whose rows replace the files'. difficulty: every training row needs a number.
+    spec: common.data.load_prompts' (the columns, the length rules, data_workers)."""
     if env is not None:
         if difficulty:
             raise DataError("--difficulty-loss-weight: environment rows have no difficulty column; drop the flag")
         from common.envs import env_rows
 
         return env_rows(**env)
-    kwargs = dict(prompt_key=prompt_key, max_prompt_length=max_prompt_length, truncation=truncation, tools=tools)
-    kwargs.update(filter_overlong_prompts=filter_overlong_prompts, scored=ground_truth != "unused")
-    train, stats = load_prompts(train_files, tokenizer, **kwargs, what="train_files")
+    spec.update(tools=tools, ground_truth=ground_truth)
+    load = load_prompts  # small parquet files, templated here; the rest as a cached map (common.prompt_cache)
+    if not data.in_process([*train_files, *val_files], spec.get("data_workers", 1)):
+        from common.prompt_cache import load_prompts as load
+    else:
+        spec.pop("data_workers", None)
+    train, stats = load(train_files, tokenizer, **spec, difficulty=difficulty, what="train_files")
     if len(train) < train_batch_size:
         raise DataError(f"train_files hold {len(train)} prompts, fewer than train_batch_size={train_batch_size}")
-    val = load_prompts(val_files, tokenizer, **kwargs, what="val_files")[0] if val_files else []
-    if tools or interactions or any(_agent_row(r) for r in train + val):
+    val, val_stats = load(val_files, tokenizer, **spec, what="val_files") if val_files else ([], LoadStats())
+    for described in dict.fromkeys([*stats.columns, *val_stats.columns]):  # one line per mapping, said once
+        files = [Path(f).name for f in stats.columns.get(described, []) + val_stats.columns.get(described, [])]
+        log.info("columns of %s: %s", ", ".join(files), described)
+    if tools or interactions or stats.agent_rows or val_stats.agent_rows:
         from common.tools import check_agent_rows
 
+        train, val = list(train), list(val)  # it fills in each row's interaction_kwargs
         check_agent_rows(train + val, tools, interactions, tool_classes)
-    for r in train if difficulty else ():
-        d = r["difficulty"]
-        if isinstance(d, bool) or not isinstance(d, int | float) or not math.isfinite(d):
-            raise DataError(f"{r['file']} row {r['row']} column 'difficulty': --difficulty-loss-weight weights each "
-                            f"row by its difficulty, a number in [0, 1] (as a column or in extra_info), got {d!r}")  # fmt: skip
-    for r in train + val if ground_truth == "required" else ():  # the built-ins compare against one answer
-        if not isinstance(r["ground_truth"], str | int | float | None):
-            raise DataError(
-                f"{r['file']} row {r['row']} column 'reward_model.ground_truth': the built-in rewards compare against "
-                f"one answer, got {type(r['ground_truth']).__name__}: {str(r['ground_truth'])[:60]!r} (as text it "
-                f"would never match); store one answer, or pass --reward-fn with a function that reads this form"
-            )
-    missing = [r for r in train + val if r["ground_truth"] is None]
-    if missing and ground_truth == "required":
-        raise DataError(
-            f"{missing[0]['file']} row {missing[0]['row']}: reward_model.ground_truth is missing or null "
-            f"({len(missing)} rows like it); the built-in rewards score against it. Fill it in, or pass "
-            f"--reward-fn (a function that needs none) or --reward-model"
-        )
-    if missing and ground_truth == "optional":
-        log.warning("%d rows have no reward_model.ground_truth (e.g. %s row %s): the reward function gets None",
-                    len(missing), missing[0]["file"], missing[0]["row"])  # fmt: skip
+    if missing := stats.no_ground_truth + val_stats.no_ground_truth if ground_truth == "optional" else 0:
+        log.warning("%d rows have no ground truth: the reward function gets None", missing)
     return train, stats, val
-
-
-def _agent_row(row: dict) -> bool:
-    """Whether a prompt row asks for the agent loop (common.tools.check_agent_rows checks what it needs)."""
-    extra = row["extra_info"] if isinstance(row["extra_info"], dict) else {}
-    return row["agent_name"] == "tool_agent" or "tools_kwargs" in extra or "interaction_kwargs" in extra
 
 
 def reward_task(row: dict, completion: Completion, text: str) -> tuple:

@@ -1,7 +1,8 @@
-"""The data files that are not parquet, read through Hugging Face datasets (a feature: loaded for such an input only).
+"""Data read through Hugging Face datasets (a feature: loaded for an input that is not a small parquet file).
 
 JSON / JSONL, CSV and Arrow files, save_to_disk folders and dataset names (ORG/NAME[:SUBSET][@SPLIT], from the
-Hugging Face cache, or the Hub where it is reachable) become the same plain rows as a parquet file's. datasets
+Hugging Face cache, or the Hub where it is reachable) become the same plain rows as a parquet file's (read_source),
+or a memory-mapped Dataset (open_source: a large parquet file too, for common.prompt_cache). datasets
 turns a file into its Arrow cache once (~/.cache/huggingface/datasets, found again by the file's fingerprint) and
 memory-maps it; a folder is memory-mapped as saved. A flat format's dotted column (CSV: reward_model.ground_truth)
 is nested as verl's structs are. Every error names the input and says what to give instead."""
@@ -12,15 +13,22 @@ from pathlib import Path
 from common.errors import DataError
 
 # A file's suffix -> the datasets builder that reads it.
-BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".arrow": "arrow"}
+BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".arrow": "arrow", ".parquet": "parquet"}
 KINDS = "a parquet, JSON / JSONL, CSV or Arrow file, or a folder written by datasets' save_to_disk"
 # A dataset's name: ORG/NAME, then :SUBSET (its configuration) and @SPLIT, each optional.
 NAME = re.compile(r"^(?P<name>[\w.-]+/[\w.-]+)(?::(?P<subset>[\w.-]+))?(?:@(?P<split>[\w.-]+))?$")
 
 
 def read_source(spec: str, what: str) -> list[dict]:
-    """The rows of one input of `what` (--train-files, say): a file by its suffix (BUILDERS), a save_to_disk folder
-    (FOLDER@SPLIT choosing one split of a folder that holds several, a DatasetDict), or a dataset's name (NAME)."""
+    """The rows of one input of `what` (--train-files, say) as plain dicts (open_source's, read whole)."""
+    data = open_source(spec, what)
+    rows = data.to_list()
+    return [nested(row) for row in rows] if dotted(data) else rows
+
+
+def open_source(spec: str, what: str):
+    """One input of `what` as a memory-mapped datasets.Dataset: a file by its suffix (BUILDERS), a save_to_disk
+    folder (FOLDER@SPLIT choosing one split of a folder that holds several, a DatasetDict), or a dataset's name."""
     path, split = Path(spec).expanduser(), None
     if not path.exists() and "@" in path.name:
         base, split = spec.rsplit("@", 1)
@@ -46,8 +54,11 @@ def read_source(spec: str, what: str) -> list[dict]:
             data = datasets.load_dataset(builder, data_files=str(path), split="train")
         except Exception as e:  # datasets raises several types for a malformed file
             raise DataError(f"{what}: {spec!r} is not a readable {builder.upper()} file ({_first_line(e)})") from e
-    rows = data.to_list()
-    return [_nested(row) for row in rows] if any("." in column for column in data.column_names) else rows
+    return data
+
+
+def dotted(data) -> bool:
+    return any("." in column for column in data.column_names)
 
 
 def _folder(datasets, path: Path, spec: str, split: str | None, what: str):
@@ -85,7 +96,7 @@ def _named(datasets, spec: str, what: str, name: str, subset: str | None, split:
                         f"{name}:main@{split})") from e  # fmt: skip
 
 
-def _nested(row: dict) -> dict:
+def nested(row: dict) -> dict:
     """reward_model.ground_truth = x -> reward_model: {ground_truth: x}, as verl's parquet holds it."""
     out = {}
     for key, value in row.items():

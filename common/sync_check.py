@@ -5,8 +5,8 @@ then come back with the restored weights. common.check reports it as the launch 
 
 import torch
 
-from common.model import _trainer_logprobs, is_lora
-from common.ops import _gap
+from common.model import is_lora, trainer_logprobs
+from common.ops import logprob_gap
 from common.parallel import unwrap
 from common.rollout import TOLERANCE, engine_logprobs
 
@@ -16,7 +16,7 @@ def check_weight_sync(model, engine, batch, version: int, dtype) -> tuple[bool, 
     from torch.distributed.tensor import DTensor
 
     bound = TOLERANCE[dtype]
-    before = _trainer_logprobs(model, batch, 1.0)
+    before = trainer_logprobs(model, batch, 1.0)
     trained = [p for p in unwrap(model).parameters() if p.requires_grad]  # LoRA: the adapter's
     tensors = [p.to_local() if isinstance(p, DTensor) else p.data for p in trained]  # this rank's share, in place
     saved = [t.detach().to("cpu", copy=True) for t in tensors]
@@ -28,8 +28,8 @@ def check_weight_sync(model, engine, batch, version: int, dtype) -> tuple[bool, 
                     size = copy.float().abs().mean().item() or 0.02  # a LoRA B starts at zero
                     noise = torch.randn(copy.shape, generator=g) * scale * size
                     t.copy_((copy.float() + noise).to(t.dtype))
-            after = _trainer_logprobs(model, batch, 1.0)
-            moved = _gap(after, before, batch)[1]
+            after = trainer_logprobs(model, batch, 1.0)
+            moved = logprob_gap(after, before, batch)[1]
             if moved > 4 * bound[1]:
                 break
         engine.update_weights(version)
@@ -40,7 +40,11 @@ def check_weight_sync(model, engine, batch, version: int, dtype) -> tuple[bool, 
                 t.copy_(copy.to(t.device))
     engine.update_weights(version)
     back = engine_logprobs(engine, batch, 1.0)
-    new_gap, old_gap, back_gap = _gap(served, after, batch), _gap(served, before, batch), _gap(back, before, batch)
+    new_gap, old_gap, back_gap = (
+        logprob_gap(served, after, batch),
+        logprob_gap(served, before, batch),
+        logprob_gap(back, before, batch),
+    )
     ok = new_gap[0] <= bound[0] and new_gap[1] <= bound[1] and back_gap[1] <= bound[1] and moved > 4 * bound[1]
     figure = (
         f"weights moved the probe's logprobs by {moved:.2g} (mean); after the sync the engine is {new_gap[1]:.2g} "

@@ -300,7 +300,7 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "trainer.val_only": Fixed(False, "validation alone is evaluate.py (with generate.py)"),
     # keys whose default a saved config holds, classified so that none is unknown
     "data.return_full_prompt": NoOp(TOKEN_IDS),
-    "data.filter_overlong_prompts_workers": NoOp("prompts are measured in the trainer's process"),
+    "data.filter_overlong_prompts_workers": Flag("data_workers"),
     "data.trust_remote_code": NoOp(TRUST),
     "data.custom_cls.name": Fixed(None, DATASET_CLASS),
     "actor_rollout_ref.model.external_libs": Fixed(None, EXTERNAL),

@@ -97,14 +97,14 @@ def test_the_packing_item_holds_each_layout_to_the_compute_dtypes_bound(tokenize
     batch, _ = _probe(engine, tokenizer, [r["prompt_ids"] for r in rows], 1.0, "cpu")
     item = check_packing(policy, batch, torch.float32)
     assert item.ok is True and "float32 bounds 0.001, 0.0001" in item.figure
-    trainer_logprobs = check._trainer_logprobs
+    trainer_logprobs = check.trainer_logprobs
     for planted, dtype, want in (
         (0.012, torch.float32, False),
         (0.012, torch.bfloat16, True),
         (0.2, torch.bfloat16, False),
     ):
         monkeypatch.setattr(
-            check, "_trainer_logprobs", lambda m, b, t, d=planted: trainer_logprobs(m, b, t) + d * m.padding_free
+            check, "trainer_logprobs", lambda m, b, t, d=planted: trainer_logprobs(m, b, t) + d * m.padding_free
         )
         item = check_packing(policy, batch, dtype)
         assert item.ok is want, (planted, dtype, item.figure)

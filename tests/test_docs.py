@@ -29,6 +29,7 @@ import tyro
 from conftest import RL_RECIPES, ROOT
 
 from common.config import flag_types
+from common.flags import _flags as flag_fields_of
 from common.verl import OVERRIDE, Refused, is_override, lookup
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -106,6 +107,11 @@ def recipe_flags(name: str) -> dict[str, Flag]:
         flags["--" + field.replace("_", "-")] = tyro_flag(hint)
         if hint is bool:
             flags["--no-" + field.replace("_", "-")] = Flag(0, "str")
+    for holder, f in flag_fields_of(recipe_args(name)):  # a flag's other names (tyro.conf.arg(aliases=...))
+        for config in getattr(typing.get_type_hints(holder, include_extras=True)[f.name], "__metadata__", ()):
+            flags.update(
+                {alias: flags["--" + f.name.replace("_", "-")] for alias in getattr(config, "aliases", None) or ()}
+            )
     return flags
 
 
@@ -391,7 +397,9 @@ def test_the_flags_read_from_args_are_the_ones_tyro_prints(name):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit):
         tyro.cli(recipe_args(name), args=["--help"])
     printed = set()
-    for match in re.finditer(r"^ {1,4}(?:-h, )?(--[a-z][\w-]*)(?:, (--[a-z][\w-]*))?", out.getvalue(), re.MULTILINE):
+    for match in re.finditer(
+        r"^ {1,4}(?:-h, )?(--[a-z][\w-]*)(?: [A-Z{][^,\s]*)?(?:, (--[a-z][\w-]*))?", out.getvalue(), re.MULTILINE
+    ):
         printed.update(flag for flag in match.groups() if flag)
     assert printed == set(recipe_flags(name))
 
