@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from common.data import (
     prompt_records,
 )
 from common.errors import DataError
+from common.parallel import barrier
 from common.sources import dotted, nested, open_source
 
 log = logging.getLogger(__name__)
@@ -40,15 +42,19 @@ COLUMNS = ("fate", "error", "row", "prompt_ids", "messages", "data_source", "no_
 
 def load_prompts(files, tokenizer, *, what: str = "train_files", data_workers: int = 1, **spec) -> tuple:
     """common.data.load_prompts' rows and LoadStats, as one PromptRows sequence: a file under LARGE_ROWS rows with
-    one worker is templated in this process as there; any other, by the cached map (mapped_prompts)."""
-    spec, stats = PromptSpec(**spec), LoadStats()
-    parts = []
-    for file in as_files(files, what):
-        data = None if in_process([file], data_workers) else open_source(str(file), what)  # memory-mapped
-        if data is None or (data_workers <= 1 and len(data) < LARGE_ROWS):  # read whole, templated here
-            parts.append(file_prompts(file, tokenizer, spec, what, stats))
-        else:
-            parts.append(mapped_prompts(data, str(file), tokenizer, spec, what, data_workers, stats))
+    one worker is templated in this process as there; any other, by the cached map (mapped_prompts). Under a
+    launcher, each node's first process (LOCAL_RANK 0) runs the map; the node's others wait, then read its cache."""
+    spec, stats, files = PromptSpec(**spec), LoadStats(), as_files(files, what)
+    opened = [None if in_process([file], data_workers) else open_source(str(file), what) for file in files]
+    mapped = [data is not None and (data_workers > 1 or len(data) >= LARGE_ROWS) for data in opened]
+    follower = any(mapped) and os.environ.get("LOCAL_RANK", "0") != "0"
+    if follower:
+        barrier()  # the node's first process maps into the cache, which this one then reads
+    parts = [mapped_prompts(data, str(file), tokenizer, spec, what, data_workers, stats) if large
+             else file_prompts(file, tokenizer, spec, what, stats)
+             for file, data, large in zip(files, opened, mapped)]  # fmt: skip
+    if any(mapped) and not follower:
+        barrier()
     if not stats.kept:
         raise DataError(f"{what}: no rows left after filtering ({stats.summary(what)})")
     return PromptRows(parts), stats

@@ -58,8 +58,8 @@ PLOTS = ("val/accuracy", "val/loss", "train/loss", "train/lr")  # panels of curv
 # --- config ---------------------------------------------------------------------------------------
 @dataclass
 class Args(TrainerArgs, DataArgs, ModelArgs):  # flags listed model, data, trainer; optim is a group
-    response_key: str = "extra_info.answer"
-    """column holding the response (dotted keys reach into structs)"""
+    response_key: Annotated[str, tyro.conf.arg(aliases=("--output-key",))] = "extra_info.answer"
+    """column holding the response (dotted keys reach into structs; OpenRLHF's --output-key)"""
     messages_key: str = "messages"
     """chat column; used instead of prompt/response when a file has it"""
     tools_key: str = "tools"

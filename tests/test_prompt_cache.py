@@ -202,3 +202,26 @@ def test_a_long_file_is_mapped_with_one_worker(tmp_path, tokenizer, cache, verl_
     assert isinstance(train.parts[0], prompt_cache.FileRows) and list(train) == here and stats.kept == ROWS
     monkeypatch.setattr(common.data, "LARGE_ROWS", ROWS + 1)
     assert isinstance(load_rl_data([f], [], tokenizer, train_batch_size=8, max_prompt_length=64)[0], list)
+
+
+def test_under_a_launcher_the_nodes_first_process_maps_and_the_others_read_its_cache(
+    tmp_path, tokenizer, cache, verl_rows, monkeypatch
+):
+    """LOCAL_RANK 0 maps, then meets the others at a barrier; any other process meets it first, then reads the cache
+    (templating there fails this test). A small file with one worker needs no barrier: every process reads it."""
+    f = write_parquet(tmp_path / "a.parquet", verl_rows)
+    met = []
+    monkeypatch.setattr(prompt_cache, "barrier", lambda: met.append(len(list(cache.glob("recipes_prompts/*.arrow")))))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    first, _ = prompt_cache.load_prompts([f], tokenizer, max_prompt_length=64, data_workers=2)
+    assert met == [2]  # after the map was written, one file per worker
+
+    def templating(*args, **kwargs):
+        raise AssertionError("templated again")
+
+    monkeypatch.setattr(prompt_cache, "prompt_records", templating)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    other, _ = prompt_cache.load_prompts([f], tokenizer, max_prompt_length=64, data_workers=2)
+    assert len(met) == 2 and list(other) == list(first)
+    prompt_cache.load_prompts([f], tokenizer, max_prompt_length=64, data_workers=1)  # in process, through data's
+    assert len(met) == 2

@@ -376,3 +376,10 @@ def test_bf16_mixed_precision_keeps_float32_master_weights(tmp_path, odd_files, 
         assert losses(out) != losses(single_process_run)
     exported = load_file(out / "checkpoints" / "step_3" / "hf" / "model.safetensors")
     assert {t.dtype for t in exported.values()} == {torch.float32}
+
+
+def test_openrlhfs_input_and_output_keys_name_the_prompt_and_response_columns():
+    import tyro
+
+    args = tyro.cli(load_recipe("sft").Args, args=["--input-key", "question", "--output-key", "answer"])
+    assert (args.prompt_key, args.response_key) == ("question", "answer")
