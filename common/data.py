@@ -318,15 +318,15 @@ def _prompt_text(tokenizer, row: dict, file: str, index: int, spec: PromptSpec) 
 def prompt_records(rows, file: str, tokenizer, spec: PromptSpec, start: int = 0) -> list[tuple[int, dict | str]]:
     """(fate, the prompt row; for BAD, the error's message) of each row, numbered from `start`. Every row is
     templated, then all are tokenized in one batched call (about twice as fast as row by row)."""
-    texts = [_caught(_prompt_text, tokenizer, row, file, i, spec) for i, row in enumerate(rows, start)]
+    texts = [caught(_prompt_text, tokenizer, row, file, i, spec) for i, row in enumerate(rows, start)]
     good = [t[0] for t in texts if not isinstance(t, str)]
     ids_of = iter(tokenizer(good, add_special_tokens=False)["input_ids"] if good else ())
-    made = [t if isinstance(t, str) else _caught(_prompt_row, row, i, file, next(ids_of), t, spec)
+    made = [t if isinstance(t, str) else caught(_prompt_row, row, i, file, next(ids_of), t, spec)
             for i, (row, t) in enumerate(zip(rows, texts), start)]  # fmt: skip
     return [(BAD, m) if isinstance(m, str) else m for m in made]
 
 
-def _caught(fn, *args):
+def caught(fn, *args):
     """fn(*args), or the message of the DataError it raised."""
     try:
         return fn(*args)
@@ -545,11 +545,14 @@ class DataArgs:
     """too-long input: error, or keep the end (left), the start (right), or both ends (middle)"""
     shuffle: bool = True
     """shuffle the training data every epoch (seeded)"""
+    data_workers: int = flag(1, ge=1)
+    """processes that template the data (verl's filter_overlong_prompts_workers); above 1, or for large data, as a
+    datasets map cached by fingerprint: the next start on the same data and flags reads the cache"""
 
 
 @dataclass
 class PromptArgs:
-    """The RL recipes' prompt columns beyond DataArgs' (TRL's and OpenRLHF's names), and their templating."""
+    """The RL recipes' prompt columns beyond DataArgs' (TRL's and OpenRLHF's names), and how prompts are fed."""
 
     label_key: str | None = None
     """column holding the ground truth (OpenRLHF's --label-key; unset: verl's reward_model, else solution or answer)"""
@@ -557,9 +560,6 @@ class PromptArgs:
     """data_source of rows without one (TRL's and OpenRLHF's data): the task whose built-in reward scores them"""
     apply_chat_template: bool = True
     """template prompts with the tokenizer's chat template; off: a plain-string prompt is fed as written"""
-    data_workers: int = flag(1, ge=1)
-    """processes that template the prompts (verl's filter_overlong_prompts_workers); above 1, or for large data, as a
-    datasets map cached by fingerprint: the next start on the same data and flags reads the cache"""
 
 
 # --- the batch arithmetic: checked against the world size before any model loads

@@ -5,7 +5,8 @@ Each input is read through datasets (common.sources: memory-mapped Arrow) and te
 common.data.prompt_records, the function the in-process path runs, over --data-workers processes (verl's
 filter_overlong_prompts_workers). The map is cached by a fingerprint of the input, the columns and length rules, the
 tokenizer and this code, so the next start on the same data and flags reads the cache instead of templating again.
-The rows stay on disk: FileRows makes a row (common.data._prompt_row, as in process) when a batch asks for it."""
+The rows stay on disk: MappedRows makes a row (common.data._prompt_row, as in process) when a batch asks for it.
+sft.py's examples (common.sft_data) take the same road."""
 
 import bisect
 import hashlib
@@ -14,6 +15,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 from common.data import (
@@ -41,41 +43,44 @@ COLUMNS = ("fate", "error", "row", "prompt_ids", "messages", "data_source", "no_
 
 
 def load_prompts(files, tokenizer, *, what: str = "train_files", data_workers: int = 1, **spec) -> tuple:
-    """common.data.load_prompts' rows and LoadStats, as one PromptRows sequence: a file under LARGE_ROWS rows with
-    one worker is templated in this process as there; any other, by the cached map (mapped_prompts). Under a
-    launcher, each node's first process (LOCAL_RANK 0) runs the map; the node's others wait, then read its cache."""
-    spec, stats, files = PromptSpec(**spec), LoadStats(), as_files(files, what)
-    opened = [None if in_process([file], data_workers) else open_source(str(file), what) for file in files]
-    mapped = [data is not None and (data_workers > 1 or len(data) >= LARGE_ROWS) for data in opened]
-    follower = any(mapped) and os.environ.get("LOCAL_RANK", "0") != "0"
-    if follower:
-        barrier()  # the node's first process maps into the cache, which this one then reads
-    parts = [mapped_prompts(data, str(file), tokenizer, spec, what, data_workers, stats) if large
-             else file_prompts(file, tokenizer, spec, what, stats)
-             for file, data, large in zip(files, opened, mapped)]  # fmt: skip
-    if any(mapped) and not follower:
-        barrier()
+    """common.data.load_prompts' rows and LoadStats, as one PromptRows sequence (load_inputs: which input is templated
+    in this process as there, and which by the cached map)."""
+    spec, stats = PromptSpec(**spec), LoadStats()
+    parts = load_inputs(files, what, data_workers, lambda file: file_prompts(file, tokenizer, spec, what, stats),
+                        lambda data, file: mapped_prompts(data, file, tokenizer, spec, what, data_workers, stats))  # fmt: skip
     if not stats.kept:
         raise DataError(f"{what}: no rows left after filtering ({stats.summary(what)})")
     return PromptRows(parts), stats
 
 
+def load_inputs(files, what: str, workers: int, here, mapped) -> list:
+    """here(file) for an input under LARGE_ROWS rows with one worker (read whole, made in this process), mapped(data,
+    file) for any other (data: the input as a memory-mapped Dataset). Under a launcher, each node's first process
+    (LOCAL_RANK 0) runs the maps; the node's others wait, then read its cache."""
+    files = as_files(files, what)
+    opened = [None if in_process([file], workers) else open_source(str(file), what) for file in files]
+    large = [data is not None and (workers > 1 or len(data) >= LARGE_ROWS) for data in opened]
+    follower = any(large) and os.environ.get("LOCAL_RANK", "0") != "0"
+    if follower:
+        barrier()  # the node's first process maps into the cache, which this one then reads
+    parts = [mapped(data, str(file)) if big else here(file) for file, data, big in zip(files, opened, large)]
+    if any(large) and not follower:
+        barrier()
+    return parts
+
+
 def mapped_prompts(data, file: str, tokenizer, spec: PromptSpec, what: str, workers: int, stats: LoadStats):
-    """The kept rows of one input as FileRows, counted in stats; the first bad row (in file order) raises."""
-    if not len(data):
-        raise DataError(f"{what}: {file!r} has no rows")
-    for column in [c for c in MULTIMODAL_COLUMNS if c in data.column_names]:
-        if held := sum(1 for value in data[column] if value):
-            raise multimodal_error(what, file, column, held, len(data))
-    first = nested(data[0]) if dotted(data) else data[0]
+    """The kept rows of one input as MappedRows, counted in stats; the first bad row (in file order) raises."""
+    first = first_row(data, file, what)
     spec = spec.for_file(file, list(first), first, what)
     stats.per_file[file] = len(data)
     stats.columns.setdefault(spec.describe(), []).append(file)
-    done = _templated(data, file, tokenizer, spec, workers)
-    fates, no_truth, agent = (done.data.column(c).to_numpy(zero_copy_only=False) for c in ("fate", "no_truth", "agent"))
-    if (bad := (fates == BAD).nonzero()[0]).size:
-        raise DataError(done[int(bad[0])]["error"])
-    kept = (fates != FILTERED).nonzero()[0]
+    columns = dict(row="int64", prompt_ids="int32[]", messages="string", data_source="string", no_truth="bool",
+                   agent="bool")  # fmt: skip
+    done = cached_map(data, file, _map_batch, dict(tokenizer=tokenizer, spec=spec, dotted=dotted(data)), columns,
+                      [repr(spec), tokenizer_identity(tokenizer)], workers)  # fmt: skip
+    fates, kept = fates_of(done)
+    no_truth, agent = (done.data.column(c).to_numpy(zero_copy_only=False) for c in ("no_truth", "agent"))
     stats.rows += len(fates)
     stats.kept += len(kept)
     stats.filtered_overlong += len(fates) - len(kept)
@@ -83,17 +88,36 @@ def mapped_prompts(data, file: str, tokenizer, spec: PromptSpec, what: str, work
     stats.no_ground_truth += int(no_truth.sum())
     stats.agent_rows += int(agent.sum())
     done = done.select_columns(["row", "prompt_ids", "messages", "data_source"])
-    return FileRows(data, done, None if len(kept) == len(fates) else kept, file, spec)
+    return MappedRows(done, None if len(kept) == len(fates) else kept, partial(_prompt_of, data, file, spec))
 
 
-def _templated(data, file: str, tokenizer, spec: PromptSpec, workers: int):
-    """The map of prompt_records over `data` (COLUMNS: each row's fate and error, and for a kept row its prompt_ids,
-    messages as JSON and data_source), read back from the datasets cache where the same map ran before."""
+def first_row(data, file: str, what: str) -> dict:
+    """An input's first row (nested as verl's structs are), once it is known to have rows and no images or videos."""
+    if not len(data):
+        raise DataError(f"{what}: {file!r} has no rows")
+    for column in [c for c in MULTIMODAL_COLUMNS if c in data.column_names]:
+        if held := sum(1 for value in data[column] if value):
+            raise multimodal_error(what, file, column, held, len(data))
+    return nested(data[0]) if dotted(data) else data[0]
+
+
+def fates_of(done) -> tuple:
+    """(every row's fate, the kept rows' indices) of a map's result; the first bad row (in file order) raises."""
+    fates = done.data.column("fate").to_numpy()
+    if (bad := (fates == BAD).nonzero()[0]).size:
+        raise DataError(done[int(bad[0])]["error"])
+    return fates, (fates != FILTERED).nonzero()[0]
+
+
+def cached_map(data, file: str, fn, fn_kwargs: dict, columns: dict, key: list, workers: int):
+    """data.map(fn) over `workers` processes into `columns` (name -> type; "int32[]": a list of them) beside each
+    row's fate and error, cached by a fingerprint of the input, `key` (the flags and tokenizer that make the rows)
+    and the code that makes them: read back from the datasets cache where the same map ran before."""
     import datasets
 
-    code = [hashlib.sha256(Path(m).read_bytes()).hexdigest() for m in (__file__, _prompt_row.__code__.co_filename)]
-    key = json.dumps([data._fingerprint, file, repr(spec), tokenizer_identity(tokenizer), *code])
-    fingerprint = hashlib.sha256(key.encode()).hexdigest()[:32]
+    modules = {__file__, _prompt_row.__code__.co_filename, fn.__code__.co_filename}
+    code = [hashlib.sha256(Path(m).read_bytes()).hexdigest() for m in sorted(modules)]
+    fingerprint = hashlib.sha256(json.dumps([data._fingerprint, file, *key, *code]).encode()).hexdigest()[:32]
     cache = Path(datasets.config.HF_DATASETS_CACHE) / "recipes_prompts" / f"{fingerprint}.arrow"
     cache.parent.mkdir(parents=True, exist_ok=True)
     shards = [cache.with_stem(f"{fingerprint}_{rank:05d}_of_{workers:05d}") for rank in range(workers)]
@@ -102,20 +126,19 @@ def _templated(data, file: str, tokenizer, spec: PromptSpec, workers: int):
     else:
         log.info("%s: templating %d rows in %d process(es), cached in %s", file, len(data), workers, cache.parent)
         datasets.enable_progress_bars()  # a long first start shows its progress
-    features = dict(fate="int8", error="string", row="int64", messages="string", data_source="string")
-    features = datasets.Features({**{k: datasets.Value(v) for k, v in features.items()},
-                                  "prompt_ids": datasets.Sequence(datasets.Value("int32")),
-                                  "no_truth": datasets.Value("bool"), "agent": datasets.Value("bool")})  # fmt: skip
+    types = {"fate": "int8", "error": "string", **columns}
+    features = datasets.Features({name: datasets.Sequence(datasets.Value(t[:-2])) if t.endswith("[]")
+                                  else datasets.Value(t) for name, t in types.items()})  # fmt: skip
     try:
-        return data.map(_map_batch, batched=True, batch_size=1000, with_indices=True, features=features,
+        return data.map(fn, batched=True, batch_size=1000, with_indices=True, features=features,
+                        fn_kwargs={**fn_kwargs, "file": file},
                         remove_columns=data.column_names, num_proc=workers if workers > 1 else None,
-                        new_fingerprint=fingerprint, cache_file_name=str(cache),
-                        fn_kwargs=dict(file=file, tokenizer=tokenizer, spec=spec, dotted=dotted(data)))  # fmt: skip
+                        new_fingerprint=fingerprint, cache_file_name=str(cache))  # fmt: skip
     finally:
         datasets.disable_progress_bars()
 
 
-def _map_batch(batch: dict, indices: list[int], *, file: str, tokenizer, spec: PromptSpec, dotted: bool) -> dict:
+def _map_batch(batch: dict, indices: list[int], *, tokenizer, spec: PromptSpec, dotted: bool, file: str) -> dict:
     rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
     out = {k: [] for k in COLUMNS}
     records = prompt_records([nested(r) for r in rows] if dotted else rows, file, tokenizer, spec, indices[0])
@@ -129,6 +152,13 @@ def _map_batch(batch: dict, indices: list[int], *, file: str, tokenizer, spec: P
     return out
 
 
+def _prompt_of(data, file: str, spec: PromptSpec, done: dict) -> dict:
+    """A kept row, made by common.data._prompt_row (as in process) from the map's columns and the input's own row."""
+    row = nested(data[done["row"]]) if dotted(data) else data[done["row"]]
+    made = (None, json.loads(done["messages"]), row.get("agent_name") or "single_turn_agent")
+    return _prompt_row(row, done["row"], file, done["prompt_ids"], made, spec)[1]
+
+
 def tokenizer_identity(tokenizer) -> str:
     """What makes a tokenizer's ids: its vocabulary and rules (a fast tokenizer's JSON), special tokens, chat template."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -137,22 +167,19 @@ def tokenizer_identity(tokenizer) -> str:
     return hashlib.sha256((body + template + repr(tokenizer.all_special_tokens)).encode()).hexdigest()
 
 
-class FileRows(Sequence):
-    """One input's templated prompt rows, memory-mapped: a row is made by common.data._prompt_row (as in process)
-    from the map's columns and the input's own row when asked for, so a million rows hold no Python objects."""
+class MappedRows(Sequence):
+    """One input's rows kept on disk (a map's result, memory-mapped): make(its row of the map) is the row, made when
+    asked for, so a million rows hold no Python objects."""
 
-    def __init__(self, data, done, kept, file: str, spec: PromptSpec):
+    def __init__(self, done, kept, make):
         """done: the map's rows, of which `kept` (indices; None: all) are the rows, in order."""
-        self.data, self.done, self.kept, self.file, self.spec, self.dotted = data, done, kept, file, spec, dotted(data)
+        self.done, self.kept, self.make = done, kept, make
 
     def __len__(self) -> int:
         return len(self.done) if self.kept is None else len(self.kept)
 
     def __getitem__(self, i: int) -> dict:
-        done = self.done[int(i if self.kept is None else self.kept[i])]
-        row = nested(self.data[done["row"]]) if self.dotted else self.data[done["row"]]
-        made = (None, json.loads(done["messages"]), row.get("agent_name") or "single_turn_agent")
-        return _prompt_row(row, done["row"], self.file, done["prompt_ids"], made, self.spec)[1]
+        return self.make(self.done[int(i if self.kept is None else self.kept[i])])
 
     def column(self, key: str) -> list:
         """One field of every row: data_source straight from the map's Arrow column, any other by making the rows."""
@@ -163,7 +190,7 @@ class FileRows(Sequence):
 
 
 class PromptRows(Sequence):
-    """The prompt rows of several inputs as one sequence (lists templated in process, FileRows), read as a list is:
+    """The prompt rows of several inputs as one sequence (lists made in process, MappedRows), read as a list is:
     by index or slice, and joined with + (train + val)."""
 
     def __init__(self, parts):
@@ -189,4 +216,4 @@ class PromptRows(Sequence):
         return PromptRows([other, self])
 
     def column(self, key: str) -> list:
-        return [v for p in self.parts for v in (p.column(key) if isinstance(p, FileRows) else [r[key] for r in p])]
+        return [v for p in self.parts for v in (p.column(key) if isinstance(p, MappedRows) else [r[key] for r in p])]

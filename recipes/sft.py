@@ -192,8 +192,8 @@ def main(args: Args) -> dict:
     # Data, read and checked before the model so bad rows fail in seconds; then the run to resume.
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     data_kwargs = dict(max_length=args.max_length, messages_key=args.messages_key, prompt_key=args.prompt_key,
-                       response_key=args.response_key, tools_key=args.tools_key,
-                       truncation=args.truncation)  # fmt: skip
+                       response_key=args.response_key, tools_key=args.tools_key, truncation=args.truncation,
+                       data_workers=args.data_workers)  # fmt: skip
     train, stats = load_sft(args.train_files, tokenizer, **data_kwargs, what="train_files")
     val = load_sft(args.val_files, tokenizer, **data_kwargs, what="val_files")[0] if args.val_files else []
     steps_per_epoch = len(train) // args.train_batch_size

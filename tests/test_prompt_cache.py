@@ -199,7 +199,7 @@ def test_a_long_file_is_mapped_with_one_worker(tmp_path, tokenizer, cache, verl_
     monkeypatch.setattr(common.data, "LARGE_ROWS", ROWS)
     monkeypatch.setattr(prompt_cache, "LARGE_ROWS", ROWS)
     train, stats, val = load_rl_data([f], [], tokenizer, train_batch_size=8, max_prompt_length=64, data_workers=1)
-    assert isinstance(train.parts[0], prompt_cache.FileRows) and list(train) == here and stats.kept == ROWS
+    assert isinstance(train.parts[0], prompt_cache.MappedRows) and list(train) == here and stats.kept == ROWS
     monkeypatch.setattr(common.data, "LARGE_ROWS", ROWS + 1)
     assert isinstance(load_rl_data([f], [], tokenizer, train_batch_size=8, max_prompt_length=64)[0], list)
 
@@ -225,3 +225,24 @@ def test_under_a_launcher_the_nodes_first_process_maps_and_the_others_read_its_c
     assert len(met) == 2 and list(other) == list(first)
     prompt_cache.load_prompts([f], tokenizer, max_prompt_length=64, data_workers=1)  # in process, through data's
     assert len(met) == 2
+
+
+def test_sft_examples_through_the_map_equal_the_in_process_ones(tmp_path, tokenizer, cache, verl_rows, monkeypatch):
+    """sft.py's examples, prompt / response rows and conversations, through the map (two workers): the same examples
+    and counts as in process (rows truncated, rows that lost every response token); read back from the cache."""
+    import common.sft_data as sft_data
+
+    rows = [dict(r, prompt=[{"role": "user", "content": r["prompt"][0]["content"][:8]}]) if i % 2 else r
+            for i, r in enumerate(verl_rows)]  # fmt: skip
+    chats = [{"messages": [*r["prompt"], {"role": "assistant", "content": r["extra_info"]["answer"]}]} for r in rows]
+    for name, data in (("pairs", rows), ("chats", chats)):
+        f = write_parquet(tmp_path / f"{name}.parquet", data)
+        kw = dict(max_length=40, response_key="extra_info.answer", truncation="right")
+        here, here_stats = sft_data.load_sft([f], tokenizer, **kw)
+        mapped, stats = sft_data.load_sft([f], tokenizer, **kw, data_workers=2)
+        counts = [(s.rows, s.kept, s.truncated, s.no_loss_tokens) for s in (stats, here_stats)]
+        assert counts[0] == counts[1] and 0 < stats.no_loss_tokens < stats.rows and stats.truncated > 0, counts
+        assert list(mapped) == here and mapped[-1]["ground_truth"] == here[-1]["ground_truth"]
+    monkeypatch.setattr(sft_data, "sft_records", lambda *a, **k: (_ for _ in ()).throw(AssertionError("again")))
+    again, _ = sft_data.load_sft([f], tokenizer, **kw, data_workers=2)
+    assert list(again) == here
