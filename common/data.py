@@ -321,7 +321,7 @@ def prompt_records(rows, file: str, tokenizer, spec: PromptSpec, start: int = 0)
     texts = [caught(_prompt_text, tokenizer, row, file, i, spec) for i, row in enumerate(rows, start)]
     good = [t[0] for t in texts if not isinstance(t, str)]
     ids_of = iter(tokenizer(good, add_special_tokens=False)["input_ids"] if good else ())
-    made = [t if isinstance(t, str) else caught(_prompt_row, row, i, file, next(ids_of), t, spec)
+    made = [t if isinstance(t, str) else caught(prompt_row, row, i, file, next(ids_of), t, spec)
             for i, (row, t) in enumerate(zip(rows, texts), start)]  # fmt: skip
     return [(BAD, m) if isinstance(m, str) else m for m in made]
 
@@ -334,7 +334,9 @@ def caught(fn, *args):
         return str(e)
 
 
-def _prompt_row(row: dict, i: int, file: str, ids: list, text: tuple, spec: PromptSpec) -> tuple[int, dict]:
+def prompt_row(row: dict, i: int, file: str, ids: list, text: tuple, spec: PromptSpec) -> tuple[int, dict]:
+    """(fate, the prompt row) of row i from its token ids and _prompt_text's (text, messages, agent); a check the row
+    fails (its length, data_source, ground truth, difficulty) raises a DataError naming it."""
     fate = KEPT
     if len(ids) > spec.max_prompt_length:
         if spec.filter_overlong_prompts:

@@ -5,7 +5,7 @@ Each input is read through datasets (common.sources: memory-mapped Arrow) and te
 common.data.prompt_records, the function the in-process path runs, over --data-workers processes (verl's
 filter_overlong_prompts_workers). The map is cached by a fingerprint of the input, the columns and length rules, the
 tokenizer and this code, so the next start on the same data and flags reads the cache instead of templating again.
-The rows stay on disk: MappedRows makes a row (common.data._prompt_row, as in process) when a batch asks for it.
+The rows stay on disk: MappedRows makes a row (common.data.prompt_row, as in process) when a batch asks for it.
 sft.py's examples (common.sft_data) take the same road."""
 
 import bisect
@@ -26,13 +26,13 @@ from common.data import (
     TRUNCATED,
     LoadStats,
     PromptSpec,
-    _prompt_row,
     as_files,
     file_prompts,
     in_process,
     is_agent_row,
     multimodal_error,
     prompt_records,
+    prompt_row,
 )
 from common.errors import DataError
 from common.parallel import barrier
@@ -115,7 +115,7 @@ def cached_map(data, file: str, fn, fn_kwargs: dict, columns: dict, key: list, w
     and the code that makes them: read back from the datasets cache where the same map ran before."""
     import datasets
 
-    modules = {__file__, _prompt_row.__code__.co_filename, fn.__code__.co_filename}
+    modules = {__file__, prompt_row.__code__.co_filename, fn.__code__.co_filename}
     code = [hashlib.sha256(Path(m).read_bytes()).hexdigest() for m in sorted(modules)]
     fingerprint = hashlib.sha256(json.dumps([data._fingerprint, file, *key, *code]).encode()).hexdigest()[:32]
     cache = Path(datasets.config.HF_DATASETS_CACHE) / "recipes_prompts" / f"{fingerprint}.arrow"
@@ -153,10 +153,10 @@ def _map_batch(batch: dict, indices: list[int], *, tokenizer, spec: PromptSpec, 
 
 
 def _prompt_of(data, file: str, spec: PromptSpec, done: dict) -> dict:
-    """A kept row, made by common.data._prompt_row (as in process) from the map's columns and the input's own row."""
+    """A kept row, made by common.data.prompt_row (as in process) from the map's columns and the input's own row."""
     row = nested(data[done["row"]]) if dotted(data) else data[done["row"]]
     made = (None, json.loads(done["messages"]), row.get("agent_name") or "single_turn_agent")
-    return _prompt_row(row, done["row"], file, done["prompt_ids"], made, spec)[1]
+    return prompt_row(row, done["row"], file, done["prompt_ids"], made, spec)[1]
 
 
 def tokenizer_identity(tokenizer) -> str:

@@ -4,6 +4,7 @@ start reads the cache instead of templating, and a bad row is named as the in-pr
 
 import json
 import logging
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -208,23 +209,28 @@ def test_under_a_launcher_the_nodes_first_process_maps_and_the_others_read_its_c
     tmp_path, tokenizer, cache, verl_rows, monkeypatch
 ):
     """LOCAL_RANK 0 maps, then meets the others at a barrier; any other process meets it first, then reads the cache
-    (templating there fails this test). A small file with one worker needs no barrier: every process reads it."""
+    (templating there fails this test). A small file with one worker needs no barrier: every process reads it.
+    LOCAL_RANK is set by hand, not by monkeypatch: a map over processes replaces os.environ with a copy of itself
+    (datasets' Dataset.map), so monkeypatch would restore the old object and leave the variable set for later tests."""
     f = write_parquet(tmp_path / "a.parquet", verl_rows)
     met = []
     monkeypatch.setattr(prompt_cache, "barrier", lambda: met.append(len(list(cache.glob("recipes_prompts/*.arrow")))))
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    first, _ = prompt_cache.load_prompts([f], tokenizer, max_prompt_length=64, data_workers=2)
-    assert met == [2]  # after the map was written, one file per worker
 
     def templating(*args, **kwargs):
         raise AssertionError("templated again")
 
-    monkeypatch.setattr(prompt_cache, "prompt_records", templating)
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    other, _ = prompt_cache.load_prompts([f], tokenizer, max_prompt_length=64, data_workers=2)
-    assert len(met) == 2 and list(other) == list(first)
-    prompt_cache.load_prompts([f], tokenizer, max_prompt_length=64, data_workers=1)  # in process, through data's
-    assert len(met) == 2
+    try:
+        os.environ["LOCAL_RANK"] = "0"
+        first, _ = prompt_cache.load_prompts([f], tokenizer, max_prompt_length=64, data_workers=2)
+        assert met == [2]  # after the map was written, one file per worker
+        monkeypatch.setattr(prompt_cache, "prompt_records", templating)
+        os.environ["LOCAL_RANK"] = "1"
+        other, _ = prompt_cache.load_prompts([f], tokenizer, max_prompt_length=64, data_workers=2)
+        assert met == [2, 2] and list(other) == list(first)  # it met the first before reading
+        prompt_cache.load_prompts([f], tokenizer, max_prompt_length=64, data_workers=1)  # in process, through data's
+        assert met == [2, 2]
+    finally:
+        os.environ.pop("LOCAL_RANK", None)
 
 
 def test_sft_examples_through_the_map_equal_the_in_process_ones(tmp_path, tokenizer, cache, verl_rows, monkeypatch):
