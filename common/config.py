@@ -35,7 +35,6 @@ from common.rollout import (
     PlacementArgs,
     RolloutArgs,
     ValidationArgs,
-    check_env,
     check_placement,
 )
 from common.rollout import EnvPlayArgs as EnvPlayArgs  # re-exported: recipes build on it
@@ -165,7 +164,9 @@ def check_flags(args) -> None:
         if args.interaction_config:
             read_interaction_config(args.interaction_config)  # likewise: the classes are imported in a worker
     if getattr(args, "env_config", None):
-        check_env(args)  # likewise: the environments are made in their workers
+        from common.envs import check_env  # a feature: the environments are made in their workers
+
+        check_env(args)
     if getattr(args, "rollout_name", "hf") == "vllm":
         from common.vllm_engine import check_vllm  # a feature: loaded where asked for
 

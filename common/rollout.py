@@ -690,10 +690,3 @@ def check_placement(args) -> None:
         if f.name not in ("rollout_placement", *ignored) and getattr(args, f.name) != f.default:
             also = " (or --teacher-placement remote)" if hasattr(args, "teacher_placement") and f.name in shared else ""
             raise UsageError(f"{flag_name(f.name)} applies to remote engines: add --rollout-placement remote{also}")
-
-
-def check_env(args) -> None:
-    """--env-config: common.envs.check_env (a feature: loaded where asked for)."""
-    from common import envs
-
-    envs.check_env(args)
