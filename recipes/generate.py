@@ -66,7 +66,8 @@ OUTPUT_FLAGS = ("data_path", "prompt_key", "n_samples", "batch_size", "model", "
 @dataclass
 class Args(EnvPlayArgs, AgentArgs, EngineArgs, WaitArgs):  # the engines', the agent loop's, the environments' flags
     data_path: str = str(BUNDLED / "addition" / "test.parquet")
-    """input parquet in verl's format (a prompt column; other columns are copied to the output)"""
+    """input in verl's format (a prompt column; other columns are copied to the output): parquet, JSON / JSONL, CSV,
+    Arrow, a save_to_disk folder or a dataset's name, as --train-files takes them"""
     prompt_key: str = "prompt"
     """column holding the prompt: a chat list of {role, content} or a plain string"""
     output_path: str = ""
@@ -183,8 +184,12 @@ def merge_parts(parts: Path, n_chunks: int, data_path: str | None, out: Path) ->
     done = pa.concat_tables([pq.read_table(parts / f"chunk_{c:06d}.parquet") for c in range(n_chunks)])
     if data_path is None:
         table = done.select(["data_source", "env_seed", "prompt"])
-    else:
+    elif Path(data_path).suffix == ".parquet":
         table = pq.read_table(Path(data_path).expanduser()).take(done.column("row"))
+    else:  # JSON / JSONL, CSV, Arrow, a save_to_disk folder, a dataset's name: as datasets holds it
+        from common.sources import open_source
+
+        table = open_source(data_path, "data_path").data.table.take(done.column("row"))
     agent = any(x != "null" for group in done.column("response_extra_info").to_pylist() for x in group)
     for name in ("responses", "response_ids", "finish_reasons", "response_extra_info"):
         if name in table.column_names:  # an earlier generation's column: this run's replaces it (the input keeps it)
@@ -206,7 +211,7 @@ def read_rows(args: Args, tokenizer) -> tuple[list[dict], str]:
     """The rows to generate for, and a line saying what they are: the prompts of --data-path (checked
     and templated as training does), or with --env-config every tag's held-out seeds, as training
     validates on (common.envs.env_rows)."""
-    from common.data import load_prompts
+    from common.data import in_process, load_prompts
     from common.envs import env_rows
     from common.tools import check_agent_rows
 
@@ -214,11 +219,15 @@ def read_rows(args: Args, tokenizer) -> tuple[list[dict], str]:
         tags = args.env_tag_list()
         rows = env_rows(args.env_config, tags, [1] * len(tags), len(tags), args.env_val_seeds)[2]
         return rows, f"env_config: {args.env_val_seeds} held-out seeds of each of {', '.join(tags)}"
+    if not in_process([args.data_path], 1):  # other formats, and large files: kept on disk (common.prompt_cache)
+        from common.prompt_cache import load_prompts
     rows, stats = load_prompts([args.data_path], tokenizer, prompt_key=args.prompt_key, what="data_path",
                                max_prompt_length=args.max_prompt_length, truncation=args.truncation,
                                filter_overlong_prompts=args.filter_overlong_prompts,
                                tools=args.tool_schemas())  # fmt: skip
-    check_agent_rows(rows, args.tool_schemas(), args.interaction_names(), args.tool_class_names())
+    if stats.agent_rows or args.tool_config or args.interaction_config:
+        rows = list(rows)  # check_agent_rows fills in each row's interaction_kwargs
+        check_agent_rows(rows, args.tool_schemas(), args.interaction_names(), args.tool_class_names())
     return rows, stats.summary("data_path")
 
 
@@ -238,7 +247,7 @@ def main(args: Args) -> dict:
     # The rows (prompts, or environment seeds), the chunks already done, then the model.
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     rows, described = read_rows(args, tokenizer)
-    chunks = [rows[i : i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
+    chunks = [range(i, min(i + args.batch_size, len(rows))) for i in range(0, len(rows), args.batch_size)]
     flags = json.loads(json.dumps({k: getattr(args, k) for k in OUTPUT_FLAGS}))  # as flags.json holds them
     done = open_parts(parts, flags, len(chunks), dist)
     todo = [c for c in range(dist.rank, len(chunks), dist.world_size) if c not in done]
@@ -264,8 +273,9 @@ def main(args: Args) -> dict:
     with tqdm(total=mine, unit="prompt", desc=f"generate{who}", disable=not dist.is_main) as bar:
         for c in todo:
             torch.manual_seed(args.seed * 1_000_003 + c)  # the same samples whichever process takes chunk c
-            groups = sample(engine, chunks[c], sampling)  # tool_agent rows through the agent loop
-            write_chunk(parts, c, chunks[c], groups, tokenizer)
+            batch = [rows[i] for i in chunks[c]]  # made when their chunk comes: a large input stays on disk
+            groups = sample(engine, batch, sampling)  # tool_agent rows through the agent loop
+            write_chunk(parts, c, batch, groups, tokenizer)
             bar.update(len(chunks[c]))
     barrier()
     for pool in pools:

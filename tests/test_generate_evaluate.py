@@ -231,3 +231,16 @@ def test_the_command_line_prints_one_line(tmp_path):
                       fresh=True)  # fmt: skip
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and "no column 'responses'" in proc.stderr
+
+
+def test_generate_reads_jsonl_and_copies_its_columns(tmp_path, gen):
+    """--data-path in another format than parquet (here JSONL, through datasets): the output holds the input's own
+    columns beside the responses, row for row, as a parquet input's does."""
+    rows = pq.read_table(BUNDLED / "addition" / "test.parquet").slice(0, 6).to_pylist()
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.parquet"
+    gen.main(gen.Args(data_path=str(data), output_path=str(out), temperature=0.0, batch_size=4))
+    table = pq.read_table(out)
+    assert table.num_rows == 6 and {"data_source", "prompt", "reward_model", "responses"} <= set(table.column_names)
+    assert table.column("extra_info").to_pylist() == [r["extra_info"] for r in rows]
