@@ -64,7 +64,7 @@ PUBLIC = {
     "config": "AgentArgs BUNDLED DataArgs EngineArgs EnvPlayArgs KLRewardArgs ModelArgs OptimArgs RLArgs TrainerArgs "
     "WaitArgs check_flags cli_args is_due plan_batches",
     "critic": "load_critic response_values",
-    "data": "DataError get_field has_column load_prompts pad read_rows split_rows step_rows take_rows",
+    "data": "DataError get_field has_column pad read_rows split_rows step_rows take_rows",
     "engines": "Sampling hf_generate_greedy",
     "envs": "env_rows",
     "errors": "UsageError usage_errors",
@@ -73,6 +73,7 @@ PUBLIC = {
     "ops": "agg_loss jsd_from_logits kl_controller_step kl_from_logits kl_penalty logprobs_and_entropy "
     "logprobs_from_logits masked_mean masked_mean_all_ranks masked_var masked_whiten masked_whiten_all_ranks "
     "rollout_correction",
+    "prompt_cache": "load_prompts",
     "parallel": "StopSignal all_reduce_sum barrier clip_grad_norm gather_objects grad_sync init_distributed "
     "resolve_strategy seed_everything setup_logging shard_evenly",
     "rewards": "Scored start_agent_pools start_env_pool start_reward_pool",
@@ -80,6 +81,7 @@ PUBLIC = {
     "runlock": "claim_output claim_run_dir",
     "scoring": "builtin_scorer exact_match extract_answer hit",
     "sft_data": "load_sft",
+    "sources": "open_source",
     "teacher": "TeacherArgs check_teacher start_teacher",
     "tools": "check_agent_rows",
     "tracking": "Tracker describe_run step_metrics",

@@ -211,16 +211,14 @@ def read_rows(args: Args, tokenizer) -> tuple[list[dict], str]:
     """The rows to generate for, and a line saying what they are: the prompts of --data-path (checked
     and templated as training does), or with --env-config every tag's held-out seeds, as training
     validates on (common.envs.env_rows)."""
-    from common.data import in_process, load_prompts
     from common.envs import env_rows
+    from common.prompt_cache import load_prompts  # a small parquet file in process; a large input kept on disk
     from common.tools import check_agent_rows
 
     if args.env_config:
         tags = args.env_tag_list()
         rows = env_rows(args.env_config, tags, [1] * len(tags), len(tags), args.env_val_seeds)[2]
         return rows, f"env_config: {args.env_val_seeds} held-out seeds of each of {', '.join(tags)}"
-    if not in_process([args.data_path], 1):  # other formats, and large files: kept on disk (common.prompt_cache)
-        from common.prompt_cache import load_prompts
     rows, stats = load_prompts([args.data_path], tokenizer, prompt_key=args.prompt_key, what="data_path",
                                max_prompt_length=args.max_prompt_length, truncation=args.truncation,
                                filter_overlong_prompts=args.filter_overlong_prompts,
