@@ -252,3 +252,14 @@ def test_sft_examples_through_the_map_equal_the_in_process_ones(tmp_path, tokeni
     monkeypatch.setattr(sft_data, "sft_records", lambda *a, **k: (_ for _ in ()).throw(AssertionError("again")))
     again, _ = sft_data.load_sft([f], tokenizer, **kw, data_workers=2)
     assert list(again) == here
+
+
+def test_the_map_refuses_images_and_reads_an_empty_images_column(tmp_path, tokenizer, cache, verl_rows):
+    rows = [dict(r, images=[]) for r in verl_rows[:6]]
+    f = write_parquet(tmp_path / "empty.parquet", rows)
+    mapped, _ = prompt_cache.load_prompts([f], tokenizer, max_prompt_length=64, data_workers=2)
+    assert len(mapped) == 6
+    rows[3]["images"] = ["a.png"]
+    f = write_parquet(tmp_path / "held.parquet", rows)
+    with pytest.raises(DataError, match=r"column 'images' holds images in 1 of 6 rows"):
+        prompt_cache.load_prompts([f], tokenizer, max_prompt_length=64, data_workers=2)
