@@ -13,6 +13,7 @@ Four batches: "spread" (responses of 8-512 tokens, as a reasoning run's lengths 
     python bench/packing.py                          # the bundled tiny model
     python bench/packing.py --hidden 256 --layers 6  # a larger random-weight Qwen2 of the same shape family
     python bench/packing.py --shape qwen2.5-0.5b --device cuda --dtype bfloat16 --profile   # a GPU
+    python bench/packing.py --compile --batches spread      # each decoder layer compiled (--use-torch-compile)
 
 On a GPU each pass also reports its MFU (the model FLOPs of the work the batch needs a second, over
 the device's peak: common.perf), and --profile the top kernels of the spread batch's passes by GPU
@@ -33,7 +34,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.data import load_prompts, pack_sequences  # noqa: E402
-from common.model import forward_layout, load_policy, load_tokenizer, register_varlen, response_logits  # noqa: E402
+from common.model import (  # noqa: E402
+    compile_layers,
+    forward_layout,
+    load_policy,
+    load_tokenizer,
+    register_varlen,
+    response_logits,
+)
 from common.ops import logprobs_and_entropy  # noqa: E402
 from common.perf import device_peak, flop_terms, needed_tokens, update_flops  # noqa: E402
 
@@ -64,28 +72,31 @@ def models(args, tokenizer):
     return padded, packed
 
 
-def batches(args, tokenizer) -> dict:
+def batches(args, tokenizer, seqs: int) -> dict:
     rows, _ = load_prompts([TEST], tokenizer, max_prompt_length=64)
-    prompts = [r["prompt_ids"] for r in rows[: args.seqs]]
+    prompts = [r["prompt_ids"] for r in rows[:seqs]]
     g = torch.Generator().manual_seed(0)
     spread = [
-        torch.randint(10, 100, (int(n),), generator=g).tolist()
-        for n in torch.randint(8, 513, (args.seqs,), generator=g)
+        torch.randint(10, 100, (int(n),), generator=g).tolist() for n in torch.randint(8, 513, (seqs,), generator=g)
     ]
     answers = [tokenizer(f"<answer>{r['ground_truth']}</answer>", add_special_tokens=False)["input_ids"]
-               for r in rows[: args.seqs]]  # fmt: skip
+               for r in rows[:seqs]]  # fmt: skip
     out = {}
     for name, responses in (("spread", spread), ("uniform", answers)):
         batch = pack_sequences(prompts, responses, tokenizer.pad_token_id, args.device)
         batch["group_ids"] = torch.arange(len(prompts), device=args.device)
         out[name] = batch
     # GRPO's layout: groups of 8 responses to one prompt, which the padded pass runs once per group
-    grouped = [p for p in prompts[: args.seqs // 8] for _ in range(8)]
+    grouped = [p for p in prompts[: seqs // 8] for _ in range(8)]
     for name, responses in (("uniform", answers), ("spread", spread)):
         batch = pack_sequences(grouped, responses[: len(grouped)], tokenizer.pad_token_id, args.device)
         batch["group_ids"] = torch.arange(len(grouped), device=args.device) // 8
         out[f"{name}, groups of 8 sharing a prompt"] = batch
-    return out
+    return {k: v for k, v in out.items() if not args.batches or short(k) in args.batches}
+
+
+def short(name: str) -> str:
+    return name.replace(", groups of 8 sharing a prompt", "-groups")
 
 
 def step(model, batch) -> None:
@@ -111,8 +122,12 @@ def sync() -> None:
 
 
 def timed(fn, repeats: int) -> float:
+    """The median of `repeats` calls after a first one (which compiles, under --compile: its time is said)."""
+    start = time.perf_counter()
     fn()
     sync()
+    if time.perf_counter() - start > 5:
+        print(f"  (first call {time.perf_counter() - start:.1f} s)", flush=True)
     seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -146,7 +161,8 @@ def attention_share(fn) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seqs", type=int, default=16, help="sequences in the micro-batch")
+    parser.add_argument("--seqs", type=int, nargs="+", default=[16], help="sequences in the micro-batch "
+                        "(several: each batch at each size)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--hidden", type=int, default=0, help="build a random Qwen2 of this width (0: the bundled model)"
@@ -158,6 +174,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
     parser.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "recipes-throughput"),
                         help="with --shape: where its random-initialised model is kept")  # fmt: skip
+    parser.add_argument("--batches", nargs="+", choices=["spread", "uniform", "uniform-groups", "spread-groups"],
+                        help="only these batches (default: all four)")  # fmt: skip
+    parser.add_argument("--compile", action="store_true", help="each decoder layer compiled, as --use-torch-compile "
+                        "does (common.model.compile_layers)")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="also report the attention's share of the time "
                         "(on a GPU: the top kernels of the spread batch's passes)")  # fmt: skip
     args = parser.parse_args()
@@ -165,14 +185,18 @@ def main() -> None:
     tokenizer = load_tokenizer(str(SFT))
     padded, packed = models(args, tokenizer)
     padded, packed = padded.to(args.device).train(), packed.to(args.device).train()
+    if args.compile:
+        padded, packed = compile_layers(padded), compile_layers(packed)
     params = sum(p.numel() for p in padded.parameters()) / 1e6
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU threads {torch.get_num_threads()}"
     terms, dtype = flop_terms(padded), getattr(torch, args.dtype)
     peak, source = device_peak(args.device, dtype, torch.cuda.current_device() if args.device == "cuda" else 0)
     print(f"model: {params:.2f}M params ({args.shape or 'bundled' if not args.hidden else f'hidden {args.hidden}'}, "
-          f"{args.dtype}), {args.seqs} sequences a micro-batch, median of {args.repeats}, {where}; peak "
+          f"{args.dtype}{', compiled layers' if args.compile else ''}), {'/'.join(map(str, args.seqs))} sequences a micro-batch, median of {args.repeats}, {where}; peak "
           f"{peak / 1e12:.4g} TFLOP/s ({source})")  # fmt: skip
-    for name, batch in batches(args, tokenizer).items():
+    every = [(f"{name}{f' x {n}' if len(args.seqs) > 1 else ''}", batch, name, n)
+             for n in args.seqs for name, batch in batches(args, tokenizer, n).items()]  # fmt: skip
+    for name, batch, kind, n in every:
         tokens = int(batch["attention_mask"].sum())
         padding = 1 - tokens / batch["attention_mask"].numel()
         response_tokens = int(batch["response_mask"].sum())
@@ -187,7 +211,7 @@ def main() -> None:
               f"{response_tokens / t_padded:.0f} -> {response_tokens / t_packed:.0f}; MFU "
               f"{float(work) / t_padded / peak:.1%} -> {float(work) / t_packed / peak:.1%}; auto runs it "
               f"{auto_layout(packed, batch)}")  # fmt: skip
-        if args.profile and args.device == "cuda" and name == "spread":
+        if args.profile and args.device == "cuda" and kind == "spread" and n == max(args.seqs):  # the largest pass
             for label, m in (("padded", padded), ("packed", packed)):
                 print(f"  top kernels, {label}:\n{top_kernels(lambda m=m: step(m, batch))}")  # noqa: B023
         elif args.profile:

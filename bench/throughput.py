@@ -113,6 +113,8 @@ def main() -> None:
                         "32 on a CPU, 256 on a GPU)")  # fmt: skip
     parser.add_argument("--micro-batch", type=int, default=16, help="--micro-batch-size-per-gpu")
     parser.add_argument("--mixed-precision", choices=["no", "bf16"], default="no")
+    parser.add_argument("--torch-compile", action="store_true", help="--use-torch-compile: each decoder layer "
+                        "compiled (the first step, which compiles, is not counted)")  # fmt: skip
     parser.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "recipes-throughput"),
                         help="where the random-initialised models are kept")  # fmt: skip
     parser.add_argument("--json", default=None, help="also write the table here")
@@ -127,7 +129,8 @@ def main() -> None:
     args.models = args.models or (["bundled", "smollm2-135m"] if not cuda else ["qwen2.5-0.5b", "qwen2.5-1.5b"])
     device = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
     print(f"grpo.py on {device}, torch {torch.__version__}; {args.prompts} prompts x {args.group} responses a step, "
-          f"median of steps 2-{args.steps}, --mixed-precision {args.mixed_precision}")  # fmt: skip
+          f"median of steps 2-{args.steps}, --mixed-precision {args.mixed_precision}, {args.micro_batch} sequences "
+          f"a micro-batch{', compiled layers' if args.torch_compile else ''}")  # fmt: skip
     header = f"{'model':<14} {'engine':<6} {'launch':<11} {'layout':<12} {'step s':>7} {'gen tok/s':>10} " \
              f"{'train tok/s':>12} {'MFU':>6}"  # fmt: skip
     print(header)
@@ -141,12 +144,13 @@ def main() -> None:
                  "--train-batch-size", str(args.prompts), "--ppo-mini-batch-size", str(args.prompts),
                  "--rollout-n", str(args.group), "--max-response-length", str(length),
                  "--micro-batch-size-per-gpu", str(args.micro_batch), "--mixed-precision", args.mixed_precision,
-                 "--use-remove-padding", remove_padding, "--rollout-name", engine]  # fmt: skip
-        name = f"{model}-{engine}-{processes}-{layout}"
+                 "--use-remove-padding", remove_padding, "--rollout-name", engine,
+                 *(["--use-torch-compile"] if args.torch_compile else [])]  # fmt: skip
+        name = f"{model}-{engine}-{processes}-{layout}{'-compiled' if args.torch_compile else ''}"
         figures = steady(run(path, work / name, flags, processes))
         launch = "1 process" if processes == 1 else f"{processes} (DDP)"
         row = {"model": model, "engine": engine, "launch": launch, "layout": layout, "response_length": length,
-               **figures}  # fmt: skip
+               "micro_batch": args.micro_batch, "torch_compile": args.torch_compile, **figures}  # fmt: skip
         table.append(row)
         print(f"{model:<14} {engine:<6} {launch:<11} {layout:<12} {figures['perf/step_s']:>7.3f} "
               f"{figures.get('perf/generate_tokens_per_s', 0):>10.0f} {figures.get('perf/train_tokens_per_s', 0):>12.0f} "

@@ -126,11 +126,14 @@ class HFEngine:
         saved = inner.generation_config
         inner.generation_config = config
         out: list[list[Completion]] = []
+        # Compiled layers (--use-torch-compile) decode eagerly: the KV cache's guards differ per layer, so
+        # compiling decode would spend the compiler's recompile limit and leave the trainer's passes eager.
         try:
-            for start in range(0, len(prompts), self.batch_size):
-                batch = prompts[start : start + self.batch_size]
-                out.extend(self._generate_batch(inner, batch, config, warpers, sampling.n))
-                watchdog.progress()
+            with torch.compiler.set_stance("force_eager"):
+                for start in range(0, len(prompts), self.batch_size):
+                    batch = prompts[start : start + self.batch_size]
+                    out.extend(self._generate_batch(inner, batch, config, warpers, sampling.n))
+                    watchdog.progress()
         finally:
             inner.generation_config = saved
         inner.train(was_training)

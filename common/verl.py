@@ -65,6 +65,7 @@ DIFFERS = {
     "critic_lr": "the critic takes the policy's schedule and warm-up here; verl's critic has its own",
     "val_before_train": "not again on a resumed run here; verl validates at each start",
     "reward_fn": "each call within --reward-timeout here, else scored 0 and counted; verl waits",
+    "use_torch_compile": "each decoder layer is compiled here; verl compiles its logprob and entropy function",
 }
 LAUNCHER = "processes and GPUs come from the launcher here (accelerate / torchrun / launch/)"
 MICRO = "a memory-only micro-batch; --micro-batch-size-per-gpu sets every forward's here"
@@ -312,7 +313,7 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "actor_rollout_ref.model.enable_activation_offload": NoOp(
         "activation offload is not built; --gradient-checkpointing saves the activations' memory"
     ),
-    ACTOR + "use_torch_compile": NoOp("the update runs eagerly; compiling would change its speed, not its result"),
+    ACTOR + "use_torch_compile": Flag("use_torch_compile"),
     ACTOR + "data_loader_seed": NoOp("a step's mini-batches come in its order; --seed orders the prompts"),
     ACTOR + "optim.num_cycles": Fixed(0.5, "the cosine schedule is half a cycle"),
     ACTOR + "fsdp_config.wrap_policy.min_num_params": NoOp(WRAP),

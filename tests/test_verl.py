@@ -275,6 +275,8 @@ def test_keys_that_combine_or_rename_values():
     assert grpo("++data.val_files=[a.parquet, 'b.parquet']")[0] == ["--val-files", "a.parquet", "b.parquet"]
     assert grpo("+data.tokenizer=null")[0] == ["--tokenizer", "None"]
     assert grpo("actor_rollout_ref.actor.fsdp_config.model_dtype=bf16")[0] == ["--dtype", "bfloat16"]
+    assert grpo("actor_rollout_ref.actor.use_torch_compile=True")[0] == ["--use-torch-compile"]
+    assert grpo("actor_rollout_ref.actor.use_torch_compile=False")[0] == ["--no-use-torch-compile"]
     # the ++baseline estimator is reinforce_pp.py with its group baseline
     flags, _ = translate(
         ["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
@@ -499,6 +501,7 @@ def test_a_verl_config_file_runs_ppo(tmp_path):
         "actor_rollout_ref.model.path": model, "critic.model.path": model,
         "actor_rollout_ref.actor.ppo_mini_batch_size": 4, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 8,
         "actor_rollout_ref.rollout.n": 2, "actor_rollout_ref.rollout.name": "hf",
+        "actor_rollout_ref.actor.use_torch_compile": False,  # compiling costs 35 s on CPU (tests/test_rollout.py)
         "actor_rollout_ref.rollout.tensor_model_parallel_size": 1, "actor_rollout_ref.rollout.free_cache_engine": False,
         "actor_rollout_ref.rollout.tool_kwargs.tools_config_file": None,
         "actor_rollout_ref.rollout.interaction_config_file": None, "trainer.default_hdfs_dir": None,
