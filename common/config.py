@@ -324,7 +324,8 @@ class RLArgs(
         (run_info, the passes over a step), the flags common.perf.verdict reads and the trainer-engine gap's bound."""
         plan = self.batch_plan(run_info["world_size"])
         facts = ("rollout_name", "rollout_placement", "max_staleness", "reward_workers", "use_remove_padding",
-                 "micro_batch_size_per_gpu", "gradient_checkpointing", "mixed_precision", "dtype", "lora_rank")  # fmt: skip
+                 "micro_batch_size_per_gpu", "gradient_checkpointing", "mixed_precision", "dtype", "lora_rank",
+                 "use_torch_compile")  # fmt: skip
         run = {**{k: getattr(self, k) for k in facts}, "device": run_info["device"],
                "micro_batches": plan.grad_accum}  # a mini-batch's passes (0: by a token budget)  # fmt: skip
         return {**super().tracker_kwargs(recipe, run_info), "stop_on_nonfinite_reward": self.stop_on_nonfinite_reward,

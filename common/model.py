@@ -99,6 +99,7 @@ def compile_layers(model):
     for module in model.modules():
         if type(module).__name__ in blocks:
             module.compile(dynamic=True)
+    model.compiled_layers = True  # the HF engine decodes eagerly (common.engines)
     return model
 
 

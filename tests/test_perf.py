@@ -132,11 +132,13 @@ def test_trainer_bound_advice_follows_the_runs_flags():
               "gradient_checkpointing": True}  # fmt: skip
     advice = verdict(update, 10.0, padded)[1]
     for flag in ("--use-remove-padding auto", "40%", "--mixed-precision bf16", "--gradient-checkpointing",
-                 "--micro-batch-size-per-gpu (now 64)", "4 micro-batches"):  # fmt: skip
+                 "--micro-batch-size-per-gpu (now 64)", "4 micro-batches", "--use-torch-compile"):  # fmt: skip
         assert flag in advice, flag
-    advice = verdict(update, 10.0, {**RUN, "device": "cuda", "mixed_precision": "bf16"})[1]
-    for flag in ("--use-remove-padding", "--mixed-precision", "--gradient-checkpointing", "--micro-batch-size"):
+    advice = verdict(update, 10.0, {**RUN, "device": "cuda", "mixed_precision": "bf16", "use_torch_compile": True})[1]
+    for flag in ("--use-remove-padding", "--mixed-precision", "--gradient-checkpointing", "--micro-batch-size",
+                 "--use-torch-compile"):  # fmt: skip
         assert flag not in advice, flag
+    assert "--use-torch-compile" not in verdict(update, 10.0, padded | {"device": "cpu"})[1]  # little gain on a CPU
 
 
 SLOW_REWARD = """
