@@ -132,16 +132,19 @@ def run_ray(tmp_path, hosts, *driver, wait=True, **extra):
     return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def fakes_left() -> list[str]:
-    """The stand-ins still running a second after a script ended (the script must stop them all)."""
+def fakes_left(folder) -> list[str]:
+    """The stand-ins of the script run in `folder` (their FAKE_LOG is there) still running a second after it
+    ended (the script must stop them all). Another test's, on the other xdist worker, are not this one's."""
+    mine = f"FAKE_LOG={Path(folder) / 'calls.log'}".encode()
     for _ in range(20):
         left = []
-        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        for proc in Path("/proc").glob("[0-9]*"):
             try:
-                words = cmdline.read_bytes().split(b"\0")
+                words = (proc / "cmdline").read_bytes().split(b"\0")
+                environ = (proc / "environ").read_bytes().split(b"\0")
             except OSError:  # ended while we looked
                 continue
-            if any(w.startswith(str(FAKES).encode()) for w in words):
+            if mine in environ and any(w.startswith(str(FAKES).encode()) for w in words):
                 left.append(b" ".join(words).decode(errors="replace"))
         if not left:
             break
@@ -169,7 +172,7 @@ def test_ray_script_starts_the_cluster_runs_the_driver_and_stops(tmp_path, hosts
     assert log.index(driver) > max(log.index(line) for line in starts)  # after every node joined
     stops = sorted(line.rsplit(" @ ", 1)[1] for line in log if line.startswith("ray stop --force"))
     assert stops == sorted(hosts) and "Ray cluster up: " + str(len(hosts)) in proc.stdout
-    assert not fakes_left()
+    assert not fakes_left(tmp_path)
 
 
 @pytest.mark.e2e
@@ -188,7 +191,7 @@ def test_ray_script_stops_the_cluster_on_a_signal_and_on_a_missing_node(tmp_path
     lines = log.read_text().splitlines()
     assert proc.returncode == 143 and "driver: TERM" in lines, output
     assert sorted(x.rsplit(" @ ", 1)[1] for x in lines if x.startswith("ray stop")) == hosts
-    assert not fakes_left()
+    assert not fakes_left(tmp_path / "signal")
 
     (tmp_path / "missing").mkdir()
     # 3 s, not 1: bash's SECONDS counts whole seconds, so a 1 s limit can run out at the first look,
@@ -197,7 +200,7 @@ def test_ray_script_stops_the_cluster_on_a_signal_and_on_a_missing_node(tmp_path
     assert proc.returncode == 1 and "the Ray cluster has 1 of 2 nodes after 3s" in proc.stderr, proc.stderr
     lines = (tmp_path / "missing" / "calls.log").read_text().splitlines()
     assert not [x for x in lines if x.startswith("driver")] and [x for x in lines if x.startswith("ray stop")]
-    assert not fakes_left()
+    assert not fakes_left(tmp_path / "missing")
 
 
 # --- accelerate configs ---------------------------------------------------------------------------------
