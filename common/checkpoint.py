@@ -157,7 +157,7 @@ RESUMABLE_CHANGES = {
     "max_ckpt_to_keep", "export_merged_lora", "logger", "log_interval", "project_name", "experiment_name",
     "output_dir", "strategy", "micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
     "gradient_checkpointing", "shared_prompt_forward", "val_files", "val_batch_size", "val_n", "val_temperature",
-    "reward_workers", "reward_timeout", "stop_on_nonfinite_reward",
+    "reward_workers", "reward_timeout", "stop_on_nonfinite_reward", "use_torch_compile",
 }  # fmt: skip
 
 

@@ -321,13 +321,14 @@ def test_resume_refuses_a_checkpoint_trained_with_other_settings(tmp_path, token
     from common.errors import UsageError
 
     model, opt, sched = make()
-    flags = {"lr": 1e-3, "rollout_n": 4, "train_files": ("a.parquet",), "total_training_steps": 5, "logger": ()}
+    flags = {"lr": 1e-3, "rollout_n": 4, "train_files": ("a.parquet",), "total_training_steps": 5, "logger": (),
+             "use_torch_compile": False}  # fmt: skip
     save_checkpoint(
         tmp_path, 1, (model, opt, sched), tokenizer=tokenizer, dist=DIST, recipe="grpo",
         trainer_state={}, flags=flags,
     )  # fmt: skip
     assert find_resume("auto", tmp_path, "grpo", flags=flags).name == "step_1"
-    longer = {**flags, "total_training_steps": 9, "logger": ("wandb",)}
+    longer = {**flags, "total_training_steps": 9, "logger": ("wandb",), "use_torch_compile": True}
     assert find_resume("auto", tmp_path, "grpo", flags=longer).name == "step_1"
     # a flag a newer version of the library added (or an older one had) is not a changed setting
     newer = {**flags, "a_flag_added_since": True}
