@@ -10,7 +10,6 @@ policy (vLLM, which also sleeps and wakes inside its own calls; remote); the HF 
 records versions.
 """
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -127,15 +126,11 @@ class HFEngine:
         saved = inner.generation_config
         inner.generation_config = config
         out: list[list[Completion]] = []
-        # Compiled layers (--use-torch-compile) decode eagerly: the KV cache's guards differ per layer, so compiling
-        # decode would spend the compiler's recompile limit and leave the trainer's passes eager.
-        eager = torch.compiler.set_stance("force_eager") if getattr(inner, "compiled_layers", False) else nullcontext()
         try:
-            with eager:
-                for start in range(0, len(prompts), self.batch_size):
-                    batch = prompts[start : start + self.batch_size]
-                    out.extend(self._generate_batch(inner, batch, config, warpers, sampling.n))
-                    watchdog.progress()
+            for start in range(0, len(prompts), self.batch_size):
+                batch = prompts[start : start + self.batch_size]
+                out.extend(self._generate_batch(inner, batch, config, warpers, sampling.n))
+                watchdog.progress()
         finally:
             inner.generation_config = saved
         inner.train(was_training)

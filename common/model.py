@@ -94,13 +94,19 @@ def load_policy(
 
 def compile_layers(model):
     """Each decoder layer (the blocks FSDP2 shards) compiled in place, before any wrapping, so weights keep their
-    names; one graph for all layers and lengths, its norms, rotary and activations fused (eager: a kernel an op)."""
+    names: one graph for all layers and lengths, norms, rotary and activations fused. A call with a KV cache
+    (decoding, the shared-prompt pass) runs eagerly: the cache's per-layer guards would spend the recompile limit."""
     blocks = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
     for module in model.modules():
         if type(module).__name__ in blocks:
-            module.compile(dynamic=True)
-    model.compiled_layers = True  # the HF engine decodes eagerly (common.engines)
+            compiled = torch.compile(module.forward, dynamic=True)
+            module.forward = functools.partial(_eager_if_cached, module.forward, compiled)
     return model
+
+
+def _eager_if_cached(eager, compiled, *args, **kwargs):
+    cached = any(kwargs.get(k) is not None for k in ("cache", "past_key_values", "past_key_value"))
+    return (eager if cached else compiled)(*args, **kwargs)
 
 
 def load_trained_model(
@@ -114,8 +120,7 @@ def load_trained_model(
     return model, {**sharding_report(model, strategy, dist), "flops": flop_terms(model), "compute_dtype": compute}
 
 
-# load_frozen's, of the policy's
-FROZEN_KNOBS = ("dtype", "trust_remote_code", "mixed_precision", "remove_padding", "torch_compile")
+FROZEN_KNOBS = ("dtype", "trust_remote_code", "mixed_precision", "remove_padding", "torch_compile")  # load_frozen's
 
 
 def load_frozen(path: str, dist, *, strategy: str, mixed_precision: str = "no", **policy):

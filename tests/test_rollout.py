@@ -660,11 +660,12 @@ def test_validation_with_several_responses_counts_pass_at_n_by_prompt():
     assert one["val/accuracy"] == 1 / 4 and not any(k.startswith("val/pass@") for k in one)
 
 
-def test_compiled_layers_train_as_the_eager_ones_and_decode_eagerly(setup, tokenizer):
+def test_compiled_layers_train_as_the_eager_ones_and_run_cached_calls_eagerly(setup, tokenizer):
     """--use-torch-compile (common.model.compile_layers): every decoder layer compiled in place (its weights keep
     their names, so checkpoints and the weight sync are unchanged), one graph for all of them, the logprobs and
-    gradients of a trainer pass equal to the eager model's within float32 rounding; and the engine decodes
-    eagerly, so the KV cache's per-layer guards never spend the compiler's recompile limit."""
+    gradients of a trainer pass equal to the eager model's within float32 rounding; and a call with a KV cache (the
+    shared-prompt pass, the engine's decoding) runs eagerly, so the cache's per-layer guards never spend the
+    compiler's recompile limit."""
     from torch._dynamo.utils import counters
 
     from common.model import response_logits
@@ -675,18 +676,20 @@ def test_compiled_layers_train_as_the_eager_ones_and_decode_eagerly(setup, token
     responses = [[10 + i] * (3 + 5 * i) for i in range(len(prompts))]
     batch = pack_sequences(prompts, responses, tokenizer.pad_token_id)
     batch["group_ids"] = torch.arange(len(prompts))
+    shared = pack_sequences([prompts[0]] * 2, responses[:2], tokenizer.pad_token_id)  # a group of 2: one prompt
+    shared["group_ids"] = torch.zeros(2, dtype=torch.long)
     passes = []
     for model in (eager, compiled):
         model.train()
-        logprobs = logprobs_from_logits(response_logits(model, batch), batch["responses"])[
-            batch["response_mask"].bool()
-        ]
-        grads = torch.autograd.grad(logprobs.sum(), list(model.parameters()))
-        passes.append((logprobs.detach(), torch.cat([g.flatten() for g in grads])))
-    (lp, grad), (compiled_lp, compiled_grad) = passes
-    assert counters["stats"]["unique_graphs"] >= 1  # it did compile
-    assert (compiled_lp - lp).abs().max() < 1e-4 and (compiled_grad - grad).norm() < 1e-4 * grad.norm()
-    graphs = counters["stats"]["unique_graphs"]
+        for b in (batch, shared):
+            logprobs = logprobs_from_logits(response_logits(model, b), b["responses"])[b["response_mask"].bool()]
+            grads = torch.autograd.grad(logprobs.sum(), list(model.parameters()))
+            passes.append((logprobs.detach(), torch.cat([g.flatten() for g in grads])))
+        if model is eager:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs + 1  # the uncached pass compiled, once for every layer
+    for (lp, grad), (compiled_lp, compiled_grad) in zip(passes[:2], passes[2:]):
+        assert (compiled_lp - lp).abs().max() < 1e-4 and (compiled_grad - grad).norm() < 1e-4 * grad.norm()
     engine = HFEngine(compiled, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu")
     engine.generate(prompts, Sampling(n=2, temperature=1.0, max_tokens=4))
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert counters["stats"]["unique_graphs"] == graphs + 1
