@@ -8,7 +8,7 @@
 # rows, the vocabulary op and the launch check: VOCAB=1 and CHECK=fast|full add those two (about 55 s and 180 s).
 #
 # The device's image (torch, transformers, accelerate, peft, pyarrow, pytest-xdist) has no tyro or datasets:
-# carry their wheels. Once, in the repository (.whl/ is git-ignored through .git/info/exclude):
+# carry their wheels. Once, in the repository (with /.whl/ in .git/info/exclude, so they are never committed):
 #     for p in tyro==1.0.17 typeguard==4.6.1 docstring_parser==0.18.0 datasets==5.2.0 dill==0.4.1 \
 #              multiprocess==0.70.19; do pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 #              --platform manylinux2014_x86_64 -d .whl $p; done
