@@ -15,7 +15,7 @@ from common import watchdog
 from common.errors import UsageError
 from common.flags import BUNDLED, flag
 from common.ops import logprobs_from_logits
-from common.parallel import all_reduce_sum, is_fsdp, resolve_strategy, sharding_report, unwrap, wrap_model
+from common.parallel import all_reduce_sum, blocks_of, is_fsdp, resolve_strategy, sharding_report, unwrap, wrap_model
 from common.perf import compute_dtype, flop_terms
 
 log = logging.getLogger(__name__)
@@ -96,11 +96,9 @@ def compile_layers(model):
     """Each decoder layer (the blocks FSDP2 shards) compiled in place, before any wrapping, so weights keep their
     names: one graph for all layers and lengths, norms, rotary and activations fused. A call with a KV cache
     (decoding, the shared-prompt pass) runs eagerly: the cache's per-layer guards would spend the recompile limit."""
-    blocks = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
-    for module in model.modules():
-        if type(module).__name__ in blocks:
-            compiled = torch.compile(module.forward, dynamic=True)
-            module.forward = functools.partial(_eager_if_cached, module.forward, compiled)
+    for module in blocks_of(model):
+        compiled = torch.compile(module.forward, dynamic=True)
+        module.forward = functools.partial(_eager_if_cached, module.forward, compiled)
     return model
 
 

@@ -191,22 +191,23 @@ def wrap_model(model: nn.Module, strategy: str, dist: Dist, mixed_precision: str
 
     mesh = init_device_mesh(dist.device.type, (dist.world_size,))
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision == "bf16" else {}
-    policy = MixedPrecisionPolicy(**bf16)
     # Pinned memory makes the copies to the GPU asynchronous; there is none to pin for on CPU.
     offload = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda") if options["offload"] else OffloadPolicy()
-    shard = dict(
-        mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=options["reshard_after_forward"]
-    )
-    blocks = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
-    for module in model.modules():
-        if type(module).__name__ in blocks:
-            fully_shard(module, **shard)
+    shard = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(**bf16), offload_policy=offload,
+                 reshard_after_forward=options["reshard_after_forward"])  # fmt: skip
+    for module in blocks_of(model):
+        fully_shard(module, **shard)
     fully_shard(model, **shard)
     if options["offload"]:  # FSDP moves only parameters; buffers (rotary frequencies) go to the device here
         for module in model.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 module._buffers[name] = buffer.to(dist.device)
     return model
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:  # its decoder layers: the classes in _no_split_modules
+    names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
+    return [module for module in model.modules() if type(module).__name__ in names]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
