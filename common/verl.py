@@ -76,6 +76,12 @@ OFFLOAD_KEYS = ("actor_rollout_ref.actor.fsdp_config.param_offload", "actor_roll
 SP = "sequence parallelism is not built"
 WRAP = "FSDP2 wraps each decoder layer"
 CKPT = "a checkpoint holds the model, the optimizer and the rest of the state, with hf/ beside it"
+MEGATRON_OPTIM_KEYS = ("lr_warmup_init", "lr_decay_steps", "lr_decay_style", "min_lr", "weight_decay_incr_style",
+                       "lr_wsd_decay_style", "lr_wsd_decay_steps", "use_checkpoint_opt_param_scheduler")  # fmt: skip
+MEGATRON_OPTIM = (
+    "Megatron's optimizer scheduler key (actor.strategy megatron is refused); the schedule here is "
+    "optim.warmup_style, lr_warmup_steps_ratio and min_lr_ratio"
+)
 ENGINE_KWARGS = "engine keyword arguments are not passed through; the vLLM knobs here are the rollout.* keys"
 
 # verl's trainer config keys (ppo_trainer.yaml for the RL recipes, sft_trainer.yaml for sft.py),
@@ -157,6 +163,9 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     ACTOR + "optim.min_lr_ratio": Flag("min_lr_ratio"),
     "optim.min_lr_ratio": Flag("min_lr_ratio"),
     ACTOR + "optim.total_training_steps": NoOp("verl fills it in from the run's length"),
+    ACTOR + "optim.clip_grad": Flag("grad_clip"),  # Megatron's name of actor.grad_clip
+    ACTOR + "optim.optimizer": Fixed("AdamW", "the optimizer is torch's AdamW (decoupled weight decay)"),
+    **{ACTOR + f"optim.{key}": Refused(MEGATRON_OPTIM) for key in MEGATRON_OPTIM_KEYS},
     ACTOR + "grad_clip": Flag("grad_clip"),
     "optim.clip_grad": Flag("grad_clip"),
     ACTOR + "ppo_mini_batch_size": Flag("ppo_mini_batch_size"),
@@ -356,6 +365,7 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "trainer.del_local_ckpt_after_load": Fixed(False, "a checkpoint is never deleted after it is loaded"),
     "trainer.ray_wait_register_center_timeout": NoOp("no Ray workers train here"),
     "trainer.profile_steps": Fixed(None, "the profiler hooks are not built; bench/ measures speed"),
+    "actor_rollout_ref.profiler.*": NoOp("the profiler's settings act only with trainer.profile_steps"),
     "trainer.controller_nsight_options.*": NoOp("Nsight options act only with trainer.profile_steps"),
     "hydra.*": NoOp("Hydra's own settings (search path, run folder); the config is composed here from --config-path"),
     "ray_init.num_cpus": NoOp("Ray starts only for remote engines (--rollout-placement remote, --ray-address)"),
@@ -386,6 +396,8 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "rollout.load_format": NoOp("the engine loads the model folder it is given"),
     "rollout.mode": NoOp("the engine is called in-process"),
     "rollout.n": Fixed(1, "generate.py samples data.n_samples responses per prompt"),
+    "rollout.enable_chunked_prefill": NoOp("vLLM's default (chunked prefill on) is kept"),
+    "rollout.disable_log_stats": NoOp("generate.py logs no vLLM stats"),
     "rollout.calculate_log_probs": NoOp("generate.py writes the responses, not their logprobs"),
     "rollout.log_prob_micro_batch_size_per_gpu": NoOp(MICRO),
     "model.fsdp_config.model_dtype": Flag("dtype"),
@@ -453,9 +465,11 @@ def is_override(arg: str) -> bool:
 
 
 def parse_value(text: str):
-    """A Hydra value as verl's scripts write it: [a,b] a list, null/None/~ None, true/false a bool,
-    anything else the text (quotes removed)."""
+    """A Hydra value as verl's scripts write it: [a,b] a list, {} an empty mapping, null/None/~ None, true/false
+    a bool, anything else the text (quotes removed)."""
     text = text.strip()
+    if text == "{}":
+        return {}
     if text.startswith("[") and text.endswith("]"):
         inner = text[1:-1].strip()
         return [parse_value(item) for item in inner.split(",")] if inner else []
@@ -563,6 +577,9 @@ def translate(
         if entry is None:
             problems.append(f"{arg}: not a verl key this library reads")
             continue
+        if value == {} and isinstance(entry, (Refused, NoOp)):  # verl's empty section (engine_kwargs.vllm: {})
+            noops.append(f"{key} (empty: it sets nothing)")
+            continue
         if isinstance(entry, Refused):
             problems.append(f"{arg}: not supported here: {entry.why}")
             continue
@@ -611,6 +628,9 @@ def translate(
             continue
         if field not in fields and value in (False, None, "0", "0.0", 0):
             noops.append(key)  # switched off, and this recipe has nothing of it to switch
+            continue
+        if field not in fields and key == "data.prompt_key" and "response_key" in fields:  # evaluate.py
+            noops.append(f"{key} (verl's main_eval scores the responses column; it reads no prompts)")
             continue
         if field not in fields:
             problems.append(f"{arg}: it sets --{field.replace('_', '-')}, which {recipe} does not have")

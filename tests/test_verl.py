@@ -61,13 +61,13 @@ def grpo(*argv):
 
 
 def test_every_key_of_verls_trainer_configs_is_classified():
-    """tests/data/verl_keys.yaml lists every key the reference guides give for verl's PPO and SFT
-    trainer configs; each is mapped to a flag some recipe has, or declared a no-op, fixed or refused
+    """tests/data/verl_keys.yaml lists every key the reference guides give for verl's PPO, SFT, generation
+    and evaluation configs (tests/test_guides.py reads the guides to check that); each is mapped to a flag some recipe has, or declared a no-op, fixed or refused
     with a reason. None reaches the generic 'not a verl key' refusal."""
     keys = yaml.safe_load((Path(__file__).parent / "data" / "verl_keys.yaml").read_text())
-    assert len(keys["ppo"]) > 140 and len(keys["sft"]) > 10
+    assert len(keys["ppo"]) > 140 and len(keys["sft"]) > 10 and len(keys["generation"]) > 30 and keys["megatron"]
     every_field = {name for r in RECIPES for name in flag_types(args_class(r))}  # a group's flags too
-    for key in [*keys["ppo"], *keys["sft"]]:
+    for key in [key for section in keys.values() for key in section]:
         entry = lookup(key)
         assert entry is not None, f"{key}: not in common.verl.VERL_KEYS"
         if isinstance(entry, Flag):
@@ -784,6 +784,35 @@ def test_generation_yamls_rollout_keys_are_read():
     assert flags == ["--n-samples", "4"] and "rollout.mode" in said[0] and "rollout.calculate_log_probs" in said[0]
     with pytest.raises(UsageError, match=r"rollout.n=4: only rollout.n=1 is supported here"):
         translate(["rollout.n=4"], generate, None, "generate.py")
+
+
+def test_an_empty_section_sets_nothing_and_megatrons_optimizer_is_refused_by_name():
+    """verl's saved configs hold empty sections (rollout.engine_kwargs: {vllm: {}, sglang: {}}): read as setting
+    nothing, where a key inside them is refused; Megatron's optimizer keys are refused naming the schedule here,
+    and its clip_grad is --grad-clip."""
+    flags, said = grpo(
+        "actor_rollout_ref.rollout.engine_kwargs.vllm={}", "actor_rollout_ref.rollout.engine_kwargs.sglang={}"
+    )
+    assert flags == [] and "engine_kwargs.vllm (empty: it sets nothing)" in said[0]
+    with pytest.raises(UsageError, match=r"engine_kwargs.vllm.max_model_len=8: not supported here: engine keyword"):
+        grpo("actor_rollout_ref.rollout.engine_kwargs.vllm.max_model_len=8")
+    with pytest.raises(
+        UsageError,
+        match=r"optim.lr_decay_style=cosine: not supported here: Megatron's optimizer .*"
+        r"the schedule here is optim.warmup_style",
+    ):
+        grpo(ACTOR_KEY + "optim.lr_decay_style=cosine")
+    assert grpo(ACTOR_KEY + "optim.clip_grad=0.5")[0] == ["--grad-clip", "0.5"]
+
+
+def test_evaluation_yamls_keys_are_read_by_evaluate():
+    """verl's main_eval commands pass data.prompt_key (main_eval reads no prompts): evaluate.py reads it as a
+    no-op, saying so, and takes the rest of evaluation.yaml's data keys as its flags."""
+    keys = ["data.path=out.parquet", "data.prompt_key=prompt", "data.response_key=responses",
+            "data.data_source_key=data_source", "data.reward_model_key=reward_model"]  # fmt: skip
+    flags, said = translate(keys, args_class("evaluate"), None, "evaluate.py")
+    assert flags[:2] == ["--data-path", "out.parquet"] and "--prompt-key" not in flags
+    assert "data.prompt_key (verl's main_eval scores the responses column; it reads no prompts)" in said[0]
 
 
 def test_dapos_overlong_buffer_is_off_when_verl_says_so():
