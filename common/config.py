@@ -1,6 +1,7 @@
 """The flags every recipe builds on: TrainerArgs, RLArgs (every RL flag group, each declared beside the code it
 configures: OptimArgs in common.optim, EngineArgs in common.engines, ...) and check_flags, the checks that span
-groups, run as the flags are parsed; a flag's range lives on its field (common.flags.flag). Recipes inherit these
+groups, run as the flags are parsed; a flag's range and when the run reads it live on its field (common.flags.flag),
+and the rules between RL flags in RLArgs.__post_init__. Recipes inherit these
 so the flags stay flat (`--lr`, `--model`); a recipe's own `Args` adds its algorithm's knobs and may change defaults."""
 
 import json
@@ -10,7 +11,6 @@ import sys
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Annotated, Literal
 
 import tyro
@@ -20,9 +20,9 @@ from common.data import plan_batches as plan_batches  # re-exported for older fo
 from common.engines import EngineArgs
 from common.errors import ORIGINS, UsageError
 from common.errors import usage_errors as usage_errors  # re-exported for older forks
-from common.flags import BUNDLED, check_ranges, flag, flag_defaults, flag_name, flag_values
+from common.flags import BUNDLED, check_ranges, check_used, flag, flag_name
 from common.flags import flag_types as flag_types  # re-exported: tests/test_docs.py reads flags with it
-from common.model import DTYPES, FROZEN_KNOBS, ModelArgs, looks_local
+from common.model import DTYPES, FROZEN_KNOBS, LORA, ModelArgs, looks_local
 from common.ops import KLRewardArgs as KLRewardArgs  # re-exported: recipes build on it
 from common.optim import OptimArgs
 from common.parallel import WaitArgs
@@ -35,7 +35,6 @@ from common.rollout import (
     PlacementArgs,
     RolloutArgs,
     ValidationArgs,
-    check_placement,
 )
 from common.rollout import EnvPlayArgs as EnvPlayArgs  # re-exported: recipes build on it
 
@@ -56,77 +55,11 @@ def cli_args(args_class, adv_estimator: str | None = None, trainer: str | None =
     return argv
 
 
-# (flags, the flag that decides, whether they are used, what to add): a flag moved off its default that
-# nothing in the run reads is an error, not a silent no-op (checked only for the flags the recipe has).
-USED_ONLY_WITH = [
-    (("kl_loss_coef", "kl_loss_type"), "use_kl_loss", lambda a: a.use_kl_loss, "add --use-kl-loss"),
-    (("kl_coef", "kl_penalty", "kl_ctrl"), "use_kl_in_reward", lambda a: a.use_kl_in_reward, "add --use-kl-in-reward"),
-    (("target_kl", "horizon"), "kl_ctrl", lambda a: a.kl_ctrl == "adaptive", "add --kl-ctrl adaptive"),
-    (("lora_alpha", "target_modules", "export_merged_lora"), "lora_rank", lambda a: a.lora_rank > 0,
-     "set --lora-rank (LoRA is off at 0)"),
-    (("rollout_is_threshold", "rollout_is_batch_normalize"), "rollout_is", lambda a: a.rollout_is is not None,
-     "add --rollout-is token|sequence"),
-    (("rollout_rs_threshold",), "rollout_rs", lambda a: a.rollout_rs is not None, "add --rollout-rs"),
-    (("off_policy_mask_threshold",), "bypass_mode", lambda a: not a.bypass_mode,
-     "drop --bypass-mode (the old policy is then the engine's: no gap to mask)"),
-    (("check_freq",), "check", lambda a: a.check != "off", "drop --check off (the probe comes from the launch check)"),
-    (("gpu_memory_utilization",), "rollout_name", lambda a: a.rollout_name == "vllm", "add --rollout-name vllm"),
-    (("rollout_dtype",), "rollout_name",
-     lambda a: a.rollout_name == "vllm" or getattr(a, "rollout_placement", "") == "remote",
-     "add --rollout-name vllm or --rollout-placement remote (the HF engine runs in --dtype)"),
-    (("enforce_eager", "max_num_seqs", "max_num_batched_tokens", "enable_sleep_mode"), "rollout_name",
-     lambda a: a.rollout_name == "vllm" or getattr(a, "teacher_engine", "hf") == "vllm",
-     "add --rollout-name vllm (or --teacher-engine vllm)"),
-    (("teacher_num_engines", "teacher_engine_num_cpus", "teacher_engine_num_gpus"), "teacher_placement",
-     lambda a: a.teacher_placement == "remote", "add --teacher-placement remote"),
-    (("teacher_gpu_memory_utilization",), "teacher_engine", lambda a: a.teacher_engine == "vllm",
-     "add --teacher-engine vllm"),
-    (("max_assistant_turns", "tool_timeout", "tokenization_sanity_check_mode"), "tool_config",
-     lambda a: a.tool_config or a.interaction_config, "add --tool-config or --interaction-config"),
-    (("max_user_turns",), "interaction_config", lambda a: a.interaction_config, "add --interaction-config"),
-    (("overlong_penalty_factor",), "overlong_buffer_len", lambda a: a.overlong_buffer_len > 0,
-     "set --overlong-buffer-len above 0"),
-    (("reward_manager",), "reward_fn",
-     lambda a: (a.reward_fn and not getattr(a, "reward_model", None)) or getattr(a, "reward_manager", "naive") != "batch",
-     "add --reward-fn (the built-in scorers and a reward model take one sample at a time)"),
-    (("min_lr_ratio",), "lr_scheduler", lambda a: a.lr_scheduler != "constant", "add --lr-scheduler cosine or wsd"),
-    (("temperature", "top_p", "top_k"), "do_sample", lambda a: a.do_sample, "drop --no-do-sample (greedy decoding)"),
-    (("val_top_p", "val_top_k"), "val_temperature", lambda a: a.val_temperature > 0,
-     "add --val-temperature above 0 (at 0 validation is greedy)"),
-    (("reward_shift", "reward_scale"), "reward_norm", lambda a: a.reward_norm is not None,
-     "add --reward-norm batch, group or running"),
-    (("len_reward_coef",), "add_len_reward", lambda a: a.add_len_reward, "add --add-len-reward"),
-    (("reward_normalization_grouping",), "reward_normalization_method",
-     lambda a: a.reward_normalization_method != "identity", "add --reward-normalization-method mean_std or asym_clip"),
-    (("jsd_beta",), "loss", lambda a: a.loss == "gkd", "add --loss gkd"),
-    (("kl_discount",), "loss", lambda a: a.loss == "reverse_kl", "drop --loss gkd (its divergence is per token)"),
-    (("env_tags", "env_n_groups", "env_train_seeds", "env_val_seeds", "max_env_steps", "format_penalty",
-      "max_traj_per_env", "env_manager", "env_gamma", "env_timeout", "env_workers"), "env_config",
-     lambda a: a.env_config, "add --env-config"),
-]  # fmt: skip
-
-
-def check_used(args) -> None:
-    """USED_ONLY_WITH: a flag set to a value of its own that this run would not read."""
-    defaults, values = flag_defaults(args), flag_values(args)
-    view = SimpleNamespace(**values)  # every flag by its name, a group's (args.optim.lr) too
-    for names, decider, used, add in USED_ONLY_WITH:
-        given = [name for name in names if name in defaults and values[name] != defaults[name]]
-        if given and decider in values and not used(view):
-            raise UsageError(f"{flag_name(given[0])} {values[given[0]]!r} would change nothing in this run: "
-                             f"{add}, or drop the flag")  # fmt: skip
-
-
 def check_flags(args) -> None:
-    """Every flag's range (common.flags), USED_ONLY_WITH, the rules that span flag groups, and the paths that
+    """Every flag's range and when it is read (common.flags), the rules that span flag groups, and the paths that
     can be checked without loading anything (a local model folder, --output-dir). Raises UsageError naming the flag."""
     check_ranges(args)  # each flag's range, declared on its field (common.flags)
     check_used(args)
-    if hasattr(args, "rollout_n") and args.temperature == 0:
-        raise UsageError(
-            "--temperature 0: greedy rollouts give every response of a group the same text, so there is nothing to "
-            "compare; training samples (e.g. 1.0). Greedy validation is --val-temperature 0 (the default)"
-        )
     for name in ("model", "reward_model", "critic_model", "teacher_model"):
         path = getattr(args, name, None)
         if not path or not looks_local(path):
@@ -148,14 +81,6 @@ def check_flags(args) -> None:
         if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
             raise UsageError(f"{where}: {folder / 'config.json'} has no model_type, so transformers cannot tell "
                              f"the architecture; save the model with save_pretrained")  # fmt: skip
-    if hasattr(args, "rollout_placement"):
-        check_placement(args)
-    if hasattr(args, "overlong_buffer_len") and args.overlong_buffer_len > args.max_response_length:  # dapo
-        raise UsageError(f"--overlong-buffer-len {args.overlong_buffer_len}: must be <= --max-response-length "
-                         f"({args.max_response_length}), the window the penalty ramps over")  # fmt: skip
-    if hasattr(args, "max_num_gen_batches") and getattr(args, "max_staleness", 0) > 0:  # dapo's dynamic sampling
-        raise UsageError("--max-staleness: dynamic sampling draws generation batches as its filter asks, none ahead; "
-                         "use 0")  # fmt: skip
     if getattr(args, "tool_config", None) or getattr(args, "interaction_config", None):
         from common.tools import read_interaction_config, read_tool_config  # a feature: loaded where asked for
 
@@ -175,12 +100,6 @@ def check_flags(args) -> None:
         from common.correction import check_rejection  # a feature: loaded where asked for
 
         check_rejection(args)
-    if getattr(args, "bypass_mode", False) and getattr(args, "rollout_is", None):
-        raise UsageError(
-            f"--bypass-mode with --rollout-is {args.rollout_is}: in bypass mode the engine's logprobs are the old "
-            f"policy, so pi_old / pi_rollout is 1 and the weights change nothing (the PPO ratio pi / pi_rollout does "
-            f"the correcting); drop one of the two flags"
-        )
     out = Path(getattr(args, "output_dir", "") or ".").expanduser()
     if out.is_file():
         raise UsageError(f"--output-dir {args.output_dir}: is a file; pass a folder (it is created if missing)")
@@ -220,7 +139,7 @@ class TrainerArgs(WaitArgs):
     """auto (latest checkpoint in output_dir), disable, or a path to a checkpoint folder"""
     max_ckpt_to_keep: int = flag(2, ge=0, note="0 keeps all")
     """keep only the newest K checkpoints (0 keeps all)"""
-    export_merged_lora: bool = False
+    export_merged_lora: bool = flag(False, only_with=LORA)
     """with LoRA: also save a merged full model under hf/ next to the adapter"""
     logger: tuple[Literal["console", "wandb", "tensorboard"], ...] = ("console",)
     """where metrics go besides metrics.jsonl"""
@@ -290,6 +209,20 @@ class RLArgs(
     """validate once before the first step (not again on resume; verl validates at each start)"""
     conditioning: Annotated[ConditioningArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=ConditioningArgs)
     """ROLL's reward and advantage conditioning and loss terms (common.conditioning), all off by default"""
+
+    def __post_init__(self):  # the rules between RL flags, after every flag's own (TrainerArgs.__post_init__)
+        super().__post_init__()
+        if self.temperature == 0:
+            raise UsageError(
+                "--temperature 0: greedy rollouts give every response of a group the same text, so there is nothing "
+                "to compare; training samples (e.g. 1.0). Greedy validation is --val-temperature 0 (the default)"
+            )
+        if self.bypass_mode and self.rollout_is:
+            raise UsageError(
+                f"--bypass-mode with --rollout-is {self.rollout_is}: in bypass mode the engine's logprobs are the old "
+                f"policy, so pi_old / pi_rollout is 1 and the weights change nothing (the PPO ratio pi / pi_rollout "
+                f"does the correcting); drop one of the two flags"
+            )
 
     # Derived values, computed from the flags above (no side effects).
     def data_kwargs(self) -> dict:

@@ -206,19 +206,27 @@ def hf_generate_greedy(
     return [c[0].token_ids for c in engine.generate(prompts, Sampling(n=1, temperature=0, max_tokens=max_new_tokens))]
 
 
+VLLM = (lambda a: a.rollout_name == "vllm" or getattr(a, "teacher_engine", "hf") == "vllm",
+        "add --rollout-name vllm (or --teacher-engine vllm)")  # when the vLLM knobs are read  # fmt: skip
+OWN_WEIGHTS = (lambda a: a.rollout_name == "vllm" or getattr(a, "rollout_placement", "") == "remote",
+               "add --rollout-name vllm or --rollout-placement remote (the HF engine runs in --dtype)")  # fmt: skip
+
+
 @dataclass
 class VLLMArgs:  # vLLM's engine knobs: common.vllm_engine.VLLMEngine takes them whole (a vLLM teacher too)
-    gpu_memory_utilization: float = flag(0.5, gt=0, le=1)
+    gpu_memory_utilization: float = flag(
+        0.5, gt=0, le=1, only_with=(lambda a: a.rollout_name == "vllm", "add --rollout-name vllm")
+    )
     """vllm: fraction of GPU memory its engine may take (weights and KV cache)"""
     tensor_parallel_size: int = flag(1, ge=1)
     """vllm: GPUs one engine spans (verl's tensor_model_parallel_size)"""
-    enforce_eager: bool = True
+    enforce_eager: bool = flag(True, only_with=VLLM)
     """vllm: no CUDA graphs (less memory and start-up time beside a trainer)"""
-    max_num_seqs: int = flag(1024, ge=1)
+    max_num_seqs: int = flag(1024, ge=1, only_with=VLLM)
     """vllm: most sequences in one engine step"""
-    max_num_batched_tokens: int = flag(8192, ge=1)
+    max_num_batched_tokens: int = flag(8192, ge=1, only_with=VLLM)
     """vllm: most tokens in one engine step"""
-    enable_sleep_mode: bool = False
+    enable_sleep_mode: bool = flag(False, only_with=VLLM)
     """vllm (GPU): free the engine's memory between rollouts (verl's free_cache_engine)"""
 
 
@@ -228,7 +236,7 @@ class EngineArgs:
     """rollout engine: hf (transformers generate on the live policy) or vllm (its own copy, synced each step)"""
     vllm: Annotated[VLLMArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=VLLMArgs)
     """vLLM's engine knobs (common.vllm_engine)"""
-    rollout_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    rollout_dtype: Literal["auto", "float32", "bfloat16", "float16"] = flag("auto", only_with=OWN_WEIGHTS)
     """the dtype an engine with weights of its own (vLLM, remote) samples in, each sync cast to it (verl's
     rollout.dtype: say bfloat16 beside float32 master weights); auto: --dtype, as the HF engine's always is"""
 

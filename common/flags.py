@@ -4,9 +4,15 @@ means. check_ranges reads the rules back from the fields, so no table elsewhere 
     lr: float = flag(1e-5, gt=0)
     top_k: int = flag(-1, rule=(lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"))
     grad_clip: float = flag(1.0, ge=0, note="0 disables clipping")
+    overlong_buffer_len: int = flag(4, ge=0, le="max_response_length")  # a bound may name another flag
+
+    kl_loss_coef: float = flag(0.001, ge=0, only_with="use_kl_loss")
+    target_kl: float = flag(0.1, gt=0, only_with=(lambda a: a.kl_ctrl == "adaptive", "add --kl-ctrl adaptive"))
 
 A bound compares every number of the value (a tuple's each); None always passes (an unset optional
 flag); the message names the flag as the command line spells it: `--lr -1e-05: must be > 0`.
+only_with names what must hold for the run to read the flag (a switch, or a test of every flag and what
+to add): a value of its own set where it would change nothing is refused, not silently dropped.
 A group (a field whose default is a dataclass, such as RLArgs.conditioning) stands for its flags.
 """
 
@@ -17,6 +23,7 @@ import os
 import typing
 from dataclasses import MISSING, field, fields, is_dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from common.errors import UsageError
 
@@ -25,39 +32,46 @@ BUNDLED = Path(__file__).resolve().parent.parent / "bundled"  # the bundled mode
 BOUNDS = {"gt": (">", operator.gt), "ge": (">=", operator.ge), "lt": ("<", operator.lt), "le": ("<=", operator.le)}
 
 
-def flag(default=MISSING, *, gt=None, ge=None, lt=None, le=None, rule=None, unit="", note=""):
+def flag(default=MISSING, *, gt=None, ge=None, lt=None, le=None, rule=None, unit="", note="", only_with=None):
     """The field of a flag: its default and its range, as bounds (gt / ge / lt / le, in unit) or
-    rule=(test, what it must be); note says what an edge value means."""
+    rule=(test, what it must be); note says what an edge value means; only_with=a switch's name, or
+    (test of the flags, what to add), says when the run reads it."""
     bounds = {k: v for k, v in dict(gt=gt, ge=ge, lt=lt, le=le).items() if v is not None}
     metadata = {"bounds": bounds, "rule": rule, "unit": unit, "note": note} if bounds or rule else {}
-    return field(default=default, metadata=metadata)
+    if isinstance(only_with, str):  # a switch: --use-kl-loss
+        only_with = (lambda a, switch=only_with: getattr(a, switch), f"add {flag_name(only_with)}")
+    return field(default=default, metadata={**metadata, "only_with": only_with} if only_with else metadata)
 
 
-def must_be(f) -> str | None:
-    """What a field's value must be, in words ('in [0, 1]', '>= 1 (0: off)'), or None without a rule."""
+def must_be(f, values: dict | None = None) -> str | None:
+    """What a field's value must be, in words ('in [0, 1]', '>= 1 (0: off)'), or None without a rule;
+    a bound naming another flag (le="max_response_length") shows it with its value in `values`."""
     bounds, rule, note = f.metadata.get("bounds", {}), f.metadata.get("rule"), f.metadata.get("note", "")
+    show = {op: f"{flag_name(b)} ({values[b]:g})" if isinstance(b, str) else f"{b:g}" for op, b in bounds.items()}
     if rule is not None:
         what = rule[1]
     elif not bounds:
         return None
     elif len(bounds) == 2:
-        (lo_op, lo), (hi_op, hi) = sorted(bounds.items(), key=lambda kv: kv[0][0] != "g")
-        what = f"in {'(' if lo_op == 'gt' else '['}{lo:g}, {hi:g}{')' if hi_op == 'lt' else ']'}"
+        lo_op, hi_op = sorted(bounds, key=lambda op: op[0] != "g")
+        what = f"in {'(' if lo_op == 'gt' else '['}{show[lo_op]}, {show[hi_op]}{')' if hi_op == 'lt' else ']'}"
     else:
-        ((op, bound),) = bounds.items()
-        what = f"{BOUNDS[op][0]} {bound:g}" + (f" {f.metadata['unit']}" if f.metadata.get("unit") else "")
+        ((op, shown),) = show.items()
+        what = f"{BOUNDS[op][0]} {shown}" + (f" {f.metadata['unit']}" if f.metadata.get("unit") else "")
     return f"{what} ({note})" if note else what
 
 
-def in_range(f, value) -> bool:
-    """Whether value passes the field's rule (True for a field without one, and for None)."""
+def in_range(f, value, values: dict | None = None) -> bool:
+    """Whether value passes the field's rule (True for a field without one, and for None); a bound
+    naming another flag takes its value in `values`."""
     if value is None:
         return True
     rule = f.metadata.get("rule")
     if rule is not None:
         return bool(rule[0](value))
     numbers = value if isinstance(value, tuple) else (value,)
-    return all(BOUNDS[op][1](v, b) for v in numbers for op, b in f.metadata.get("bounds", {}).items())
+    bounds = {op: values[b] if isinstance(b, str) else b for op, b in f.metadata.get("bounds", {}).items()}
+    return all(BOUNDS[op][1](v, b) for v in numbers for op, b in bounds.items())
 
 
 def _flags(args):
@@ -74,6 +88,11 @@ def _flags(args):
 def flag_fields(args) -> list:
     """Every flag field of args (a dataclass of flags or its class). A field that only changes an
     inherited flag's default (RLArgs' lr) comes with the rule of the class that declared it."""
+    return _flag_fields(args if isinstance(args, type) else type(args))
+
+
+@functools.cache  # per class: every Args checks its flags as it is made
+def _flag_fields(args: type) -> list:
     out = []
     for holder, f in _flags(args):
         mro = (holder if isinstance(holder, type) else type(holder)).__mro__
@@ -85,12 +104,24 @@ def flag_fields(args) -> list:
 def check_ranges(args) -> None:
     """Every flag of args in its range, and every number finite (NaN passes every comparison's
     negation, and no flag here means infinity). Raises UsageError naming the flag."""
-    for (holder, _), f in zip(_flags(args), flag_fields(args), strict=True):
-        value = getattr(holder, f.name)
+    values = flag_values(args)
+    for f in flag_fields(args):
+        value = values[f.name]
         if isinstance(value, float) and not math.isfinite(value):
             raise UsageError(f"{flag_name(f.name)} {value}: must be a finite number")
-        if not in_range(f, value):
-            raise UsageError(f"{flag_name(f.name)} {value!r}: must be {must_be(f)}")
+        if not in_range(f, value, values):
+            raise UsageError(f"{flag_name(f.name)} {value!r}: must be {must_be(f, values)}")
+
+
+def check_used(args) -> None:
+    """A flag set to a value of its own that this run would not read (its only_with does not hold)."""
+    defaults, values = flag_defaults(args), flag_values(args)
+    view = SimpleNamespace(**values)  # every flag by its name, a group's (args.optim.lr) too
+    for f in flag_fields(args):
+        used = f.metadata.get("only_with")
+        if used and f.name in defaults and values[f.name] != defaults[f.name] and not used[0](view):
+            raise UsageError(f"{flag_name(f.name)} {values[f.name]!r} would change nothing in this run: {used[1]}, "
+                             f"or drop the flag")  # fmt: skip
 
 
 def flag_defaults(args) -> dict:

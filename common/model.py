@@ -399,6 +399,9 @@ def trainer_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
     return logprobs_from_logits(logits, batch["responses"])
 
 
+LORA = (lambda a: getattr(a, "lora_rank", 0) > 0, "set --lora-rank (LoRA is off at 0)")  # when LoRA's knobs are read
+
+
 @dataclass
 class ModelArgs:
     model: str = str(BUNDLED / "tiny-qwen2")
@@ -416,9 +419,9 @@ class ModelArgs:
     """recompute activations in backward to save memory"""
     lora_rank: int = flag(0, ge=0, note="0 trains the full model")
     """LoRA rank; 0 trains the full model"""
-    lora_alpha: int = flag(16, ge=1)
+    lora_alpha: int = flag(16, ge=1, only_with=LORA)
     """LoRA scaling numerator (scale = lora_alpha / lora_rank)"""
-    target_modules: tuple[str, ...] = ("all-linear",)
+    target_modules: tuple[str, ...] = flag(("all-linear",), only_with=LORA)
     """modules that get LoRA adapters: 'all-linear' or names such as q_proj v_proj"""
     use_remove_padding: Literal["auto"] | bool = "auto"
     """padding-free forward passes (verl's name): a micro-batch's sequences packed into one row, attention kept

@@ -316,20 +316,25 @@ def kl_controller_step(
     return next_coef, {"policy/kl_coef": coef, "reward/kl_penalty": mean_kl}
 
 
+ADAPTIVE = (lambda a: a.kl_ctrl == "adaptive", "add --kl-ctrl adaptive")  # when target_kl and horizon are read
+
+
 @dataclass
 class KLRewardArgs:
     """verl's algorithm.kl_ctrl knobs, for the recipes that can put a KL penalty in the reward
     (rloo, reinforce_pp, ppo); where the KL goes (--use-kl-in-reward) stays each recipe's own."""
 
-    kl_coef: float = flag(0.001, ge=0)
+    kl_coef: float = flag(0.001, ge=0, only_with="use_kl_in_reward")
     """weight of the KL penalty in the reward (the adaptive controller's starting value)"""
-    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = "kl"
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = flag(
+        "kl", only_with="use_kl_in_reward"
+    )
     """KL estimator for the reward penalty (see common.ops.kl_penalty; full: the exact KL over the vocabulary)"""
-    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
+    kl_ctrl: Literal["fixed", "adaptive"] = flag("fixed", only_with="use_kl_in_reward")
     """KL-in-reward coefficient: fixed, or adaptive toward target_kl (Ziegler et al. 2019, as verl)"""
-    target_kl: float = flag(0.1, gt=0)
+    target_kl: float = flag(0.1, gt=0, only_with=ADAPTIVE)
     """adaptive kl_ctrl: the mean per-token KL the coefficient steers toward"""
-    horizon: int = flag(10000, ge=1)
+    horizon: int = flag(10000, ge=1, only_with=ADAPTIVE)
     """adaptive kl_ctrl: sequences over which the coefficient moves by at most a factor 1.2"""
 
     @property

@@ -78,7 +78,9 @@ class OptimArgs:
     """fraction of the total steps warming the lr up linearly: step k of w at (k + 1) / w of the peak (verl: k / w)"""
     lr_scheduler: Literal["constant", "cosine", "wsd"] = "constant"
     """lr after warmup: constant, cosine decay, or warmup-stable-decay"""
-    min_lr_ratio: float = flag(0.0, ge=0, le=1)
+    min_lr_ratio: float = flag(
+        0.0, ge=0, le=1, only_with=(lambda a: a.lr_scheduler != "constant", "add --lr-scheduler cosine or wsd")
+    )
     """cosine / wsd: the final lr as a fraction of the peak"""
     grad_clip: float = flag(1.0, ge=0, note="0 disables clipping")
     """clip the global grad norm to this (0 disables; verl's 0 would zero every gradient)"""

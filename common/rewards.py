@@ -411,6 +411,10 @@ def start_env_pool(config: str, *, workers: int, timeout: float, max_traj_per_en
     return pool
 
 
+BATCHED = (lambda a: (a.reward_fn and not getattr(a, "reward_model", None)) or a.reward_manager != "batch",
+           "add --reward-fn (the built-in scorers and a reward model take one sample at a time)")  # fmt: skip
+
+
 @dataclass
 class RewardArgs:
     reward_fn: str | None = None
@@ -418,7 +422,7 @@ class RewardArgs:
     reward_timeout: float = flag(10.0, gt=0, unit="seconds")
     """seconds one sample (with --reward-manager batch: one step's call) may take to score before it gets 0 (verl
     waits without a limit)"""
-    reward_manager: Literal["naive", "prime", "batch"] = "naive"
+    reward_manager: Literal["naive", "prime", "batch"] = flag("naive", only_with=BATCHED)
     """verl's reward_model.reward_manager: naive and prime score each sample in the worker pool (in
     parallel, each under --reward-timeout: verl's prime); batch calls --reward-fn once a step with
     lists, compute_score(data_sources, solution_strs, ground_truths, extra_infos) -> one score or dict each"""

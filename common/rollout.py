@@ -15,7 +15,7 @@ from common.data import BatchPlan, DataError, LoadStats, load_prompts, pack_sequ
 from common.engines import Completion, HFEngine, Sampling
 from common.engines import hf_generate_greedy as hf_generate_greedy  # re-exported for older forks
 from common.errors import UsageError
-from common.flags import band_ok, flag, flag_name
+from common.flags import band_ok, flag
 from common.model import FROZEN_KNOBS, AdapterOff, load_frozen, load_trained_model
 from common.ops import RunningMoments
 from common.parallel import Dist, gather_objects, shard_evenly
@@ -299,22 +299,27 @@ class Rollout:
 
 
 # --- the rollout's flag groups: placement, sampling and batches, ROLL's conditioning, agent, environments, validation
+REMOTE = (lambda a: a.rollout_placement == "remote", "add --rollout-placement remote")  # when remote knobs are read
+ANY_REMOTE = (lambda a: a.rollout_placement == "remote" or getattr(a, "teacher_placement", "") == "remote",
+              "add --rollout-placement remote (or distill.py's --teacher-placement remote)")  # fmt: skip
+
+
 @dataclass
 class PlacementArgs:
     rollout_placement: Literal["colocated", "remote"] = "colocated"
     """colocated: the engine runs in the trainer's processes; remote: in Ray actors with their own copy of the weights,
     streamed to them after every step"""
-    num_rollout_engines: int = flag(2, ge=1)
+    num_rollout_engines: int = flag(2, ge=1, only_with=REMOTE)
     """remote: engine processes (Ray actors)"""
-    engine_num_cpus: float = flag(1.0, gt=0)
+    engine_num_cpus: float = flag(1.0, gt=0, only_with=REMOTE)
     """remote: CPUs Ray reserves for each engine (its torch threads)"""
-    engine_num_gpus: float = flag(0.0, ge=0)
+    engine_num_gpus: float = flag(0.0, ge=0, only_with=REMOTE)
     """remote: GPUs Ray reserves for each engine"""
-    ray_address: str | None = None
+    ray_address: str | None = flag(None, only_with=ANY_REMOTE)
     """remote: the Ray cluster to join (default: $RAY_ADDRESS, else Ray starts inside this job)"""
-    max_staleness: int = flag(0, ge=0, note="0 is synchronous")
+    max_staleness: int = flag(0, ge=0, note="0 is synchronous", only_with=REMOTE)
     """remote: most weight versions a sample may lag the policy it trains (rollouts generated ahead; 0: synchronous)"""
-    engine_timeout: float = flag(300.0, gt=0, unit="seconds")
+    engine_timeout: float = flag(300.0, gt=0, unit="seconds", only_with=ANY_REMOTE)
     """remote: seconds any wait on an engine may last before the run stops, naming the engine"""
 
     def placement_kwargs(self, train: list, total_steps: int) -> dict:
@@ -331,6 +336,14 @@ class PlacementArgs:
 
 
 BAND_RULE = "a cap >= 1, or lo_hi with 0 < lo <= 1 <= hi (else even an on-policy token's weight of 1 is cut)"
+# When the run reads a flag (common.flags.flag's only_with), for flags that share it
+BYPASS = (lambda a: not a.bypass_mode, "drop --bypass-mode (the old policy is then the engine's: no gap to mask)")
+CORRECTING = (lambda a: a.rollout_is is not None, "add --rollout-is token|sequence")
+CHECKING = (lambda a: a.check != "off", "drop --check off (the probe comes from the launch check)")
+NORMALISING = (lambda a: a.reward_normalization_method != "identity",
+               "add --reward-normalization-method mean_std or asym_clip")  # fmt: skip
+SAMPLED = (lambda a: a.val_temperature > 0, "add --val-temperature above 0 (at 0 validation is greedy)")
+ENV = "env_config"
 
 
 @dataclass
@@ -368,20 +381,20 @@ class RolloutArgs:
     """trainer passes run each group's shared prompt once (same numbers; off: one pass per sequence)"""
     rollout_is: Literal["token", "sequence"] | None = None
     """rollout correction: weight each token by the truncated pi_old / pi_rollout, per token or per response"""
-    rollout_is_threshold: float | str = flag(2.0, rule=(band_ok, BAND_RULE))
+    rollout_is_threshold: float | str = flag(2.0, rule=(band_ok, BAND_RULE), only_with=CORRECTING)
     """rollout correction: the cap on those importance weights, or lo_hi (e.g. 0.5_5.0): weights outside are zeroed"""
-    rollout_is_batch_normalize: bool = False
+    rollout_is_batch_normalize: bool = flag(False, only_with=CORRECTING)
     """rollout correction: rescale the importance weights to mean 1 over the step"""
     rollout_rs: str | None = None
     """rollout rejection: drop tokens / responses whose trainer-engine gap leaves the band, e.g. token_k1,seq_mean_k3"""
-    rollout_rs_threshold: str | None = None
+    rollout_rs_threshold: str | None = flag(None, only_with=(lambda a: a.rollout_rs is not None, "add --rollout-rs"))
     """rollout rejection's bounds, one or one per option: lo_hi for k1 (e.g. 0.5_2.0), an upper bound for k2 / k3"""
-    off_policy_mask_threshold: float | None = flag(None, gt=0)
+    off_policy_mask_threshold: float | None = flag(None, gt=0, only_with=BYPASS)
     """off-policy sequence mask (DeepSeek-V3.2; TRL's): a negative-advantage token of a response whose mean
     log(pi_rollout / pi_old) is above this gets no gradient (e.g. 0.5; off: None)"""
     bypass_mode: bool = False
     """take the engine's logprobs as the old policy (saves the trainer's old-logprob pass)"""
-    check_freq: int = flag(10, ge=0, note="0: never during training")
+    check_freq: int = flag(10, ge=0, note="0: never during training", only_with=CHECKING)
     """after the launch check, the engine's logprobs stay the trainer's: the per-step gap (rollout/logprob_diff_*) is
     bounded or, where it proves nothing (--top-p, --top-k, --max-staleness, --bypass-mode, a rollout correction), the
     check's probe reruns every N steps (check/engine_gap_*); past the bounds the run saves and stops (0: never)"""
@@ -458,26 +471,29 @@ class RolloutArgs:
                     rs_threshold=self.rollout_rs_threshold, opsm=self.off_policy_mask_threshold)  # fmt: skip
 
 
+REWARD_NORM = (lambda a: a.reward_norm is not None, "add --reward-norm batch, group or running")
+
+
 @dataclass
 class ConditioningArgs:
     """ROLL's reward and advantage conditioning and loss terms (common.conditioning, loaded only when a knob is on;
     all off by default). RLArgs holds them as its `conditioning` group: the flags keep their names under one --help
     heading, and a recipe reads them as args.conditioning.reward_norm."""
 
-    reward_normalization_grouping: Literal["state", "batch", "inductive"] = "state"
+    reward_normalization_grouping: Literal["state", "batch", "inductive"] = flag("state", only_with=NORMALISING)
     """ROLL's reward_normalization.grouping: normalise per prompt (seed) group, per step, or per data_source (tag)"""
     reward_normalization_method: Literal["identity", "mean_std", "asym_clip"] = "identity"
     """ROLL's reward_normalization.method: identity (off), mean_std, or mean_std clipped to [-1, 3]"""
     add_len_reward: bool = False
     """ROLL's add_len_reward, as Kimi k1.5 defines it: within a group, shorter correct responses gain up to +0.5 and
     longer ones lose up to -0.5 (wrong ones only lose), times --len-reward-coef"""
-    len_reward_coef: float = flag(1.0, gt=0)
+    len_reward_coef: float = flag(1.0, gt=0, only_with="add_len_reward")
     """weight of the length reward"""
     reward_norm: Literal["batch", "group", "running"] | None = None
     """ROLL's reward_norm: (r - mean) / std over the step (every rank), the prompt's group, or every reward so far"""
-    reward_shift: bool = False
+    reward_shift: bool = flag(False, only_with=REWARD_NORM)
     """with --reward-norm: only subtract the mean"""
-    reward_scale: bool = False
+    reward_scale: bool = flag(False, only_with=REWARD_NORM)
     """with --reward-norm: only divide by the std"""
     whiten_rewards: bool = False
     """whiten the step's rewards (every rank) before the advantage"""
@@ -542,19 +558,22 @@ class ConditioningArgs:
         return roll_loss(terms, metrics, *tensors, **{k: getattr(self, k) for k in names})
 
 
+TOOLS = (lambda a: a.tool_config or a.interaction_config, "add --tool-config or --interaction-config")
+
+
 @dataclass
 class AgentArgs:
     tool_config: str | None = None
     """YAML of tool_agent rows' tools: OpenAI function schemas and path/to/file.py:function (verl's tool config)"""
     interaction_config: str | None = None
     """YAML listing the interactions a row's extra_info.interaction_kwargs names (verl's interaction config)"""
-    max_assistant_turns: int = flag(5, ge=1)
+    max_assistant_turns: int = flag(5, ge=1, only_with=TOOLS)
     """tool_agent: most assistant turns in one conversation"""
-    max_user_turns: int = flag(5, ge=1)
+    max_user_turns: int = flag(5, ge=1, only_with="interaction_config")
     """tool_agent: most interaction replies in one conversation"""
-    tool_timeout: float = flag(10.0, gt=0, unit="seconds")
+    tool_timeout: float = flag(10.0, gt=0, unit="seconds", only_with=TOOLS)
     """tool_agent: seconds a tool call may take before the model is told (an interaction's ends the conversation)"""
-    tokenization_sanity_check_mode: Literal["strict", "ignore_strippable", "off"] = "strict"
+    tokenization_sanity_check_mode: Literal["strict", "ignore_strippable", "off"] = flag("strict", only_with=TOOLS)
     """tool_agent: compare the turn-by-turn tokens with the whole conversation tokenised at once"""
 
     def tool_schemas(self) -> list[dict] | None:
@@ -602,23 +621,23 @@ class EnvPlayArgs:
     env_config: str | None = None
     """YAML naming Gymnasium environments to play instead of prompts: tag -> path/to/file.py:Class or a Gymnasium
     id (ROLL's custom_envs; docs/environments.md)"""
-    env_tags: tuple[str, ...] = ()
+    env_tags: tuple[str, ...] = flag((), only_with=ENV)
     """environment: the tags of --env-config to play (default: all; ROLL's tags)"""
-    env_val_seeds: int = flag(64, ge=0, note="0: no validation")
+    env_val_seeds: int = flag(64, ge=0, note="0: no validation", only_with=ENV)
     """environment: held-out seeds of each tag played in each validation (generate.py: played in all)"""
-    max_env_steps: int = flag(10, ge=1)
+    max_env_steps: int = flag(10, ge=1, only_with=ENV)
     """environment: most turns (actions) of a trajectory (ROLL's max_actions_per_traj)"""
-    format_penalty: float = flag(0.0, le=0, note="a penalty: ROLL's is negative")
+    format_penalty: float = flag(0.0, le=0, note="a penalty: ROLL's is negative", only_with=ENV)
     """environment: reward added to a turn whose action does not parse, <= 0 (ROLL's format_penalty)"""
-    max_traj_per_env: int = flag(-1, rule=(lambda v: v == -1 or v >= 1, "-1 (no limit) or >= 1"))
+    max_traj_per_env: int = flag(-1, rule=(lambda v: v == -1 or v >= 1, "-1 (no limit) or >= 1"), only_with=ENV)
     """environment: trajectories per environment before it is made anew (-1: no limit; ROLL's max_traj_per_env)"""
-    env_manager: str | None = None
+    env_manager: str | None = flag(None, only_with=ENV)
     """environment: path/to/file.py:Class subclassing common.env_manager.EnvLoop, to play instead (ROLL's worker_cls)"""
-    env_gamma: float = flag(1.0, ge=0, le=1)
+    env_gamma: float = flag(1.0, ge=0, le=1, only_with=ENV)
     """environment: discount of the per-turn rewards in a trajectory's return"""
-    env_timeout: float = flag(10.0, gt=0, unit="seconds")
+    env_timeout: float = flag(10.0, gt=0, unit="seconds", only_with=ENV)
     """environment: seconds a reset or step may take before its trajectory ends, counted in env/<tag>/timeouts"""
-    env_workers: int = flag(2, ge=1)
+    env_workers: int = flag(2, ge=1, only_with=ENV)
     """environment: worker processes per rank that run the environments"""
 
     def env_tag_list(self) -> list[str]:
@@ -652,9 +671,9 @@ class EnvPlayArgs:
 class EnvArgs(EnvPlayArgs):
     """A training run's environment flags: the groups of a step and the seeds of an epoch."""
 
-    env_n_groups: tuple[int, ...] = flag((), ge=1)
+    env_n_groups: tuple[int, ...] = flag((), ge=1, only_with=ENV)
     """environment: groups a step of each tag, summing to --train-batch-size (default: split evenly; ROLL's n_groups)"""
-    env_train_seeds: int = flag(10000, ge=1)
+    env_train_seeds: int = flag(10000, ge=1, only_with=ENV)
     """environment: training seeds 0..N-1, each played once an epoch"""
 
     def env_groups(self) -> tuple[list[str], list[int]]:
@@ -669,24 +688,11 @@ class ValidationArgs:
     """validation sampling temperature; 0 is greedy"""
     val_n: int = flag(1, ge=1)
     """validation responses per prompt"""
-    val_top_p: float = flag(1.0, gt=0, le=1)
+    val_top_p: float = flag(1.0, gt=0, le=1, only_with=SAMPLED)
     """validation's nucleus sampling (1.0: off; verl's val_kwargs.top_p, apart from training's --top-p)"""
-    val_top_k: int = flag(-1, rule=(lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"))
+    val_top_k: int = flag(-1, rule=(lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"), only_with=SAMPLED)
     """validation's top-k sampling (-1: off; verl's val_kwargs.top_k, apart from training's --top-k)"""
     val_batch_size: int = flag(256, ge=1)
     """prompts per generate call in validation"""
     log_val_generations: int = flag(0, ge=0, note="0: none")
     """each validation, log the first N prompts with a response and its score (val_generations.jsonl; wandb table)"""
-
-
-# --- the cross-flag checks of these groups (common.config.check_flags calls them)
-def check_placement(args) -> None:
-    """Remote-engine flags need --rollout-placement remote (the cluster and timeout: or --teacher-placement remote)."""
-    if args.rollout_placement != "colocated":
-        return
-    shared = ("ray_address", "engine_timeout")  # --teacher-placement remote reads them too
-    ignored = shared if getattr(args, "teacher_placement", "") == "remote" else ()
-    for f in fields(PlacementArgs):
-        if f.name not in ("rollout_placement", *ignored) and getattr(args, f.name) != f.default:
-            also = " (or --teacher-placement remote)" if hasattr(args, "teacher_placement") and f.name in shared else ""
-            raise UsageError(f"{flag_name(f.name)} applies to remote engines: add --rollout-placement remote{also}")

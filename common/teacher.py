@@ -12,6 +12,8 @@ from common.errors import UsageError
 from common.flags import flag
 from common.model import check_source, load_frozen
 
+REMOTE = (lambda a: a.teacher_placement == "remote", "add --teacher-placement remote")  # when the remote knobs are read
+
 
 @dataclass
 class TeacherArgs:
@@ -22,13 +24,15 @@ class TeacherArgs:
     teacher_placement: Literal["colocated", "remote"] = "colocated"
     """colocated: in the trainer's processes (hf: micro-batched and sharded under FSDP2, as the reference);
     remote: --teacher-num-engines Ray actors serving its logprobs (--ray-address, --engine-timeout apply)"""
-    teacher_num_engines: int = flag(1, ge=1)
+    teacher_num_engines: int = flag(1, ge=1, only_with=REMOTE)
     """remote: teacher engine processes (Ray actors)"""
-    teacher_engine_num_cpus: float = flag(1.0, gt=0)
+    teacher_engine_num_cpus: float = flag(1.0, gt=0, only_with=REMOTE)
     """remote: CPUs Ray reserves for each teacher engine (its torch threads)"""
-    teacher_engine_num_gpus: float = flag(0.0, ge=0)
+    teacher_engine_num_gpus: float = flag(0.0, ge=0, only_with=REMOTE)
     """remote: GPUs Ray reserves for each teacher engine"""
-    teacher_gpu_memory_utilization: float = flag(0.3, gt=0, le=1)
+    teacher_gpu_memory_utilization: float = flag(
+        0.3, gt=0, le=1, only_with=(lambda a: a.teacher_engine == "vllm", "add --teacher-engine vllm")
+    )
     """vllm: fraction of GPU memory the teacher's engine may take (beside --gpu-memory-utilization's)"""
 
     def teacher_kwargs(self) -> dict:

@@ -93,18 +93,27 @@ class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and rewa
     """how per-token losses become one number"""
     use_kl_loss: bool = False
     """add a KL(policy || reference) term to the loss"""
-    kl_loss_coef: float = flag(0.001, ge=0, note="a negative weight would push the policy away from the reference")
+    kl_loss_coef: float = flag(
+        0.001, ge=0, note="a negative weight would push the policy away from the reference", only_with="use_kl_loss"
+    )
     """weight of the KL term in the loss"""
-    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = "low_var_kl"
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = flag(
+        "low_var_kl", only_with="use_kl_loss"
+    )
     """KL estimator for the loss term (see common.ops.kl_penalty; full: the exact KL over the vocabulary)"""
     entropy_coeff: float = flag(0.0, ge=0, note="a negative bonus would reward collapsing the entropy")
     """entropy bonus weight"""
     max_num_gen_batches: int = flag(10, ge=0, note="0: no limit")  # DAPO: as verl's DAPO scripts
     """dynamic sampling: most generation batches per step (0: no limit); then the step trains on the groups found
     (verl stops the run there)"""
-    overlong_buffer_len: int = flag(4, ge=0, note="0: off")  # DAPO: 4096 of 20480 tokens in the paper
+    max_staleness: int = flag(0, rule=(lambda v: v == 0, "0: dynamic sampling draws batches as its filter asks"))
+    """remote: most weight versions a sample may lag the policy it trains (rollouts generated ahead; 0: synchronous)"""
+    overlong_buffer_len: int = flag(
+        4, ge=0, le="max_response_length", note="0: off"
+    )  # DAPO: 4096 of 20480 in the paper
     """overlong penalty: the last N tokens before max_response_length, where it ramps up (0: off)"""
-    overlong_penalty_factor: float = flag(1.0, ge=0)  # DAPO
+    overlong_penalty_factor: float = flag(1.0, ge=0, only_with=(lambda a: a.overlong_buffer_len > 0,
+                                                                "set --overlong-buffer-len above 0"))  # DAPO  # fmt: skip
     """overlong penalty at max_response_length"""
 
     def update_kwargs(self) -> dict:

@@ -78,9 +78,11 @@ class Args(TeacherArgs, RLArgs):  # RLArgs: model, data, optim, trainer, rollout
     loss: Literal["reverse_kl", "gkd"] = "reverse_kl"
     """reverse_kl: the clipped surrogate on -(log student - log teacher) of each sampled token; gkd: GKD's
     generalised JSD to the teacher over the whole vocabulary"""
-    jsd_beta: float = flag(0.5, ge=0, le=1, note="0: forward KL, 1: reverse KL")
+    jsd_beta: float = flag(0.5, ge=0, le=1, note="0: forward KL, 1: reverse KL",
+                           only_with=(lambda a: a.loss == "gkd", "add --loss gkd"))  # fmt: skip
     """--loss gkd: 0 the forward KL(teacher || student), 1 the reverse KL(student || teacher), between: the JSD"""
-    kl_discount: float = flag(0.0, ge=0, le=1)
+    kl_discount: float = flag(0.0, ge=0, le=1, only_with=(lambda a: a.loss == "reverse_kl",
+                                                           "drop --loss gkd (its divergence is per token)"))  # fmt: skip
     """gamma: a token's advantage adds the teacher's advantages of the tokens after it, discounted (0: its own)"""
     beta: float = flag(0.0, ge=0, note="the task reward's weight beside the teacher's")
     """weight of the task reward's GRPO advantage (--norm-adv-by-std-in-grpo) beside the teacher's (0: none)"""
@@ -108,9 +110,13 @@ class Args(TeacherArgs, RLArgs):  # RLArgs: model, data, optim, trainer, rollout
     """how per-token losses become one number"""
     use_kl_loss: bool = False
     """add a KL(policy || reference) term to the loss"""
-    kl_loss_coef: float = flag(0.001, ge=0, note="a negative weight would push the policy away from the reference")
+    kl_loss_coef: float = flag(
+        0.001, ge=0, note="a negative weight would push the policy away from the reference", only_with="use_kl_loss"
+    )
     """weight of the KL term in the loss"""
-    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = "low_var_kl"
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = flag(
+        "low_var_kl", only_with="use_kl_loss"
+    )
     """KL estimator for the loss term (see common.ops.kl_penalty; full: the exact KL over the vocabulary)"""
     entropy_coeff: float = flag(0.0, ge=0, note="a negative bonus would reward collapsing the entropy")
     """entropy bonus weight"""

@@ -96,9 +96,13 @@ class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and rewa
     """how per-token losses become one number"""
     use_kl_loss: bool = False
     """add a KL(policy || reference) term to the loss"""
-    kl_loss_coef: float = flag(0.001, ge=0, note="a negative weight would push the policy away from the reference")
+    kl_loss_coef: float = flag(
+        0.001, ge=0, note="a negative weight would push the policy away from the reference", only_with="use_kl_loss"
+    )
     """weight of the KL term in the loss"""
-    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = "low_var_kl"
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = flag(
+        "low_var_kl", only_with="use_kl_loss"
+    )
     """KL estimator for the loss term (see common.ops.kl_penalty; full: the exact KL over the vocabulary)"""
     entropy_coeff: float = flag(0.0, ge=0, note="a negative bonus would reward collapsing the entropy")
     """entropy bonus weight"""

@@ -89,11 +89,20 @@ class Args(EnvPlayArgs, AgentArgs, EngineArgs, WaitArgs):  # the engines', the a
     """allow model code from the model folder / hub (off: only transformers' own architectures)"""
     do_sample: bool = True
     """sample (off: greedy decoding, as --temperature 0; --top-p / --top-k are then unused)"""
-    temperature: float = flag(1.0, ge=0, note="0 is greedy decoding")
+    temperature: float = flag(
+        1.0,
+        ge=0,
+        note="0 is greedy decoding",
+        only_with=(lambda a: a.do_sample, "drop --no-do-sample (greedy decoding)"),
+    )
     """sampling temperature; 0 is greedy decoding, as --val-temperature 0 is in training"""
-    top_p: float = flag(1.0, gt=0, le=1)
+    top_p: float = flag(1.0, gt=0, le=1, only_with=(lambda a: a.do_sample, "drop --no-do-sample (greedy decoding)"))
     """nucleus sampling: keep the smallest token set with this much probability (1.0: off)"""
-    top_k: int = flag(-1, rule=(lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"))
+    top_k: int = flag(
+        -1,
+        rule=(lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"),
+        only_with=(lambda a: a.do_sample, "drop --no-do-sample (greedy decoding)"),
+    )
     """sample among the k most likely tokens (-1: off)"""
     max_prompt_length: int = flag(64, ge=1)
     """prompt tokens after the chat template (longer ones follow --truncation)"""

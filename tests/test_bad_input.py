@@ -192,7 +192,7 @@ CASES = [
     (
         "staleness, colocated",
         dict(max_staleness=1),
-        "--max-staleness applies to remote engines: add --rollout-placement remote",
+        "--max-staleness 1 would change nothing in this run: add --rollout-placement remote",
     ),
     (
         "no remote engines",

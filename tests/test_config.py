@@ -7,7 +7,7 @@ from conftest import ROOT, load_recipe, make_args
 
 from common.config import flag_types, plan_batches
 from common.errors import UsageError
-from common.flags import flag_fields, must_be
+from common.flags import flag_defaults, flag_fields, in_range, must_be
 
 
 def test_plan_derives_local_sizes():
@@ -163,13 +163,15 @@ def test_a_kl_in_the_reward_needs_the_reference_and_old_logprobs_before_the_upda
     assert full_reward.needs_ref and full_reward.full_kl_in_reward and not full_reward.ref_pass
 
 
-def edges(f, hint) -> tuple[list, list]:
+def edges(f, hint, defaults: dict) -> tuple[list, list]:
     """(values on the allowed side of each of a field's bounds, values just past them), from the
-    field's own metadata (common.flags); hint is its type (a tuple of numbers gets pairs)."""
+    field's own metadata (common.flags); hint is its type (a tuple of numbers gets pairs); a bound
+    naming another flag is that flag's default."""
     kinds = set(typing.get_args(hint) or (hint,))
     step, pair = (1e-3 if float in kinds else 1), typing.get_origin(hint) is tuple
     inside, outside = [], []
     for op, bound in f.metadata["bounds"].items():
+        bound = defaults[bound] if isinstance(bound, str) else bound  # a bound naming another flag: its default
         inside.append(bound if op in ("ge", "le") else bound + step if op == "gt" else bound - step)
         outside.append(bound if op in ("gt", "lt") else bound - step if op == "ge" else bound + step)
     return [(v, v) if pair else v for v in inside], [(v, v) if pair else v for v in outside]
@@ -183,19 +185,59 @@ def test_every_range_rule_holds_at_its_edges(recipe):
     it: a LoRA alpha without LoRA)."""
     module = load_recipe(recipe)
     hints = flag_types(module.Args)  # a group's flags (RLArgs.optim, RLArgs.conditioning) too
+    defaults = flag_defaults(module.Args)
     ruled = [f for f in flag_fields(module.Args) if f.metadata.get("bounds")]
     for f in ruled:
-        inside, outside = edges(f, hints[f.name])
+        inside, outside = edges(f, hints[f.name], defaults)
         for value in outside:
             with pytest.raises(UsageError) as error:
                 make_args(module.Args, **{f.name: value})
-            assert f"--{f.name.replace('_', '-')} {value!r}: must be {must_be(f)}" in str(error.value)
+            assert f"--{f.name.replace('_', '-')} {value!r}: must be {must_be(f, defaults)}" in str(error.value)
         for value in inside:
             try:
                 make_args(module.Args, **{f.name: value})
             except UsageError as refused:
                 assert f"--{f.name.replace('_', '-')} {value!r}: must be" not in str(refused), refused
     assert len(ruled) >= {"sft": 15, "generate": 5, "evaluate": 2}.get(recipe, 20), [f.name for f in ruled]
+
+
+def another_value(f, hint, default, defaults: dict):
+    """A value of the flag's type, other than its default, inside its range (None if none is found)."""
+    kinds = [k for k in (typing.get_args(hint) or (hint,)) if k is not type(None)]
+    if typing.get_origin(hint) is typing.Literal:
+        return next(v for v in typing.get_args(hint) if v != default)
+    if bool in kinds:
+        return not default
+    if typing.get_origin(hint) is tuple:
+        return (1,) if int in typing.get_args(hint) else ("x",)
+    if int in kinds or float in kinds:
+        start = default if isinstance(default, int | float) else 1
+        kind = float if float in kinds else int
+        fits = (v for v in (start * 2, start + 1, start / 2, start - 1, 0.5, 1, 2) if kind(v) == v and v != default)
+        return next((kind(v) for v in fits if in_range(f, kind(v), defaults)), None)
+    return "x" if str in kinds else None
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in (ROOT / "recipes").glob("*.py")))
+def test_every_flag_read_only_with_another_is_refused_without_it(recipe):
+    """The "only with" rules are one table, the fields' metadata (common.flags.flag's only_with): for every flag
+    whose rule does not hold at the recipe's defaults, a value of its own is a usage error naming the flag and
+    what to add, so a knob the run would not read is never silently dropped."""
+    module = load_recipe(recipe)
+    hints, defaults = flag_types(module.Args), flag_defaults(module.Args)
+    view = SimpleNamespace(**defaults)
+    ruled = [f for f in flag_fields(module.Args) if f.metadata.get("only_with")]
+    checked = []
+    for f in ruled:
+        test, add = f.metadata["only_with"]
+        value = another_value(f, hints[f.name], defaults[f.name], defaults)
+        if test(view) or value is None:
+            continue  # read at the defaults (--temperature with sampling on), or no simple value to try
+        with pytest.raises(UsageError) as error:
+            make_args(module.Args, **{f.name: value})
+        assert f"--{f.name.replace('_', '-')} {value!r} would change nothing in this run: {add}" in str(error.value)
+        checked.append(f.name)
+    assert len(checked) >= {"sft": 3, "evaluate": 0, "generate": 10}.get(recipe, 25), checked
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in (ROOT / "recipes").glob("*.py")))

@@ -103,9 +103,10 @@ def test_out_of_generation_batches_trains_on_the_groups_found(tmp_path, small_fi
 def test_dapos_own_flags_are_checked_as_they_are_parsed():
     from common.errors import UsageError
 
-    with pytest.raises(UsageError, match=r"--overlong-buffer-len 17: must be <= --max-response-length \(16\)"):
+    with pytest.raises(UsageError, match=r"--overlong-buffer-len 17: must be in \[0, --max-response-length \(16\)\]"):
         dapo.Args(overlong_buffer_len=17)
-    with pytest.raises(UsageError, match="dynamic sampling draws generation batches as its filter asks"):
+    dapo.Args(overlong_buffer_len=32, max_response_length=32)  # the bound is the flag's value in this run
+    with pytest.raises(UsageError, match="--max-staleness 1: must be 0: dynamic sampling draws batches as its filter"):
         dapo.Args(rollout_placement="remote", max_staleness=1)
     with pytest.raises(UsageError, match=r"--overlong-penalty-factor 2.0 would change nothing in this run"):
         dapo.Args(overlong_buffer_len=0, overlong_penalty_factor=2.0)

@@ -182,7 +182,9 @@ def test_teacher_engine_flags_are_checked():
         make_args(distill.Args, teacher_gpu_memory_utilization=0.2)
     with pytest.raises(UsageError, match=r"--teacher-engine-num-cpus 0.0: must be > 0"):
         make_args(distill.Args, teacher_placement="remote", teacher_engine_num_cpus=0.0)
-    with pytest.raises(UsageError, match=r"--ray-address applies to remote .*remote \(or --teacher-placement remote\)"):
+    with pytest.raises(
+        UsageError, match=r"--ray-address '10.0.0.1:6379' would .*remote \(or distill.py's --teacher-placement remote\)"
+    ):
         make_args(distill.Args, ray_address="10.0.0.1:6379")
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(UsageError, match=r"--teacher-engine vllm: vLLM is not installed; pip install"):
