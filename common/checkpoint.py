@@ -26,6 +26,7 @@ import torch
 
 from common import watchdog
 from common.errors import UsageError
+from common.flags import BUNDLED
 from common.model import is_lora
 from common.parallel import Dist, barrier, unwrap
 from common.perf import timed
@@ -169,10 +170,20 @@ def _flat(flags: dict) -> dict:
     return out
 
 
+def _bundled(value):
+    """A path into this library's bundled/ folder as bundled/<rest> (when <rest> is there): a checkout moved or
+    cloned elsewhere names the same bundled model and data, so its runs resume."""
+    if isinstance(value, list):
+        return [_bundled(v) for v in value]
+    rest = value.rsplit("/bundled/", 1)[-1] if isinstance(value, str) and "/bundled/" in value else None
+    return f"bundled/{rest}" if rest and (BUNDLED / rest).exists() else value
+
+
 def _changed_flags(saved: dict, flags: dict) -> list[str]:
     saved, plain = _flat(saved), _flat(json.loads(json.dumps(flags, default=str)))  # tuples as lists, as saved
     # A flag only one side knows was added or removed between versions of the library: not a change.
-    names = sorted(k for k in set(saved) & set(plain) if k not in RESUMABLE_CHANGES and saved[k] != plain[k])
+    names = sorted(k for k in set(saved) & set(plain)
+                   if k not in RESUMABLE_CHANGES and _bundled(saved[k]) != _bundled(plain[k]))  # fmt: skip
     return [f"--{k.replace('_', '-')} {saved.get(k)!r} (now {plain.get(k)!r})" for k in names]
 
 

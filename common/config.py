@@ -22,7 +22,7 @@ from common.errors import ORIGINS, UsageError
 from common.errors import usage_errors as usage_errors  # re-exported for older forks
 from common.flags import BUNDLED, check_ranges, check_used, flag, flag_name
 from common.flags import flag_types as flag_types  # re-exported: tests/test_docs.py reads flags with it
-from common.model import DTYPES, FROZEN_KNOBS, LORA, ModelArgs, looks_local
+from common.model import DTYPES, LORA, ModelArgs, looks_local
 from common.ops import KLRewardArgs as KLRewardArgs  # re-exported: recipes build on it
 from common.optim import OptimArgs
 from common.parallel import WaitArgs
@@ -280,10 +280,6 @@ class RLArgs(
         """common.rollout.load_rl_models's keyword arguments, a frozen reference among them when a KL term needs one."""
         return {**self.policy_kwargs(), "strategy": self.strategy, "reward_model": self.reward_model,
                 "with_reference": self.needs_ref, "micro_batch_size": self.micro_batch_size_per_gpu}  # fmt: skip
-
-    def frozen_kwargs(self) -> dict:
-        """common.model.load_frozen's keyword arguments, the policy's (a forward-only model: distill.py's teacher)."""
-        return {**{k: self.policy_kwargs()[k] for k in FROZEN_KNOBS}, "strategy": self.strategy}
 
     @property
     def gap_dtype(self):

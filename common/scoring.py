@@ -46,11 +46,13 @@ def _gsm8k_answer(text: str, method: str = "strict") -> str | None:
 def gsm8k_score(
     solution_str: str, ground_truth, method: str = "strict", format_score: float = 0.0, score: float = 1.0
 ) -> float:
-    """verl's GSM8K rule on the answer _gsm8k_answer reads; format_score for an answer that is wrong."""
+    """verl's GSM8K rule on the answer _gsm8k_answer reads; format_score for an answer that is wrong. The ground
+    truth is the number, or GSM8K's whole solution (its number after '#### ')."""
     answer = _gsm8k_answer(solution_str, method)
     if answer is None:
         return 0.0
-    return score if answer == str(ground_truth).replace(",", "").strip() else format_score
+    truth = _gsm8k_answer(str(ground_truth)) or str(ground_truth)  # GSM8K's own answer column ends "#### 72"
+    return score if answer == truth.replace(",", "").strip() else format_score
 
 
 def math_score(solution_str: str, ground_truth) -> float:

@@ -10,7 +10,7 @@ from typing import Literal
 
 from common.errors import UsageError
 from common.flags import flag
-from common.model import check_source, load_frozen
+from common.model import FROZEN_KNOBS, check_source, load_frozen
 
 REMOTE = (lambda a: a.teacher_placement == "remote", "add --teacher-placement remote")  # when the remote knobs are read
 
@@ -37,7 +37,7 @@ class TeacherArgs:
 
     def teacher_kwargs(self) -> dict:
         """The keyword arguments of start_teacher: the placement's, the frozen model's
-        (RLArgs.frozen_kwargs), and the engines' (the vLLM group, args.vllm, with the teacher's memory
+        (FROZEN_KNOBS of the policy's), and the engines' (the vLLM group, args.vllm, with the teacher's memory
         share, one more token of room for vLLM's one generated token; remote: micro_batch_size_per_gpu
         sequences per forward, and a local Ray counts the rollout engines' CPUs too)."""
         vllm = dict(vllm=dataclasses.replace(self.vllm, gpu_memory_utilization=self.teacher_gpu_memory_utilization),
@@ -50,7 +50,8 @@ class TeacherArgs:
             timeout=self.engine_timeout, seed=self.seed, batch_size=self.micro_batch_size_per_gpu, **common,
             ray_num_cpus=math.ceil(self.teacher_num_engines * self.teacher_engine_num_cpus + rollout_cpus),
         )  # fmt: skip
-        return dict(engine=self.teacher_engine, placement=self.teacher_placement, frozen=self.frozen_kwargs(),
+        frozen = {**{k: self.policy_kwargs()[k] for k in FROZEN_KNOBS}, "strategy": self.strategy}
+        return dict(engine=self.teacher_engine, placement=self.teacher_placement, frozen=frozen,
                     vllm={**vllm, **(common if self.teacher_placement == "colocated" else {})},
                     remote=remote)  # fmt: skip
 

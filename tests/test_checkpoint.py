@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import TINY
+from conftest import BUNDLED, TINY
 
 from common.checkpoint import find_resume, list_checkpoints, load_checkpoint, resume, save_checkpoint
 from common.model import load_policy
@@ -339,3 +339,21 @@ def test_resume_refuses_a_checkpoint_trained_with_other_settings(tmp_path, token
     message = str(refused.value)
     assert "--lr 0.001 (now 0.002)" in message and "--train-files ['a.parquet'] (now ['b.parquet'])" in message
     assert "--rollout-n" not in message and "--output-dir" in message and "--resume disable" in message
+    # the same bundled model and data from a checkout moved elsewhere: the run resumes; another bundled task does not
+    moved = {
+        **flags,
+        "model": "/old/place/bundled/tiny-qwen2-sft",
+        "train_files": ("/old/place/bundled/addition/train.parquet",),
+    }
+    save_checkpoint(tmp_path / "moved", 1, (model, opt, sched), tokenizer=tokenizer, dist=DIST, recipe="grpo",
+                    trainer_state={}, flags=moved)  # fmt: skip
+    here = {
+        **moved,
+        "model": str(BUNDLED / "tiny-qwen2-sft"),
+        "train_files": (str(BUNDLED / "addition" / "train.parquet"),),
+    }
+    assert find_resume("auto", tmp_path / "moved", "grpo", flags=here).name == "step_1"
+    with pytest.raises(
+        UsageError, match=r"--model '/old/place/bundled/tiny-qwen2-sft' \(now '/old/place/bundled/nope'\)"
+    ):
+        find_resume("auto", tmp_path / "moved", "grpo", flags={**moved, "model": "/old/place/bundled/nope"})

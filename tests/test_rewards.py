@@ -47,6 +47,8 @@ def test_builtins():
     assert gsm8k_score("the answer is 72", "72") == 0.0
     assert gsm8k_score("the answer is 72", "72", method="flexible") == 1.0
     assert default_compute_score("openai/gsm8k", "#### 5", "6") == 0.0
+    solution = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
+    assert gsm8k_score("#### 72", solution) == 1.0 and gsm8k_score("#### 24", solution) == 0.0  # GSM8K's own column
     assert math_score("thus $\\boxed{\\frac{1}{2}}$", "0.5") == 1.0
     assert default_compute_score("lighteval/MATH", "\\boxed{3}", "4") == 0.0
     assert default_compute_score("format", " <answer>x</answer> ", None) == 1.0
