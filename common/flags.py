@@ -38,8 +38,8 @@ def flag(default=MISSING, *, gt=None, ge=None, lt=None, le=None, rule=None, unit
     (test of the flags, what to add), says when the run reads it."""
     bounds = {k: v for k, v in dict(gt=gt, ge=ge, lt=lt, le=le).items() if v is not None}
     metadata = {"bounds": bounds, "rule": rule, "unit": unit, "note": note} if bounds or rule else {}
-    if isinstance(only_with, str):  # a switch: --use-kl-loss
-        only_with = (lambda a, switch=only_with: getattr(a, switch), f"add {flag_name(only_with)}")
+    if isinstance(only_with, str):  # a switch: --use-kl-loss (a script without it reads the flag its own way)
+        only_with = (lambda a, switch=only_with: getattr(a, switch, True), f"add {flag_name(only_with)}")
     return field(default=default, metadata={**metadata, "only_with": only_with} if only_with else metadata)
 
 

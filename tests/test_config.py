@@ -240,6 +240,22 @@ def test_every_flag_read_only_with_another_is_refused_without_it(recipe):
     assert len(checked) >= {"sft": 3, "evaluate": 0, "generate": 10}.get(recipe, 25), checked
 
 
+def test_a_fork_without_the_switch_reads_the_flag_its_own_way():
+    """A fork that takes KLRewardArgs without --use-kl-in-reward (it puts the KL somewhere of its own) may set
+    --kl-coef: the rule's switch is not its flag, so the rule does not apply, as a recipe's own rule would not."""
+    from dataclasses import dataclass
+
+    from common.config import KLRewardArgs, RLArgs
+
+    @dataclass
+    class Fork(KLRewardArgs, RLArgs):
+        pass
+
+    assert make_args(Fork, kl_coef=0.5).kl_coef == 0.5
+    with pytest.raises(UsageError, match="--kl-coef 0.5 would change nothing in this run: add --use-kl-in-reward"):
+        make_args(load_recipe("rloo").Args, kl_coef=0.5)
+
+
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in (ROOT / "recipes").glob("*.py")))
 def test_every_numeric_flag_has_a_range(recipe):
     """Each int and float flag of every script, set to a negative number (and each float to NaN),
