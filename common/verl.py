@@ -567,7 +567,7 @@ def translate(
     given = {
         a.split("=", 1)[0].removeprefix("--").removeprefix("no-").replace("-", "_") for a in ours if a.startswith("--")
     }
-    unread = _unread_by_verl(overrides, adv_estimator, loss_mode)
+    unread = _unread_by_verl(overrides, adv_estimator, loss_mode, fields)
     flags, noops, problems, origin, overridden, differs = {}, [], [], {}, [], []
     for key, (arg, value) in overrides.items():
         entry = lookup(key)
@@ -628,9 +628,6 @@ def translate(
             continue
         if field not in fields and value in (False, None, "0", "0.0", 0):
             noops.append(key)  # switched off, and this recipe has nothing of it to switch
-            continue
-        if field not in fields and key == "data.prompt_key" and "response_key" in fields:  # evaluate.py
-            noops.append(f"{key} (verl's main_eval scores the responses column; it reads no prompts)")
             continue
         if field not in fields:
             problems.append(f"{arg}: it sets --{field.replace('_', '-')}, which {recipe} does not have")
@@ -699,10 +696,11 @@ def translate(
     return [token for tokens in flags.values() for token in tokens] + ours, said
 
 
-def _unread_by_verl(overrides: dict, adv_estimator: str | None, loss_mode: str = "vanilla") -> dict[str, str]:
+def _unread_by_verl(overrides: dict, adv_estimator: str | None, loss_mode: str = "vanilla", fields=()) -> dict:
     """Keys verl itself does not read in this run, with why: the critic without GAE, the reward
     model's section unless reward_model.enable=True, the in-reward KL controller unless
-    algorithm.use_kl_in_reward=True (both False by verl's default), another loss's knobs (READ_BY).
+    algorithm.use_kl_in_reward=True (both False by verl's default), another loss's knobs (READ_BY),
+    main_eval's prompt key (`fields`: the script's flags, evaluate.py's responses without prompts).
     A verl config file holds every section whatever the run."""
     value = {key: v for key, (_, v) in overrides.items()}
     mode = value.get(ACTOR + "policy_loss.loss_mode", loss_mode)
@@ -715,6 +713,8 @@ def _unread_by_verl(overrides: dict, adv_estimator: str | None, loss_mode: str =
             unread[key] = "verl reads the critic only with adv_estimator=gae"
         elif key in ("algorithm.gamma", "algorithm.lam") and adv_estimator in ("grpo", "rloo"):
             unread[key] = f"verl's {adv_estimator} does not discount"
+        elif key == "data.prompt_key" and "response_key" in fields and "prompt_key" not in fields:
+            unread[key] = "verl's main_eval scores the responses column; it reads no prompts"
         elif key.startswith("algorithm.gdpo_") and adv_estimator != "gdpo":
             unread[key] = "verl reads it only with adv_estimator=gdpo"
         elif key == "algorithm.norm_adv_by_std_in_grpo" and adv_estimator not in ("grpo", "grpo_passk"):

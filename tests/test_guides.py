@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from common.errors import UsageError
+from common.sources import nested
 from common.verl import compose_hydra_config, lookup
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,13 +175,7 @@ def test_every_verl_listing_runs_under_verl_config_or_is_refused_naming_its_key(
                 ref = re.fullmatch(r"\$\{([^}]*)\}", str(value))
                 if ref and ref.group(1) not in flat:
                     flat[key] = LISTED[ref.group(1)]
-            tree = {}
-            for key, value in flat.items():
-                *parents, leaf = key.split(".")
-                node = tree
-                for part in parents:
-                    node = node.setdefault(part, {})
-                node[leaf] = value
+            tree = nested(flat)
             script = ("generate" if "data.n_samples" in keys or "rollout.n" in keys else
                       "evaluate" if "data.response_key" in keys and not section else
                       "sft" if next(iter(keys)).startswith(("optim.", "model.")) and not section else "ppo")  # fmt: skip
