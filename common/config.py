@@ -1,8 +1,9 @@
 """The flags every recipe builds on: TrainerArgs, RLArgs (every RL flag group, each declared beside the code it
 configures: OptimArgs in common.optim, EngineArgs in common.engines, ...) and check_flags, the checks that span
 groups, run as the flags are parsed; a flag's range and when the run reads it live on its field (common.flags.flag),
-and the rules between RL flags in RLArgs.__post_init__. Recipes inherit these
-so the flags stay flat (`--lr`, `--model`); a recipe's own `Args` adds its algorithm's knobs and may change defaults."""
+and the rules between RL flags in RLArgs.__post_init__. Recipes inherit these; the flags of every group (a field
+such as RLArgs.placement) keep their flat names (`--lr`, `--max-staleness`). A recipe's own `Args` adds its
+algorithm's knobs and may change defaults."""
 
 import json
 import os
@@ -20,22 +21,14 @@ from common.data import plan_batches as plan_batches  # re-exported for older fo
 from common.engines import EngineArgs
 from common.errors import ORIGINS, UsageError
 from common.errors import usage_errors as usage_errors  # re-exported for older forks
-from common.flags import BUNDLED, check_ranges, check_used, flag, flag_name
+from common.flags import BUNDLED, check_ranges, check_used, flag, flag_name, flag_values
 from common.flags import flag_types as flag_types  # re-exported: tests/test_docs.py reads flags with it
 from common.model import DTYPES, LORA, ModelArgs, looks_local
 from common.ops import KLRewardArgs as KLRewardArgs  # re-exported: recipes build on it
 from common.optim import OptimArgs
 from common.parallel import WaitArgs
 from common.rewards import RewardArgs
-from common.rollout import (
-    TOLERANCE,
-    AgentArgs,
-    ConditioningArgs,
-    EnvArgs,
-    PlacementArgs,
-    RolloutArgs,
-    ValidationArgs,
-)
+from common.rollout import TOLERANCE, AgentArgs, ConditioningArgs, EnvArgs, PlacementArgs, RolloutArgs, ValidationArgs
 from common.rollout import EnvPlayArgs as EnvPlayArgs  # re-exported: recipes build on it
 
 # What only common.verl reads: a verl key=value (its OVERRIDE) and the flags that name a verl config.
@@ -60,8 +53,9 @@ def check_flags(args) -> None:
     can be checked without loading anything (a local model folder, --output-dir). Raises UsageError naming the flag."""
     check_ranges(args)  # each flag's range, declared on its field (common.flags)
     check_used(args)
+    values = flag_values(args)  # every flag by its name, a group's (args.agent.tool_config) too
     for name in ("model", "reward_model", "critic_model", "teacher_model"):
-        path = getattr(args, name, None)
+        path = values.get(name)
         if not path or not looks_local(path):
             continue
         folder = Path(path).expanduser()
@@ -81,22 +75,23 @@ def check_flags(args) -> None:
         if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
             raise UsageError(f"{where}: {folder / 'config.json'} has no model_type, so transformers cannot tell "
                              f"the architecture; save the model with save_pretrained")  # fmt: skip
-    if getattr(args, "tool_config", None) or getattr(args, "interaction_config", None):
+    tools, interactions = values.get("tool_config"), values.get("interaction_config")  # args.agent's
+    if tools or interactions:
         from common.tools import read_interaction_config, read_tool_config  # a feature: loaded where asked for
 
-        if args.tool_config:
-            read_tool_config(args.tool_config)  # its YAML and files; the functions are imported in the tool workers
-        if args.interaction_config:
-            read_interaction_config(args.interaction_config)  # likewise: the classes are imported in a worker
-    if getattr(args, "env_config", None):
+        if tools:
+            read_tool_config(tools)  # its YAML and files; the functions are imported in the tool workers
+        if interactions:
+            read_interaction_config(interactions)  # likewise: the classes are imported in a worker
+    if values.get("env_config"):  # args.env's
         from common.envs import check_env  # a feature: the environments are made in their workers
 
         check_env(args)
-    if getattr(args, "rollout_name", "hf") == "vllm":
+    if values.get("rollout_name") == "vllm":
         from common.vllm_engine import check_vllm  # a feature: loaded where asked for
 
         check_vllm(args, "--rollout-name vllm")
-    if getattr(args, "rollout_rs", None) is not None:
+    if values.get("rollout_rs") is not None:
         from common.correction import check_rejection  # a feature: loaded where asked for
 
         check_rejection(args)
@@ -179,21 +174,9 @@ class TrainerArgs(WaitArgs):
 
 
 @dataclass
-class RLArgs(
-    EnvArgs,
-    RewardArgs,
-    ValidationArgs,
-    AgentArgs,
-    PlacementArgs,
-    RolloutArgs,
-    EngineArgs,
-    TrainerArgs,
-    PromptArgs,
-    DataArgs,
-    ModelArgs,
-):
+class RLArgs(RolloutArgs, EngineArgs, TrainerArgs, PromptArgs, DataArgs, ModelArgs):
     """The flags every RL recipe shares, with RL defaults for the bundled task. They are listed model, data,
-    optim, trainer, rollout, validation, reward; a recipe's own algorithm knobs follow."""
+    optim, trainer, rollout, engine, then the groups (validation, reward, ...); a recipe's own knobs follow."""
 
     model: str = str(BUNDLED / "tiny-qwen2-sft")
     """policy: a local Hugging Face folder or a hub name"""
@@ -207,6 +190,16 @@ class RLArgs(
     """validate every N steps and after the last (unset: only after the last; 0 or below: never, as in verl)"""
     val_before_train: bool = True
     """validate once before the first step (not again on resume; verl validates at each start)"""
+    validation: Annotated[ValidationArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=ValidationArgs)
+    """how each validation samples and what it logs (common.rollout.evaluate)"""
+    reward: Annotated[RewardArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=RewardArgs)
+    """what scores a response: built-in rules, --reward-fn or a --reward-model (common.rewards)"""
+    env: Annotated[EnvArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=EnvArgs)
+    """Gymnasium environments played instead of prompts (common.envs), off without --env-config"""
+    agent: Annotated[AgentArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=AgentArgs)
+    """multi-turn rollouts: tools and interactions (common.agent), off without --tool-config / --interaction-config"""
+    placement: Annotated[PlacementArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=PlacementArgs)
+    """where the rollout engines run: in the trainer's processes, or remote in Ray actors (common.remote)"""
     conditioning: Annotated[ConditioningArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=ConditioningArgs)
     """ROLL's reward and advantage conditioning and loss terms (common.conditioning), all off by default"""
 
@@ -230,14 +223,15 @@ class RLArgs(
         rewards (they score against it), optional for a user's --reward-fn and unused by a --reward-model."""
         names = ("prompt_key", "label_key", "data_source", "apply_chat_template", "max_prompt_length", "truncation",
                  "filter_overlong_prompts", "data_workers", "train_batch_size")  # fmt: skip
+        env, reward = self.env, self.reward
         return {
             **{k: getattr(self, k) for k in names},
-            "ground_truth": "unused" if self.reward_model else "optional" if self.reward_fn else "required",
-            "tools": self.tool_schemas(),
-            "interactions": self.interaction_names(),
-            "tool_classes": self.tool_class_names(),
-            "env": dict(zip(("tags", "n_groups"), self.env_groups()), config=self.env_config,
-                        train_seeds=self.env_train_seeds, val_seeds=self.env_val_seeds) if self.env_config else None,
+            "ground_truth": "unused" if reward.reward_model else "optional" if reward.reward_fn else "required",
+            "tools": self.agent.tool_schemas(),
+            "interactions": self.agent.interaction_names(),
+            "tool_classes": self.agent.tool_class_names(),
+            "env": dict(zip(("tags", "n_groups"), env.env_groups(self.train_batch_size)), config=env.env_config,
+                        train_seeds=env.env_train_seeds, val_seeds=env.env_val_seeds) if env.env_config else None,
             "difficulty": self.conditioning.difficulty_loss_weight,
         }  # fmt: skip
 
@@ -246,30 +240,41 @@ class RLArgs(
         tokenizer for environments' prompts and the log <run_dir>/reward_workers.log (.rank<N> past rank 0)."""
         rank = os.environ.get("RANK", "0")
         name = "reward_workers.log" if rank == "0" else f"reward_workers.rank{rank}.log"
-        return dict(reward_fn=self.reward_fn, batch=self.reward_manager == "batch", workers=self.reward_workers,
-                    timeout=self.reward_timeout,
-                    log_path=Path(run_dir) / name, tool_config=self.tool_config, tool_timeout=self.tool_timeout,
-                    interaction_config=self.interaction_config, env=self.env_pool_kwargs(), tokenizer=tokenizer,
-                    dry_run_rows=[] if self.reward_model else rows)  # fmt: skip
+        reward, agent = self.reward, self.agent
+        return dict(reward_fn=reward.reward_fn, batch=reward.reward_manager == "batch", workers=reward.reward_workers,
+                    timeout=reward.reward_timeout, log_path=Path(run_dir) / name, tool_config=agent.tool_config,
+                    tool_timeout=agent.tool_timeout, interaction_config=agent.interaction_config,
+                    env=self.env.env_pool_kwargs(self.max_prompt_length), tokenizer=tokenizer,
+                    dry_run_rows=[] if reward.reward_model else rows)  # fmt: skip
 
     def tracker_kwargs(self, recipe: str, run_info: dict) -> dict:
         """TrainerArgs.tracker_kwargs, plus whether a NaN or infinite reward stops the run, what perf/mfu needs
         (run_info, the passes over a step), the flags common.perf.verdict reads and the trainer-engine gap's bound."""
         plan = self.batch_plan(run_info["world_size"])
+        values = flag_values(self)  # a group's flags (--max-staleness) by their names too
         facts = ("rollout_name", "rollout_placement", "max_staleness", "reward_workers", "use_remove_padding",
                  "micro_batch_size_per_gpu", "gradient_checkpointing", "mixed_precision", "dtype", "lora_rank",
                  "use_torch_compile")  # fmt: skip
-        run = {**{k: getattr(self, k) for k in facts}, "device": run_info["device"],
+        run = {**{k: values[k] for k in facts}, "device": run_info["device"],
                "micro_batches": plan.grad_accum}  # a mini-batch's passes (0: by a token budget)  # fmt: skip
-        return {**super().tracker_kwargs(recipe, run_info), "stop_on_nonfinite_reward": self.stop_on_nonfinite_reward,
+        return {**super().tracker_kwargs(recipe, run_info),
+                "stop_on_nonfinite_reward": self.reward.stop_on_nonfinite_reward,
                 "perf": {**run_info, "epochs": self.ppo_epochs, "run": run},
                 "gap_bound": self.gap_bound(self.gap_dtype)}  # fmt: skip
 
     def engine_kwargs(self, train: list, total_steps: int, pool) -> dict:
-        """EngineArgs.engine_kwargs (validation's prompts per generate call as the batch), the placement's, the
-        agent loop's (its tools run in the reward pool's tool workers) and the environments'."""
-        return {**super().engine_kwargs(self.val_batch_size), **self.placement_kwargs(train, total_steps),
-                **self.agent_kwargs(pool.tools, pool.interactions), **self.env_kwargs(pool)}  # fmt: skip
+        """EngineArgs.engine_kwargs (validation's prompts per generate call as the batch), the placement group with
+        remote engines' schedule of `train`'s prompts (none for an environment's, which come as it plays), the agent
+        loop's (its tools run in the reward pool's tool workers) and the environments'."""
+        schedule = None
+        if self.placement.rollout_placement == "remote" and not self.env.env_config:
+            from common.remote import StepPrompts  # a feature: loaded where --rollout-placement remote asks for it
+
+            schedule = StepPrompts(train, self.train_batch_size, self.seed, self.shuffle, self.samplings()[0])
+        lengths = self.max_prompt_length, self.max_response_length
+        return {**super().engine_kwargs(self.validation.val_batch_size), "placement": self.placement,
+                "schedule": schedule, "total_steps": total_steps, **self.env.env_kwargs(pool, *lengths),
+                **self.agent.agent_kwargs(pool.tools, pool.interactions, lengths[1])}  # fmt: skip
 
     def check_kwargs(self, version: int) -> dict:
         """common.check.launch_check's keyword arguments (an engine with weights of its own has its sync checked)."""
@@ -278,7 +283,7 @@ class RLArgs(
 
     def model_kwargs(self) -> dict:
         """common.rollout.load_rl_models's keyword arguments, a frozen reference among them when a KL term needs one."""
-        return {**self.policy_kwargs(), "strategy": self.strategy, "reward_model": self.reward_model,
+        return {**self.policy_kwargs(), "strategy": self.strategy, "reward_model": self.reward.reward_model,
                 "with_reference": self.needs_ref, "micro_batch_size": self.micro_batch_size_per_gpu}  # fmt: skip
 
     @property

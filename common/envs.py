@@ -27,9 +27,10 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from common.errors import UsageError
-from common.flags import flag_defaults, flag_name
+from common.flags import flag_defaults, flag_name, flag_values
 from common.scoring import load_from_file
 from common.tools import read_yaml_section
 
@@ -150,13 +151,14 @@ ENV_UNUSED = ("train_files", "val_files", "data_path", "prompt_key", "truncation
 
 def check_env(args) -> None:
     """--env-config: the file, the tags and their groups (summing to the train batch), and no flag the run ignores."""
+    defaults, values = flag_defaults(args), flag_values(args)
+    args = SimpleNamespace(**values)  # every flag by its name, its group's (--env-tags: args.env) too
     config = read_env_config(args.env_config)
-    defaults = flag_defaults(args)
     for name in ENV_UNUSED:
-        if name in defaults and getattr(args, name) != defaults[name]:
+        if name in defaults and values[name] != defaults[name]:
             raise UsageError(f"{flag_name(name)} does nothing in an --env-config run (its rows are environment seeds, "
                              f"its rewards their returns); drop it")  # fmt: skip
-    if getattr(args, "max_staleness", 0) > 0:
+    if values.get("max_staleness", 0) > 0:  # generate.py has no placement group
         raise UsageError("--max-staleness: an environment's next prompt is known only once it has stepped, so "
                          "nothing can be sampled ahead; use 0 with --env-config")  # fmt: skip
     unknown = [t for t in args.env_tags if t not in config.specs]
@@ -166,7 +168,7 @@ def check_env(args) -> None:
     tags = list(args.env_tags) or config.tags
     if len(set(tags)) < len(tags):
         raise UsageError(f"--env-tags {' '.join(tags)}: a tag is named twice")
-    groups = getattr(args, "env_n_groups", None)  # None in generate.py, which plays every tag's held-out seeds
+    groups = values.get("env_n_groups")  # None in generate.py, which plays every tag's held-out seeds
     if groups:
         if len(groups) != len(tags):
             raise UsageError(f"--env-n-groups {' '.join(map(str, groups))}: one number per tag ({', '.join(tags)})")
@@ -176,7 +178,7 @@ def check_env(args) -> None:
     elif groups is not None and args.train_batch_size % len(tags):  # no --env-n-groups: an even split
         raise UsageError(f"--train-batch-size {args.train_batch_size} groups cannot be split evenly over the "
                          f"{len(tags)} tags {', '.join(tags)}; pass --env-n-groups with one number per tag")  # fmt: skip
-    if getattr(args, "env_train_seeds", 0) >= 10**9:
+    if values.get("env_train_seeds", 0) >= 10**9:
         raise UsageError(f"--env-train-seeds {args.env_train_seeds}: must be below 10^9, where validation seeds begin")
     if args.env_manager:
         file, _, cls = args.env_manager.partition(":")

@@ -647,17 +647,17 @@ class RemoteEngines:
         self.ray_started = False
 
 
-def start_remote_engines(model, tokenizer, dist, version: int, rollout_name: str, batch_size: int, remote: dict,
-                         vllm_kwargs: dict) -> RemoteEngines:  # fmt: skip
-    """common.rollout.start_engine's RemoteEngines: `remote` is PlacementArgs.placement_kwargs' (HF or vLLM engines,
-    by rollout_name), vllm_kwargs start_engine's own."""
+def start_remote_engines(model, tokenizer, dist, version: int, rollout_name: str, batch_size: int, placement,
+                         schedule: StepPrompts | None, total_steps: int, vllm_kwargs: dict):  # fmt: skip
+    """common.rollout.start_engine's RemoteEngines, as the `placement` group (common.rollout.PlacementArgs) asks: HF
+    or vLLM engines by rollout_name, vllm_kwargs start_engine's own."""
     return RemoteEngines(
-        model, dist, version, model_path=vllm_kwargs["model_path"], num_engines=remote["num_rollout_engines"],
-        engine_num_cpus=remote["engine_num_cpus"], engine_num_gpus=remote["engine_num_gpus"],
-        ray_address=remote["ray_address"], max_staleness=remote["max_staleness"], timeout=remote["engine_timeout"],
+        model, dist, version, model_path=vllm_kwargs["model_path"], num_engines=placement.num_rollout_engines,
+        engine_num_cpus=placement.engine_num_cpus, engine_num_gpus=placement.engine_num_gpus,
+        ray_address=placement.ray_address, max_staleness=placement.max_staleness, timeout=placement.engine_timeout,
         seed=vllm_kwargs["seed"], dtype=vllm_kwargs["dtype"], trust_remote_code=vllm_kwargs["trust_remote_code"],
         pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], batch_size=batch_size,
-        schedule=remote["schedule"], total_steps=remote["total_steps"],
+        schedule=schedule, total_steps=total_steps,
         vllm=None if rollout_name == "hf" else {k: v for k, v in vllm_kwargs.items()
                                                  if k not in ("model_path", "dtype", "trust_remote_code")},
     )  # fmt: skip

@@ -4,7 +4,7 @@ validation use together. Also the rollout's flag groups, with their cross-flag c
 
 import logging
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -96,16 +96,18 @@ def reward_task(row: dict, completion: Completion, text: str) -> tuple:
 
 
 def start_engine(model, tokenizer, dist, version: int = 0, *, rollout_name: str = "hf", batch_size: int = 256,
-                 remote: dict | None = None, agent: dict | None = None, env: dict | None = None,
-                 **vllm_kwargs):  # fmt: skip
+                 placement: "PlacementArgs | None" = None, schedule=None, total_steps: int = 0,
+                 agent: dict | None = None, env: dict | None = None, **vllm_kwargs):  # fmt: skip
     """The engine the flags ask for, holding weights `version` (the step the run starts from): HFEngine on the live
-    policy (the vLLM flags unused), a VLLMEngine loaded from model_path, or with `remote` common.remote.RemoteEngines
-    (HF or vLLM engines in Ray actors). One with its own weights syncs with `model` at once: call this after a resume
+    policy (the vLLM flags unused), a VLLMEngine loaded from model_path, or with --rollout-placement remote (the
+    `placement` group) common.remote.RemoteEngines (HF or vLLM engines in Ray actors, generating the `schedule`'s
+    prompts ahead over total_steps). One with its own weights syncs with `model` at once: call this after a resume
     has loaded them. `agent` / `env` (AgentArgs.agent_kwargs / EnvPlayArgs.env_kwargs) put it behind
     common.agent.AgentLoop / common.env_manager.EnvLoop (or the --env-manager subclass)."""
     if env is not None or agent is not None:
         inner = start_engine(model, tokenizer, dist, version, rollout_name=rollout_name, batch_size=batch_size,
-                             remote=remote, **vllm_kwargs)  # fmt: skip
+                             placement=placement, schedule=schedule, total_steps=total_steps,
+                             **vllm_kwargs)  # fmt: skip
         if env is None:
             from common.agent import AgentLoop
 
@@ -114,10 +116,11 @@ def start_engine(model, tokenizer, dist, version: int = 0, *, rollout_name: str 
 
         manager = load_from_file(env["manager"], "--env-manager", "", kind="class") if env["manager"] else EnvLoop
         return manager(inner, tokenizer, **{k: v for k, v in env.items() if k != "manager"})
-    if remote is not None:
+    if placement is not None and placement.rollout_placement == "remote":
         from common.remote import start_remote_engines
 
-        return start_remote_engines(model, tokenizer, dist, version, rollout_name, batch_size, remote, vllm_kwargs)
+        return start_remote_engines(model, tokenizer, dist, version, rollout_name, batch_size, placement, schedule,
+                                    total_steps, vllm_kwargs)  # fmt: skip
     if rollout_name == "hf":
         engine = HFEngine.for_policy(model, tokenizer, dist, batch_size=batch_size)
         engine.update_weights(version)
@@ -322,18 +325,6 @@ class PlacementArgs:
     engine_timeout: float = flag(300.0, gt=0, unit="seconds", only_with=ANY_REMOTE)
     """remote: seconds any wait on an engine may last before the run stops, naming the engine"""
 
-    def placement_kwargs(self, train: list, total_steps: int) -> dict:
-        """start_engine's `remote` (none colocated), with the steps' requests (common.remote.StepPrompts of `train`)."""
-        if self.rollout_placement == "colocated":
-            return {}
-        from common.remote import StepPrompts
-
-        remote = {f.name: getattr(self, f.name) for f in fields(PlacementArgs) if f.name != "rollout_placement"}
-        schedule = None  # an environment's prompts come as it plays
-        if not getattr(self, "env_config", None):
-            schedule = StepPrompts(train, self.train_batch_size, self.seed, self.shuffle, self.samplings()[0])
-        return {"remote": {**remote, "schedule": schedule, "total_steps": total_steps}}
-
 
 BAND_RULE = "a cap >= 1, or lo_hi with 0 < lo <= 1 <= hi (else even an on-policy token's weight of 1 is cut)"
 # When the run reads a flag (common.flags.flag's only_with), for flags that share it
@@ -402,7 +393,7 @@ class RolloutArgs:
     @property
     def engine_holds_own_weights(self) -> bool:
         """vLLM or remote engines sample with their own copy of the policy, not the trainer's."""
-        return self.rollout_name != "hf" or self.rollout_placement == "remote"
+        return self.rollout_name != "hf" or self.placement.rollout_placement == "remote"
 
     @property
     def old_logprobs_from(self) -> Literal["engine", "pass", "when-stale"]:
@@ -421,7 +412,7 @@ class RolloutArgs:
         """Whether the per-step gap proves the weight sync: an engine with its own weights sampling on policy from the
         whole distribution (no --max-staleness, --top-p, --top-k), against the trainer's old logprobs (no
         --bypass-mode), in a run that expects no gap (no --rollout-is / --rollout-rs)."""
-        whole = self.top_p == 1 and self.top_k == -1 and not getattr(self, "max_staleness", 0)
+        whole = self.top_p == 1 and self.top_k == -1 and not self.placement.max_staleness
         expected = self.bypass_mode or self.rollout_is or self.rollout_rs
         return self.engine_holds_own_weights and whole and not expected
 
@@ -445,8 +436,8 @@ class RolloutArgs:
             val_sampling=val_sampling,
             batch_size=self.train_batch_size,
             seed=self.seed,
-            shuffle=self.shuffle and not self.env_config,
-            log_val_generations=self.log_val_generations,
+            shuffle=self.shuffle and not self.env.env_config,
+            log_val_generations=self.validation.log_val_generations,
         )
 
     def batch_plan(self, world_size: int) -> BatchPlan:
@@ -462,7 +453,8 @@ class RolloutArgs:
     def samplings(self):
         """(training sampling: rollout_n per prompt, validation sampling: val_n per prompt)."""
         sampling = Sampling(self.rollout_n, self.temperature, self.top_p, self.top_k, self.max_response_length)
-        return sampling, Sampling(self.val_n, self.val_temperature, self.val_top_p, self.val_top_k, sampling.max_tokens)
+        v = self.validation
+        return sampling, Sampling(v.val_n, v.val_temperature, v.val_top_p, v.val_top_k, sampling.max_tokens)
 
     def rollout_is_kwargs(self) -> dict:
         """The keyword arguments of common.ops.rollout_correction that these flags set."""
@@ -599,9 +591,10 @@ class AgentArgs:
 
         return read_interaction_config(self.interaction_config).names
 
-    def agent_kwargs(self, tool_pool, interaction_pool, lockstep: bool = True) -> dict:
+    def agent_kwargs(self, tool_pool, interaction_pool, max_response_length: int, lockstep: bool = True) -> dict:
         """start_engine's `agent` (none without --tool-config or --interaction-config): AgentLoop's keyword arguments,
-        its tools and interactions running in those pools; lockstep False where each process generates alone."""
+        its tools and interactions running in those pools, a conversation's tokens at most max_response_length;
+        lockstep False where each process generates alone."""
         if not self.tool_config and not self.interaction_config:
             return {}
         from common.tools import read_interaction_config, read_tool_config
@@ -610,13 +603,13 @@ class AgentArgs:
             tools=read_tool_config(self.tool_config) if self.tool_config else None, pool=tool_pool,
             interactions=read_interaction_config(self.interaction_config) if self.interaction_config else None,
             interaction_pool=interaction_pool, max_assistant_turns=self.max_assistant_turns,
-            max_user_turns=self.max_user_turns, max_response_length=self.max_response_length,
+            max_user_turns=self.max_user_turns, max_response_length=max_response_length,
             check_mode=self.tokenization_sanity_check_mode, lockstep=lockstep)}  # fmt: skip
 
 
 @dataclass
 class EnvPlayArgs:
-    """How environments are played: a run's, and generate.py's."""
+    """How environments are played (common.envs, common.env_manager): generate.py's `env` group."""
 
     env_config: str | None = None
     """YAML naming Gymnasium environments to play instead of prompts: tag -> path/to/file.py:Class or a Gymnasium
@@ -647,7 +640,7 @@ class EnvPlayArgs:
 
         return read_env_config(self.env_config).tags
 
-    def env_kwargs(self, pool, lockstep: bool = True) -> dict:
+    def env_kwargs(self, pool, max_prompt_length: int, max_response_length: int, lockstep: bool = True) -> dict:
         """start_engine's `env` (none without --env-config): EnvLoop's keyword arguments, its environments in `pool`."""
         if not self.env_config:
             return {}
@@ -656,30 +649,30 @@ class EnvPlayArgs:
         return {"env": dict(
             config=read_env_config(self.env_config), pool=getattr(pool, "envs", None) or pool,
             max_env_steps=self.max_env_steps, format_penalty=self.format_penalty, gamma=self.env_gamma,
-            max_response_length=self.max_response_length, max_prompt_length=self.max_prompt_length,
+            max_response_length=max_response_length, max_prompt_length=max_prompt_length,
             manager=self.env_manager, lockstep=lockstep)}  # fmt: skip
 
-    def env_pool_kwargs(self) -> dict | None:
+    def env_pool_kwargs(self, max_prompt_length: int) -> dict | None:
         """common.rewards.start_env_pool's keyword arguments (none without --env-config)."""
         if not self.env_config:
             return None
         return dict(config=self.env_config, workers=self.env_workers, timeout=self.env_timeout,
-                    max_traj_per_env=self.max_traj_per_env, max_prompt_length=self.max_prompt_length)  # fmt: skip
+                    max_traj_per_env=self.max_traj_per_env, max_prompt_length=max_prompt_length)  # fmt: skip
 
 
 @dataclass
 class EnvArgs(EnvPlayArgs):
-    """A training run's environment flags: the groups of a step and the seeds of an epoch."""
+    """A training run's environment flags, RLArgs' `env` group: with the groups of a step and the seeds of an epoch."""
 
     env_n_groups: tuple[int, ...] = flag((), ge=1, only_with=ENV)
     """environment: groups a step of each tag, summing to --train-batch-size (default: split evenly; ROLL's n_groups)"""
     env_train_seeds: int = flag(10000, ge=1, only_with=ENV)
     """environment: training seeds 0..N-1, each played once an epoch"""
 
-    def env_groups(self) -> tuple[list[str], list[int]]:
+    def env_groups(self, train_batch_size: int) -> tuple[list[str], list[int]]:
         """(tags, groups a step of each): --env-tags / --env-n-groups, or every tag, the train batch split evenly."""
         tags = self.env_tag_list()
-        return tags, list(self.env_n_groups) or [self.train_batch_size // len(tags)] * len(tags)
+        return tags, list(self.env_n_groups) or [train_batch_size // len(tags)] * len(tags)
 
 
 @dataclass

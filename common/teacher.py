@@ -43,11 +43,12 @@ class TeacherArgs:
         vllm = dict(vllm=dataclasses.replace(self.vllm, gpu_memory_utilization=self.teacher_gpu_memory_utilization),
                     max_model_len=self.max_prompt_length + self.max_response_length + 1, seed=self.seed)  # fmt: skip
         common = dict(dtype=self.dtype, trust_remote_code=self.trust_remote_code)
-        rollout_cpus = self.num_rollout_engines * self.engine_num_cpus if self.rollout_placement == "remote" else 0
+        p = self.placement  # the rollout engines'
+        rollout_cpus = p.num_rollout_engines * p.engine_num_cpus if p.rollout_placement == "remote" else 0
         remote = dict(
             num_engines=self.teacher_num_engines, engine_num_cpus=self.teacher_engine_num_cpus,
-            engine_num_gpus=self.teacher_engine_num_gpus, ray_address=self.ray_address, max_staleness=0,
-            timeout=self.engine_timeout, seed=self.seed, batch_size=self.micro_batch_size_per_gpu, **common,
+            engine_num_gpus=self.teacher_engine_num_gpus, ray_address=p.ray_address, max_staleness=0,
+            timeout=p.engine_timeout, seed=self.seed, batch_size=self.micro_batch_size_per_gpu, **common,
             ray_num_cpus=math.ceil(self.teacher_num_engines * self.teacher_engine_num_cpus + rollout_cpus),
         )  # fmt: skip
         frozen = {**{k: self.policy_kwargs()[k] for k in FROZEN_KNOBS}, "strategy": self.strategy}

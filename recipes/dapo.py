@@ -46,7 +46,7 @@ from common.check import launch_check, prove_resume
 from common.checkpoint import find_resume, resume, save_checkpoint
 from common.config import RLArgs, cli_args, is_due
 from common.data import split_rows, take_rows
-from common.errors import usage_errors
+from common.errors import UsageError, usage_errors
 from common.flags import flag
 from common.model import load_tokenizer, response_logits
 from common.ops import (
@@ -106,8 +106,6 @@ class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and rewa
     max_num_gen_batches: int = flag(10, ge=0, note="0: no limit")  # DAPO: as verl's DAPO scripts
     """dynamic sampling: most generation batches per step (0: no limit); then the step trains on the groups found
     (verl stops the run there)"""
-    max_staleness: int = flag(0, rule=(lambda v: v == 0, "0: dynamic sampling draws batches as its filter asks"))
-    """remote: most weight versions a sample may lag the policy it trains (rollouts generated ahead; 0: synchronous)"""
     overlong_buffer_len: int = flag(
         4, ge=0, le="max_response_length", note="0: off"
     )  # DAPO: 4096 of 20480 in the paper
@@ -115,6 +113,12 @@ class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and rewa
     overlong_penalty_factor: float = flag(1.0, ge=0, only_with=(lambda a: a.overlong_buffer_len > 0,
                                                                 "set --overlong-buffer-len above 0"))  # DAPO  # fmt: skip
     """overlong penalty at max_response_length"""
+
+    def __post_init__(self):  # DAPO: dynamic sampling draws batches as its filter asks, so none ahead of the policy
+        super().__post_init__()
+        if self.placement.max_staleness:
+            raise UsageError(f"--max-staleness {self.placement.max_staleness}: must be 0: dynamic sampling draws "
+                             f"batches as its filter asks")  # fmt: skip
 
     def update_kwargs(self) -> dict:
         """update's knobs: the grad clip, the rollout correction, compute_loss's keyword arguments (`loss`), the

@@ -40,16 +40,16 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import tyro
 
 from common.config import BUNDLED, AgentArgs, EngineArgs, EnvPlayArgs, WaitArgs, check_flags, cli_args
 from common.errors import UsageError, usage_errors
-from common.flags import flag
+from common.flags import flag, flag_values
 from common.parallel import barrier, init_distributed
 from common.runlock import claim_output
 
@@ -64,7 +64,7 @@ OUTPUT_FLAGS = ("data_path", "prompt_key", "n_samples", "batch_size", "model", "
 
 # --- config ---------------------------------------------------------------------------------------
 @dataclass
-class Args(EnvPlayArgs, AgentArgs, EngineArgs, WaitArgs):  # the engines', the agent loop's, the environments' flags
+class Args(EngineArgs, WaitArgs):  # the engines' flags; the agent loop's and the environments' are groups
     data_path: str = str(BUNDLED / "addition" / "test.parquet")
     """input in verl's format (a prompt column; other columns are copied to the output): parquet, JSON / JSONL, CSV,
     Arrow, a save_to_disk folder or a dataset's name, as --train-files takes them"""
@@ -114,6 +114,10 @@ class Args(EnvPlayArgs, AgentArgs, EngineArgs, WaitArgs):  # the engines', the a
     """drop (and count) prompts longer than max_prompt_length instead of truncating / failing"""
     seed: int = flag(1, ge=0)
     """seed for sampling (chunk c is sampled from seed and c)"""
+    agent: Annotated[AgentArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=AgentArgs)
+    """multi-turn conversations: tools and interactions (common.agent), off without --tool-config"""
+    env: Annotated[EnvPlayArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=EnvPlayArgs)
+    """Gymnasium environments played instead of --data-path's prompts (common.envs), off without --env-config"""
 
     def __post_init__(self):  # checked as the flags are parsed, before anything loads
         check_flags(self)
@@ -129,7 +133,7 @@ class Args(EnvPlayArgs, AgentArgs, EngineArgs, WaitArgs):  # the engines', the a
             raise UsageError(f"--output-path {out}: {blocking} is a file, so the folder cannot be created")
 
     def output(self) -> Path:
-        name = Path(self.env_config or self.data_path).stem
+        name = Path(self.env.env_config or self.data_path).stem
         return Path(self.output_path or f"runs/generate/{name}_n{self.n_samples}.parquet")
 
 
@@ -224,17 +228,17 @@ def read_rows(args: Args, tokenizer) -> tuple[list[dict], str]:
     from common.prompt_cache import load_prompts  # a small parquet file in process; a large input kept on disk
     from common.tools import check_agent_rows
 
-    if args.env_config:
-        tags = args.env_tag_list()
-        rows = env_rows(args.env_config, tags, [1] * len(tags), len(tags), args.env_val_seeds)[2]
-        return rows, f"env_config: {args.env_val_seeds} held-out seeds of each of {', '.join(tags)}"
+    if (env := args.env).env_config:
+        tags = env.env_tag_list()
+        rows = env_rows(env.env_config, tags, [1] * len(tags), len(tags), env.env_val_seeds)[2]
+        return rows, f"env_config: {env.env_val_seeds} held-out seeds of each of {', '.join(tags)}"
     rows, stats = load_prompts([args.data_path], tokenizer, prompt_key=args.prompt_key, what="data_path",
                                max_prompt_length=args.max_prompt_length, truncation=args.truncation,
                                filter_overlong_prompts=args.filter_overlong_prompts,
-                               tools=args.tool_schemas())  # fmt: skip
-    if stats.agent_rows or args.tool_config or args.interaction_config:
+                               tools=args.agent.tool_schemas())  # fmt: skip
+    if stats.agent_rows or args.agent.tool_config or args.agent.interaction_config:
         rows = list(rows)  # check_agent_rows fills in each row's interaction_kwargs
-        check_agent_rows(rows, args.tool_schemas(), args.interaction_names(), args.tool_class_names())
+        check_agent_rows(rows, args.agent.tool_schemas(), args.agent.interaction_names(), args.agent.tool_class_names())
     return rows, stats.summary("data_path")
 
 
@@ -255,7 +259,7 @@ def main(args: Args) -> dict:
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     rows, described = read_rows(args, tokenizer)
     chunks = [range(i, min(i + args.batch_size, len(rows))) for i in range(0, len(rows), args.batch_size)]
-    flags = json.loads(json.dumps({k: getattr(args, k) for k in OUTPUT_FLAGS}))  # as flags.json holds them
+    flags = json.loads(json.dumps({k: flag_values(args)[k] for k in OUTPUT_FLAGS}))  # as flags.json holds them
     done = open_parts(parts, flags, len(chunks), dist)
     todo = [c for c in range(dist.rank, len(chunks), dist.world_size) if c not in done]
     if dist.is_main:
@@ -264,11 +268,12 @@ def main(args: Args) -> dict:
             print(f"resuming: {len(done)} of {len(chunks)} chunks already in {parts}")
     model = None if args.rollout_name != "hf" else load_policy(  # vLLM loads the checkpoint itself
         args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code).to(dist.device)  # fmt: skip
-    pools = start_agent_pools(args.tool_config, args.interaction_config, workers=2, timeout=args.tool_timeout)
-    if args.env_config:  # the environments' workers, checked on the rows to play
-        pools += (start_env_pool(**args.env_pool_kwargs(), rows=rows, tokenizer=tokenizer),)
+    agent, env, lengths = args.agent, args.env, (args.max_prompt_length, args.max_response_length)
+    pools = start_agent_pools(agent.tool_config, agent.interaction_config, workers=2, timeout=agent.tool_timeout)
+    if env.env_config:  # the environments' workers, checked on the rows to play
+        pools += (start_env_pool(**env.env_pool_kwargs(lengths[0]), rows=rows, tokenizer=tokenizer),)
     # Each process generates its own chunks, as many as it has: no lockstep.
-    loop = args.env_kwargs(pools[-1], lockstep=False) or args.agent_kwargs(*pools[:2], lockstep=False)
+    loop = env.env_kwargs(pools[-1], *lengths, lockstep=False) or agent.agent_kwargs(*pools[:2], lengths[1], False)
     engine = start_engine(model, tokenizer, dist, **args.engine_kwargs(args.batch_size), **loop)
     temperature = args.temperature if args.do_sample else 0.0  # 0 is greedy, however it was asked for
     sampling = Sampling(args.n_samples, temperature, args.top_p, args.top_k, args.max_response_length)
@@ -290,7 +295,7 @@ def main(args: Args) -> dict:
             pool.close()
     summary = {"prompts_per_s": mine * dist.world_size / max(time.time() - t0, 1e-9)}
     if dist.is_main:
-        summary.update(merge_parts(parts, len(chunks), None if args.env_config else args.data_path, out))
+        summary.update(merge_parts(parts, len(chunks), None if env.env_config else args.data_path, out))
         print(
             f"{summary['rows']} prompts x {args.n_samples} responses -> {out}; response length mean "
             f"{summary['length_mean']:.1f} tokens, {summary['truncated']:.1%} cut at --max-response-length"

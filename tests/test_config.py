@@ -125,13 +125,14 @@ def test_the_rollout_dtype_is_the_engines_and_the_gap_takes_the_coarser_bound():
     from common.config import RLArgs
 
     pool = SimpleNamespace(tools=None, interactions=None)
-    remote = RLArgs(rollout_placement="remote", rollout_dtype="bfloat16")
+    remote = make_args(RLArgs, rollout_placement="remote", rollout_dtype="bfloat16")
     assert remote.engine_kwargs([], 1, pool)["dtype"] == "bfloat16" and remote.gap_dtype == torch.bfloat16
     assert remote.check_kwargs(0)["dtype"] == torch.bfloat16
-    assert RLArgs(rollout_placement="remote").engine_kwargs([], 1, pool)["dtype"] == "float32"
+    assert make_args(RLArgs, rollout_placement="remote").engine_kwargs([], 1, pool)["dtype"] == "float32"
     assert RLArgs().gap_dtype == torch.float32 and RLArgs(mixed_precision="bf16").gap_dtype == torch.bfloat16
     assert (
-        RLArgs(rollout_placement="remote", rollout_dtype="float32", mixed_precision="bf16").gap_dtype == torch.bfloat16
+        make_args(RLArgs, rollout_placement="remote", rollout_dtype="float32", mixed_precision="bf16").gap_dtype
+        == torch.bfloat16
     )
     with pytest.raises(UsageError, match=r"--rollout-dtype 'float16' would change nothing in this run: add "
                                          r"--rollout-name vllm or --rollout-placement remote"):  # fmt: skip
@@ -146,9 +147,9 @@ def test_where_old_logprobs_come_from():
 
     assert RLArgs().old_logprobs_from == "when-stale"
     assert RLArgs(rollout_is="token").old_logprobs_from == "pass"
-    assert RLArgs(rollout_placement="remote").old_logprobs_from == "pass"
+    assert make_args(RLArgs, rollout_placement="remote").old_logprobs_from == "pass"
     assert RLArgs(bypass_mode=True).old_logprobs_from == "engine"
-    assert RLArgs(bypass_mode=True, rollout_placement="remote").old_logprobs_from == "engine"
+    assert make_args(RLArgs, bypass_mode=True, rollout_placement="remote").old_logprobs_from == "engine"
 
 
 def test_a_kl_in_the_reward_needs_the_reference_and_old_logprobs_before_the_update():
@@ -295,11 +296,11 @@ def test_validation_samples_with_its_own_top_p_and_top_k():
     from common.config import RLArgs
     from common.verl import translate
 
-    train, val = RLArgs(top_p=0.5, top_k=3, val_temperature=0.7).samplings()
+    train, val = make_args(RLArgs, top_p=0.5, top_k=3, val_temperature=0.7).samplings()
     assert (train.top_p, train.top_k, val.top_p, val.top_k, val.temperature) == (0.5, 3, 1.0, -1, 0.7)
-    val = RLArgs(val_temperature=0.7, val_top_p=0.9, val_top_k=20).samplings()[1]
+    val = make_args(RLArgs, val_temperature=0.7, val_top_p=0.9, val_top_k=20).samplings()[1]
     assert (val.top_p, val.top_k) == (0.9, 20)
     with pytest.raises(UsageError, match="--val-top-k 20 would change nothing in this run: add --val-temperature"):
-        RLArgs(val_top_k=20)
+        make_args(RLArgs, val_top_k=20)
     keys = ["actor_rollout_ref.rollout.val_kwargs.top_p=0.95", "actor_rollout_ref.rollout.val_kwargs.top_k=50"]
     assert translate(keys, RLArgs, "grpo", "grpo.py")[0] == ["--val-top-p", "0.95", "--val-top-k", "50"]

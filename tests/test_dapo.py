@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import load_recipe, read_metrics, run_recipe
+from conftest import load_recipe, make_args, read_metrics, run_recipe
 
 dapo = load_recipe("dapo")
 FAST = "--train-batch-size 8 --ppo-mini-batch-size 8 --rollout-n 4 --save-freq 0 --no-val-before-train --test-freq 0"
@@ -107,6 +107,6 @@ def test_dapos_own_flags_are_checked_as_they_are_parsed():
         dapo.Args(overlong_buffer_len=17)
     dapo.Args(overlong_buffer_len=32, max_response_length=32)  # the bound is the flag's value in this run
     with pytest.raises(UsageError, match="--max-staleness 1: must be 0: dynamic sampling draws batches as its filter"):
-        dapo.Args(rollout_placement="remote", max_staleness=1)
+        make_args(dapo.Args, rollout_placement="remote", max_staleness=1)
     with pytest.raises(UsageError, match=r"--overlong-penalty-factor 2.0 would change nothing in this run"):
         dapo.Args(overlong_buffer_len=0, overlong_penalty_factor=2.0)

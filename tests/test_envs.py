@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import BUNDLED, OWN_PLUMBING, read_metrics, run_recipe, torchrun_plan
+from conftest import BUNDLED, OWN_PLUMBING, make_args, read_metrics, run_recipe, torchrun_plan
 
 from common.conditioning import group_normalize, normalize_rewards
 from common.data import render_chat
@@ -489,7 +489,7 @@ def test_generate_plays_held_out_seeds_and_evaluate_reports_each_game(tmp_path):
 
     generate, evaluate = load_recipe("generate"), load_recipe("evaluate")
     out = tmp_path / "games.parquet"
-    generate.main(generate.Args(model=str(GAMES_MODEL), env_config=str(GAMES), env_val_seeds=3, n_samples=2,
+    generate.main(make_args(generate.Args, model=str(GAMES_MODEL), env_config=str(GAMES), env_val_seeds=3, n_samples=2,
                                 max_response_length=256, max_env_steps=3, output_path=str(out)))  # fmt: skip
     rows = pq.read_table(out).to_pylist()
     assert [(r["data_source"], r["env_seed"]) for r in rows] == [
@@ -549,7 +549,7 @@ def test_the_bundled_sokoban_checkpoint_wins_a_third_of_the_held_out_rooms(tmp_p
 
     generate, evaluate = load_recipe("generate"), load_recipe("evaluate")
     out = tmp_path / "sokoban.parquet"
-    generate.main(generate.Args(model=str(SOKOBAN_MODEL), env_config=str(SOKOBAN), env_val_seeds=64,
+    generate.main(make_args(generate.Args, model=str(SOKOBAN_MODEL), env_config=str(SOKOBAN), env_val_seeds=64,
                                 temperature=0.0, max_prompt_length=128, max_response_length=64, max_env_steps=1,
                                 output_path=str(out)))  # fmt: skip
     success = evaluate.main(evaluate.Args(data_path=str(out)))["SimpleSokoban"]["pass@1"]

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import load_recipe
+from conftest import load_recipe, make_args
 
 SEEDS = range(4)
 
@@ -430,7 +430,7 @@ def test_remax_advantage_equals_its_formula(seed):
     want = [r - baselines[g].item() for r, g in zip(rewards.tolist(), groups.tolist())]
     assert_advantages(remax.compute_advantages(rewards, groups, mask, baselines), want, mask)
     with pytest.raises(Exception, match="greedy baseline needs the engine in the trainer"):
-        remax.Args(rollout_placement="remote")
+        make_args(remax.Args, rollout_placement="remote")
 
 
 def test_the_greedy_baseline_samples_this_steps_prompts_once_greedily(monkeypatch):
