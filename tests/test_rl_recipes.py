@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -148,10 +149,24 @@ def test_help_renders_without_loading_the_libraries(help_pages, recipe):
     for flag in expected.get(recipe, ("--lr", "--model", "--output-dir")):
         assert flag in page, flag
     assert heavy == [], f"{recipe} --help loads {heavy}"
-    if recipe in RL_RECIPES:  # ROLL's knobs under their own heading, with their flat names
-        box = page[page.index("conditioning options") :]
-        assert all(f in box for f in ("--reward-norm", "--whiten-advantages", "--sft-loss-coef", "--use-topr-loss"))
-        assert "--reward-norm" not in page[: page.index("conditioning options")]
+    groups = (
+        GROUPS if recipe in RL_RECIPES else {g: GROUPS[g] for g in ("agent", "env")} if recipe == "generate" else {}
+    )
+    boxes = dict(re.findall(r"^\W*(\w+) options\W*$(.*?)(?=^\W*\w+ options\W*$|\Z)", page, re.M | re.S))
+    for group, flags in groups.items():  # each group under its own heading, its flags with their flat names
+        assert all(f in boxes[group] for f in flags), (group, boxes.get(group))
+        assert not [f for f in flags for other, box in boxes.items() if other != group and f in box], group
+
+
+# A flag group of RLArgs (and generate.py's agent and env groups): some of its flags.
+GROUPS = {
+    "validation": ("--val-n", "--val-temperature", "--log-val-generations"),
+    "reward": ("--reward-fn", "--reward-model", "--reward-workers"),
+    "env": ("--env-config", "--env-tags", "--max-env-steps"),
+    "agent": ("--tool-config", "--max-assistant-turns", "--tokenization-sanity-check-mode"),
+    "placement": ("--rollout-placement", "--max-staleness", "--engine-timeout"),
+    "conditioning": ("--reward-norm", "--whiten-advantages", "--sft-loss-coef", "--use-topr-loss"),
+}
 
 
 # --- running -----------------------------------------------------------------------------------------
