@@ -662,7 +662,7 @@ class EnvPlayArgs:
 
 @dataclass
 class EnvArgs(EnvPlayArgs):
-    """A training run's environment flags, RLArgs' `env` group: with the groups of a step and the seeds of an epoch."""
+    """RLArgs' `env` group: how environments are played, a step's groups and an epoch's seeds."""
 
     env_n_groups: tuple[int, ...] = flag((), ge=1, only_with=ENV)
     """environment: groups a step of each tag, summing to --train-batch-size (default: split evenly; ROLL's n_groups)"""

@@ -259,7 +259,7 @@ def main(args: Args) -> dict:
     tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
     rows, described = read_rows(args, tokenizer)
     chunks = [range(i, min(i + args.batch_size, len(rows))) for i in range(0, len(rows), args.batch_size)]
-    flags = json.loads(json.dumps({k: flag_values(args)[k] for k in OUTPUT_FLAGS}))  # as flags.json holds them
+    flags = json.loads(json.dumps({k: v for k, v in flag_values(args).items() if k in OUTPUT_FLAGS}))  # as saved
     done = open_parts(parts, flags, len(chunks), dist)
     todo = [c for c in range(dist.rank, len(chunks), dist.world_size) if c not in done]
     if dist.is_main:
