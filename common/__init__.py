@@ -70,7 +70,7 @@ PUBLIC = {
     "errors": "UsageError usage_errors",
     "flags": "flag flag_values",
     "model": "load_policy load_tokenizer load_trained_model response_logits sequence_logits",
-    "ops": "agg_loss jsd_from_logits kl_controller_step kl_from_logits kl_penalty logprobs_and_entropy "
+    "ops": "KLEstimator agg_loss jsd_from_logits kl_controller_step kl_from_logits kl_penalty logprobs_and_entropy "
     "logprobs_from_logits masked_mean masked_mean_all_ranks masked_var masked_whiten masked_whiten_all_ranks "
     "rollout_correction",
     "prompt_cache": "load_prompts",

@@ -227,6 +227,9 @@ KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
+KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]  # a KL flag's values: kl_penalty's
+
+
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL(policy || ref) estimate from sampled-token logprobs, (B, T) -> (B, T).
 
@@ -326,9 +329,7 @@ class KLRewardArgs:
 
     kl_coef: float = flag(0.001, ge=0, only_with="use_kl_in_reward")
     """weight of the KL penalty in the reward (the adaptive controller's starting value)"""
-    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = flag(
-        "kl", only_with="use_kl_in_reward"
-    )
+    kl_penalty: KLEstimator = flag("kl", only_with="use_kl_in_reward")
     """KL estimator for the reward penalty (see common.ops.kl_penalty; full: the exact KL over the vocabulary)"""
     kl_ctrl: Literal["fixed", "adaptive"] = flag("fixed", only_with="use_kl_in_reward")
     """KL-in-reward coefficient: fixed, or adaptive toward target_kl (Ziegler et al. 2019, as verl)"""

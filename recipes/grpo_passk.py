@@ -53,6 +53,7 @@ from common.errors import UsageError, usage_errors
 from common.flags import flag
 from common.model import load_tokenizer, response_logits
 from common.ops import (
+    KLEstimator,
     agg_loss,
     kl_from_logits,
     kl_penalty,
@@ -99,9 +100,7 @@ class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and rewa
         0.001, ge=0, note="a negative weight would push the policy away from the reference", only_with="use_kl_loss"
     )
     """weight of the KL term in the loss"""
-    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = flag(
-        "low_var_kl", only_with="use_kl_loss"
-    )
+    kl_loss_type: KLEstimator = flag("low_var_kl", only_with="use_kl_loss")
     """KL estimator for the loss term (see common.ops.kl_penalty; full: the exact KL over the vocabulary)"""
     entropy_coeff: float = flag(0.0, ge=0, note="a negative bonus would reward collapsing the entropy")
     """entropy bonus weight"""

@@ -55,6 +55,7 @@ from common.errors import UsageError, usage_errors
 from common.flags import flag
 from common.model import load_tokenizer, response_logits
 from common.ops import (
+    KLEstimator,
     agg_loss,
     kl_controller_step,
     kl_from_logits,
@@ -115,9 +116,7 @@ class Args(KLRewardArgs, RLArgs):  # shared flags come from RLArgs, the KL contr
         0.001, ge=0, note="a negative weight would push the policy away from the reference", only_with="use_kl_loss"
     )
     """weight of the KL term in the loss"""
-    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = flag(
-        "low_var_kl", only_with="use_kl_loss"
-    )
+    kl_loss_type: KLEstimator = flag("low_var_kl", only_with="use_kl_loss")
     """KL estimator for the loss term (see common.ops.kl_penalty; full: the exact KL over the vocabulary)"""
     use_kl_in_reward: bool = True  # PPO: verl's KL penalty in the reward, per token
     """subtract kl_coef * KL(old policy || reference) from each token's reward"""
