@@ -4,7 +4,7 @@ matters, an explicit denominator, so a recipe can normalise by the token count o
 import functools
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.utils.checkpoint
@@ -223,11 +223,9 @@ def _rowwise(fn, logits: torch.Tensor, other: torch.Tensor, *extra) -> torch.Ten
 
 # --- KL estimators and loss aggregation (same formulas as verl, so numbers carry over) ----------
 
-KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]  # a KL flag's values
+KL_KINDS = get_args(KLEstimator)[:-1]  # kl_penalty's; "full" is the exact KL over the vocabulary (kl_from_logits)
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
-KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]  # a KL flag's values: kl_penalty's
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
