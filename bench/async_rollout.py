@@ -26,9 +26,23 @@ RUNS = {
 
 
 def run(flags: list[str], steps: int, out: Path) -> list[dict]:
-    cmd = [sys.executable, str(ROOT / "recipes" / "grpo.py"), *flags, "--total-training-steps", str(steps),
-           "--test-freq", str(steps), "--save-freq", "0", "--output-dir", str(out), "--resume", "disable",
-           "--log-interval", "0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "recipes" / "grpo.py"),
+        *flags,
+        "--total-training-steps",
+        str(steps),
+        "--test-freq",
+        str(steps),
+        "--save-freq",
+        "0",
+        "--output-dir",
+        str(out),
+        "--resume",
+        "disable",
+        "--log-interval",
+        "0",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"}, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
@@ -40,8 +54,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     args = parser.parse_args()
-    print(f"{'placement':<11} {'step s':>7} {'tokens/s':>9} {'x colocated':>11} {'generate s':>10} {'waited s':>9} "
-          f"{'hidden':>7} {'val acc':>8}")  # fmt: skip
+    print(
+        f"{'placement':<11} {'step s':>7} {'tokens/s':>9} {'x colocated':>11} {'generate s':>10} {'waited s':>9} "
+        f"{'hidden':>7} {'val acc':>8}"
+    )
     base = None
     with tempfile.TemporaryDirectory() as tmp:
         for name, flags in RUNS.items():
@@ -57,8 +73,10 @@ def main() -> None:
                 generate = waited = statistics.median(r["perf/generate_s"] for r in timed)
             hidden = max(0.0, 1 - waited / generate)
             accuracy = [r["val/accuracy"] for r in records if "val/accuracy" in r][-1]
-            print(f"{name:<11} {step_s:>7.3f} {tokens:>9.0f} {tokens / base:>11.2f} {generate:>10.3f} {waited:>9.3f} "
-                  f"{hidden:>7.0%} {accuracy:>8.1%}")  # fmt: skip
+            print(
+                f"{name:<11} {step_s:>7.3f} {tokens:>9.0f} {tokens / base:>11.2f} {generate:>10.3f} {waited:>9.3f} "
+                f"{hidden:>7.0%} {accuracy:>8.1%}"
+            )
 
 
 if __name__ == "__main__":

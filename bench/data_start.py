@@ -4,7 +4,7 @@ in a process of its own so that its peak memory is its own:
 
 - in-process: common.data.load_prompts, the loader a small parquet file takes (every row read whole and templated in
   the trainer's process), on the same rows written as verl's parquet: the floor the others are measured against;
-- first start: common.prompt_cache.load_prompts with --workers processes and an empty datasets cache (the JSONL
+- first start: common.formats.prompt_cache.load_prompts with --workers processes and an empty datasets cache (the JSONL
   file turned into Arrow, then the templating map written to the cache);
 - cached start: the same call again, served from the cache.
 
@@ -36,7 +36,7 @@ from common.model import load_tokenizer
 tokenizer = load_tokenizer({tokenizer!r})
 start = time.perf_counter()
 if {mapped!r}:
-    from common.prompt_cache import load_prompts
+    from common.formats.prompt_cache import load_prompts
     rows, stats = load_prompts([{path!r}], tokenizer, data_workers={workers}, data_source="bundled/addition",
                                max_prompt_length=64, ground_truth="required")
 else:
@@ -62,9 +62,13 @@ def write_rows(folder: Path, n: int, seed: int) -> tuple[Path, Path]:
     with jsonl.open("w") as f:
         for text, answer in zip(texts, answers):
             f.write(json.dumps({"prompt": text, "solution": answer}) + "\n")
-    table = pa.table({"data_source": ["bundled/addition"] * n,
-                      "prompt": [[{"role": "user", "content": t}] for t in texts],
-                      "reward_model": [{"style": "rule", "ground_truth": a} for a in answers]})  # fmt: skip
+    table = pa.table(
+        {
+            "data_source": ["bundled/addition"] * n,
+            "prompt": [[{"role": "user", "content": t}] for t in texts],
+            "reward_model": [{"style": "rule", "ground_truth": a} for a in answers],
+        }
+    )
     parquet = folder / "rows.parquet"
     pq.write_table(table, parquet)
     return jsonl, parquet
@@ -89,8 +93,10 @@ def main() -> None:
         folder = Path(tmp)
         start = time.perf_counter()
         jsonl, parquet = write_rows(folder, args.rows, args.seed)
-        print(f"{args.rows:,} rows written in {time.perf_counter() - start:.0f} s "
-              f"(JSONL {jsonl.stat().st_size / 2**20:.0f} MiB, parquet {parquet.stat().st_size / 2**20:.0f} MiB)")  # fmt: skip
+        print(
+            f"{args.rows:,} rows written in {time.perf_counter() - start:.0f} s "
+            f"(JSONL {jsonl.stat().st_size / 2**20:.0f} MiB, parquet {parquet.stat().st_size / 2**20:.0f} MiB)"
+        )
         runs = {
             "in-process (parquet)": measure(parquet, False, 1, folder / "cache"),
             f"first start ({args.workers} workers)": measure(jsonl, True, args.workers, folder / "cache"),
@@ -101,10 +107,14 @@ def main() -> None:
     assert len(samples) == 1 and len({r["kept"] for r in runs.values()}) == 1, "the loaders disagree on the rows"
     print(f"{'':26} {'seconds':>8} {'x in-process':>13} {'peak MiB':>9} {'x in-process':>13}")
     for name, r in runs.items():
-        print(f"{name:26} {r['seconds']:8.1f} {r['seconds'] / floor['seconds']:13.2f} {r['peak_mib']:9.0f} "
-              f"{r['peak_mib'] / floor['peak_mib']:13.2f}")  # fmt: skip
-    print(f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}; python bench/data_start.py --rows {args.rows} "
-          f"--workers {args.workers}")  # fmt: skip
+        print(
+            f"{name:26} {r['seconds']:8.1f} {r['seconds'] / floor['seconds']:13.2f} {r['peak_mib']:9.0f} "
+            f"{r['peak_mib'] / floor['peak_mib']:13.2f}"
+        )
+    print(
+        f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}; python bench/data_start.py --rows {args.rows} "
+        f"--workers {args.workers}"
+    )
 
 
 if __name__ == "__main__":

@@ -23,10 +23,24 @@ TEACHER_ACCURACY = 0.756  # bundled/README.md: the default GRPO run's step 80, w
 
 def run(recipe: str, out: Path, args, seed: int) -> list[dict]:
     cmd = [
-        sys.executable, str(ROOT / "recipes" / f"{recipe}.py"), "--output-dir", str(out), "--seed", str(seed),
-        "--total-training-steps", str(args.steps), "--test-freq", str(args.test_freq),
-        "--train-batch-size", str(args.prompts), "--rollout-n", str(args.samples), "--save-freq", "0", "--logger",
-    ]  # fmt: skip
+        sys.executable,
+        str(ROOT / "recipes" / f"{recipe}.py"),
+        "--output-dir",
+        str(out),
+        "--seed",
+        str(seed),
+        "--total-training-steps",
+        str(args.steps),
+        "--test-freq",
+        str(args.test_freq),
+        "--train-batch-size",
+        str(args.prompts),
+        "--rollout-n",
+        str(args.samples),
+        "--save-freq",
+        "0",
+        "--logger",
+    ]
     log = out.parent / f"{recipe}-{seed}.log"
     with log.open("w") as f:
         proc = subprocess.run(cmd, env={**os.environ, "WANDB_MODE": "disabled"}, stdout=f, stderr=subprocess.STDOUT)
@@ -53,8 +67,10 @@ def main() -> None:
                 accuracy = {r["step"]: r["val/accuracy"] for r in records if "val/accuracy" in r}
                 seconds = sum(r["perf/step_s"] for r in records if "perf/step_s" in r)
                 curves[recipe, seed] = (accuracy, seconds)
-    print(f"\n{args.steps} steps of {args.prompts} prompts x {args.samples} samples; greedy accuracy on the 500 "
-          f"held-out sums (teacher {TEACHER_ACCURACY:.1%})")  # fmt: skip
+    print(
+        f"\n{args.steps} steps of {args.prompts} prompts x {args.samples} samples; greedy accuracy on the 500 "
+        f"held-out sums (teacher {TEACHER_ACCURACY:.1%})"
+    )
     for (recipe, seed), (accuracy, seconds) in curves.items():
         start, end = accuracy[0], accuracy[max(accuracy)]
         gap = (end - start) / (TEACHER_ACCURACY - start)
@@ -69,8 +85,14 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(6, 4))
         for (recipe, seed), (accuracy, _) in curves.items():
             steps = sorted(accuracy)
-            ax.plot(steps, [accuracy[s] for s in steps], marker="o", color="C0" if recipe == "distill" else "C1",
-                    label=f"{recipe}.py" if seed == args.seeds[0] else None, alpha=0.8)  # fmt: skip
+            ax.plot(
+                steps,
+                [accuracy[s] for s in steps],
+                marker="o",
+                color="C0" if recipe == "distill" else "C1",
+                label=f"{recipe}.py" if seed == args.seeds[0] else None,
+                alpha=0.8,
+            )
         ax.axhline(TEACHER_ACCURACY, color="gray", linestyle="--", label="teacher")
         ax.set_xlabel("step")
         ax.set_ylabel("greedy accuracy, 500 held-out sums")

@@ -43,9 +43,14 @@ def greedy_accuracy(model_dir) -> float:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rows, _ = load_prompts([TEST], tokenizer, max_prompt_length=128)
     completions = hf_generate_greedy(
-        model, [r["prompt_ids"] for r in rows], pad_id=tokenizer.pad_token_id,
-        eos_id=tokenizer.eos_token_id, max_new_tokens=16, batch_size=500, device="cpu",
-    )  # fmt: skip
+        model,
+        [r["prompt_ids"] for r in rows],
+        pad_id=tokenizer.pad_token_id,
+        eos_id=tokenizer.eos_token_id,
+        max_new_tokens=16,
+        batch_size=500,
+        device="cpu",
+    )
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     return sum(default_compute_score(r["data_source"], t, r["ground_truth"]) for r, t in zip(rows, texts)) / len(rows)
 
@@ -61,13 +66,39 @@ def run_logged(cmd, log: Path) -> None:
 
 def run_ours(args, out: Path, steps: int) -> dict:
     cmd = [
-        sys.executable, str(ROOT / "recipes" / "grpo.py"), "--output-dir", str(out), "--resume", "disable",
-        "--total-training-steps", str(steps), "--train-batch-size", str(args.prompts),
-        "--ppo-mini-batch-size", str(args.prompts), "--rollout-n", str(args.group),
-        "--micro-batch-size-per-gpu", str(args.prompts * args.group), "--max-response-length", str(args.max_tokens),
-        "--lr", str(args.lr), "--lr-scheduler", "constant", "--weight-decay", "0", "--test-freq", "0",
-        "--no-val-before-train", "--save-freq", str(steps), "--seed", str(args.seed), "--logger",
-    ]  # fmt: skip
+        sys.executable,
+        str(ROOT / "recipes" / "grpo.py"),
+        "--output-dir",
+        str(out),
+        "--resume",
+        "disable",
+        "--total-training-steps",
+        str(steps),
+        "--train-batch-size",
+        str(args.prompts),
+        "--ppo-mini-batch-size",
+        str(args.prompts),
+        "--rollout-n",
+        str(args.group),
+        "--micro-batch-size-per-gpu",
+        str(args.prompts * args.group),
+        "--max-response-length",
+        str(args.max_tokens),
+        "--lr",
+        str(args.lr),
+        "--lr-scheduler",
+        "constant",
+        "--weight-decay",
+        "0",
+        "--test-freq",
+        "0",
+        "--no-val-before-train",
+        "--save-freq",
+        str(steps),
+        "--seed",
+        str(args.seed),
+        "--logger",
+    ]
     start = time.time()
     run_logged(cmd, out.parent / f"ours-{steps}.log")
     wall = time.time() - start
@@ -108,14 +139,34 @@ def trl_worker(args, out: Path) -> None:
             times.append(time.time() - self.t0)
 
     config = GRPOConfig(
-        output_dir=str(out), use_cpu=True, bf16=False, max_steps=args.worker_steps, learning_rate=args.lr,
-        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, seed=args.seed,
-        per_device_train_batch_size=args.prompts * args.group, gradient_accumulation_steps=1,
-        num_generations=args.group, steps_per_generation=1, max_completion_length=args.max_tokens,
-        temperature=1.0, top_k=0, top_p=1.0, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
-        num_iterations=1, gradient_checkpointing=False, logging_steps=args.worker_steps, save_strategy="no", report_to=[],
+        output_dir=str(out),
+        use_cpu=True,
+        bf16=False,
+        max_steps=args.worker_steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        seed=args.seed,
+        per_device_train_batch_size=args.prompts * args.group,
+        gradient_accumulation_steps=1,
+        num_generations=args.group,
+        steps_per_generation=1,
+        max_completion_length=args.max_tokens,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        num_iterations=1,
+        gradient_checkpointing=False,
+        logging_steps=args.worker_steps,
+        save_strategy="no",
+        report_to=[],
         dataloader_num_workers=0,
-    )  # fmt: skip
+    )
     tokenizer = load_tokenizer(str(SFT))
     model = AutoModelForCausalLM.from_pretrained(SFT, dtype=torch.float32)
     trainer = GRPOTrainer(
@@ -185,8 +236,10 @@ def main() -> None:
     for label, a, b in rows:
         print(f"{label:40}{a:>18.3f}{b:>18.3f}{a / b:>8.2f}")
     print(f"{'greedy accuracy':40}{f'{before:.1%} -> {acc_ours:.1%}':>18}{f'{before:.1%} -> {acc_trl:.1%}':>18}")
-    print(f"steady-state ratio ours / TRL: {steady[0] / steady[1]:.2f}; first {short} steps: "
-          f"{ours_short['wall'] / trl_short['wall']:.2f}")  # fmt: skip
+    print(
+        f"steady-state ratio ours / TRL: {steady[0] / steady[1]:.2f}; first {short} steps: "
+        f"{ours_short['wall'] / trl_short['wall']:.2f}"
+    )
     print("our phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in ours["phases"].items()))
 
 

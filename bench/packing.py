@@ -35,7 +35,6 @@ sys.path.insert(0, str(ROOT))
 
 from common.data import load_prompts, pack_sequences  # noqa: E402
 from common.model import (  # noqa: E402
-    compile_layers,
     forward_layout,
     load_policy,
     load_tokenizer,
@@ -44,6 +43,7 @@ from common.model import (  # noqa: E402
 )
 from common.ops import logprobs_and_entropy  # noqa: E402
 from common.perf import device_peak, flop_terms, needed_tokens, update_flops  # noqa: E402
+from common.scaling.compile import compile_layers  # noqa: E402
 
 SFT = ROOT / "bundled" / "tiny-qwen2-sft"
 TEST = ROOT / "bundled" / "addition" / "test.parquet"
@@ -79,8 +79,9 @@ def batches(args, tokenizer, seqs: int) -> dict:
     spread = [
         torch.randint(10, 100, (int(n),), generator=g).tolist() for n in torch.randint(8, 513, (seqs,), generator=g)
     ]
-    answers = [tokenizer(f"<answer>{r['ground_truth']}</answer>", add_special_tokens=False)["input_ids"]
-               for r in rows[:seqs]]  # fmt: skip
+    answers = [
+        tokenizer(f"<answer>{r['ground_truth']}</answer>", add_special_tokens=False)["input_ids"] for r in rows[:seqs]
+    ]
     out = {}
     for name, responses in (("spread", spread), ("uniform", answers)):
         batch = pack_sequences(prompts, responses, tokenizer.pad_token_id, args.device)
@@ -161,25 +162,47 @@ def attention_share(fn) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seqs", type=int, nargs="+", default=[16], help="sequences in the micro-batch "
-                        "(several: each batch at each size)")  # fmt: skip
+    parser.add_argument(
+        "--seqs",
+        type=int,
+        nargs="+",
+        default=[16],
+        help="sequences in the micro-batch (several: each batch at each size)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--hidden", type=int, default=0, help="build a random Qwen2 of this width (0: the bundled model)"
     )
     parser.add_argument("--layers", type=int, default=6, help="with --hidden: its depth")
-    parser.add_argument("--shape", default=None, help="a random-initialised model of a real shape: "
-                        "bench/throughput.py's SHAPES (qwen2.5-0.5b, qwen2.5-1.5b, smollm2-135m)")  # fmt: skip
+    parser.add_argument(
+        "--shape",
+        default=None,
+        help="a random-initialised model of a real shape: "
+        "bench/throughput.py's SHAPES (qwen2.5-0.5b, qwen2.5-1.5b, smollm2-135m)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
-    parser.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "recipes-throughput"),
-                        help="with --shape: where its random-initialised model is kept")  # fmt: skip
-    parser.add_argument("--batches", nargs="+", choices=["spread", "uniform", "uniform-groups", "spread-groups"],
-                        help="only these batches (default: all four)")  # fmt: skip
-    parser.add_argument("--compile", action="store_true", help="each decoder layer compiled, as --use-torch-compile "
-                        "does (common.model.compile_layers)")  # fmt: skip
-    parser.add_argument("--profile", action="store_true", help="also report the attention's share of the time "
-                        "(on a GPU: the top kernels of the spread batch's passes)")  # fmt: skip
+    parser.add_argument(
+        "--cache",
+        default=str(Path(tempfile.gettempdir()) / "recipes-throughput"),
+        help="with --shape: where its random-initialised model is kept",
+    )
+    parser.add_argument(
+        "--batches",
+        nargs="+",
+        choices=["spread", "uniform", "uniform-groups", "spread-groups"],
+        help="only these batches (default: all four)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="each decoder layer compiled, as --use-torch-compile does (common.scaling.compile.compile_layers)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also report the attention's share of the time (on a GPU: the top kernels of the spread batch's passes)",
+    )
     args = parser.parse_args()
 
     tokenizer = load_tokenizer(str(SFT))
@@ -191,11 +214,16 @@ def main() -> None:
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU threads {torch.get_num_threads()}"
     terms, dtype = flop_terms(padded), getattr(torch, args.dtype)
     peak, source = device_peak(args.device, dtype, torch.cuda.current_device() if args.device == "cuda" else 0)
-    print(f"model: {params:.2f}M params ({args.shape or 'bundled' if not args.hidden else f'hidden {args.hidden}'}, "
-          f"{args.dtype}{', compiled layers' if args.compile else ''}), {'/'.join(map(str, args.seqs))} sequences a micro-batch, median of {args.repeats}, {where}; peak "
-          f"{peak / 1e12:.4g} TFLOP/s ({source})")  # fmt: skip
-    every = [(f"{name}{f' x {n}' if len(args.seqs) > 1 else ''}", batch, name, n)
-             for n in args.seqs for name, batch in batches(args, tokenizer, n).items()]  # fmt: skip
+    print(
+        f"model: {params:.2f}M params ({args.shape or 'bundled' if not args.hidden else f'hidden {args.hidden}'}, "
+        f"{args.dtype}{', compiled layers' if args.compile else ''}), {'/'.join(map(str, args.seqs))} sequences a micro-batch, median of {args.repeats}, {where}; peak "
+        f"{peak / 1e12:.4g} TFLOP/s ({source})"
+    )
+    every = [
+        (f"{name}{f' x {n}' if len(args.seqs) > 1 else ''}", batch, name, n)
+        for n in args.seqs
+        for name, batch in batches(args, tokenizer, n).items()
+    ]
     for name, batch, kind, n in every:
         tokens = int(batch["attention_mask"].sum())
         padding = 1 - tokens / batch["attention_mask"].numel()
@@ -206,11 +234,13 @@ def main() -> None:
         work = update_flops(
             terms, *needed_tokens(lengths, lengths - batch["response_mask"].sum(-1), batch["group_ids"])
         )
-        print(f"{name}: {tokens} tokens, {padding:.0%} of the padded batch was padding; fwd+bwd padded "
-              f"{t_padded:.3f} s, packed {t_packed:.3f} s: {t_padded / t_packed:.2f}x; response tokens/s "
-              f"{response_tokens / t_padded:.0f} -> {response_tokens / t_packed:.0f}; MFU "
-              f"{float(work) / t_padded / peak:.1%} -> {float(work) / t_packed / peak:.1%}; auto runs it "
-              f"{auto_layout(packed, batch)}")  # fmt: skip
+        print(
+            f"{name}: {tokens} tokens, {padding:.0%} of the padded batch was padding; fwd+bwd padded "
+            f"{t_padded:.3f} s, packed {t_packed:.3f} s: {t_padded / t_packed:.2f}x; response tokens/s "
+            f"{response_tokens / t_padded:.0f} -> {response_tokens / t_packed:.0f}; MFU "
+            f"{float(work) / t_padded / peak:.1%} -> {float(work) / t_packed / peak:.1%}; auto runs it "
+            f"{auto_layout(packed, batch)}"
+        )
         if args.profile and args.device == "cuda" and kind == "spread" and n == max(args.seqs):  # the largest pass
             for label, m in (("padded", padded), ("packed", packed)):
                 print(f"  top kernels, {label}:\n{top_kernels(lambda m=m: step(m, batch))}")  # noqa: B023

@@ -22,7 +22,7 @@ from common.data import load_prompts  # noqa: E402
 from common.engines import HFEngine, Sampling, VLLMArgs  # noqa: E402
 from common.model import load_policy, load_tokenizer  # noqa: E402
 from common.parallel import Dist  # noqa: E402
-from common.vllm_engine import VLLMEngine  # noqa: E402
+from common.serving.vllm_engine import VLLMEngine  # noqa: E402
 
 SFT = ROOT / "bundled" / "tiny-qwen2-sft"
 TEST = ROOT / "bundled" / "addition" / "test.parquet"
@@ -57,9 +57,15 @@ def main() -> None:
     hf = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device=device)
     hf_s, hf_out = timed(lambda: hf.generate(prompts, sampling), args.repeats)
     vllm = VLLMEngine(
-        model, model_path=str(SFT), eos_ids=[tokenizer.eos_token_id], dtype="float32", max_model_len=80, seed=1,
-        dist=Dist(rank=0, world_size=1, local_rank=0, device=device), vllm=VLLMArgs(gpu_memory_utilization=0.3),
-    )  # fmt: skip
+        model,
+        model_path=str(SFT),
+        eos_ids=[tokenizer.eos_token_id],
+        dtype="float32",
+        max_model_len=80,
+        seed=1,
+        dist=Dist(rank=0, world_size=1, local_rank=0, device=device),
+        vllm=VLLMArgs(gpu_memory_utilization=0.3),
+    )
     vllm_s, vllm_out = timed(lambda: vllm.generate(prompts, sampling), args.repeats)
     sync_s, _ = timed(lambda: vllm.update_weights(vllm.weight_version + 1), args.repeats)
 

@@ -24,10 +24,34 @@ RUNS = {  # recipe -> flags: a fixed global batch, no validation or checkpoints
 
 
 def run(recipe: str, nproc: int, strategy: str, steps: int, out: Path) -> list[dict]:
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                                                   str(nproc), "--master_port", str(29400 + os.getpid() % 500)]  # fmt: skip
-    cmd = [*launch, str(ROOT / "recipes" / f"{recipe}.py"), *RUNS[recipe], "--total-training-steps", str(steps),
-           "--strategy", strategy, "--output-dir", str(out), "--resume", "disable", "--log-interval", "0"]  # fmt: skip
+    launch = (
+        [sys.executable]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(29400 + os.getpid() % 500),
+        ]
+    )
+    cmd = [
+        *launch,
+        str(ROOT / "recipes" / f"{recipe}.py"),
+        *RUNS[recipe],
+        "--total-training-steps",
+        str(steps),
+        "--strategy",
+        strategy,
+        "--output-dir",
+        str(out),
+        "--resume",
+        "disable",
+        "--log-interval",
+        "0",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}  # one thread per process
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]

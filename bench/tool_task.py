@@ -54,9 +54,24 @@ def arm(sft_steps: int | None, args, tmp: Path) -> dict:
     name = "tool" if tool else f"no-tool {sft_steps}"
     model = ROOT / "bundled" / "tiny-qwen2-tools"
     if not tool:  # the conversations' messages left unread: each prompt and its answer alone
-        run("sft", ["--model", ROOT / "bundled" / "tiny-qwen2", "--train-files", DATA / "sft.parquet", "--val-files",
-                    "--messages-key", "no-messages", "--total-training-steps", sft_steps,
-                    "--output-dir", tmp / f"sft-{sft_steps}", "--resume", "disable"])  # fmt: skip
+        run(
+            "sft",
+            [
+                "--model",
+                ROOT / "bundled" / "tiny-qwen2",
+                "--train-files",
+                DATA / "sft.parquet",
+                "--val-files",
+                "--messages-key",
+                "no-messages",
+                "--total-training-steps",
+                sft_steps,
+                "--output-dir",
+                tmp / f"sft-{sft_steps}",
+                "--resume",
+                "disable",
+            ],
+        )
         model = tmp / f"sft-{sft_steps}" / "checkpoints" / f"step_{sft_steps}" / "hf"
     train, test = DATA / "train.parquet", DATA / "test.parquet"
     if not tool:
@@ -65,10 +80,32 @@ def arm(sft_steps: int | None, args, tmp: Path) -> dict:
 
     pq.write_table(pq.read_table(test).slice(0, args.val_prompts), tmp / f"val-{name}.parquet")
     out = tmp / f"grpo-{name.replace(' ', '-')}"
-    run("grpo", ["--model", model, "--train-files", train, "--val-files",
-                 tmp / f"val-{name}.parquet", *GRPO_FLAGS, *(["--tool-config", DATA / "tools.yaml"] if tool else []),
-                 "--total-training-steps", args.grpo_steps, "--test-freq", args.grpo_steps, "--save-freq", "0",
-                 "--output-dir", out, "--resume", "disable", "--log-interval", "0", *args.grpo_flags])  # fmt: skip
+    run(
+        "grpo",
+        [
+            "--model",
+            model,
+            "--train-files",
+            train,
+            "--val-files",
+            tmp / f"val-{name}.parquet",
+            *GRPO_FLAGS,
+            *(["--tool-config", DATA / "tools.yaml"] if tool else []),
+            "--total-training-steps",
+            args.grpo_steps,
+            "--test-freq",
+            args.grpo_steps,
+            "--save-freq",
+            "0",
+            "--output-dir",
+            out,
+            "--resume",
+            "disable",
+            "--log-interval",
+            "0",
+            *args.grpo_flags,
+        ],
+    )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
     val = [r for r in records if "val/accuracy" in r]
     steps = [r for r in records if "reward/mean" in r]
@@ -101,14 +138,20 @@ def main() -> None:
     parser.add_argument("grpo_flags", nargs="*", help="more grpo.py flags for both arms (after --)")
     args = parser.parse_args()
     # Each arm's row as soon as it is measured: a later arm failing loses nothing before it.
-    print(f"{'arm':<13} {'after SFT':>9} {'after GRPO':>10} {'reward first':>12} {'reward last':>11} "
-          f"{'calls first':>11} {'calls last':>10} {'greedy calls':>12}", flush=True)  # fmt: skip
+    print(
+        f"{'arm':<13} {'after SFT':>9} {'after GRPO':>10} {'reward first':>12} {'reward last':>11} "
+        f"{'calls first':>11} {'calls last':>10} {'greedy calls':>12}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for steps in [None, *args.sft_steps]:
             r = arm(steps, args, Path(tmp))
-            print(f"{r['arm']:<13} {r['after SFT']:>9.1%} {r['after GRPO']:>10.1%} {r['reward first']:>12.3f} "
-                  f"{r['reward last']:>11.3f} {r['calls first']:>11.2f} {r['calls last']:>10.2f} "
-                  f"{r['greedy calls SFT']:>5.2f} {r['greedy calls GRPO']:>5.2f}", flush=True)  # fmt: skip
+            print(
+                f"{r['arm']:<13} {r['after SFT']:>9.1%} {r['after GRPO']:>10.1%} {r['reward first']:>12.3f} "
+                f"{r['reward last']:>11.3f} {r['calls first']:>11.2f} {r['calls last']:>10.2f} "
+                f"{r['greedy calls SFT']:>5.2f} {r['greedy calls GRPO']:>5.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -67,8 +67,10 @@ def main() -> None:
         logits.grad = None
         return logprobs, entropy
 
-    print(f"{args.rows} positions ({args.padding:.0%} padding) x {args.vocab} vocabulary, {args.dtype} on "
-          f"{args.device}, median of {args.repeats}, forward and backward")  # fmt: skip
+    print(
+        f"{args.rows} positions ({args.padding:.0%} padding) x {args.vocab} vocabulary, {args.dtype} on "
+        f"{args.device}, median of {args.repeats}, forward and backward"
+    )
     for coeff, label in ((0.0, "entropy as a metric (entropy_coeff 0)"), (0.01, "entropy in the loss")):
         before = timed(lambda c=coeff: op_by_op(c), args.repeats)
         after = timed(lambda c=coeff: fused(c), args.repeats)

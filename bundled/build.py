@@ -223,8 +223,10 @@ def play(env, seed: int, actions: list[str]) -> list[dict]:
     messages = [{"role": "user", "content": observation}]
     for action in actions:
         observation, *_ = env.step(action)
-        messages += [{"role": "assistant", "content": f"<answer>{action}</answer>"},
-                     {"role": "user", "content": observation}]  # fmt: skip
+        messages += [
+            {"role": "assistant", "content": f"<answer>{action}</answer>"},
+            {"role": "user", "content": observation},
+        ]
     return messages[:-1]
 
 

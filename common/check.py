@@ -140,10 +140,14 @@ def _within(gap: tuple[float, float], dtype) -> tuple[bool, str]:
 
 def check_engine_logprobs(model, batch, reported, temperature, dtype) -> Item:
     ok, figure = _within(logprob_gap(trainer_logprobs(model, batch, temperature), reported, batch), dtype)
-    return Item("engine logprobs", ok, figure,
-                "the engine's logprobs of its own samples differ from the trainer's forward pass on the same tokens: a "
-                "different model, dtype or attention kernel on one side, or positions that differ (padding); compare "
-                "--dtype and --rollout-name, and the engine's version against transformers'")  # fmt: skip
+    return Item(
+        "engine logprobs",
+        ok,
+        figure,
+        "the engine's logprobs of its own samples differ from the trainer's forward pass on the same tokens: a "
+        "different model, dtype or attention kernel on one side, or positions that differ (padding); compare "
+        "--dtype and --rollout-name, and the engine's version against transformers'",
+    )
 
 
 def check_packing(model, batch, dtype) -> Item:
@@ -160,9 +164,13 @@ def check_packing(model, batch, dtype) -> Item:
     finally:
         inner.padding_free = mode
     ok, figure = _within(logprob_gap(results[True], results[False], batch), dtype)
-    return Item("packing", ok, f"packed vs padded: {figure}",
-                "padding-free attention disagrees with the padded pass on this model: set --use-remove-padding False "
-                "and report the model")  # fmt: skip
+    return Item(
+        "packing",
+        ok,
+        f"packed vs padded: {figure}",
+        "padding-free attention disagrees with the padded pass on this model: set --use-remove-padding False "
+        "and report the model",
+    )
 
 
 def _keep_rng():
@@ -173,71 +181,91 @@ def _keep_rng():
 
 @dataclass
 class Check:
-    """The launch check's probe, kept for --check-freq (during)."""
+    """The launch check's probe, kept for --check-freq (during), and what it knows of the engine's sync
+    (common.config.Sync)."""
 
     mode: str
-    freq: int
+    sync: object
     model: object = None
     engine: object = None
     rollout: object = None
-    dtype: torch.dtype = torch.float32
-    own_weights: bool = False
     batch: dict | None = None
     prompts: list | None = None  # the probe's prompt ids
 
-    def during(self, step: int, stop) -> dict:
-        """Every --check-freq steps, after the step's weight sync (collective): the engine's logprobs of the
-        launch probe's responses (vLLM, remote: the sync's proof) or of fresh samples of its prompts (HF)
-        against the trainer's, returned as check/engine_gap_max and _mean. A gap past the dtype's bounds asks
-        `stop` (common.parallel.StopSignal) to end the run after this step's checkpoint (--check warn: a warning)."""
-        if self.mode == "off" or not self.freq or step % self.freq or self.batch is None:
+    @property
+    def freq(self) -> int:
+        """--check-freq for the probe: only for engines with their own weights whose logged gap proves nothing."""
+        return self.sync.freq if self.sync.own_weights and not self.sync.gap_proves_sync else 0
+
+    def during(self, step: int, stop, metrics: dict) -> dict:
+        """After step `step`'s weight sync (collective): past its dtype's bound, the step's logged gap (metrics'
+        rollout/logprob_diff_mean, where it proves the sync) or, every --check-freq steps where it does not, the
+        probe's (check/engine_gap_max and _mean: the engine's logprobs of the launch probe's responses for vLLM and
+        remote engines, of fresh samples of its prompts for HF) means the engine no longer samples what the trainer
+        trains: `stop` (common.parallel.StopSignal) ends the run after this step's checkpoint (--check warn: a
+        warning). Returns the probe's metrics."""
+        sync, bound = self.sync, TOLERANCE[self.sync.gap_dtype]
+        act = log.warning if self.mode == "warn" else stop.fail
+        if self.mode == "off" or not sync.freq:
+            return {}
+        if sync.gap_proves_sync and metrics.get("rollout/logprob_diff_mean", 0.0) > bound[1]:
+            act(
+                f"step {step}: the engine's logprobs of its sampled tokens are {metrics['rollout/logprob_diff_mean']:.2g} "
+                f"(mean; {metrics['rollout/logprob_diff_max']:.2g} the largest) from the trainer's "
+                f"(rollout/logprob_diff_*), past the {str(sync.gap_dtype).removeprefix('torch.')} bound {bound[1]:g}. "
+                f"The engine no longer samples what the trainer trains: check its weight sync and dtype (--dtype, "
+                f"--rollout-name); --check warn goes on"
+            )
+        if not self.freq or step % self.freq or self.batch is None:
             return {}
         with _keep_rng():
-            if self.own_weights:
+            if sync.own_weights:
                 batch, temperature = self.batch, 1.0
                 served = engine_logprobs(self.engine, batch, temperature)
             else:
                 rollout, temperature = self.rollout, self.rollout.sampling.temperature
                 batch, served = _probe(self.engine, rollout.tokenizer, self.prompts, temperature, rollout.dist.device)
             largest, mean = logprob_gap(trainer_logprobs(self.model, batch, temperature), served, batch)
-        bound = TOLERANCE[self.dtype]
         if largest > bound[0] or mean > bound[1]:
-            message = (
+            act(
                 f"--check-freq at step {step}: {type(self.engine).__name__}'s logprobs of the probe are {largest:.2g} "
                 f"(largest) and {mean:.2g} (mean) from the trainer's after the sync to version {step}, past the "
-                f"{str(self.dtype).removeprefix('torch.')} bounds {bound[0]:g} and {bound[1]:g}; the engine holds "
+                f"{str(sync.gap_dtype).removeprefix('torch.')} bounds {bound[0]:g} and {bound[1]:g}; the engine holds "
                 f"version {getattr(self.engine, 'weight_version', '?')}. The engine no longer samples what the "
                 f"trainer trains: check its weight sync and dtype (--dtype, --rollout-name); --check warn goes on"
             )
-            (log.warning if self.mode == "warn" else stop.fail)(message)
         return {"check/engine_gap_max": largest, "check/engine_gap_mean": mean}
 
 
-def launch_check(mode: str, model, engine, rollout, tracker, resumed: Item | None = None, *, dtype,
-                 own_weights: bool, version: int, freq: int = 0, trainer_dtype=None) -> Check:  # fmt: skip
+def launch_check(mode: str, model, engine, rollout, tracker, resumed: Item | None, sync) -> Check:
     """Run the items before step 1 (collective), print them with `resumed` (--check full: prove_resume's item)
     and return the Check that --check-freq repeats. A failed item stops the run unless mode is "warn" (_report).
-    dtype bounds the engine-trainer gap; trainer_dtype (default: dtype) the trainer's packed-padded one."""
-    check = Check(mode, freq, model, getattr(engine, "engine", engine), rollout, dtype, own_weights)
+    sync (common.config.Sync): whether the engine holds its own weights (then its sync is proven), and the dtypes
+    that bound the engine-trainer gap and the trainer's packed-padded one."""
+    check = Check(mode, sync, model, getattr(engine, "engine", engine), rollout)
     if mode == "off":
         return check
-    temperature = rollout.sampling.temperature
+    temperature, dtype = rollout.sampling.temperature, sync.gap_dtype
     t = time.time()
     with _keep_rng():
         prompts = probe_prompts(rollout.val + rollout.train[:PROBE_PROMPTS], rollout.tokenizer)
         batch, reported = _probe(check.engine, rollout.tokenizer, prompts, temperature, rollout.dist.device)
         check.batch, check.prompts = batch, prompts
         items = [check_engine_logprobs(model, batch, reported, temperature, dtype)]
-        if own_weights:
-            from common.sync_check import check_weight_sync  # a feature: engines with their own copy of the weights
+        if sync.own_weights:
+            from common.serving.sync_check import check_weight_sync  # a feature: engines with their own weights
 
+            version = getattr(check.engine, "weight_version", 0)
             items.append(Item("weight sync", *check_weight_sync(model, check.engine, batch, version, dtype)))
         else:
             items.append(Item("weight sync", None, "the HF engine samples with the trainer's own weights"))
-        items.append(check_packing(model, batch, trainer_dtype or dtype))
+        items.append(check_packing(model, batch, sync.trainer_dtype))
     dry = rollout.pool.dry_run_report
-    items.append(Item("rewards", None, "no reward function dry run (a reward model or environments score)")
-                 if dry is None else Item("rewards", True if dry[0] else "warn", dry[1], REWARD_ADVICE))  # fmt: skip
+    items.append(
+        Item("rewards", None, "no reward function dry run (a reward model or environments score)")
+        if dry is None
+        else Item("rewards", True if dry[0] else "warn", dry[1], REWARD_ADVICE)
+    )
     _report(mode, [*items, resumed or NO_RESUME], time.time() - t, tracker, rollout.dist.is_main)
     return check
 
@@ -271,51 +299,19 @@ def _report(mode: str, items: list[Item], seconds: float, tracker, is_main: bool
 
 def prove_resume(mode: str, dist) -> Item | None:
     """--check full, before the models load (collective): the resume item, proven by two short child
-    runs of this command line (common.resume_proof, loaded only here). None under any other mode."""
+    runs of this command line (common.proofs.resume_proof, loaded only here). None under any other mode."""
     if mode != "full":
         return None
-    from common.resume_proof import prove_resume as child_runs
+    from common.proofs.resume_proof import prove_resume as child_runs
 
     return Item("resume", *child_runs(dist))
 
 
 def main(argv: list[str]) -> int:
-    """`--env`: print the environment report. `RECIPE [FLAGS]`: run recipes/RECIPE.py with FLAGS up to the
-    end of its launch check (data, models, engine as the flags say) and exit: 0 when every item passed,
-    1 (with what to do) when one failed. Every probe runs, --check full's child runs included, unless
-    FLAGS name another --check (fast: the probes a training run makes; warn is honoured). Without
-    --output-dir the run folder is a temporary one, so no run of the user's is touched."""
-    import runpy
-    import tempfile
-    from pathlib import Path
+    """`python -m common.check`: the tool in the module docstring (common.proofs.tool, a feature: loaded only here)."""
+    from common.proofs.tool import main as tool
 
-    if not argv or argv[0] in ("-h", "--help"):
-        print(main.__doc__)
-        return 0
-    if argv[0] == "--env":
-        lines, warnings = environment_report()
-        print("\n".join(["environment:", *lines, *(f"  warning: {w}" for w in warnings)]))
-        return 0
-    recipe = Path(__file__).resolve().parent.parent / "recipes" / f"{argv[0].removesuffix('.py')}.py"
-    if not recipe.is_file():
-        print(f"error: no recipe {argv[0]!r}: name one of recipes/*.py, e.g. grpo", file=sys.stderr)
-        return 2
-    flags = argv[1:]
-    if not any(f == "--check" or f.startswith("--check=") for f in flags):
-        flags += ["--check", "full"]  # the tool proves everything; a training run's own --check is fast
-    if not any(f == "--output-dir" or f.startswith("--output-dir=") for f in flags):
-        flags += ["--output-dir", tempfile.mkdtemp(prefix="check-")]
-    os.environ[STOP_AFTER_CHECK], argv_before = "1", sys.argv
-    sys.argv = [str(recipe), *flags]
-    try:
-        runpy.run_path(str(recipe), run_name="__main__")
-    except SystemExit as done:  # the check's end (0), or the run stopped by a failed item or bad input
-        return done.code if isinstance(done.code, int) else 1
-    finally:  # an in-process caller (the tests) goes on with recipes that train
-        del os.environ[STOP_AFTER_CHECK]
-        sys.argv = argv_before
-    print(f"error: {recipe.name} ran to its end without a launch check (--check off?)", file=sys.stderr)
-    return 2
+    return tool(argv)
 
 
 if __name__ == "__main__":

@@ -49,13 +49,26 @@ class DamagedCheckpoint(UsageError):
 # The only globals a distributed-checkpoint .metadata names; one naming anything else (os.system) is refused unread.
 _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                 "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
-    ("torch", "Size"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
-}  # fmt: skip
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
 
 
 def _safe_dcp_io(state_dir: Path):
@@ -182,8 +195,9 @@ def _bundled(value):
 def _changed_flags(saved: dict, flags: dict) -> list[str]:
     saved, plain = _flat(saved), _flat(json.loads(json.dumps(flags, default=str)))  # tuples as lists, as saved
     # A flag only one side knows was added or removed between versions of the library: not a change.
-    names = sorted(k for k in set(saved) & set(plain)
-                   if k not in RESUMABLE_CHANGES and _bundled(saved[k]) != _bundled(plain[k]))  # fmt: skip
+    names = sorted(
+        k for k in set(saved) & set(plain) if k not in RESUMABLE_CHANGES and _bundled(saved[k]) != _bundled(plain[k])
+    )
     return [f"--{k.replace('_', '-')} {saved.get(k)!r} (now {plain.get(k)!r})" for k in names]
 
 
@@ -239,15 +253,18 @@ def find_resume(
         log.info(
             "%s already completed all %d steps: nothing to train. Use --resume disable (or another "
             "--output-dir) to start over, or raise --total-training-steps to train further.",
-            path, total_steps,
-        )  # fmt: skip
+            path,
+            total_steps,
+        )
         raise SystemExit(0)
     newer = [p.name for p in list_checkpoints(output_dir) if _step_of(p) > state["step"]]
     if newer and path.parent == root:
         log.warning(
             "resuming %s while %s in the same folder went further: this run's first save removes them, so "
-            "--resume auto continues this run; copy them elsewhere now to keep them", path.name, ", ".join(newer),
-        )  # fmt: skip
+            "--resume auto continues this run; copy them elsewhere now to keep them",
+            path.name,
+            ", ".join(newer),
+        )
     return path
 
 
@@ -328,19 +345,20 @@ def save_checkpoint(
     output_dir,
     step: int,
     trained,
-    *,
-    tokenizer,
     dist: Dist,
+    tokenizer,
     recipe: str,
+    trainer,
+    flags: dict | None,
     trainer_state: dict,
-    keep: int = 2,
-    merged_lora: bool = False,
     extra_models: dict | None = None,
-    flags: dict | None = None,
 ) -> Path:
     """Collective. trained: the policy's (model, optimizer, scheduler) (common.optim.Trainable); `recipe`
-    (its file's stem) is recorded as the owner; extra_models {name: (model, optimizer, scheduler)}: more
-    trained models saved in the same state (PPO's critic), each exported to hf_<name>/."""
+    (its file's stem) is recorded as the owner, and `flags` (every flag by name) for a resume to compare; the
+    trainer group says how many checkpoints to keep and whether LoRA also exports a merged model; extra_models
+    {name: (model, optimizer, scheduler)}: more trained models saved in the same state (PPO's critic), each
+    exported to hf_<name>/."""
+    keep, merged_lora = trainer.max_ckpt_to_keep, trainer.export_merged_lora
     model, optimizer, scheduler = trained
     extra_models = _check_extras(extra_models)
     root = Path(output_dir) / "checkpoints"

@@ -8,30 +8,23 @@ import logging
 import torch
 
 from common.model import DTYPES, check_packs, check_source, register_varlen, response_outputs
-from common.parallel import wrap_model
+from common.parallel import resolve_strategy, wrap_model
 
 log = logging.getLogger(__name__)
 
 
-def load_critic(
-    path: str,
-    *,
-    dist,
-    strategy: str,
-    dtype: str = "float32",
-    trust_remote_code: bool = False,
-    gradient_checkpointing: bool = False,
-    mixed_precision: str = "no",
-    remove_padding: bool | str = False,
-):
+def load_critic(policy, dist, path: str | None = None):
     """verl's critic: AutoModelForTokenClassification with num_labels=1, a scalar value at every
     position on top of the base model, wrapped for DDP / FSDP2 (always the full model, no LoRA).
     From a causal-LM folder (PPO's default: the policy's) the backbone is loaded and the value head
     (`score`) is freshly initialised; a critic exported by a PPO checkpoint (hf_critic/) loads
-    whole. Dropout before the head is off, as verl sets it, so values are not noisy."""
+    whole. Dropout before the head is off, as verl sets it, so values are not noisy. The policy group gives its
+    dtype, precision, packing, checkpointing and strategy; path (--critic-model), default the policy's model."""
     from transformers import AutoConfig, AutoModelForTokenClassification
     from transformers.utils import logging as hf_logging
 
+    path = path or policy.path
+    trust_remote_code, remove_padding = policy.trust_remote_code, policy.use_remove_padding
     source = check_source(path, "critic model")
     config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     config.num_labels, config.classifier_dropout = 1, 0.0
@@ -41,7 +34,7 @@ def load_critic(
         model, info = AutoModelForTokenClassification.from_pretrained(
             source,
             config=config,
-            dtype=DTYPES[dtype],
+            dtype=DTYPES[policy.dtype],
             trust_remote_code=trust_remote_code,
             output_loading_info=True,
             **({"attn_implementation": register_varlen()} if remove_padding else {}),
@@ -53,9 +46,9 @@ def load_critic(
     if fresh:
         log.info("critic %s: value head %s freshly initialised (not in the checkpoint)", path, ", ".join(fresh))
     model.config.use_cache = False
-    if gradient_checkpointing:
+    if policy.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return wrap_model(model, strategy, dist, mixed_precision)
+    return wrap_model(model, resolve_strategy(policy.strategy), dist, policy.mixed_precision)
 
 
 def response_values(critic, batch: dict, share_prompts: bool = True) -> torch.Tensor:

@@ -1,9 +1,8 @@
-"""RL prompts and SFT data from parquet (other formats: common.sources), chat templating, truncation, batching.
+"""RL prompts and SFT data from parquet (other formats: common.formats.sources), chat templating, truncation, batching.
 Every error names the file, the row and the column, and says what to change."""
 
 import dataclasses
 import functools
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ MULTIMODAL_COLUMNS = ("images", "videos")  # verl's image_key and video_key: ref
 
 def read_rows(files, what: str = "train_files") -> list[tuple[str, list[dict]]]:
     """[(file, rows)] for one or many inputs; rows are plain dicts (structs become dicts). A parquet file is read
-    here; JSON / JSONL, CSV, Arrow and save_to_disk folders through datasets (common.sources, which names them).
+    here; JSON / JSONL, CSV, Arrow and save_to_disk folders through datasets (common.formats.sources, which names them).
     Rows with images or videos (MULTIMODAL_COLUMNS) are refused: a text-only run would drop them."""
     if isinstance(files, str | Path):
         files = [files]
@@ -36,7 +35,7 @@ def read_rows(files, what: str = "train_files") -> list[tuple[str, list[dict]]]:
     for file in files:
         path = Path(file).expanduser()
         if path.suffix != ".parquet" or not path.is_file():  # a missing file is named there too
-            from common.sources import read_source
+            from common.formats.sources import read_source
 
             rows = read_source(str(file), what)
         else:
@@ -56,9 +55,11 @@ def read_rows(files, what: str = "train_files") -> list[tuple[str, list[dict]]]:
 
 
 def multimodal_error(what: str, file, column: str, held: int, rows: int) -> DataError:
-    return DataError(f"{what}: {str(file)!r} column {column!r} holds {column} in {held} of {rows} rows; the recipes "
-                     f"train text-only models, so those rows would be trained without them. Drop the column (or "
-                     f"empty it) to use the text alone")  # fmt: skip
+    return DataError(
+        f"{what}: {str(file)!r} column {column!r} holds {column} in {held} of {rows} rows; the recipes "
+        f"train text-only models, so those rows would be trained without them. Drop the column (or "
+        f"empty it) to use the text alone"
+    )
 
 
 read_parquet = read_rows  # its name before the other formats: a fork made earlier still imports it
@@ -150,26 +151,6 @@ def as_messages(value, file: str, index: int, key: str, template: tuple | None =
     )
 
 
-def as_tools(value, file: str, index: int, key: str) -> list[dict] | None:
-    """A tools cell (verl's multiturn tools_key) as the OpenAI function schemas a chat template
-    lists: a list of them, or that list as a JSON string; None or empty for no tools."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value) if value.strip() else None
-        except json.JSONDecodeError as e:
-            raise DataError(f"{file} row {index} column {key!r}: not valid JSON ({e.msg})") from None
-    if value is None or (isinstance(value, list | tuple) and not value):
-        return None
-    if isinstance(value, list | tuple) and all(
-        isinstance(t, dict) and isinstance((t.get("function") or {}).get("name"), str) for t in value
-    ):
-        return [dict(t) for t in value]
-    raise DataError(
-        f"{file} row {index} column {key!r}: expected a list of OpenAI tool schemas "
-        f"({{'type': 'function', 'function': {{'name': ..., ...}}}}), or that list as JSON, got: {str(value)[:80]!r}"
-    )
-
-
 # --- templating and truncation -------------------------------------------------------------------
 def render_chat(
     tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
@@ -196,7 +177,7 @@ def truncate(ids: list, max_len: int, mode: str) -> list:
 
 
 # --- RL prompts (verl format) ----------------------------------------------------------------------
-AGENTS = ("single_turn_agent", "tool_agent")  # a row's agent_name: the loop that samples it (common.agent)
+AGENTS = ("single_turn_agent", "tool_agent")  # a row's agent_name: the loop that samples it (common.agents.agent)
 
 
 @dataclass
@@ -207,7 +188,7 @@ class LoadStats:
     truncated: int = 0
     no_loss_tokens: int = 0
     no_ground_truth: int = 0
-    agent_rows: int = 0  # rows for the agent loop (common.tools.check_agent_rows checks them)
+    agent_rows: int = 0  # rows for the agent loop (common.agents.tools.check_agent_rows checks them)
     per_file: dict = field(default_factory=dict)
     columns: dict = field(default_factory=dict)  # PromptSpec.describe() -> the files read that way
     described: str | None = None  # rows that come from no file (environment seeds): what they are
@@ -235,7 +216,7 @@ class LoadStats:
 
 
 def is_agent_row(row: dict) -> bool:
-    """Whether a prompt row asks for the agent loop (common.tools.check_agent_rows checks what it needs)."""
+    """Whether a prompt row asks for the agent loop (common.agents.tools.check_agent_rows checks what it needs)."""
     extra = row["extra_info"] if isinstance(row["extra_info"], dict) else {}
     return row["agent_name"] == "tool_agent" or "tools_kwargs" in extra or "interaction_kwargs" in extra
 
@@ -250,7 +231,7 @@ def too_long(file, index, n, limit, limit_flag, extra=""):
 
 LABELS = ("reward_model", "solution", "answer")  # where the ground truth is found: verl's column, then TRL's two
 KEPT, TRUNCATED, FILTERED, BAD = range(4)  # a prompt row's fate (prompt_records)
-LARGE_ROWS = 100_000  # a file this long is templated as a cached datasets map (common.prompt_cache)
+LARGE_ROWS = 100_000  # a file this long is templated as a cached datasets map (common.formats.prompt_cache)
 
 
 @dataclass(frozen=True)
@@ -278,12 +259,16 @@ class PromptSpec:
                 raise DataError(f"{what}: {file!r}: column {key!r} not found ({have}); name the column with {option}")
         label = self.label_key or next((c for c in LABELS if c in columns), None)
         if label is None and self.ground_truth == "required":
-            raise DataError(f"{what}: {file!r} has no ground-truth column ({have}), which the built-in rewards score "
-                            f"against; name it with --label-key, or pass --reward-fn or --reward-model")  # fmt: skip
+            raise DataError(
+                f"{what}: {file!r} has no ground-truth column ({have}), which the built-in rewards score "
+                f"against; name it with --label-key, or pass --reward-fn or --reward-model"
+            )
         if "data_source" not in columns and not self.data_source and self.ground_truth != "unused":
-            raise DataError(f"{what}: {file!r} has no data_source column ({have}), which picks each row's reward; "
-                            f"name the task with --data-source (openai/gsm8k for the built-in GSM8K reward, or a "
-                            f"name your --reward-fn reads)")  # fmt: skip
+            raise DataError(
+                f"{what}: {file!r} has no data_source column ({have}), which picks each row's reward; "
+                f"name the task with --data-source (openai/gsm8k for the built-in GSM8K reward, or a "
+                f"name your --reward-fn reads)"
+            )
         return dataclasses.replace(self, label_key=label, source_column="data_source" in columns)
 
     def describe(self) -> str:
@@ -307,8 +292,10 @@ def _prompt_text(tokenizer, row: dict, file: str, index: int, spec: PromptSpec) 
     if not spec.apply_chat_template:  # TRL's standard format, OpenRLHF without --apply-chat-template
         if isinstance(value, str) and agent == "single_turn_agent":
             return value, [{"role": "user", "content": value}], agent
-        raise DataError(f"{file} row {index} column {spec.prompt_key!r}: --no-apply-chat-template feeds a single-turn "
-                        f"prompt as written, and this one is {type(value).__name__} for {agent}; drop the flag")  # fmt: skip
+        raise DataError(
+            f"{file} row {index} column {spec.prompt_key!r}: --no-apply-chat-template feeds a single-turn "
+            f"prompt as written, and this one is {type(value).__name__} for {agent}; drop the flag"
+        )
     messages = as_messages(value, file, index, spec.prompt_key, template_reads(tokenizer))
     tools = spec.tools if agent == "tool_agent" else None
     text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
@@ -321,8 +308,10 @@ def prompt_records(rows, file: str, tokenizer, spec: PromptSpec, start: int = 0)
     texts = [caught(_prompt_text, tokenizer, row, file, i, spec) for i, row in enumerate(rows, start)]
     good = [t[0] for t in texts if not isinstance(t, str)]
     ids_of = iter(tokenizer(good, add_special_tokens=False)["input_ids"] if good else ())
-    made = [t if isinstance(t, str) else caught(prompt_row, row, i, file, next(ids_of), t, spec)
-            for i, (row, t) in enumerate(zip(rows, texts), start)]  # fmt: skip
+    made = [
+        t if isinstance(t, str) else caught(prompt_row, row, i, file, next(ids_of), t, spec)
+        for i, (row, t) in enumerate(zip(rows, texts), start)
+    ]
     return [(BAD, m) if isinstance(m, str) else m for m in made]
 
 
@@ -346,26 +335,41 @@ def prompt_row(row: dict, i: int, file: str, ids: list, text: tuple, spec: Promp
         ids, fate = truncate(ids, spec.max_prompt_length, spec.truncation), TRUNCATED
     source = row.get("data_source") or spec.data_source
     if spec.ground_truth != "unused" and not (isinstance(source, str) and source):
-        raise DataError(f"{file} row {i} column 'data_source': expected the task's name, a string such as "
-                        f"openai/gsm8k that picks the reward function, got {source!r}")  # fmt: skip
+        raise DataError(
+            f"{file} row {i} column 'data_source': expected the task's name, a string such as "
+            f"openai/gsm8k that picks the reward function, got {source!r}"
+        )
     truth, where = _ground_truth(row, i, file, spec.label_key)
     if spec.ground_truth == "required" and not isinstance(truth, str | int | float):
         raise DataError(
             f"{file} row {i}: {where} is missing or null; the built-in rewards score against it. Fill it in, or "
-            f"pass --reward-fn (a function that needs none) or --reward-model" if truth is None else
-            f"{file} row {i} column {where!r}: the built-in rewards compare against one answer, got "
+            f"pass --reward-fn (a function that needs none) or --reward-model"
+            if truth is None
+            else f"{file} row {i} column {where!r}: the built-in rewards compare against one answer, got "
             f"{type(truth).__name__}: {str(truth)[:60]!r} (as text it would never match); store one answer, or "
             f"pass --reward-fn with a function that reads this form"
-        )  # fmt: skip
+        )
     extra = row.get("extra_info")
     difficulty = row.get("difficulty", (extra if isinstance(extra, dict) else {}).get("difficulty"))
-    if spec.difficulty and (isinstance(difficulty, bool) or not isinstance(difficulty, int | float)
-                            or not math.isfinite(difficulty)):  # fmt: skip
-        raise DataError(f"{file} row {i} column 'difficulty': --difficulty-loss-weight weights each row by its "
-                        f"difficulty, a number in [0, 1] (as a column or in extra_info), got {difficulty!r}")  # fmt: skip
+    if spec.difficulty and (
+        isinstance(difficulty, bool) or not isinstance(difficulty, int | float) or not math.isfinite(difficulty)
+    ):
+        raise DataError(
+            f"{file} row {i} column 'difficulty': --difficulty-loss-weight weights each row by its "
+            f"difficulty, a number in [0, 1] (as a column or in extra_info), got {difficulty!r}"
+        )
     _, messages, agent = text
-    return fate, dict(prompt_ids=ids, messages=messages, data_source=source or "unknown", ground_truth=truth,
-                      extra_info=extra, difficulty=difficulty, agent_name=agent, file=file, row=i)  # fmt: skip
+    return fate, dict(
+        prompt_ids=ids,
+        messages=messages,
+        data_source=source or "unknown",
+        ground_truth=truth,
+        extra_info=extra,
+        difficulty=difficulty,
+        agent_name=agent,
+        file=file,
+        row=i,
+    )
 
 
 def _ground_truth(row: dict, i: int, file: str, label: str | None) -> tuple:
@@ -374,8 +378,10 @@ def _ground_truth(row: dict, i: int, file: str, label: str | None) -> tuple:
         return (None if label is None else get_field(row, label, file, i, "label_key")), label
     reward_model = row.get("reward_model") or {}
     if not isinstance(reward_model, dict):
-        raise DataError(f"{file} row {i} column 'reward_model': expected verl's struct {{style, ground_truth}}, "
-                        f"got {type(reward_model).__name__}: {str(reward_model)[:80]!r}")  # fmt: skip
+        raise DataError(
+            f"{file} row {i} column 'reward_model': expected verl's struct {{style, ground_truth}}, "
+            f"got {type(reward_model).__name__}: {str(reward_model)[:80]!r}"
+        )
     return reward_model.get("ground_truth"), "reward_model.ground_truth"
 
 
@@ -393,7 +399,7 @@ def template_rows(rows: list[dict], file: str, tokenizer, spec: PromptSpec, stat
 def load_prompts(files, tokenizer, *, what: str = "train_files", **spec) -> tuple[list[dict], LoadStats]:
     """Prompt rows (dicts of templated `prompt_ids`, the raw `messages`, data_source, ground_truth, extra_info,
     difficulty, agent_name, file, row) of any inputs read_rows reads, with verl's, TRL's or OpenRLHF's columns
-    (PromptSpec: its fields are the keyword arguments), templated in this process. common.prompt_cache's load_prompts
+    (PromptSpec: its fields are the keyword arguments), templated in this process. common.formats.prompt_cache's load_prompts
     does the same for large data, as a cached datasets map over several processes."""
     spec, stats = PromptSpec(**spec), LoadStats()
     rows = [row for file in as_files(files, what) for row in file_prompts(file, tokenizer, spec, what, stats)]
@@ -417,7 +423,7 @@ def as_files(files, what: str) -> list:
 
 
 def in_process(files, data_workers: int) -> bool:
-    """Whether load_prompts serves `files` (else common.prompt_cache's): one worker and small parquet files."""
+    """Whether load_prompts serves `files` (else common.formats.prompt_cache's): one worker and small parquet files."""
     return data_workers <= 1 and all(_rows_in(Path(f).expanduser()) < LARGE_ROWS for f in files)
 
 
@@ -537,6 +543,8 @@ def split_rows(batch: dict, rows: torch.Tensor | None = None, *, max_seqs: int, 
 
 @dataclass
 class DataArgs:
+    """The data files and the columns a recipe reads (verl's data section)."""
+
     train_files: tuple[str, ...] = (str(BUNDLED / "addition" / "train.parquet"),)
     """training data: parquet, JSON / JSONL, CSV or Arrow files, save_to_disk folders (FOLDER@SPLIT), dataset names"""
     val_files: tuple[str, ...] = (str(BUNDLED / "addition" / "test.parquet"),)
@@ -553,8 +561,8 @@ class DataArgs:
 
 
 @dataclass
-class PromptArgs:
-    """The RL recipes' prompt columns beyond DataArgs' (TRL's and OpenRLHF's names), and how prompts are fed."""
+class RLDataArgs(DataArgs):
+    """An RL recipe's prompts: DataArgs with TRL's and OpenRLHF's columns, the prompt length and a step's prompts."""
 
     label_key: str | None = None
     """column holding the ground truth (OpenRLHF's --label-key; unset: verl's reward_model, else solution or answer)"""
@@ -562,6 +570,56 @@ class PromptArgs:
     """data_source of rows without one (TRL's and OpenRLHF's data): the task whose built-in reward scores them"""
     apply_chat_template: bool = True
     """template prompts with the tokenizer's chat template; off: a plain-string prompt is fed as written"""
+    max_prompt_length: int = flag(64, ge=1)
+    """prompt tokens after the chat template (longer ones follow --truncation)"""
+    filter_overlong_prompts: bool = False
+    """drop (and count) prompts longer than max_prompt_length instead of truncating / failing"""
+    train_batch_size: int = flag(16, ge=1)
+    """prompts per step, over all processes"""
+
+
+@dataclass
+class ActorArgs:
+    """How the update splits a step's samples: mini-batches (one optimizer step each), micro-batches, epochs (verl's
+    actor_rollout_ref.actor batch keys)."""
+
+    ppo_mini_batch_size: int | None = flag(None, ge=1, note="or left unset: the train batch")
+    """prompts per optimizer step, so train_batch_size / ppo_mini_batch_size updates per step (default: all)"""
+    micro_batch_size_per_gpu: int = flag(64, ge=1)
+    """most sequences per forward/backward pass on one process (the last micro-batch may be smaller)"""
+    use_dynamic_bsz: bool = False
+    """pack micro-batches by a token budget (--ppo-max-token-len-per-gpu) instead of a sequence count"""
+    ppo_max_token_len_per_gpu: int = flag(16384, ge=1)
+    """with --use-dynamic-bsz: most padded tokens (rows x longest) per micro-batch on one process (verl: real ones)"""
+    ppo_epochs: int = flag(1, ge=1)
+    """passes over each step's samples"""
+    shuffle_mini_batches: bool = False
+    """each epoch, deal whole groups into the mini-batches (--ppo-mini-batch-size) in a new seeded order (verl's
+    actor.shuffle); off: in the order sampled"""
+    shared_prompt_forward: bool = True
+    """trainer passes run each group's shared prompt once (same numbers; off: one pass per sequence)"""
+
+
+@dataclass(frozen=True)
+class StepPrompts:
+    """The prompt rows of every training step: step_rows over `rows`, data.train_batch_size a step in a seeded order
+    per epoch (data.shuffle; an environment's seeds play in order, each batch holding every tag's share). What the
+    rollout samples at each step, and what remote engines request ahead of it."""
+
+    rows: list
+    data: RLDataArgs
+    seed: int
+    total_steps: int
+
+    @property
+    def max_length(self) -> int:
+        """The most tokens a prompt may hold (--max-prompt-length)."""
+        return self.data.max_prompt_length
+
+    def step(self, step: int, world_size: int) -> tuple[int, list]:
+        """(epoch, [each rank's rows]) of training step `step`."""
+        shuffle = self.data.shuffle and not (self.rows and self.rows[0].get("agent_name") == "env")
+        return step_rows(step, self.rows, self.data.train_batch_size, self.seed, shuffle, world_size)
 
 
 # --- the batch arithmetic: checked against the world size before any model loads

@@ -19,10 +19,12 @@ import tyro
 
 from common import watchdog
 from common.data import pack_sequences, pad
+from common.errors import UsageError
 from common.flags import flag
 from common.model import cache_kwarg, response_logits
 from common.ops import logprobs_from_logits
 from common.parallel import is_fsdp, unwrap
+from common.serving import VLLMArgs
 
 
 @dataclass(frozen=True)
@@ -44,8 +46,8 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop" (at an eos token) | "length" (at max_tokens)
     version: int | None = None  # the weights that sampled it, when an engine holds its own (remote)
-    mask: list[int] | None = None  # 1 where the policy sampled the token (common.agent); None: every token
-    extra_info: dict | None = None  # added to the row's extra_info for the reward (common.agent: num_turns, ...)
+    mask: list[int] | None = None  # 1 where the policy sampled the token (common.agents.agent); None: every token
+    extra_info: dict | None = None  # added to the row's extra_info for the reward (common.agents.agent: num_turns, ...)
 
 
 class _SampledLogprobs:
@@ -82,10 +84,16 @@ class HFEngine:
     @classmethod
     def for_policy(cls, model, tokenizer, dist, batch_size: int = 256) -> "HFEngine":
         """The engine for a recipe's policy: its tokenizer's pad and eos, its Dist's device and world size."""
-        return cls(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device=dist.device,
-                   world_size=dist.world_size, batch_size=batch_size)  # fmt: skip
+        return cls(
+            model,
+            pad_id=tokenizer.pad_token_id,
+            eos_ids=[tokenizer.eos_token_id],
+            device=dist.device,
+            world_size=dist.world_size,
+            batch_size=batch_size,
+        )
 
-    def reset_cache(self) -> None:  # common.remote's engine actors reset theirs after each weight sync
+    def reset_cache(self) -> None:  # common.serving.remote's engine actors reset theirs after each weight sync
         pass
 
     def update_weights(self, version: int) -> None:
@@ -172,9 +180,13 @@ class HFEngine:
             cache = DynamicCache(config=inner.config)
             positions = (attention.cumsum(-1) - 1).clamp(min=0)
             inner(
-                input_ids=ids[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
-                **{cache_kwarg(inner): cache}, use_cache=True, logits_to_keep=1,
-            )  # fmt: skip
+                input_ids=ids[:, :-1],
+                attention_mask=attention[:, :-1],
+                position_ids=positions[:, :-1],
+                **{cache_kwarg(inner): cache},
+                use_cache=True,
+                logits_to_keep=1,
+            )
             cache.batch_repeat_interleave(n)
         ids, attention = ids.repeat_interleave(n, 0), attention.repeat_interleave(n, 0)
         recorder = _SampledLogprobs()
@@ -206,44 +218,55 @@ def hf_generate_greedy(
     return [c[0].token_ids for c in engine.generate(prompts, Sampling(n=1, temperature=0, max_tokens=max_new_tokens))]
 
 
-VLLM = (lambda a: a.rollout_name == "vllm" or getattr(a, "teacher_engine", "hf") == "vllm",
-        "add --rollout-name vllm (or --teacher-engine vllm)")  # when the vLLM knobs are read  # fmt: skip
-OWN_WEIGHTS = (lambda a: a.rollout_name == "vllm" or getattr(a, "rollout_placement", "") == "remote",
-               "add --rollout-name vllm or --rollout-placement remote (the HF engine runs in --dtype)")  # fmt: skip
-
-
-@dataclass
-class VLLMArgs:  # vLLM's engine knobs: common.vllm_engine.VLLMEngine takes them whole (a vLLM teacher too)
-    gpu_memory_utilization: float = flag(
-        0.5, gt=0, le=1, only_with=(lambda a: a.rollout_name == "vllm", "add --rollout-name vllm")
-    )
-    """vllm: fraction of GPU memory its engine may take (weights and KV cache)"""
-    tensor_parallel_size: int = flag(1, ge=1)
-    """vllm: GPUs one engine spans (verl's tensor_model_parallel_size)"""
-    enforce_eager: bool = flag(True, only_with=VLLM)
-    """vllm: no CUDA graphs (less memory and start-up time beside a trainer)"""
-    max_num_seqs: int = flag(1024, ge=1, only_with=VLLM)
-    """vllm: most sequences in one engine step"""
-    max_num_batched_tokens: int = flag(8192, ge=1, only_with=VLLM)
-    """vllm: most tokens in one engine step"""
-    enable_sleep_mode: bool = flag(False, only_with=VLLM)
-    """vllm (GPU): free the engine's memory between rollouts (verl's free_cache_engine)"""
+OWN_WEIGHTS = (
+    lambda a: a.rollout_name == "vllm" or getattr(a, "rollout_placement", "") == "remote",
+    "add --rollout-name vllm or --rollout-placement remote (the HF engine runs in --dtype)",
+)
+CHECKING = (lambda a: a.check != "off", "drop --check off (the probe comes from the launch check)")
 
 
 @dataclass
 class EngineArgs:
+    """Which engine samples (common.rollout.start_engine), and vLLM's knobs when it is vLLM."""
+
     rollout_name: Literal["hf", "vllm"] = "hf"
     """rollout engine: hf (transformers generate on the live policy) or vllm (its own copy, synced each step)"""
-    vllm: Annotated[VLLMArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=VLLMArgs)
-    """vLLM's engine knobs (common.vllm_engine)"""
     rollout_dtype: Literal["auto", "float32", "bfloat16", "float16"] = flag("auto", only_with=OWN_WEIGHTS)
     """the dtype an engine with weights of its own (vLLM, remote) samples in, each sync cast to it (verl's
     rollout.dtype: say bfloat16 beside float32 master weights); auto: --dtype, as the HF engine's always is"""
+    vllm: Annotated[VLLMArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=VLLMArgs)
+    """vLLM's engine knobs (common.serving.vllm_engine)"""
 
-    def engine_kwargs(self, batch_size: int) -> dict:
-        """The keyword arguments of common.rollout.start_engine that these flags set, with the
-        model, dtype, seed and length flags of the Args that build on this class."""
-        return {"rollout_name": self.rollout_name, "vllm": self.vllm, "seed": self.seed, "model_path": self.model,
-                "trust_remote_code": self.trust_remote_code, "batch_size": batch_size,
-                "dtype": self.dtype if self.rollout_dtype == "auto" else self.rollout_dtype,
-                "max_model_len": self.max_prompt_length + self.max_response_length}  # fmt: skip
+
+@dataclass
+class RolloutArgs(EngineArgs):
+    """An RL run's engine and how it samples each step (verl's actor_rollout_ref.rollout)."""
+
+    rollout_n: int = flag(16, ge=1)
+    """responses sampled per prompt (the group)"""
+    temperature: float = flag(1.0, ge=0, note="0 is greedy decoding")
+    """sampling temperature (the trainer scales logits by it too)"""
+    top_p: float = flag(1.0, gt=0, le=1)
+    """nucleus sampling: keep the smallest token set with this much probability (1.0: off)"""
+    top_k: int = flag(-1, rule=(lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"))
+    """sample among the k most likely tokens (-1: off)"""
+    max_response_length: int = flag(16, ge=1)
+    """generated tokens per response"""
+    val_batch_size: int = flag(256, ge=1)
+    """prompts per generate call of the HF engine, in training and validation (verl's data.val_batch_size)"""
+    check_freq: int = flag(10, ge=0, note="0: never during training", only_with=CHECKING)
+    """after the launch check, the engine's logprobs stay the trainer's: the per-step gap (rollout/logprob_diff_*) is
+    bounded or, where it proves nothing (--top-p, --top-k, --max-staleness, --bypass-mode, a rollout correction), the
+    check's probe reruns every N steps (check/engine_gap_*); past the bounds the run saves and stops (0: never)"""
+
+    def __post_init__(self):
+        if self.temperature == 0:
+            raise UsageError(
+                "--temperature 0: greedy rollouts give every response of a group the same text, so there is nothing "
+                "to compare; training samples (e.g. 1.0). Greedy validation is --val-temperature 0 (the default)"
+            )
+
+    @property
+    def sampling(self) -> Sampling:
+        """The training sampling: rollout_n responses a prompt."""
+        return Sampling(self.rollout_n, self.temperature, self.top_p, self.top_k, self.max_response_length)

@@ -10,11 +10,11 @@ from pathlib import Path
 
 from common import watchdog
 
-# Flags whose value the user gave another way (common.verl: a verl key, or verl's default for a key
+# Flags whose value the user gave another way (common.formats.verl: a verl key, or verl's default for a key
 # the command left out) -> how, so that a usage error naming the flag names what the user typed.
 ORIGINS: dict[str, str] = {}
 # Set by `python -m common.check RECIPE`: the run ends after its launch check (exit 0); the check's
-# own child runs (common.resume_proof) are started without it.
+# own child runs (common.proofs.resume_proof) are started without it.
 STOP_AFTER_CHECK = "RECIPES_STOP_AFTER_CHECK"
 
 

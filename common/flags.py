@@ -13,10 +13,13 @@ A bound compares every number of the value (a tuple's each); None always passes 
 flag); the message names the flag as the command line spells it: `--lr -1e-05: must be > 0`.
 only_with names what must hold for the run to read the flag (a switch, or a test of every flag and what
 to add): a value of its own set where it would change nothing is refused, not silently dropped.
-A group (a field whose default is a dataclass, such as RLArgs.conditioning) stands for its flags.
+A group (a field whose default is a dataclass, such as RLArgs.conditioning) stands for its flags, and a
+field named apart from its flag (ModelArgs.path is --model) is read by that name.
 """
 
+import copy
 import functools
+import inspect
 import math
 import operator
 import os
@@ -25,9 +28,19 @@ from dataclasses import MISSING, field, fields, is_dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import tyro._strings
+
 from common.errors import UsageError
 
 BUNDLED = Path(__file__).resolve().parent.parent / "bundled"  # the bundled model and tasks: the flags' defaults
+
+# tyro (1.0) joins a help text's single line breaks before it dedents it, so a field docstring whose later lines are
+# indented, as every one here is, kept its breaks in --help ("... float32" / "gradient reduction ..."). Dedented
+# first, each flag's help is one paragraph the terminal wraps (tests/test_rl_recipes.py reads --help to hold it).
+_join_lines = getattr(tyro._strings, "remove_single_line_breaks", None)
+if _join_lines is not None and not getattr(_join_lines, "dedents", False):
+    tyro._strings.remove_single_line_breaks = lambda text: _join_lines(inspect.cleandoc(text))
+    tyro._strings.remove_single_line_breaks.dedents = True
 
 BOUNDS = {"gt": (">", operator.gt), "ge": (">=", operator.ge), "lt": ("<", operator.lt), "le": ("<=", operator.le)}
 
@@ -85,19 +98,40 @@ def _flags(args):
             yield args, f
 
 
+@functools.cache  # per class
+def _names(holder: type) -> dict:
+    """{field: its flag's name} of a dataclass: the field's own name, or the name its tyro.conf.arg gives."""
+    hints = typing.get_type_hints(holder, include_extras=True)
+    named = {k: m.name for k, h in hints.items() for m in getattr(h, "__metadata__", ()) if getattr(m, "name", None)}
+    return {f.name: named.get(f.name, f.name) for f in fields(holder)}
+
+
+def name_of(holder, f) -> str:
+    """The flag's name of field f of holder (a dataclass or its class): ModelArgs.path is "model"."""
+    return _names(holder if isinstance(holder, type) else type(holder))[f.name]
+
+
+def _named(args):
+    """(flag's name, holder, field) per flag of args."""
+    return ((name_of(holder, f), holder, f) for holder, f in _flags(args))
+
+
 def flag_fields(args) -> list:
-    """Every flag field of args (a dataclass of flags or its class). A field that only changes an
-    inherited flag's default (RLArgs' lr) comes with the rule of the class that declared it."""
+    """Every flag field of args (a dataclass of flags or its class), named by its flag (ModelArgs.path as model).
+    A field that only changes an inherited flag's default (RLArgs' lr) comes with the rule of the class that
+    declared it."""
     return _flag_fields(args if isinstance(args, type) else type(args))
 
 
 @functools.cache  # per class: every Args checks its flags as it is made
 def _flag_fields(args: type) -> list:
     out = []
-    for holder, f in _flags(args):
+    for name, holder, f in _named(args):
         mro = (holder if isinstance(holder, type) else type(holder)).__mro__
         declared = (c.__dataclass_fields__.get(f.name) for c in mro if "__dataclass_fields__" in vars(c))
-        out.append(next((d for d in declared if d is not None and d.metadata), f))
+        f = copy.copy(next((d for d in declared if d is not None and d.metadata), f))
+        f.name = name
+        out.append(f)
     return out
 
 
@@ -120,8 +154,9 @@ def check_used(args) -> None:
     for f in flag_fields(args):
         used = f.metadata.get("only_with")
         if used and f.name in defaults and values[f.name] != defaults[f.name] and not used[0](view):
-            raise UsageError(f"{flag_name(f.name)} {values[f.name]!r} would change nothing in this run: {used[1]}, "
-                             f"or drop the flag")  # fmt: skip
+            raise UsageError(
+                f"{flag_name(f.name)} {values[f.name]!r} would change nothing in this run: {used[1]}, or drop the flag"
+            )
 
 
 def flag_defaults(args) -> dict:
@@ -129,19 +164,20 @@ def flag_defaults(args) -> dict:
     out = {}
     for f in (f for f in fields(args) if f.default is not MISSING or f.default_factory is not MISSING):
         value = f.default if f.default is not MISSING else f.default_factory()
-        out.update(flag_values(value) if is_dataclass(value) and not isinstance(value, type) else {f.name: value})
+        grouped = is_dataclass(value) and not isinstance(value, type)
+        out.update(flag_values(value) if grouped else {name_of(args, f): value})
     return out
 
 
 def flag_values(args) -> dict:
     """{flag: its value} for every flag of args, a group's beside the others: what a rule between flags reads."""
-    return {f.name: getattr(holder, f.name) for holder, f in _flags(args)}
+    return {name: getattr(holder, f.name) for name, holder, f in _named(args)}
 
 
 def flag_types(args_class) -> dict:
     """{flag: its type} for every flag of a dataclass of flags."""
     hints = functools.cache(typing.get_type_hints)  # once per class, not per flag
-    return {f.name: hints(holder)[f.name] for holder, f in _flags(args_class)}
+    return {name: hints(holder)[f.name] for name, holder, f in _named(args_class)}
 
 
 def env_flag(name: str, default: str = "false") -> bool:
@@ -151,21 +187,3 @@ def env_flag(name: str, default: str = "false") -> bool:
 def flag_name(name: str) -> str:
     """A field's flag as the command line spells it: lr_warmup_steps_ratio -> --lr-warmup-steps-ratio."""
     return "--" + name.replace("_", "-")
-
-
-def parse_band(threshold: float | str) -> tuple[float | None, float]:
-    """verl's rollout_is_threshold: a number u truncates the weights at u (TIS: (None, u)); a text
-    "lo_hi" keeps the weights inside [lo, hi] and zeroes the rest (IcePop's mask: (lo, hi))."""
-    if isinstance(threshold, str) and "_" in threshold:
-        lo, hi = threshold.split("_", 1)
-        return float(lo), float(hi)
-    return None, float(threshold)
-
-
-def band_ok(threshold) -> bool:
-    """rollout_is_threshold: a number >= 1, or lo_hi with 0 < lo <= 1 <= hi."""
-    try:
-        lo, hi = parse_band(threshold)
-    except ValueError:
-        return False
-    return hi >= 1 if lo is None else 0 < lo <= 1 <= hi

@@ -6,16 +6,17 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
+import tyro
 
 from common import watchdog
 from common.errors import UsageError
 from common.flags import BUNDLED, flag
 from common.ops import logprobs_from_logits
-from common.parallel import all_reduce_sum, blocks_of, is_fsdp, resolve_strategy, sharding_report, unwrap, wrap_model
+from common.parallel import all_reduce_sum, is_fsdp, resolve_strategy, sharding_report, unwrap, wrap_model
 from common.perf import compute_dtype, flop_terms
 
 log = logging.getLogger(__name__)
@@ -89,43 +90,48 @@ def load_policy(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora_rank > 0:
             model.enable_input_require_grads()
-    return compile_layers(model) if torch_compile else model
+    if torch_compile:  # a feature: loaded where --use-torch-compile asks for it
+        from common.scaling.compile import compile_layers
 
-
-def compile_layers(model):
-    """Each decoder layer (the blocks FSDP2 shards) compiled in place, before any wrapping, so weights keep their
-    names: one graph for all layers and lengths, norms, rotary and activations fused. A call with a KV cache
-    (decoding, the shared-prompt pass) runs eagerly: the cache's per-layer guards would spend the recompile limit."""
-    for module in blocks_of(model):
-        compiled = torch.compile(module.forward, dynamic=True)
-        module.forward = functools.partial(_eager_if_cached, module.forward, compiled)
+        compile_layers(model)
     return model
 
 
-def _eager_if_cached(eager, compiled, *args, **kwargs):
-    cached = any(kwargs.get(k) is not None for k in ("cache", "past_key_values", "past_key_value"))
-    return (eager if cached else compiled)(*args, **kwargs)
-
-
-def load_trained_model(
-    path: str, dist, *, strategy: str, dtype: str = "float32", mixed_precision: str = "no", **policy
-):
-    """The policy (load_policy with its knobs) wrapped for DDP / FSDP2 (strategy auto|ddp|fsdp2). Returns (model,
-    run_info: common.parallel.sharding_report of the layout, plus the FLOP terms and matmul dtype MFU needs)."""
-    strategy = resolve_strategy(strategy)
-    model = wrap_model(load_policy(path, dtype=dtype, **policy), strategy, dist, mixed_precision)
-    compute = str(compute_dtype(dtype, mixed_precision)).removeprefix("torch.")
+def load_trained_model(policy: "ModelArgs", dist, path: str | None = None):
+    """The model the policy group describes (load_policy, at `path` if given) wrapped for DDP / FSDP2 (--strategy
+    auto|ddp|fsdp2). Returns (model, run_info: common.parallel.sharding_report of the layout, plus the FLOP terms
+    and matmul dtype MFU needs)."""
+    strategy = resolve_strategy(policy.strategy)
+    model = load_policy(
+        path or policy.path,
+        dtype=policy.dtype,
+        trust_remote_code=policy.trust_remote_code,
+        gradient_checkpointing=policy.gradient_checkpointing,
+        lora_rank=policy.lora_rank,
+        lora_alpha=policy.lora_alpha,
+        target_modules=policy.target_modules,
+        remove_padding=policy.use_remove_padding,
+        torch_compile=policy.use_torch_compile,
+    )
+    model = wrap_model(model, strategy, dist, policy.mixed_precision)
+    compute = str(compute_dtype(policy.dtype, policy.mixed_precision)).removeprefix("torch.")
     return model, {**sharding_report(model, strategy, dist), "flops": flop_terms(model), "compute_dtype": compute}
 
 
-FROZEN_KNOBS = ("dtype", "trust_remote_code", "mixed_precision", "remove_padding", "torch_compile")  # load_frozen's
-
-
-def load_frozen(path: str, dist, *, strategy: str, mixed_precision: str = "no", **policy):
-    """A forward-only causal LM (a reference, a teacher; load_policy's FROZEN_KNOBS): no gradient, eval mode, sharded
-    like the policy under FSDP2 (its forwards then collective), else on this rank's device."""
-    model = load_policy(path, **policy).eval().requires_grad_(False)
-    return wrap_model(model, "fsdp2" if resolve_strategy(strategy) == "fsdp2" else "none", dist, mixed_precision)
+def load_frozen(path: str, dist, policy: "ModelArgs"):
+    """A forward-only causal LM at path (a reference, a teacher) in the policy group's dtype, precision, packing and
+    compilation: no gradient, eval mode, sharded like the policy under FSDP2 (its forwards then collective), else on
+    this rank's device."""
+    model = load_policy(
+        path,
+        dtype=policy.dtype,
+        trust_remote_code=policy.trust_remote_code,
+        remove_padding=policy.use_remove_padding,
+        torch_compile=policy.use_torch_compile,
+    )
+    model = model.eval().requires_grad_(False)
+    strategy = "fsdp2" if resolve_strategy(policy.strategy) == "fsdp2" else "none"
+    return wrap_model(model, strategy, dist, policy.mixed_precision)
 
 
 class AdapterOff:
@@ -169,12 +175,15 @@ def register_varlen() -> str:
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         starts = kwargs.get("cu_seq_lens_q")
         if starts is None:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                          scaling=scaling, **kwargs)  # fmt: skip
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
         unknown = [k for k in ("softcap", "s_aux") if kwargs.get(k) is not None]
         if unknown:  # logit soft-capping, attention sinks: terms these kernels do not apply
-            raise UsageError(f"--use-remove-padding: {type(module).__name__} applies {' and '.join(unknown)} in "
-                             f"its attention, which the padding-free path does not; set --use-remove-padding False")  # fmt: skip
+            raise UsageError(
+                f"--use-remove-padding: {type(module).__name__} applies {' and '.join(unknown)} in "
+                f"its attention, which the padding-free path does not; set --use-remove-padding False"
+            )
         window, gqa = kwargs.get("sliding_window"), query.shape[1] != key.shape[1]
         dropout = dropout if module.training else 0.0
         if query.is_cuda and torch.is_autocast_enabled("cuda"):  # float32 rotary tables promote q and k:
@@ -188,8 +197,15 @@ def register_varlen() -> str:
             extra = {"window_size": (window - 1, 0) if window else (-1, 0)}  # (-1, 0): causal
             extra |= {"enable_gqa": gqa} if "enable_gqa" in takes else {}
             longest = kwargs["max_length_q"]
-            out = kernel(*(x[0].transpose(0, 1) for x in (query, key, value)), starts, starts, longest, longest,
-                         scale=scaling, **extra)  # fmt: skip
+            out = kernel(
+                *(x[0].transpose(0, 1) for x in (query, key, value)),
+                starts,
+                starts,
+                longest,
+                longest,
+                scale=scaling,
+                **extra,
+            )
             return out[None], None
         bounds, parts = starts.tolist(), []
         for a, b in zip(bounds, bounds[1:]):
@@ -198,8 +214,11 @@ def register_varlen() -> str:
                 i = torch.arange(b - a, device=query.device)
                 band = (i[:, None] >= i[None]) & (i[:, None] - i[None] < window)
             q, k, v = query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]
-            parts.append(F.scaled_dot_product_attention(q, k, v, attn_mask=band, is_causal=band is None,
-                                                        dropout_p=dropout, scale=scaling, enable_gqa=gqa))  # fmt: skip
+            parts.append(
+                F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=band, is_causal=band is None, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+                )
+            )
         return torch.cat(parts, 2).transpose(1, 2).contiguous(), None
 
     def mask(**kwargs):  # a packed row has no padding mask and needs none: each sequence is causal in itself
@@ -287,8 +306,14 @@ def pack_inputs(input_ids, attention_mask, position_ids) -> tuple[dict, torch.Te
     lengths = real.sum(-1)
     starts = F.pad(lengths.cumsum(0), (1, 0))
     cu, longest = starts.to(torch.int32), int(lengths.max())
-    inputs = dict(input_ids=input_ids[real][None], position_ids=position_ids[real][None], cu_seq_lens_q=cu,
-                  cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)  # fmt: skip
+    inputs = dict(
+        input_ids=input_ids[real][None],
+        position_ids=position_ids[real][None],
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=longest,
+        max_length_k=longest,
+    )
     return inputs, starts
 
 
@@ -404,7 +429,9 @@ LORA = (lambda a: getattr(a, "lora_rank", 0) > 0, "set --lora-rank (LoRA is off 
 
 @dataclass
 class ModelArgs:
-    model: str = str(BUNDLED / "tiny-qwen2")
+    """The policy's model: where it comes from, its dtype, LoRA, how it is sharded and how its passes run."""
+
+    path: Annotated[str, tyro.conf.arg(name="model")] = str(BUNDLED / "tiny-qwen2")
     """policy: a local Hugging Face folder or a hub name"""
     tokenizer: str | None = None
     """tokenizer folder or hub name (default: the model's)"""
@@ -412,6 +439,8 @@ class ModelArgs:
     """dtype the weights are loaded and trained in"""
     trust_remote_code: bool = False
     """allow model code from the model folder / hub (off: only transformers' own architectures)"""
+    strategy: Literal["auto", "ddp", "fsdp2"] = "auto"
+    """data parallelism: auto is fsdp2 under an accelerate FSDP config, else ddp"""
     mixed_precision: Literal["no", "bf16"] = "no"
     """bf16: compute in bfloat16 over the --dtype master weights (FSDP2: bf16 params, float32
     gradient reduction; DDP / one process: autocast)"""
@@ -436,9 +465,3 @@ class ModelArgs:
     def trainer_dtype(self) -> torch.dtype:
         """The dtype the trainer computes in: bfloat16 under --mixed-precision bf16, else --dtype."""
         return torch.bfloat16 if self.mixed_precision == "bf16" else getattr(torch, self.dtype)
-
-    def policy_kwargs(self) -> dict:
-        """The keyword arguments of common.rollout.load_rl_models that these flags set."""
-        names = ("dtype", "trust_remote_code", "mixed_precision", "gradient_checkpointing", "lora_rank", "lora_alpha")
-        knobs = {k: getattr(self, k) for k in (*names, "target_modules")}
-        return {**knobs, "remove_padding": self.use_remove_padding, "torch_compile": self.use_torch_compile}

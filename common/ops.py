@@ -2,14 +2,11 @@
 matters, an explicit denominator, so a recipe can normalise by the token count of a whole mini-batch."""
 
 import functools
-import math
-from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 import torch.utils.checkpoint
 
-from common.flags import flag
 from common.parallel import all_reduce_max, all_reduce_sum
 
 # Rows of (N, V) logits processed at once in float32: bounds the temporary to CHUNK x V floats.
@@ -27,41 +24,6 @@ def masked_mean(
     total = masked_sum(x, mask, dim)
     denom = torch.as_tensor(mask.sum(dim) if denom is None else denom, dtype=total.dtype, device=total.device)
     return torch.where(denom != 0, total / torch.where(denom != 0, denom, 1), 0)
-
-
-@dataclass
-class RunningMoments:
-    """Count, mean and sum of squared deviations of every value seen (Chan et al.'s parallel merge, exact in
-    float64; ROLL's RunningMoments keeps the same). state() is plain JSON, so a checkpoint restores it exactly."""
-
-    count: float = 0.0
-    mean: float = 0.0
-    m2: float = 0.0
-
-    def update(self, values: torch.Tensor) -> None:
-        x = values.double().flatten()
-        n = x.numel()
-        if n == 0:
-            return
-        batch_mean = x.mean().item()
-        batch_m2 = ((x - batch_mean) ** 2).sum().item()
-        total = self.count + n
-        delta = batch_mean - self.mean
-        self.m2 += batch_m2 + delta**2 * self.count * n / total
-        self.mean += delta * n / total
-        self.count = total
-
-    @property
-    def std(self) -> float:
-        """The unbiased standard deviation of every value seen (1 before two values)."""
-        return (self.m2 / (self.count - 1)) ** 0.5 if self.count > 1 else 1.0
-
-    def state(self) -> dict:
-        return {"count": self.count, "mean": self.mean, "m2": self.m2}
-
-    @classmethod
-    def from_state(cls, state: dict | None) -> "RunningMoments":
-        return cls(**(state or {}))
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -185,31 +147,11 @@ def _kl_rows(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
 def kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
     """The exact KL(p || q) = sum_v p_v (log p_v - log q_v) of each position's next-token distribution, p =
     softmax(logits), q = softmax(ref_logits): (..., V) -> (...), float32 (kl_penalty "full": ROLL's KL over the
-    vocabulary). Chunked and recomputed in the backward (_rowwise); the gradient flows to logits only."""
-    return _rowwise(_kl_rows, logits, ref_logits)
+    vocabulary). Chunked and recomputed in the backward (rowwise); the gradient flows to logits only."""
+    return rowwise(_kl_rows, logits, ref_logits)
 
 
-def _jsd_rows(logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float) -> torch.Tensor:
-    s, t = torch.log_softmax(logits.float(), dim=-1), torch.log_softmax(teacher_logits.float(), dim=-1)
-    if beta == 0:
-        return (t.exp() * (t - s)).sum(-1)
-    if beta == 1:
-        return (s.exp() * (s - t)).sum(-1)
-    m = torch.logsumexp(torch.stack([s + math.log(1 - beta), t + math.log(beta)]), dim=0)
-    return beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
-
-
-def jsd_from_logits(logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float) -> torch.Tensor:
-    """GKD's generalised Jensen-Shannon divergence (Agarwal et al. 2024, arXiv:2306.13649) between the teacher's
-    p = softmax(teacher_logits) and the student's q = softmax(logits) at each position, (..., V) -> (...), float32:
-        JSD_beta = beta KL(p || m) + (1 - beta) KL(q || m),  m = beta p + (1 - beta) q,
-    beta 0 the forward KL(p || q), beta 1 the reverse KL(q || p), as TRL's GKD. Chunked, gradient to the student."""
-    if not 0 <= beta <= 1:
-        raise ValueError(f"jsd beta {beta} is outside [0, 1]")
-    return _rowwise(_jsd_rows, logits, teacher_logits, beta)
-
-
-def _rowwise(fn, logits: torch.Tensor, other: torch.Tensor, *extra) -> torch.Tensor:
+def rowwise(fn, logits: torch.Tensor, other: torch.Tensor, *extra) -> torch.Tensor:
     """fn(rows of logits, the same rows of other, *extra) -> (rows,), chunk by chunk over the rows
     (each recomputed in the backward when logits need a gradient); other is constant."""
     flat, flat_other = logits.reshape(-1, logits.shape[-1]), other.detach().reshape(-1, other.shape[-1])
@@ -281,68 +223,3 @@ def agg_loss(
     if mode == "seq-mean-token-sum-norm":
         out = out / (mask.shape[-1] if norm_constant is None else norm_constant)
     return out
-
-
-def rollout_correction(old_logprobs, rollout_logprobs, response_mask: torch.Tensor, advantages=None, **options):
-    """(weights, loss mask, metrics): common.correction.correct with RLArgs.rollout_is_kwargs (mode, threshold,
-    batch_normalize, rs, rs_threshold, opsm): the importance weights (1 with mode None, 0 where the off-policy mask
-    drops a token), the response mask less what the rejection (rs) drops, rollout_corr/* metrics. Off by default."""
-    if all(options.get(key) is None for key in ("mode", "rs", "opsm")):  # off (the default): no feature module loads
-        return response_mask.to(torch.float32), response_mask, {}
-    from common.correction import correct
-
-    return correct(old_logprobs, rollout_logprobs, response_mask, advantages, **options)
-
-
-def update_kl_coef(coef: float, kl: float, *, kind: str, target_kl: float, horizon: int, n_steps: int) -> float:
-    """verl's kl_ctrl for a KL penalty in the reward, after each step. fixed: coef; adaptive (Ziegler et al. 2019,
-    arXiv:1909.08593): coef * (1 + clip(kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon), n_steps: sequences."""
-    if kind == "fixed":
-        return coef
-    if kind != "adaptive":
-        raise ValueError(f"kl_ctrl {kind!r}; use fixed or adaptive")
-    error = min(max(kl / target_kl - 1, -0.2), 0.2)
-    return coef * (1 + error * n_steps / horizon)
-
-
-def kl_controller_step(
-    coef: float, kl: torch.Tensor, response_mask: torch.Tensor, *, kind: str, target_kl: float, horizon: int
-) -> tuple[float, dict]:
-    """update_kl_coef after a step, kl the mean over every rank's sequences of their mean token KL (kl, response_mask:
-    (B, T)) and n_steps those sequences. Collective. Returns (next coef, metrics: this step's coefficient and KL)."""
-    seq_kl = masked_mean(kl, response_mask, dim=-1)  # (B,)
-    total, n_seqs = all_reduce_sum(torch.stack([seq_kl.sum(), seq_kl.new_tensor(len(seq_kl))])).tolist()
-    mean_kl = total / max(n_seqs, 1)
-    next_coef = update_kl_coef(coef, mean_kl, kind=kind, target_kl=target_kl, horizon=horizon, n_steps=int(n_seqs))
-    return next_coef, {"policy/kl_coef": coef, "reward/kl_penalty": mean_kl}
-
-
-ADAPTIVE = (lambda a: a.kl_ctrl == "adaptive", "add --kl-ctrl adaptive")  # when target_kl and horizon are read
-
-
-@dataclass
-class KLRewardArgs:
-    """verl's algorithm.kl_ctrl knobs, for the recipes that can put a KL penalty in the reward
-    (rloo, reinforce_pp, ppo); where the KL goes (--use-kl-in-reward) stays each recipe's own."""
-
-    kl_coef: float = flag(0.001, ge=0, only_with="use_kl_in_reward")
-    """weight of the KL penalty in the reward (the adaptive controller's starting value)"""
-    kl_penalty: KLEstimator = flag("kl", only_with="use_kl_in_reward")
-    """KL estimator for the reward penalty (see common.ops.kl_penalty; full: the exact KL over the vocabulary)"""
-    kl_ctrl: Literal["fixed", "adaptive"] = flag("fixed", only_with="use_kl_in_reward")
-    """KL-in-reward coefficient: fixed, or adaptive toward target_kl (Ziegler et al. 2019, as verl)"""
-    target_kl: float = flag(0.1, gt=0, only_with=ADAPTIVE)
-    """adaptive kl_ctrl: the mean per-token KL the coefficient steers toward"""
-    horizon: int = flag(10000, ge=1, only_with=ADAPTIVE)
-    """adaptive kl_ctrl: sequences over which the coefficient moves by at most a factor 1.2"""
-
-    @property
-    def full_kl_in_reward(self) -> bool:
-        """--use-kl-in-reward --kl-penalty full: step 4 runs the policy and the reference side by side
-        for the exact KL over the vocabulary, in place of an estimate from the sampled tokens."""
-        return getattr(self, "use_kl_in_reward", False) and self.kl_penalty == "full"
-
-    def kl_reward_kwargs(self) -> dict:
-        """A recipe's apply_kl_penalty knobs: the KL estimator, and kl_controller_step's keyword arguments."""
-        ctrl = dict(kind=self.kl_ctrl, target_kl=self.target_kl, horizon=self.horizon)
-        return dict(estimator=self.kl_penalty, ctrl=ctrl)

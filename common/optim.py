@@ -85,11 +85,15 @@ class OptimArgs:
     grad_clip: float = flag(1.0, ge=0, note="0 disables clipping")
     """clip the global grad norm to this (0 disables; verl's 0 would zero every gradient)"""
 
-    def trainable(self, model, total_steps: int) -> Trainable:
-        """The model with its AdamW (build_optimizer) and lr schedule over total_steps."""
-        optimizer = build_optimizer(model, self.lr, self.weight_decay, self.betas)
-        scheduler = build_scheduler(
-            optimizer, kind=self.lr_scheduler, total_steps=total_steps,
-            warmup_ratio=self.lr_warmup_steps_ratio, min_lr_ratio=self.min_lr_ratio,
-        )  # fmt: skip
-        return Trainable(model, optimizer, scheduler)
+
+def trainable(model, optim: OptimArgs, total_steps: int) -> Trainable:
+    """The model with the AdamW (build_optimizer) and lr schedule over total_steps that the optim group describes."""
+    optimizer = build_optimizer(model, optim.lr, optim.weight_decay, optim.betas)
+    scheduler = build_scheduler(
+        optimizer,
+        kind=optim.lr_scheduler,
+        total_steps=total_steps,
+        warmup_ratio=optim.lr_warmup_steps_ratio,
+        min_lr_ratio=optim.min_lr_ratio,
+    )
+    return Trainable(model, optimizer, scheduler)

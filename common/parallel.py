@@ -10,7 +10,6 @@ import random
 import signal
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,6 +27,7 @@ class Dist:
     world_size: int
     local_rank: int
     device: torch.device
+    seed: int = 0  # the run's seed (--seed); each rank's generators are seeded with seed + rank
 
     @property
     def is_main(self) -> bool:
@@ -52,7 +52,10 @@ def init_distributed(wait_timeout: float = 1800.0, seed: int | None = None) -> D
     each rank with seed + rank (ranks sample different responses). Without CUDA it asks for CPU/gloo: left to
     decide, accelerate gives torchrun's CPU processes no process group, each silently alone (no gradient sync)."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
-    check_accelerate_config(launched)
+    if "ACCELERATE_MIXED_PRECISION" in os.environ:  # set by accelerate launch: its config file is checked
+        from common.scaling.accelerate import check_accelerate_config
+
+        check_accelerate_config(launched)
     from accelerate import PartialState
 
     cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes") or not torch.cuda.is_available()
@@ -72,50 +75,7 @@ def init_distributed(wait_timeout: float = 1800.0, seed: int | None = None) -> D
     watchdog.arm(wait_timeout, state.process_index)
     if seed is not None:
         seed_everything(seed + state.process_index)
-    return Dist(state.process_index, state.num_processes, state.local_process_index, state.device)
-
-
-def accelerate_config() -> tuple[str, dict] | None:
-    """(path, settings) of the config file named on the command line of the `accelerate launch
-    --config_file PATH` whose child this process is (the recipe); None without such a launcher or file."""
-    import yaml
-
-    parent = Path(f"/proc/{os.getppid()}")
-    try:
-        words = [w.decode(errors="replace") for w in (parent / "cmdline").read_bytes().split(b"\0")]
-        cwd = (parent / "cwd").resolve()
-    except OSError:
-        return None
-    if not any("accelerate" in w for w in words[:3]):
-        return None
-    for word, value in zip(words, words[1:]):
-        if word in ("--config_file", "--config-file"):
-            try:  # an absolute path replaces cwd
-                return value, yaml.safe_load((cwd / Path(value).expanduser()).read_text()) or {}
-            except (OSError, yaml.YAMLError):
-                return None
-    return None
-
-
-def check_accelerate_config(world_size: int) -> None:
-    """A GPU accelerate config (single GPU, DDP, FSDP) without CUDA is an error before anything starts
-    (accelerate would run it on the CPU without a word); a world size other than the config's is said once."""
-    found = accelerate_config()
-    if found is None:
-        return
-    path, config = found
-    kind = str(config.get("distributed_type", "NO"))
-    if not config.get("use_cpu", False) and kind in ("NO", "MULTI_GPU", "FSDP") and not torch.cuda.is_available():
-        raise UsageError(
-            f"accelerate config {path} runs on GPUs (distributed_type {kind}) but this machine has no CUDA device; "
-            f"on CPU run the recipe with python, or torchrun --nproc_per_node N for several processes"
-        )
-    wanted = int(config.get("num_processes", world_size))
-    if wanted != world_size and os.environ.get("RANK", "0") == "0":
-        logging.getLogger(__name__).warning(
-            "accelerate config %s asks for %d processes; this launch has %d (--num_processes overrides it)",
-            path, wanted, world_size,
-        )  # fmt: skip
+    return Dist(state.process_index, state.num_processes, state.local_process_index, state.device, seed or 0)
 
 
 def seed_everything(seed: int) -> None:
@@ -186,23 +146,9 @@ def wrap_model(model: nn.Module, strategy: str, dist: Dist, mixed_precision: str
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
     if strategy != "fsdp2":
         raise ValueError(f"unknown strategy {strategy!r}; use ddp or fsdp2")
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from common.scaling.fsdp import shard  # a feature: loaded where --strategy fsdp2 asks for it
 
-    mesh = init_device_mesh(dist.device.type, (dist.world_size,))
-    bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision == "bf16" else {}
-    # Pinned memory makes the copies to the GPU asynchronous; there is none to pin for on CPU.
-    offload = CPUOffloadPolicy(pin_memory=dist.device.type == "cuda") if options["offload"] else OffloadPolicy()
-    shard = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(**bf16), offload_policy=offload,
-                 reshard_after_forward=options["reshard_after_forward"])  # fmt: skip
-    for module in blocks_of(model):
-        fully_shard(module, **shard)
-    fully_shard(model, **shard)
-    if options["offload"]:  # FSDP moves only parameters; buffers (rotary frequencies) go to the device here
-        for module in model.modules():
-            for name, buffer in module.named_buffers(recurse=False):
-                module._buffers[name] = buffer.to(dist.device)
-    return model
+    return shard(model, dist, mixed_precision, options)
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:  # its decoder layers: the classes in _no_split_modules
@@ -319,15 +265,6 @@ def shard_evenly(items: list, dist: Dist) -> tuple[list, int]:
     return mine + [items[0]] * (per_rank - len(mine)), len(mine)
 
 
-_REQUESTED: list[str] = []  # failures asked for by request_stop, for the run's StopSignal
-
-
-def request_stop(message: str) -> None:
-    """Ask the run's StopSignal, from code without it (common.tracking's bound on the trainer-engine gap),
-    to end the run after this step's checkpoint as a failure with `message`; requested() spreads it to every rank."""
-    _REQUESTED.append(message)
-
-
 class StopSignal:
     """SIGUSR1 or SIGTERM (what Slurm sends before a time limit with --signal, or on preemption) asks a training
     run to stop after the step it is in, saving a checkpoint (even with --save-freq 0), and exit 0, so the requeued
@@ -336,7 +273,6 @@ class StopSignal:
 
     def __init__(self, dist: Dist):
         self.device, self.received, self.stopping, self.failure = dist.device, None, False, None
-        _REQUESTED.clear()  # an earlier run in this process asked its own signal
         for name in ("SIGUSR1", "SIGTERM"):
             signal.signal(getattr(signal, name), self._handle)
 
@@ -357,8 +293,6 @@ class StopSignal:
 
     def requested(self) -> bool:
         """Whether any rank got a signal, on every rank (once true, it stays true)."""
-        if _REQUESTED and self.failure is None:
-            self.fail(_REQUESTED[0])
         flag = torch.tensor(float(self.received is not None), device=self.device)
         self.stopping = self.stopping or all_reduce_sum(flag).item() > 0
         return self.stopping

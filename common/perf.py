@@ -148,7 +148,7 @@ def phase_seconds(totals: dict) -> dict:
 
 def verdict(seconds: dict, wall: float, run: dict) -> tuple[str, str]:
     """(what bounds the run, what would help it and why) from its phase seconds, wall time and `run`, its flags
-    (common.config.RLArgs.tracker_kwargs). The bound is the kind whose phases took most; advice taken is left out."""
+    (common.tracking.Tracker.run_facts). The bound is the kind whose phases took most; advice taken is left out."""
     kinds = {}
     for name, _, kind in TIME_PHASES:
         if kind:
@@ -161,17 +161,23 @@ def verdict(seconds: dict, wall: float, run: dict) -> tuple[str, str]:
             advice.append("a vLLM engine (--rollout-name vllm): HF generate decodes one token a step in Python")
         overlap = min(share["generation"], share["trainer"])
         if run.get("rollout_placement") != "remote":
-            advice.append(f"remote engines sampling while the trainer trains (--rollout-placement remote "
-                          f"--max-staleness 1): at most the update's {overlap:.0%} of the wall time can overlap")  # fmt: skip
+            advice.append(
+                f"remote engines sampling while the trainer trains (--rollout-placement remote "
+                f"--max-staleness 1): at most the update's {overlap:.0%} of the wall time can overlap"
+            )
         elif not run.get("max_staleness"):
-            advice.append(f"--max-staleness 1, so the engines sample the next step while this one trains (at most "
-                          f"the update's {overlap:.0%} can overlap)")  # fmt: skip
+            advice.append(
+                f"--max-staleness 1, so the engines sample the next step while this one trains (at most "
+                f"the update's {overlap:.0%} can overlap)"
+            )
         else:
             advice.append("more engines (--num-rollout-engines), or shorter responses (--max-response-length)")
     elif bound == "trainer":
         if run.get("padding", 0) >= 0.2 and run.get("use_remove_padding") is False:
-            advice.append(f"padding-free passes (--use-remove-padding auto): {run['padding']:.0%} of the trained "
-                          "tokens were padding")  # fmt: skip
+            advice.append(
+                f"padding-free passes (--use-remove-padding auto): {run['padding']:.0%} of the trained "
+                "tokens were padding"
+            )
         if run.get("device") == "cuda" and run.get("mixed_precision") == "no" and run.get("dtype") == "float32":
             advice.append("--mixed-precision bf16: the tensor cores run bfloat16 at many times float32's rate")
         if run.get("device") == "cuda" and not run.get("use_torch_compile"):
@@ -179,13 +185,17 @@ def verdict(seconds: dict, wall: float, run: dict) -> tuple[str, str]:
         if run.get("gradient_checkpointing"):
             advice.append("no --gradient-checkpointing if memory allows: it runs every forward twice")
         if run.get("micro_batches", 1) > 1:
-            advice.append(f"a larger --micro-batch-size-per-gpu (now {run.get('micro_batch_size_per_gpu')}) if "
-                          f"memory allows: {run['micro_batches']} micro-batches an optimizer step, each a pass of its own")  # fmt: skip
+            advice.append(
+                f"a larger --micro-batch-size-per-gpu (now {run.get('micro_batch_size_per_gpu')}) if "
+                f"memory allows: {run['micro_batches']} micro-batches an optimizer step, each a pass of its own"
+            )
         if not advice:
             advice.append("more GPUs (torchrun --nproc_per_node N) or a smaller model: the trainer has no flag left")
     elif bound == "reward":
-        advice.append(f"more reward workers (--reward-workers, now {run.get('reward_workers')}, on {os.cpu_count()} "
-                      "cores): each scores its share in parallel")  # fmt: skip
+        advice.append(
+            f"more reward workers (--reward-workers, now {run.get('reward_workers')}, on {os.cpu_count()} "
+            "cores): each scores its share in parallel"
+        )
         advice.append("a faster reward function, or one call a step for the whole batch (--reward-manager batch)")
     else:
         if not run.get("lora_rank"):

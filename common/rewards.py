@@ -1,5 +1,5 @@
 """The worker pool that makes reward functions (common.scoring) hang-proof, and the agent loop's
-tools and interactions (common.tools, common.agent) too.
+tools and interactions (common.agents.tools, common.agents.agent) too.
 
 Scoring runs in worker processes under a per-sample timeout: a function that raises or never
 returns costs that sample a 0 and is counted, never the run."""
@@ -49,16 +49,19 @@ class Scored:
         """The scores and extras kept from several scoring calls (DAPO's re-sampling), with every
         call's errors, timeouts and seconds counted."""
         return cls(
-            scores=list(scores), extras=list(extras), errors=sum(p.errors for p in parts),
-            timeouts=sum(p.timeouts for p in parts), seconds=sum(p.seconds for p in parts),
+            scores=list(scores),
+            extras=list(extras),
+            errors=sum(p.errors for p in parts),
+            timeouts=sum(p.timeouts for p in parts),
+            seconds=sum(p.seconds for p in parts),
             first_error=next((p.first_error for p in parts if p.first_error), None),
             nonfinite=sum(p.nonfinite for p in parts),
-        )  # fmt: skip
+        )
 
 
 TOOLS_PREFIX = "tools:"  # a pool spec naming a --tool-config file rather than a reward function
 INTERACTIONS_PREFIX = "interactions:"  # ... or an --interaction-config file
-ENVS_PREFIX = "envs:"  # ... or the environments of an --env-config file (common.envs.EnvHost)
+ENVS_PREFIX = "envs:"  # ... or the environments of an --env-config file (common.agents.envs.EnvHost)
 BATCH_PREFIX = "batch:"  # a reward function called once with lists (--reward-manager batch)
 VERL_NAMES = ("data_source", "solution_str", "ground_truth", "extra_info")  # compute_score's, as verl passes them
 SIDE_POOLS = {TOOLS_PREFIX: "--tool-config", INTERACTIONS_PREFIX: "--interaction-config", ENVS_PREFIX: "--env-config"}
@@ -83,16 +86,16 @@ def _worker_main(fd: int, spec: str) -> None:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     conn = Connection(fd)
     try:
-        if spec.startswith(TOOLS_PREFIX):  # a tool pool (common.agent): results are the tools' text
-            from common.tools import load_tools
+        if spec.startswith(TOOLS_PREFIX):  # a tool pool (common.agents.agent): results are the tools' text
+            from common.agents.tools import load_tools
 
             fn, check = load_tools(spec.removeprefix(TOOLS_PREFIX)), lambda result: None  # load_tools checks
         elif spec.startswith(INTERACTIONS_PREFIX):  # interactions: load_interactions checks results
-            from common.tools import load_interactions
+            from common.agents.tools import load_interactions
 
             fn, check = load_interactions(spec.removeprefix(INTERACTIONS_PREFIX)), lambda result: None
         elif spec.startswith(ENVS_PREFIX):  # environments: EnvHost checks what they return
-            from common.envs import load_env_host
+            from common.agents.envs import load_env_host
 
             fn, check = load_env_host(spec.removeprefix(ENVS_PREFIX)), lambda result: None
         elif spec.startswith(BATCH_PREFIX):
@@ -179,9 +182,13 @@ class RewardPool:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
         code = "import sys; from common.rewards import _worker_main; _worker_main(int(sys.argv[1]), sys.argv[2])"
         proc = subprocess.Popen(
-            [sys.executable, "-c", code, str(theirs.fileno()), self.spec or ""], pass_fds=[theirs.fileno()], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+            [sys.executable, "-c", code, str(theirs.fileno()), self.spec or ""],
+            pass_fds=[theirs.fileno()],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         self.output.follow(proc.stdout)
         theirs.close()
         conn = Connection(mine.detach())
@@ -227,8 +234,11 @@ class RewardPool:
         nonfinite = [i for i, s in enumerate(scores) if not finite(s)]
         if nonfinite and not self.printed_nonfinite:
             self.printed_nonfinite = True
-            log.warning("reward function returned %r for data_source=%r (scored 0, counted in reward/nonfinite; "
-                        "shown once)", results[nonfinite[0]], tasks[nonfinite[0]][0])  # fmt: skip
+            log.warning(
+                "reward function returned %r for data_source=%r (scored 0, counted in reward/nonfinite; shown once)",
+                results[nonfinite[0]],
+                tasks[nonfinite[0]][0],
+            )
         scores = [s if finite(s) else 0.0 for s in scores]
         dicts = [r if isinstance(r, dict) else {} for r in results]
         extras = [{k: float(v) for k, v in d.items() if k != "score" and isinstance(v, int | float)} for d in dicts]
@@ -254,7 +264,7 @@ class RewardPool:
         """Each task's arguments through the workers' function, one task per worker at a time. Returns
         (results, None where a task failed; {task index: "timeout" or the last line it raised}; the first
         traceback). slots: each task's worker (modulo the workers), in order, as stateful hosts need
-        (common.envs.EnvHost); default: any free one. A worker that dies or overruns is replaced (restarts)."""
+        (common.agents.envs.EnvHost); default: any free one. A worker that dies or overruns is replaced (restarts)."""
         results: list = [None] * len(tasks)
         anywhere: deque = deque()
         pinned: list[deque] = [deque() for _ in self.workers]
@@ -302,7 +312,9 @@ class RewardPool:
         (a bad signature or return type, no built-in, no ground truth) is a UsageError naming it rather
         than a run of zeros; some rows failing is a warning."""
         tried: dict[str, list[dict]] = {}
-        column = getattr(rows, "column", None)  # common.prompt_cache's rows: the column without making every row
+        column = getattr(
+            rows, "column", None
+        )  # common.formats.prompt_cache's rows: the column without making every row
         for i, source in enumerate(column("data_source") if column else (r["data_source"] for r in rows)):
             if len(tried.setdefault(source, [])) < per_source:
                 tried[source].append(rows[i])
@@ -311,10 +323,12 @@ class RewardPool:
         start = time.time()
         extras = [r.get("extra_info") for r in picked]  # tool_agent rows: with what a conversation adds
         if any(r.get("agent_name") == "tool_agent" for r in picked):
-            from common.tools import conversation_extra_info
+            from common.agents.tools import conversation_extra_info
 
-            extras = [{**(e or {}), **conversation_extra_info(r)} if conversation_extra_info(r) else e
-                      for r, e in zip(picked, extras)]  # fmt: skip
+            extras = [
+                {**(e or {}), **conversation_extra_info(r)} if conversation_extra_info(r) else e
+                for r, e in zip(picked, extras)
+            ]
         scored = self.score(
             [(r["data_source"], str(r["ground_truth"]), r["ground_truth"], e) for r, e in zip(picked, extras)]
         )
@@ -329,11 +343,14 @@ class RewardPool:
         self.dry_run_extras, failed = scored.extras, scored.errors + scored.timeouts
         if failed:
             log.warning("reward dry run (%s): %d of %d rows failed: %s", name, failed, len(picked), reason[0])
-        self.dry_run_report = (failed == 0, (
-            f"{name} scored {len(picked) - failed} of {len(picked)} real rows ({len(tried)} data_source"
-            f"{'s' if len(tried) > 1 else ''}) in {time.time() - start:.1f}s (--reward-timeout {self.timeout:g}s)"
-            + (f"; {scored.errors} raised, {scored.timeouts} timed out: {reason[0]}" if failed else "")
-        ))  # fmt: skip
+        self.dry_run_report = (
+            failed == 0,
+            (
+                f"{name} scored {len(picked) - failed} of {len(picked)} real rows ({len(tried)} data_source"
+                f"{'s' if len(tried) > 1 else ''}) in {time.time() - start:.1f}s (--reward-timeout {self.timeout:g}s)"
+                + (f"; {scored.errors} raised, {scored.timeouts} timed out: {reason[0]}" if failed else "")
+            ),
+        )
 
     def close(self) -> None:
         for side in (self.tools, self.interactions, self.envs):
@@ -351,72 +368,59 @@ class RewardPool:
         self.workers = []
 
 
-def start_reward_pool(
-    reward_fn: str | None,
-    *,
-    batch: bool = False,
-    workers: int,
-    timeout: float,
-    dry_run_rows: list[dict],
-    log_path=None,
-    tool_config: str | None = None,
-    tool_timeout: float = 10.0,
-    interaction_config: str | None = None,
-    env: dict | None = None,
-    tokenizer=None,
-) -> RewardPool:
-    """The worker pool for --reward-fn (or the built-ins), checked before any model loads: a missing
-    file fails with its name; the file is imported only in the workers (its code never runs in the
-    trainer; a hang or error at import is a UsageError, not a stuck run); a dry run scores rows of each
-    data_source in dry_run_rows (common.data's prompt rows; none when a reward model scores). What the
-    workers print goes to log_path (_WorkerOutput). env: start_env_pool's arguments (--env-config),
-    whose rows (common.envs.env_rows) it checks with the tokenizer instead of scoring."""
+def start_reward_pool(reward: "RewardArgs", agent, env, data, run_dir, tokenizer, rows: list[dict]) -> RewardPool:
+    """The worker pool that scores responses as the reward group says (reward_pool), checked before any model
+    loads: a dry run scores `rows` of each data_source (common.data's prompt rows; none when a reward model
+    scores). The workers print to <run_dir>/reward_workers.log (.rank<N> past rank 0). The agent group's tools and
+    interactions (pool.tools, pool.interactions) and the env group's environments (pool.envs, checked on `rows`
+    with the tokenizer and the data group's --max-prompt-length) get pools of their own (common.agents)."""
+    rank = os.environ.get("RANK", "0")
+    log_path = Path(run_dir) / ("reward_workers.log" if rank == "0" else f"reward_workers.rank{rank}.log")
+    batch = reward.reward_manager == "batch"
+    pool = reward_pool(reward.reward_fn, reward.reward_workers, reward.reward_timeout, log_path, batch)
+    if env.env_config:
+        from common.agents.envs import start_env_pool
+
+        pool.envs = start_env_pool(env, data.max_prompt_length, rows, tokenizer, log_path)
+    elif rows and not reward.reward_model:
+        pool.dry_run(rows)
+    if agent.on:
+        from common.agents.tools import start_agent_pools
+
+        pool.tools, pool.interactions = start_agent_pools(agent, reward.reward_workers, log_path)
+    return pool
+
+
+def reward_pool(reward_fn: str | None, workers: int, timeout: float, log_path=None, batch: bool = False) -> RewardPool:
+    """The pool for --reward-fn (or the built-ins, without one): a missing file fails with its name; the file is
+    imported only in the workers (its code never runs in the trainer; a hang or error at import is a UsageError,
+    not a stuck run). What the workers print goes to log_path (_WorkerOutput). batch (--reward-manager batch): one
+    worker, called once a step with lists."""
     if reward_fn and not Path(reward_fn.partition(":")[0]).expanduser().is_file():
         raise UsageError(f"--reward-fn {reward_fn}: file {reward_fn.partition(':')[0]!r} does not exist")
     spec = BATCH_PREFIX + reward_fn if batch and reward_fn else reward_fn
-    pool = RewardPool(spec, workers=1 if batch else workers, timeout=timeout, log_path=log_path)
-    if env is not None:
-        pool.envs = start_env_pool(**env, rows=dry_run_rows, tokenizer=tokenizer, log_path=log_path)
-    elif dry_run_rows:
-        pool.dry_run(dry_run_rows)
-    pool.tools, pool.interactions = start_agent_pools(tool_config, interaction_config, workers=workers,
-                                                      timeout=tool_timeout, log_path=log_path)  # fmt: skip
-    return pool
+    return RewardPool(spec, workers=1 if batch else workers, timeout=timeout, log_path=log_path)
 
 
-def start_agent_pools(tool_config: str | None, interaction_config: str | None, *, workers: int, timeout: float,
-                      log_path=None) -> tuple[RewardPool | None, RewardPool | None]:  # fmt: skip
-    """The agent loop's pools (common.agent), each None without its flag: --tool-config's tools (`workers`
-    workers) and --interaction-config's interactions (one worker: it holds every interaction's state).
-    Started now, so an import that fails or hangs is an error before any model loads."""
+def __getattr__(name: str):  # older forks import the agent loop's pools from here; they live with the agents now
+    if name in ("start_agent_pools", "start_env_pool"):
+        import common.agents.envs
+        import common.agents.tools
 
-    def pool(prefix: str, config: str | None, workers: int) -> RewardPool | None:
-        return RewardPool(prefix + config, workers=workers, timeout=timeout, log_path=log_path) if config else None
-
-    return pool(TOOLS_PREFIX, tool_config, workers), pool(INTERACTIONS_PREFIX, interaction_config, 1)
+        return getattr(common.agents.tools, name, None) or getattr(common.agents.envs, name)
+    raise AttributeError(f"module 'common.rewards' has no attribute {name!r}")
 
 
-def start_env_pool(config: str, *, workers: int, timeout: float, max_traj_per_env: int, max_prompt_length: int,
-                   rows: list[dict], tokenizer, log_path=None) -> RewardPool:  # fmt: skip
-    """The environment workers of an --env-config run (common.envs.EnvHost, `workers` of them),
-    checked before any model loads on the rows to be played (common.envs.check_envs)."""
-    from common.envs import check_envs, read_env_config
-
-    pool = RewardPool(f"{ENVS_PREFIX}{max_traj_per_env}:{config}", workers=workers, timeout=timeout, log_path=log_path)
-    try:
-        check_envs(pool, read_env_config(config), rows, tokenizer, max_prompt_length)
-    except BaseException:
-        pool.close()
-        raise
-    return pool
-
-
-BATCHED = (lambda a: (a.reward_fn and not getattr(a, "reward_model", None)) or a.reward_manager != "batch",
-           "add --reward-fn (the built-in scorers and a reward model take one sample at a time)")  # fmt: skip
+BATCHED = (
+    lambda a: (a.reward_fn and not getattr(a, "reward_model", None)) or a.reward_manager != "batch",
+    "add --reward-fn (the built-in scorers and a reward model take one sample at a time)",
+)
 
 
 @dataclass
 class RewardArgs:
+    """What scores a response: built-in rules, --reward-fn or a --reward-model (common.rewards)."""
+
     reward_fn: str | None = None
     """path/to/file.py[:name] with verl's compute_score signature (default: built-ins by data_source)"""
     reward_timeout: float = flag(10.0, gt=0, unit="seconds")
@@ -430,5 +434,3 @@ class RewardArgs:
     """reward worker processes per rank"""
     reward_model: str | None = None
     """AutoModelForSequenceClassification folder / hub name; replaces the rule-based score"""
-    stop_on_nonfinite_reward: bool = False
-    """stop the run at a NaN or infinite reward (default: it scores 0, counted in reward/nonfinite)"""

@@ -5,17 +5,20 @@ the assistant's tokens only. The RL recipes never load it (their prompts: common
 import json
 import logging
 from dataclasses import dataclass, replace
+from typing import Annotated
+
+import tyro
 
 from common.data import (
     BAD,
     FILTERED,
     KEPT,
     TRUNCATED,
+    DataArgs,
     DataError,
     LoadStats,
     as_files,
     as_messages,
-    as_tools,
     caught,
     get_field,
     has_column,
@@ -25,8 +28,29 @@ from common.data import (
     too_long,
     truncate,
 )
+from common.flags import flag
 
 log = logging.getLogger(__name__)
+
+
+def as_tools(value, file: str, index: int, key: str) -> list[dict] | None:
+    """A tools cell (verl's multiturn tools_key) as the OpenAI function schemas a chat template
+    lists: a list of them, or that list as a JSON string; None or empty for no tools."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else None
+        except json.JSONDecodeError as e:
+            raise DataError(f"{file} row {index} column {key!r}: not valid JSON ({e.msg})") from None
+    if value is None or (isinstance(value, list | tuple) and not value):
+        return None
+    if isinstance(value, list | tuple) and all(
+        isinstance(t, dict) and isinstance((t.get("function") or {}).get("name"), str) for t in value
+    ):
+        return [dict(t) for t in value]
+    raise DataError(
+        f"{file} row {index} column {key!r}: expected a list of OpenAI tool schemas "
+        f"({{'type': 'function', 'function': {{'name': ..., ...}}}}), or that list as JSON, got: {str(value)[:80]!r}"
+    )
 
 
 def _chat_texts(tokenizer, messages: list[dict], tools) -> tuple[list[str], list[int]]:
@@ -34,8 +58,9 @@ def _chat_texts(tokenizer, messages: list[dict], tools) -> tuple[list[str], list
     assistant turn the prompt before it and the conversation up to its end) and those turns."""
 
     def render(upto, add_generation_prompt):
-        return tokenizer.apply_chat_template(messages[:upto], tools=tools, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)  # fmt: skip
+        return tokenizer.apply_chat_template(
+            messages[:upto], tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
 
     turns = [t for t, message in enumerate(messages) if message["role"] == "assistant"]
     return [
@@ -113,8 +138,10 @@ def sft_records(rows, file: str, tokenizer, spec: SftSpec, start: int = 0) -> li
     flat = [text for made in texts if not isinstance(made, str) for text in made[0]]
     pieces = iter(tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else ())
     eos = tokenizer.eos_token_id
-    made = [t if isinstance(t, str) else caught(_example, row, i, file, [next(pieces) for _ in t[0]], t[1], spec, eos)
-            for i, (row, t) in enumerate(zip(rows, texts), start)]  # fmt: skip
+    made = [
+        t if isinstance(t, str) else caught(_example, row, i, file, [next(pieces) for _ in t[0]], t[1], spec, eos)
+        for i, (row, t) in enumerate(zip(rows, texts), start)
+    ]
     return [(BAD, m) if isinstance(m, str) else m for m in made]
 
 
@@ -138,46 +165,52 @@ def _example(row: dict, i: int, file: str, pieces: list, turns: list, spec: SftS
         return FILTERED, {"truncated": fate == TRUNCATED}
     reward_model = row.get("reward_model")
     truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
-    return fate, dict(input_ids=ids, loss_mask=mask, prompt_ids=prompt_ids, data_source=row.get("data_source") or "unknown",
-                      ground_truth=truth)  # fmt: skip
+    return fate, dict(
+        input_ids=ids,
+        loss_mask=mask,
+        prompt_ids=prompt_ids,
+        data_source=row.get("data_source") or "unknown",
+        ground_truth=truth,
+    )
 
 
-def load_sft(
-    files,
-    tokenizer,
-    *,
-    max_length: int,
-    messages_key: str = "messages",
-    prompt_key: str = "prompt",
-    response_key: str = "response",
-    tools_key: str = "tools",
-    truncation: str = "error",
-    data_workers: int = 1,
-    what: str = "train_files",
-) -> tuple[list[dict], LoadStats]:
+def load_sft(files, tokenizer, data: "SFTDataArgs", what: str = "train_files") -> tuple[list[dict], LoadStats]:
     """SFT examples: `input_ids` and `loss_mask` (1 on assistant/response tokens only).
 
     A file with a `messages_key` column is read as chat conversations (loss on every assistant
     turn, tool turns masked; a `tools_key` column lists the tool schemas the template shows);
     otherwise prompt_key/response_key are read (dotted keys reach into structs, as in
-    extra_info.answer) and the response is followed by the tokenizer's eos. Each example also keeps
-    `prompt_ids` (the prompt up to the last assistant turn), `data_source` and `ground_truth`
-    (None without reward_model) for generation-based validation. Large data, or data_workers above 1:
-    a cached datasets map, the examples kept on disk (common.prompt_cache.load_inputs).
+    extra_info.answer) and the response is followed by the tokenizer's eos; the data group says which columns, and
+    max_length and truncation. Each example also keeps `prompt_ids` (the prompt up to the last assistant turn),
+    `data_source` and `ground_truth` (None without reward_model) for generation-based validation. Large data, or
+    --data-workers above 1: a cached datasets map, the examples kept on disk (common.formats.prompt_cache.load_inputs).
     """
-    spec, stats = SftSpec(max_length, messages_key, prompt_key, response_key, tools_key, truncation), LoadStats()
+    columns = data.messages_key, data.prompt_key, data.response_key, data.tools_key
+    spec, stats = SftSpec(data.max_length, *columns, data.truncation), LoadStats()
+    data_workers, truncation = data.data_workers, data.truncation
     if in_process(as_files(files, what), data_workers):
         parts = [_examples_here(file, tokenizer, spec, what, stats) for file in as_files(files, what)]
     else:
-        from common.prompt_cache import PromptRows, load_inputs  # a feature: large data
+        from common.formats.prompt_cache import PromptRows, load_inputs  # a feature: large data
 
-        parts = [PromptRows(load_inputs(files, what, data_workers,
-                                        lambda file: _examples_here(file, tokenizer, spec, what, stats),
-                                        lambda data, file: _examples_mapped(data, file, tokenizer, spec, what,
-                                                                            data_workers, stats)))]  # fmt: skip
+        parts = [
+            PromptRows(
+                load_inputs(
+                    files,
+                    what,
+                    data_workers,
+                    lambda file: _examples_here(file, tokenizer, spec, what, stats),
+                    lambda data, file: _examples_mapped(data, file, tokenizer, spec, what, data_workers, stats),
+                )
+            )
+        ]
     if stats.no_loss_tokens:
-        log.warning("%s: %d example(s) had no response token left after truncation=%s and were left out", what,
-                    stats.no_loss_tokens, truncation)  # fmt: skip
+        log.warning(
+            "%s: %d example(s) had no response token left after truncation=%s and were left out",
+            what,
+            stats.no_loss_tokens,
+            truncation,
+        )
     if not stats.kept:
         raise DataError(f"{what}: no examples left ({stats.summary(what)})")
     return parts[0] if len(parts) == 1 else [e for part in parts for e in part], stats
@@ -203,15 +236,28 @@ SFT_COLUMNS = ("fate", "error", "input_ids", "loss_mask", "prompt_ids", "data_so
 
 
 def _examples_mapped(data, file: str, tokenizer, spec: SftSpec, what: str, workers: int, stats: LoadStats):
-    from common.prompt_cache import MappedRows, cached_map, fates_of, first_row, tokenizer_identity
-    from common.sources import dotted
+    from common.formats.prompt_cache import MappedRows, cached_map, fates_of, first_row, tokenizer_identity
+    from common.formats.sources import dotted
 
     spec = spec.for_file(file, first_row(data, file, what))
     stats.per_file[file] = len(data)
-    columns = dict(input_ids="int32[]", loss_mask="int8[]", prompt_ids="int32[]", data_source="string",
-                   ground_truth="string", truncated="bool")  # fmt: skip
-    done = cached_map(data, file, _map_examples, dict(tokenizer=tokenizer, spec=spec, dotted=dotted(data)), columns,
-                      [repr(spec), tokenizer_identity(tokenizer)], workers)  # fmt: skip
+    columns = dict(
+        input_ids="int32[]",
+        loss_mask="int8[]",
+        prompt_ids="int32[]",
+        data_source="string",
+        ground_truth="string",
+        truncated="bool",
+    )
+    done = cached_map(
+        data,
+        file,
+        _map_examples,
+        dict(tokenizer=tokenizer, spec=spec, dotted=dotted(data)),
+        columns,
+        [repr(spec), tokenizer_identity(tokenizer)],
+        workers,
+    )
     fates, kept = fates_of(done)
     stats.rows += len(fates)
     stats.kept += len(kept)
@@ -222,15 +268,22 @@ def _examples_mapped(data, file: str, tokenizer, spec: SftSpec, what: str, worke
 
 
 def _map_examples(batch: dict, indices: list[int], *, tokenizer, spec: SftSpec, dotted: bool, file: str) -> dict:
-    from common.sources import nested
+    from common.formats.sources import nested
 
     rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
     out = {k: [] for k in SFT_COLUMNS}
     for fate, record in sft_records([nested(r) for r in rows] if dotted else rows, file, tokenizer, spec, indices[0]):
         kept = {} if fate in (BAD, FILTERED) else record
-        values = (fate, record if fate == BAD else None, kept.get("input_ids", []), kept.get("loss_mask", []),
-                  kept.get("prompt_ids", []), kept.get("data_source"), json.dumps(kept.get("ground_truth")),
-                  fate == TRUNCATED or (fate == FILTERED and record["truncated"]))  # fmt: skip
+        values = (
+            fate,
+            record if fate == BAD else None,
+            kept.get("input_ids", []),
+            kept.get("loss_mask", []),
+            kept.get("prompt_ids", []),
+            kept.get("data_source"),
+            json.dumps(kept.get("ground_truth")),
+            fate == TRUNCATED or (fate == FILTERED and record["truncated"]),
+        )
         for column, value in zip(SFT_COLUMNS, values):
             out[column].append(value)
     return out
@@ -238,3 +291,21 @@ def _map_examples(batch: dict, indices: list[int], *, tokenizer, spec: SftSpec, 
 
 def _example_of(done: dict) -> dict:
     return {**done, "ground_truth": json.loads(done["ground_truth"])}
+
+
+@dataclass
+class SFTDataArgs(DataArgs):
+    """sft.py's data: DataArgs with its columns, its sequence length and its batch (verl's SFT data section)."""
+
+    response_key: Annotated[str, tyro.conf.arg(aliases=("--output-key",))] = "extra_info.answer"
+    """column holding the response (dotted keys reach into structs; OpenRLHF's --output-key)"""
+    messages_key: str = "messages"
+    """chat column; used instead of prompt/response when a file has it"""
+    tools_key: str = "tools"
+    """column of a chat row's tool schemas (OpenAI format, a list or JSON), shown by the chat template"""
+    max_length: int = flag(128, ge=1)
+    """longest prompt + response in tokens (longer rows follow --truncation)"""
+    train_batch_size: int = flag(64, ge=1)
+    """examples per optimizer step, over all processes"""
+    micro_batch_size_per_gpu: int = flag(32, ge=1)
+    """examples per forward/backward pass on one process"""

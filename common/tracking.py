@@ -4,7 +4,6 @@ import fnmatch
 import json
 import logging
 import math
-import os
 import sys
 import time
 from collections import Counter
@@ -16,7 +15,7 @@ from tqdm.auto import tqdm
 from common import watchdog
 from common.errors import RunStopped
 from common.model import LAYOUTS
-from common.parallel import all_reduce_sum, barrier, gather_objects, request_stop
+from common.parallel import all_reduce_sum, barrier, gather_objects
 from common.parallel import setup_logging as setup_logging  # re-exported for older forks
 from common.perf import PHASES, device_peak, needed_tokens, phase_seconds, update_flops, verdict
 from common.scoring import hit
@@ -30,6 +29,11 @@ MUST_BE_FINITE = (
     "train/loss", "train/grad_norm", "critic/vf_loss", "critic/grad_norm",
 )  # fmt: skip
 ZERO_GRAD_STEPS = 3  # steps in a row without a gradient before the run says it cannot learn
+# The flags common.perf.verdict's advice depends on.
+VERDICT_FLAGS = (
+    "rollout_name", "rollout_placement", "max_staleness", "reward_workers", "use_remove_padding",
+    "micro_batch_size_per_gpu", "gradient_checkpointing", "mixed_precision", "dtype", "lora_rank", "use_torch_compile",
+)  # fmt: skip
 
 
 class NonFiniteError(RunStopped):
@@ -43,32 +47,37 @@ class Tracker:
     def __init__(
         self,
         run_dir,
-        start_step: int = 0,
-        total_steps: int = 0,
-        is_main: bool = True,
-        *,
-        loggers=("console",),
-        project: str = "recipes",
-        experiment: str = "run",
-        config: dict | None = None,
-        bar_keys: tuple[str, ...] = ("train/loss", "reward/mean", "val/accuracy"),
-        log_interval: int = 0,
-        stop_on_nonfinite_reward: bool = False,
-        gap_bound: dict | None = None,
-        perf: dict | None = None,
+        start_step: int,
+        total_steps: int,
+        is_main: bool,
+        trainer,
+        recipe: str,
+        flags: dict,
+        run_info: dict,
+        plan=None,
+        bar_keys=("train/loss", "reward/mean", "val/accuracy"),
     ):
-        self.is_main, self.stop_on_nonfinite_reward = is_main, stop_on_nonfinite_reward
-        self.gap_bound = gap_bound  # RolloutArgs.gap_bound: past it, the run saves and stops (request_stop)
-        self.total_steps, self.start_step, self.log_interval = total_steps, start_step, log_interval
+        """trainer: the trainer group (--logger, --project-name, --experiment-name, --log-interval,
+        --stop-on-nonfinite-reward); flags: every flag by name, which config.json (and wandb) record with the recipe
+        and run_info (common.model.load_trained_model's); plan (an RL run's common.data.BatchPlan): its update is
+        measured (perf/mfu), and the closing verdict advises on the flags it names (VERDICT_FLAGS)."""
+        loggers, experiment = trainer.logger, trainer.experiment_name or recipe
+        self.is_main, self.stop_on_nonfinite_reward = is_main, trainer.stop_on_nonfinite_reward
+        self.total_steps, self.start_step, self.log_interval = total_steps, start_step, trainer.log_interval
         self.t_start, self.last_step = time.time(), start_step
         self.run_dir, self.bar_keys = Path(run_dir), bar_keys
         self.path = self.run_dir / "metrics.jsonl"
-        self.wandb = self.tb = self.bar = None
+        self.loggers = self.bar = None
         self.val_first, self.val_last = {}, {}  # before training (step 0), and the latest
         self.zero_grad_steps, self.warned_zero_grad = 0, False
-        self.perf = _perf_context(perf) if perf and perf.get("flops") else None
-        self.run_facts = (perf or {}).get("run")  # the flags the closing block's advice depends on
+        measured = plan is not None and run_info.get("flops")
+        self.perf = _perf_context({**run_info, "epochs": flags.get("ppo_epochs", 1)}) if measured else None
+        self.run_facts = None  # the flags the closing block's advice depends on
+        if plan is not None:
+            facts = {k: flags.get(k) for k in VERDICT_FLAGS}
+            self.run_facts = {**facts, "device": run_info["device"], "micro_batches": plan.grad_accum}
         self.totals: Counter = Counter()  # every perf/*_s summed over the run, and the work behind the rates
+        config = {**flags, "recipe": recipe, "run": run_info}
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -76,19 +85,11 @@ class Tracker:
         _keep_until(self.path, start_step)
         if self.generations_path.exists():
             _keep_until(self.generations_path, start_step)
-        if config is not None:
-            (self.run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str))
-        if "wandb" in loggers:
-            import wandb
+        (self.run_dir / "config.json").write_text(json.dumps(config, indent=1, default=str))
+        if {"wandb", "tensorboard"} & set(loggers):  # a feature: loaded where --logger asks for it
+            from common.formats.loggers import Loggers
 
-            mode = os.environ.get("WANDB_MODE", "online")  # unless passed, wandb keeps a process's first init's mode
-            self.wandb = wandb.init(
-                project=project, name=experiment, config=config, dir=str(self.run_dir), mode=mode, resume="allow"
-            )
-        if "tensorboard" in loggers:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self.loggers = Loggers(loggers, self.run_dir, trainer.project_name, experiment, config)
         if "console" in loggers:
             self.bar = tqdm(total=total_steps, initial=start_step, desc=experiment, dynamic_ncols=True, file=sys.stderr)
 
@@ -108,14 +109,7 @@ class Tracker:
         if generations and self.is_main:
             with self.generations_path.open("a") as f:
                 f.writelines(json.dumps({"step": step, **g}) + "\n" for g in generations)
-            if self.wandb is not None:
-                import wandb
-
-                columns = list(generations[0])
-                table = wandb.Table(columns=columns, data=[[g[c] for c in columns] for g in generations])
-                self.wandb.log({"val/generations": table}, step=step)
         self._check(metrics, step)
-        self._check_gap(metrics, step)
         val = {k: v for k, v in metrics.items() if k.startswith("val/")}
         if val:
             self.val_last = val
@@ -125,12 +119,8 @@ class Tracker:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, int | float):
-                    self.tb.add_scalar(k, v, step)
+        if self.loggers is not None:
+            self.loggers.log(metrics, step, generations if self.is_main else None)
         if self.log_interval > 0 and step > 0 and (step % self.log_interval == 0 or step == self.total_steps):
             self.write(console_line(record, self.total_steps))
         if self.bar is not None:
@@ -140,23 +130,6 @@ class Tracker:
             if shown:
                 self.bar.set_postfix(shown, refresh=False)
             self.bar.update(max(0, step - self.bar.n))
-
-    def _check_gap(self, metrics: dict, step: int) -> None:
-        """Past gap_bound's mean, the step's trainer-engine gap (rollout/logprob_diff_mean, the same on every rank)
-        means the engine no longer samples what the trainer trains: request_stop (--check warn: a warning)."""
-        bound = self.gap_bound
-        if not bound or "rollout/logprob_diff_max" not in metrics:
-            return
-        largest, mean = metrics["rollout/logprob_diff_max"], metrics["rollout/logprob_diff_mean"]
-        if mean <= bound["mean"]:  # the mean: a step's largest, over every token it sampled, is a poor statistic
-            return
-        message = (
-            f"step {step}: the engine's logprobs of its sampled tokens are {mean:.2g} (mean; {largest:.2g} the "
-            f"largest) from the trainer's (rollout/logprob_diff_*), past the {bound['dtype']} bound {bound['mean']:g}. "
-            f"The engine no longer samples what the trainer trains: check its weight sync and dtype (--dtype, "
-            f"--rollout-name); --check warn goes on"
-        )
-        (log.warning if bound["warn"] else request_stop)(message)
 
     def _add_up(self, metrics: dict) -> None:
         """Sum what the closing block reports: phase seconds, tokens generated and trained, update FLOPs and seconds."""
@@ -226,8 +199,10 @@ class Tracker:
                 "model never produces the answer format the reward function expects, or the reward function "
                 "returns the same value for everything. Read a few responses and their rewards (--reward-fn), or "
                 "start from a model that gets some answers right",
-                step - ZERO_GRAD_STEPS + 1, step, metrics.get("reward/mean"),
-            )  # fmt: skip
+                step - ZERO_GRAD_STEPS + 1,
+                step,
+                metrics.get("reward/mean"),
+            )
 
     def write(self, message: str) -> None:
         """Print above the progress bar (rank 0)."""
@@ -265,10 +240,8 @@ class Tracker:
             return None
         if self.bar is not None:
             self.bar.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-        if self.tb is not None:
-            self.tb.close()
+        if self.loggers is not None:
+            self.loggers.close()
         return plot_curves(self.path, self.run_dir / "curves.png", plot_keys) if plot_keys else None
 
 
@@ -298,7 +271,7 @@ def console_line(record: dict, total_steps: int) -> str:
 def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
     """Step 7's shared metrics of a common.rollout.generate_and_score batch, over every rank: reward/*, response/*,
     verl's critic/advantages/* over response tokens, the phase timings, train/epoch, perf/step_s, perf/tokens_per_s,
-    rollout/weight_version and staleness_*, and the engine's counters (common.remote.RemoteEngines.stats).
+    rollout/weight_version and staleness_*, and the engine's counters (common.serving.remote.RemoteEngines.stats).
     `rewards` (B,) are final, after any shaping; `advantages` (B,) or (B, T). With the trainer's `old_logprobs`
     (B, T), also rollout/logprob_diff_mean and _max: |trainer - engine| over response tokens (none in --bypass-mode)."""
     rows = batch["rows"]
@@ -315,7 +288,7 @@ def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
     metrics["rollout/staleness_max"] = max(p[2] for p in parts)
     metrics.update(batch.get("engine_stats", {}))
     if rows and (rows[0][1].extra_info or {}).get("env"):  # an --env-config run: every rank plays environments
-        from common.envs import env_metrics
+        from common.agents.envs import env_metrics
 
         metrics.update(env_metrics(rows))
     if old_logprobs is not None and old_logprobs is not batch["rollout_logprobs"]:  # bypass: nothing to compare
@@ -325,13 +298,20 @@ def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
     width = lengths.new_tensor(float(batch["attention_mask"].numel()))  # tokens with padding
     sums = torch.stack([lengths.sum(), *needed, batch["response_mask"].sum().double(), width])
     tokens, needed, needed_sq, generated, width = all_reduce_sum(sums).tolist()
-    metrics.update(batch.get("conditioning", {}))  # common.conditioning's, when a knob is on
+    metrics.update(batch.get("conditioning", {}))  # common.shaping.conditioning's, when a knob is on
     metrics.update(batch["timing"])
     metrics["perf/sync_s"] = PHASES.pop("sync", 0.0)  # the engine's weight sync after this step's update
     metrics["perf/padding_share"] = 1 - tokens / width
     seconds = time.time() - batch["started"]  # the step so far: since its generation began
-    metrics.update({"train/epoch": batch["epoch"], "perf/step_s": seconds, "perf/tokens_per_s": tokens / seconds,
-                    "perf/total_num_tokens": tokens, "_sequence_tokens": (tokens, needed, needed_sq)})  # fmt: skip
+    metrics.update(
+        {
+            "train/epoch": batch["epoch"],
+            "perf/step_s": seconds,
+            "perf/tokens_per_s": tokens / seconds,
+            "perf/total_num_tokens": tokens,
+            "_sequence_tokens": (tokens, needed, needed_sq),
+        }
+    )
     if batch["timing"].get("perf/generate_s"):
         metrics["perf/generate_tokens_per_s"] = generated / batch["timing"]["perf/generate_s"]
     packed, total = all_reduce_sum(lengths.new_tensor([LAYOUTS["packed"], LAYOUTS.total()])).tolist()
@@ -346,16 +326,23 @@ def _perf_context(perf: dict) -> dict:
     over each step, ppo_epochs): the FLOP terms, the summed peak of its devices and its source."""
     index = torch.cuda.current_device() if perf["device"] == "cuda" else 0
     peak, source = device_peak(perf["device"], getattr(torch, perf["compute_dtype"]), index)
-    return {"flops": perf["flops"], "epochs": perf.get("epochs", 1), "peak": peak * perf["world_size"],
-            "peak_source": f"{perf['world_size']} x {peak / 1e12:.4g} TFLOP/s ({source})"}  # fmt: skip
+    return {
+        "flops": perf["flops"],
+        "epochs": perf.get("epochs", 1),
+        "peak": peak * perf["world_size"],
+        "peak_source": f"{perf['world_size']} x {peak / 1e12:.4g} TFLOP/s ({source})",
+    }
 
 
 def update_metrics(perf: dict, tokens: float, needed: float, needed_sq: float, update_s: float) -> dict:
     """perf/train_tokens_per_s (sequence tokens through the update, every pass and rank, a second), perf/update_tflop
     (model FLOPs of the work common.perf.needed_tokens counts) and perf/mfu (those a second over all devices' peak)."""
     flops = perf["epochs"] * update_flops(perf["flops"], needed, needed_sq)
-    return {"perf/train_tokens_per_s": perf["epochs"] * tokens / update_s, "perf/update_tflop": flops / 1e12,
-            "perf/mfu": flops / update_s / perf["peak"]}  # fmt: skip
+    return {
+        "perf/train_tokens_per_s": perf["epochs"] * tokens / update_s,
+        "perf/update_tflop": flops / 1e12,
+        "perf/mfu": flops / update_s / perf["peak"],
+    }
 
 
 def advantage_metrics(advantages, response_mask) -> dict:
@@ -381,8 +368,10 @@ def logprob_diff_metrics(trainer, engine, response_mask) -> dict:
     count = sum(p[1] for p in parts)
     if not count:
         return {}
-    return {"rollout/logprob_diff_mean": sum(p[0] for p in parts) / count,
-            "rollout/logprob_diff_max": max(p[2] for p in parts)}  # fmt: skip
+    return {
+        "rollout/logprob_diff_mean": sum(p[0] for p in parts) / count,
+        "rollout/logprob_diff_max": max(p[2] for p in parts),
+    }
 
 
 def _keep_until(path: Path, step: int) -> None:
@@ -452,8 +441,9 @@ def plot_curves(metrics_path, out_path, patterns: tuple[str, ...]) -> Path | Non
         ax.axis("off")
     # Margins in inches, as tight_layout would leave them: measuring every label costs half the plot.
     width, height = fig.get_size_inches()
-    fig.subplots_adjust(left=0.65 / width, right=1 - 0.15 / width, bottom=0.5 / height, top=1 - 0.35 / height,
-                        wspace=0.3, hspace=0.55)  # fmt: skip
+    fig.subplots_adjust(
+        left=0.65 / width, right=1 - 0.15 / width, bottom=0.5 / height, top=1 - 0.35 / height, wspace=0.3, hspace=0.55
+    )
     fig.savefig(out_path, dpi=90)
     plt.close(fig)
     return Path(out_path)
@@ -492,16 +482,17 @@ def describe_run(data_summary: str, total_steps: int, resume_from, model_name: s
     (run_info from common.parallel.sharding_report)."""
     n_params, n_trainable = run_info["params_full"], run_info["params_trainable"]
     return (
-        f"{data_summary}; {total_steps} steps" + (f"; resumed from {resume_from}" if resume_from else "")
+        f"{data_summary}; {total_steps} steps"
+        + (f"; resumed from {resume_from}" if resume_from else "")
         + f"\nmodel {model_name}: {n_params / 1e6:.2f}M params ({n_trainable / 1e6:.2f}M trainable), "
         f"{run_info['strategy']} on {run_info['world_size']} x {run_info['device']}; per process and step "
         f"{plan.local_sequences_per_step} sequences, {plan.mini_batches_per_step} optimizer step(s) of "
         + (f"{plan.grad_accum} micro-batch(es)" if plan.grad_accum else "micro-batches packed by a token budget")
-    )  # fmt: skip
+    )
 
 
 def rollout_is_metrics(weights, response_mask, threshold: float | str) -> dict:
-    """common.correction.rollout_is_metrics, still importable from here for forks of earlier recipes."""
-    from common.correction import rollout_is_metrics as metrics
+    """common.shaping.correction.rollout_is_metrics, still importable from here for forks of earlier recipes."""
+    from common.shaping.correction import rollout_is_metrics as metrics
 
     return metrics(weights, response_mask, threshold)

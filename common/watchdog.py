@@ -127,11 +127,16 @@ def _where() -> dict:
     with _lock:
         wait = _waits[-1] if _waits else None
     return {
-        "rank": _state["rank"], "step": _state["step"], "version": _state["version"], "pid": os.getpid(),
-        "host": os.uname().nodename, "wait": wait and f"{wait.what} (from {wait.caller})",
+        "rank": _state["rank"],
+        "step": _state["step"],
+        "version": _state["version"],
+        "pid": os.getpid(),
+        "host": os.uname().nodename,
+        "wait": wait and f"{wait.what} (from {wait.caller})",
         "waiting_s": wait and round(time.monotonic() - wait.start, 1),
-        "idle_s": round(time.monotonic() - _armed["progress"], 1), "at": time.time(),
-    }  # fmt: skip
+        "idle_s": round(time.monotonic() - _armed["progress"], 1),
+        "at": time.time(),
+    }
 
 
 def report(stack: bool = True) -> str:
@@ -143,8 +148,11 @@ def report(stack: bool = True) -> str:
         waits = [f"  waits in {w.what} since {_ago(w.start)} (from {w.caller})" for w in _waits]
     lines += waits or [f"  in no wait on another process; no progress for {me['idle_s']}s (its stack below)"]
     last = _last_collective[0]
-    lines.append(f"  last collective completed: {last[0]} (from {last[1]}), {_ago(last[2])}" if last else
-                 "  last collective completed: none yet")  # fmt: skip
+    lines.append(
+        f"  last collective completed: {last[0]} (from {last[1]}), {_ago(last[2])}"
+        if last
+        else "  last collective completed: none yet"
+    )
     for name, figures in list(_probes.items()):
         try:
             lines.append(f"  {name}: {figures()}")
@@ -170,10 +178,15 @@ def _peers(rank: int) -> list[str]:
             continue
         if peer["rank"] == rank or peer["at"] < _armed["shared_since"] - 10:  # an earlier run's
             continue
-        where = f"waits in {peer['wait']} for {peer['waiting_s']}s" if peer["wait"] else (
-            f"in no wait; no progress for {peer['idle_s']}s")  # fmt: skip
-        out.append(f"  rank {peer['rank']} (pid {peer['pid']} on {peer['host']}, as of {time.time() - peer['at']:.0f}s "
-                   f"ago): step {peer['step']}, {where}")  # fmt: skip
+        where = (
+            f"waits in {peer['wait']} for {peer['waiting_s']}s"
+            if peer["wait"]
+            else (f"in no wait; no progress for {peer['idle_s']}s")
+        )
+        out.append(
+            f"  rank {peer['rank']} (pid {peer['pid']} on {peer['host']}, as of {time.time() - peer['at']:.0f}s "
+            f"ago): step {peer['step']}, {where}"
+        )
     return out
 
 

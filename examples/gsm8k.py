@@ -52,15 +52,19 @@ def convert(rows: list[dict], file: str, args: Args) -> list[dict]:
         answer = str(get_field(row, args.answer_key, file, i, "answer_key"))
         truth = extract_answer(SOURCE, answer)  # the number after "#### ", as the reward reads a response's
         if truth is None:
-            raise DataError(f"{file} row {i} column {args.answer_key!r}: no final answer after '#### ' in "
-                            f"{answer[-80:]!r}; GSM8K's answers end in '#### N'")  # fmt: skip
-        out.append({
-            "data_source": SOURCE,
-            "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": truth},
-            "extra_info": {"split": args.split, "index": i, "question": question, "answer": answer},
-        })  # fmt: skip
+            raise DataError(
+                f"{file} row {i} column {args.answer_key!r}: no final answer after '#### ' in "
+                f"{answer[-80:]!r}; GSM8K's answers end in '#### N'"
+            )
+        out.append(
+            {
+                "data_source": SOURCE,
+                "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": truth},
+                "extra_info": {"split": args.split, "index": i, "question": question, "answer": answer},
+            }
+        )
     return out
 
 

@@ -35,7 +35,6 @@ Run (the tests run the same commands, shortened):
         --train-files ~/data/gsm8k/train.parquet --val-files ~/data/gsm8k/test.parquet --lr 1e-6
 """
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,43 +42,33 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-import tyro
 
 from common.check import launch_check, prove_resume
 from common.checkpoint import find_resume, resume, save_checkpoint
-from common.config import RLArgs, cli_args, is_due
-from common.data import split_rows, take_rows
+from common.config import RLArgs, cli, engine_sync, is_due, plan_rl_batches
+from common.data import StepPrompts, split_rows, take_rows
 from common.errors import usage_errors
-from common.flags import flag
+from common.flags import flag, flag_values
 from common.model import load_tokenizer, response_logits
-from common.ops import (
-    KLEstimator,
-    agg_loss,
-    kl_from_logits,
-    kl_penalty,
-    logprobs_and_entropy,
-    masked_mean,
-    rollout_correction,
-)
-from common.parallel import (
-    StopSignal,
-    all_reduce_sum,
-    clip_grad_norm,
-    grad_sync,
-    init_distributed,
-)
+from common.ops import KLEstimator, agg_loss, kl_from_logits, kl_penalty, logprobs_and_entropy, masked_mean
+from common.optim import trainable
+from common.parallel import StopSignal, all_reduce_sum, clip_grad_norm, grad_sync, init_distributed
 from common.rewards import start_reward_pool
-from common.rollout import Rollout, load_rl_data, load_rl_models, start_engine
+from common.rollout import Rollout, load_reward_model, load_rl_data, load_rl_models, start_engine, with_agents
 from common.runlock import claim_run_dir
+from common.shaping import condition_advantages, condition_rewards, roll_terms, rollout_correction
 from common.tracking import Tracker, describe_run, step_metrics
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
 PLOTS = ("val/accuracy", "reward/mean", "response/length_mean", "policy/*", "train/grad_norm")  # panels of curves.png
+CHANGED = {  # grpo.py's functions this file changes, with why (tests/test_rl_recipes.py holds the rest to grpo.py's)
+    "compute_loss": "DRO: the policy gradient with a quadratic log-ratio penalty, no clip",
+}
 
 
 # --- config ---------------------------------------------------------------------------------------
 @dataclass
-class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and reward flags come from RLArgs
+class Args(RLArgs):  # the flag groups (args.model, args.data, args.rollout, ...) come from RLArgs
     norm_adv_by_std_in_grpo: bool = True
     """divide by the group std (off: Dr.GRPO)"""
     dro_beta: float = flag(0.05, gt=0)
@@ -99,15 +88,6 @@ class Args(RLArgs):  # model, data, optim, trainer, rollout, validation and rewa
     entropy_coeff: float = flag(0.0, ge=0, note="a negative bonus would reward collapsing the entropy")
     """entropy bonus weight"""
 
-    def update_kwargs(self) -> dict:
-        """update's knobs: the grad clip, the rollout correction, compute_loss's keyword arguments (`loss`), the
-        aggregation and its constant, the KL estimator in the loss (None without --use-kl-loss) and ROLL's loss
-        terms (args.conditioning)."""
-        loss = dict(dro_beta=self.dro_beta, entropy_coeff=self.entropy_coeff, kl_loss_coef=self.kl_loss_coef)
-        return dict(grad_clip=self.optim.grad_clip, rollout_is=self.rollout_is_kwargs(), loss=loss,
-                    agg=dict(mode=self.loss_agg_mode, norm_constant=self.max_response_length),
-                    kl_loss_type=self.kl_loss_type if self.use_kl_loss else None, roll=self.conditioning)  # fmt: skip
-
 
 # --- the algorithm ------------------------------------------------------------------------------------
 def compute_advantages(rewards, group_ids, response_mask, norm_by_std=True, eps=1e-6):
@@ -126,33 +106,29 @@ def compute_advantages(rewards, group_ids, response_mask, norm_by_std=True, eps=
     return scores.unsqueeze(-1) * response_mask
 
 
-def compute_loss(
-    new_logprobs, old_logprobs, advantages, response_mask, agg, *, dro_beta, entropy=None, entropy_coeff=0.0, kl=None,
-    kl_loss_coef=0.0,
-):  # fmt: skip
+def compute_loss(new_logprobs, old_logprobs, advantages, response_mask, agg, args, entropy=None, kl=None):
     """DRO's penalised policy gradient, plus optional KL-to-reference and entropy terms.
 
     All tensors (B, T). Per token
         pg = -A * new + dro_beta / 2 * (new - old)^2
-    loss = agg(pg) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(kl), each agg by common.ops.agg_loss
-    with agg's mode and counts (the whole mini-batch's tokens / sequences); kl is the per-token KL to the
-    reference (update picks its estimator). Returns ({term: value}, metrics): the loss is the terms' sum
-    (ROLL's loss terms, off by default, reweigh them: ConditioningArgs.loss).
+    loss = agg(pg) - args.entropy_coeff * agg(entropy) + args.kl_loss_coef * agg(kl), each agg by
+    common.ops.agg_loss with agg's mode and counts (the whole mini-batch's tokens / sequences); kl is the per-token
+    KL to the reference (update picks its estimator). Returns ({term: value}, metrics): the loss is the terms' sum.
     """
     mask = response_mask
     log_ratio = new_logprobs - old_logprobs  # DRO: no ratio, so nothing to guard
-    pg = -advantages * new_logprobs + dro_beta / 2 * log_ratio**2
+    pg = -advantages * new_logprobs + args.dro_beta / 2 * log_ratio**2
     terms = {"pg": agg_loss(pg, mask, **agg)}
     metrics = {
         "policy/pg_loss": terms["pg"].detach(),
         "policy/approx_kl": masked_mean(-log_ratio.detach(), mask),
     }
     if entropy is not None:
-        if entropy_coeff:
-            terms["entropy"] = -entropy_coeff * agg_loss(entropy, mask, **agg)
+        if args.entropy_coeff:
+            terms["entropy"] = -args.entropy_coeff * agg_loss(entropy, mask, **agg)
         metrics["policy/entropy"] = masked_mean(entropy.detach(), mask)
     if kl is not None:
-        terms["kl"] = kl_loss_coef * agg_loss(kl, mask, **agg)
+        terms["kl"] = args.kl_loss_coef * agg_loss(kl, mask, **agg)
         metrics["policy/kl_ref"] = masked_mean(kl.detach(), mask)
     return terms, metrics
 
@@ -174,14 +150,16 @@ def forward_logprobs(model, batch, rows, plan, with_entropy=False, kl_ref=None):
 
 
 @torch.no_grad()
-def old_ref_logprobs(model, ref, batch, plan, source, with_ref):
-    """Step 4, in micro-batches. Old logprobs (source: RLArgs.old_logprobs_from) from a pass when
+def old_ref_logprobs(model, ref, batch, plan, source, args):
+    """Step 4, in micro-batches. Old logprobs (source: common.config.Sync.old_logprobs) from a pass when
     they are needed before the update or set against the engine's ("pass"), or when the policy
     moves before a sample is used (several mini-batches or epochs); otherwise the update pass's
     detached logprobs are exact. "engine" (--bypass-mode) takes the engine's logprobs as the old
-    ones, with no pass. Reference logprobs when a KL term estimates from them (with_ref; under
-    LoRA the reference is the policy with its adapter off: common.model.AdapterOff)."""
+    ones, with no pass. Reference logprobs when the KL term estimates from them (--use-kl-loss, but
+    for --kl-loss-type full; under LoRA the reference is the policy with its adapter off:
+    common.model.AdapterOff)."""
     t, old_logprobs, ref_logprobs = time.time(), None, None
+    with_ref = args.use_kl_loss and args.kl_loss_type != "full"  # a KL estimated from the sampled tokens
     micro = split_rows(batch, **plan.micro)
     order = torch.cat(micro).argsort()  # micro-batches may be length-sorted: back to row order
     if source == "engine":  # the engine's logprobs are the old policy: no pass
@@ -194,21 +172,20 @@ def old_ref_logprobs(model, ref, batch, plan, source, with_ref):
     return old_logprobs, ref_logprobs
 
 
-def update(
-    policy, ref, plan, batch, advantages, loss_mask, old_logprobs, ref_logprobs, *, grad_clip, loss, agg, kl_loss_type,
-    rollout_is, roll,
-):  # fmt: skip
-    """Step 6: plan.epochs x mini-batches x micro-batches, one optimizer step per mini-batch; then
-    one lr-schedule step (knobs: Args.update_kwargs). The rollout correction (rollout_is, off by
-    default) weighs each token's advantage by the truncated pi_old / pi_rollout, and its rejection
-    drops the tokens it rejects from the loss mask. The KL in the loss (kl_loss_type, None without
-    --use-kl-loss) is estimated from step 4's ref_logprobs; full runs the reference (ref) on each
-    micro-batch for the exact KL instead. roll: ROLL's loss terms around compute_loss's (off by default)."""
+def update(policy, ref, plan, batch, advantages, loss_mask, old_logprobs, ref_logprobs, args):
+    """Step 6: plan.epochs x mini-batches x micro-batches, one optimizer step per mini-batch; then one lr-schedule
+    step. The rollout correction (args.correction, off by default) weighs each token's advantage by the truncated
+    pi_old / pi_rollout, and its rejection drops the tokens it rejects from the loss mask. The KL in the loss
+    (--use-kl-loss) is estimated from step 4's ref_logprobs by --kl-loss-type; full runs the reference (ref) on
+    each micro-batch for the exact KL instead. ROLL's loss terms (args.conditioning, off by default) reweigh
+    compute_loss's before they are summed into the loss backward() sees."""
     model, optimizer, scheduler = policy
-    kl_ref = ref if kl_loss_type == "full" else None  # the exact KL: the reference on each micro-batch
-    is_weights, loss_mask, is_metrics = rollout_correction(old_logprobs, batch["rollout_logprobs"], loss_mask,
-                                                           advantages, **rollout_is)  # fmt: skip
+    kl_type = args.kl_loss_type if args.use_kl_loss else None  # the KL term's estimator; None: no KL term
+    kl_ref = ref if kl_type == "full" else None  # the exact KL: the reference on each micro-batch
+    correction = rollout_correction(old_logprobs, batch["rollout_logprobs"], loss_mask, advantages, args.correction)
+    is_weights, loss_mask, is_metrics = correction
     advantages = advantages * is_weights  # the advantages themselves when the correction is off
+    agg = dict(mode=args.loss_agg_mode, norm_constant=args.rollout.max_response_length)
     t, stats, grad_norms, loss_sum = time.time(), [], [], 0.0
     for _ in range(plan.epochs):
         for mini in plan.mini_batches(batch["group_ids"]):  # this rank's rows of each (--shuffle-mini-batches)
@@ -222,17 +199,18 @@ def update(
                     new_logprobs, entropy, full_kl = forward_logprobs(model, batch, rows, plan, True, kl_ref)
                     # On-policy (one mini-batch, one epoch): old = new at unchanged weights, ratio 1.
                     old = old_logprobs[rows] if old_logprobs is not None else new_logprobs.detach()
-                    estimated = kl_loss_type not in (None, "full")  # else the exact KL, or none
-                    kl = kl_penalty(new_logprobs, ref_logprobs[rows], kl_loss_type) if estimated else full_kl
-                    terms, metrics = compute_loss(new_logprobs, old, advantages[rows], loss_mask[rows], whole,
-                                                  entropy=entropy, kl=kl, **loss)  # fmt: skip
-                    loss_mb = roll.loss(terms, metrics, new_logprobs, old, advantages[rows], loss_mask[rows], whole,
-                                        batch["rewards"][rows])  # ROLL's loss terms; else the terms' sum  # fmt: skip
+                    estimated = kl_type not in (None, "full")  # else the exact KL, or none
+                    kl = kl_penalty(new_logprobs, ref_logprobs[rows], kl_type) if estimated else full_kl
+                    adv, mask, rewards = advantages[rows], loss_mask[rows], batch["rewards"][rows]
+                    terms, metrics = compute_loss(new_logprobs, old, adv, mask, whole, args, entropy, kl)
+                    # ROLL's loss terms reweigh and extend compute_loss's (off by default: the same terms)
+                    terms = roll_terms(terms, metrics, new_logprobs, old, adv, mask, whole, rewards, args.conditioning)
+                    loss_mb = sum(terms.values())
                     # DDP and FSDP2 average gradients over ranks; the loss is already a global mean.
                     (loss_mb * plan.world_size).backward()
                 stats.append((batch["response_mask"][rows].sum().item(), {k: float(v) for k, v in metrics.items()}))
                 loss_sum += loss_mb.item()
-            grad_norms.append(clip_grad_norm(model, grad_clip))
+            grad_norms.append(clip_grad_norm(model, args.optim.grad_clip))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     weight = sum(w for w, _ in stats) or 1.0
@@ -249,59 +227,65 @@ def update(
 # --- main ---------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     # Setup: process group; batch arithmetic and flags checked before anything loads.
-    dist = init_distributed(args.wait_timeout, args.seed)  # seeded seed + rank: ranks sample different responses
-    plan, run_dir = args.batch_plan(dist.world_size), claim_run_dir(args.run_dir(RECIPE), dist, args.force_unlock)
+    dist = init_distributed(args.trainer.wait_timeout, args.trainer.seed)  # seed + rank: ranks sample differently
+    plan = plan_rl_batches(args.data, args.actor, args.rollout, dist.world_size)
+    run_dir = claim_run_dir(args.trainer.run_dir(RECIPE), dist, args.trainer.force_unlock)
+    flags = flag_values(args)  # every flag by its name: what a checkpoint records and a resume compares
 
     # Data, the run to resume and rewards (a reward dry run), then the models, engine and optimizer.
-    tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
-    train, stats, val = load_rl_data(args.train_files, args.val_files, tokenizer, **args.data_kwargs())
-    total_steps = args.total_steps(len(train))
-    checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps, flags=dataclasses.asdict(args))
-    pool = start_reward_pool(**args.reward_kwargs(run_dir, tokenizer, train + val))
-    resumed = prove_resume(args.check, dist)  # --check full: save, resume, a step, in child runs of this command
-    model, ref, reward_model, run_info = load_rl_models(args.model, dist, tokenizer, **args.model_kwargs())
-    policy = args.optim.trainable(model, total_steps)  # the policy with its AdamW and lr schedule
+    tokenizer = load_tokenizer(args.model.tokenizer or args.model.path, args.model.trust_remote_code)
+    train, stats, val = load_rl_data(args.data, tokenizer, args.reward, args.agent, args.env, args.conditioning)
+    total_steps = args.trainer.total_steps(len(train) // args.data.train_batch_size)
+    checkpoint = find_resume(args.trainer.resume, run_dir, RECIPE, total_steps, flags)
+    pool = start_reward_pool(args.reward, args.agent, args.env, args.data, run_dir, tokenizer, train + val)
+    resumed = prove_resume(args.trainer.check, dist)  # --check full: save, resume, a step, in child runs
+    model, ref, run_info = load_rl_models(args.model, dist, with_reference=args.use_kl_loss)  # GRPO: KL in the loss
+    reward_model = load_reward_model(args.reward, args.model, tokenizer, dist, args.actor.micro_batch_size_per_gpu)
+    policy = trainable(model, args.optim, total_steps)  # the policy with its AdamW and lr schedule
     state = resume(checkpoint, policy, dist=dist)  # the trainer state: step 0, or the checkpoint's
-    engine = start_engine(model, tokenizer, dist, state["step"], **args.engine_kwargs(train, total_steps, pool))
-    rollout = Rollout(train, val, engine, pool, tokenizer, dist, reward_model=reward_model, **args.rollout_kwargs())
-    tracker = Tracker(run_dir, state["step"], total_steps, dist.is_main, **args.tracker_kwargs(RECIPE, run_info))
-    tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
-    check = launch_check(args.check, model, engine, rollout, tracker, resumed, **args.check_kwargs(state["step"]))
-    if state["step"] == 0 and val and args.val_before_train:
+    prompts = StepPrompts(train, args.data, args.trainer.seed, total_steps)  # each step's rows, in a seeded order
+    engine = start_engine(model, tokenizer, dist, state["step"], args.model, args.rollout, args.placement, prompts)
+    engine = with_agents(engine, tokenizer, pool, args.agent, args.env, prompts.max_length)  # tools, environments
+    rollout = Rollout(prompts, val, engine, pool, tokenizer, dist, args.rollout.sampling, args.validation, reward_model)
+    tracker = Tracker(run_dir, state["step"], total_steps, dist.is_main, args.trainer, RECIPE, flags, run_info, plan)
+    tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model.path, run_info, plan))
+    sync = engine_sync(args.model, args.rollout, args.placement, args.correction)
+    check = launch_check(args.trainer.check, model, engine, rollout, tracker, resumed, sync)
+    if state["step"] == 0 and val and args.trainer.val_before_train:
         tracker.log(rollout.validate(), step=0)
     stop = StopSignal(dist)  # SIGUSR1 / SIGTERM (Slurm, before the time limit): save after this step, exit 0
     for step in stop.steps(state["step"], total_steps):  # to the end, or the step a stop signal came in
         # 1-3. sample prompts (this rank's share), generate rollout_n responses each, score them
         batch = rollout.step(step)
         rewards, group_ids, mask = batch["rewards"], batch["group_ids"], batch["response_mask"].float()  # B, B, B x T
-        rewards = args.conditioning.rewards(rewards, batch, state)  # ROLL's knobs (off by default)
+        rewards = condition_rewards(rewards, batch, state, args.conditioning)  # ROLL's knobs (off by default)
 
         # 4. old / ref logprobs
-        old_logprobs, ref_logprobs = old_ref_logprobs(model, ref, batch, plan, args.old_logprobs_from, args.ref_pass)
+        old_logprobs, ref_logprobs = old_ref_logprobs(model, ref, batch, plan, sync.old_logprobs, args)
 
         # 5. advantages: standardised within each prompt's group; then ROLL's conditioning
         advantages = compute_advantages(rewards, group_ids, mask, norm_by_std=args.norm_adv_by_std_in_grpo)
-        advantages = args.conditioning.advantages(advantages, mask, batch)
+        advantages = condition_advantages(advantages, mask, batch, args.conditioning)
 
         # 6. update (with the rollout correction, if asked), then hand the new weights to the engine
-        metrics = update(policy, ref, plan, batch, advantages, mask, old_logprobs, ref_logprobs, **args.update_kwargs())
+        metrics = update(policy, ref, plan, batch, advantages, mask, old_logprobs, ref_logprobs, args)
         engine.update_weights(step + 1)
 
         # 7. log
         metrics.update(step_metrics(batch, rewards, advantages, old_logprobs))
-        metrics.update(check.during(step + 1, stop))  # --check-freq: the engine still serves the trainer's weights
+        metrics.update(check.during(step + 1, stop, metrics))  # --check-freq: the engine still serves the trainer
 
         # 8. validate / save (and, after a stop signal, save and end the run here)
-        if val and is_due(step + 1, args.test_freq, total_steps):
+        if val and is_due(step + 1, args.trainer.test_freq, total_steps):
             metrics.update(rollout.validate())
         tracker.log(metrics, step=step + 1)
-        if stop.requested() or is_due(step + 1, args.save_freq, total_steps):  # every rank stops together
-            save_checkpoint(run_dir, step + 1, policy, dist=dist, tokenizer=tokenizer, **args.save_kwargs(RECIPE),
-                            trainer_state=dict(epoch=batch["epoch"], reward_stats=state.get("reward_stats")))  # fmt: skip
+        if stop.requested() or is_due(step + 1, args.trainer.save_freq, total_steps):  # every rank stops together
+            trainer_state = dict(epoch=batch["epoch"], reward_stats=state.get("reward_stats"))
+            save_checkpoint(run_dir, step + 1, policy, dist, tokenizer, RECIPE, args.trainer, flags, trainer_state)
     pool.close()
     return tracker.finish(PLOTS, stopped=stop.stopping, failure=stop.failure)
 
 
 if __name__ == "__main__":
     with usage_errors():  # a bad flag, path or file: one line naming it, exit status 2
-        main(tyro.cli(Args, args=cli_args(Args, "grpo", loss_mode="dro")))  # verl's key=value arguments work too
+        main(cli(Args, RECIPE, "grpo", loss_mode="dro"))  # verl's key=value arguments work too

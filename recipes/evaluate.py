@@ -39,14 +39,13 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import tyro
 from tqdm.auto import tqdm
 
-from common.config import check_flags, cli_args
+from common.config import check_flags, cli
 from common.errors import UsageError, usage_errors
 from common.flags import flag
 from common.parallel import setup_logging
-from common.rewards import Scored, start_reward_pool
+from common.rewards import Scored, reward_pool
 from common.runlock import claim_output
 from common.scoring import extract_answer, hit
 
@@ -136,7 +135,7 @@ def summarise(prompts: list[dict], n: int) -> dict:
     if reasons:
         out["truncated_fraction"] = reasons.count("length") / len(reasons)
     out["scoring_failures"] = sum(p["failed"] for p in prompts)
-    played = [e for p in prompts for e in p.get("env") or []]  # environment trajectories (common.env_manager)
+    played = [e for p in prompts for e in p.get("env") or []]  # environment trajectories (common.agents.env_manager)
     for key in ("steps", "format_errors", "invalid_actions") if played else ():
         out[f"{key}_mean"] = sum(e[key] for e in played) / len(played)
     if played:
@@ -170,7 +169,7 @@ def read_rows(data_path: str, response_key: str, data_source_key: str, reward_mo
     named by the --*-key flags. Every row must hold a list of the same number of response strings."""
     from common.data import DataError, get_field, has_column, read_rows
 
-    (file, rows), = read_rows([data_path], "data_path")  # fmt: skip
+    ((file, rows),) = read_rows([data_path], "data_path")
     if not has_column(rows, response_key):
         raise DataError(
             f"{file}: no column {response_key!r} (it has {sorted(rows[0])}); generate responses with "
@@ -191,18 +190,23 @@ def read_rows(data_path: str, response_key: str, data_source_key: str, reward_mo
         reward = get_field(row, reward_model_key, file, i, "reward_model_key") if reward_model_key in row else None
         ids, reasons = row.get("response_ids"), row.get("finish_reasons")
         added = read_added(row.get("response_extra_info"), n, file, i)
-        parsed.append({
-            "data_source": str(get_field(row, data_source_key, file, i, "data_source_key")),
-            "ground_truth": reward.get("ground_truth") if isinstance(reward, dict) else None,
-            "extra_infos": [row.get("extra_info") if x is None else {**(row.get("extra_info") or {}), **x}
-                            for x in added],
-            "responses": responses,
-            "lengths": [len(x) for x in ids] if isinstance(ids, list) and len(ids) == n else [len(x) for x in responses],
-            "length_unit": "tokens" if isinstance(ids, list) and len(ids) == n else "chars",
-            "reasons": reasons if isinstance(reasons, list) and len(reasons) == n else [],
-            "file": file,
-            "row": i,
-        })  # fmt: skip
+        parsed.append(
+            {
+                "data_source": str(get_field(row, data_source_key, file, i, "data_source_key")),
+                "ground_truth": reward.get("ground_truth") if isinstance(reward, dict) else None,
+                "extra_infos": [
+                    row.get("extra_info") if x is None else {**(row.get("extra_info") or {}), **x} for x in added
+                ],
+                "responses": responses,
+                "lengths": [len(x) for x in ids]
+                if isinstance(ids, list) and len(ids) == n
+                else [len(x) for x in responses],
+                "length_unit": "tokens" if isinstance(ids, list) and len(ids) == n else "chars",
+                "reasons": reasons if isinstance(reasons, list) and len(reasons) == n else [],
+                "file": file,
+                "row": i,
+            }
+        )
         parsed[-1]["extra_info"] = parsed[-1]["extra_infos"][0]  # what the reward dry run scores
     return parsed, n
 
@@ -232,15 +236,25 @@ def score_all(args: Args, parsed: list[dict], tasks: list[tuple], out_json: Path
     pool, after its dry run, a chunk at a time for the progress bar."""
     played = all(isinstance(x, dict) and "env" in x for *_, x in tasks)  # generate.py --env-config: scored as played
     if played and args.reward_fn:
-        raise UsageError(f"--reward-fn: {args.data_path} holds trajectories played in environments, which score "
-                         f"their own return; drop the flag")  # fmt: skip
+        raise UsageError(
+            f"--reward-fn: {args.data_path} holds trajectories played in environments, which score "
+            f"their own return; drop the flag"
+        )
     if played:
         results = [x["env"] for *_, x in tasks]
-        parts = [Scored([e["return"] for e in results], [{"acc": float(e["success"])} for e in results],
-                        ok=[True] * len(results), preds=[None] * len(results))]  # fmt: skip
+        parts = [
+            Scored(
+                [e["return"] for e in results],
+                [{"acc": float(e["success"])} for e in results],
+                ok=[True] * len(results),
+                preds=[None] * len(results),
+            )
+        ]
     else:  # score every response, a chunk at a time for the progress bar
-        pool = start_reward_pool(args.reward_fn, workers=args.reward_workers, timeout=args.reward_timeout,
-                                 dry_run_rows=parsed, log_path=out_json.with_suffix(".reward_workers.log"))  # fmt: skip
+        log_path = out_json.with_suffix(".reward_workers.log")
+        pool = reward_pool(args.reward_fn, args.reward_workers, args.reward_timeout, log_path)
+        if parsed:
+            pool.dry_run(parsed)  # each data_source's first rows, before the whole file
         parts, step = [], 1024
         with tqdm(total=len(tasks), unit="response", desc="score") as bar:
             for start in range(0, len(tasks), step):
@@ -269,12 +283,18 @@ def main(args: Args) -> dict:
     prompts = []
     for i, p in enumerate(parsed):
         span = range(i * n, (i + 1) * n)
-        prompts.append(dict(
-            p, scores=[scored.scores[j] for j in span],
-            correct=[bool(hit(scored.scores[j], scored.extras[j])) for j in span],
-            answers=[preds[j] if preds[j] is not None else extract_answer(p["data_source"], tasks[j][1]) for j in span],
-            failed=sum(not ok[j] for j in span), env=[tasks[j][3]["env"] for j in span] if played else None,
-        ))  # fmt: skip
+        prompts.append(
+            dict(
+                p,
+                scores=[scored.scores[j] for j in span],
+                correct=[bool(hit(scored.scores[j], scored.extras[j])) for j in span],
+                answers=[
+                    preds[j] if preds[j] is not None else extract_answer(p["data_source"], tasks[j][1]) for j in span
+                ],
+                failed=sum(not ok[j] for j in span),
+                env=[tasks[j][3]["env"] for j in span] if played else None,
+            )
+        )
     results = {"all": summarise(prompts, n)}
     results["all"].update(errors=scored.errors, timeouts=scored.timeouts, nonfinite=scored.nonfinite)
     for source in sorted({p["data_source"] for p in prompts}):
@@ -301,4 +321,4 @@ def main(args: Args) -> dict:
 
 if __name__ == "__main__":
     with usage_errors():  # a bad flag, path or file: one line naming it, exit status 2
-        main(tyro.cli(Args, args=cli_args(Args)))  # verl's main_eval keys work too
+        main(cli(Args, RECIPE))  # verl's main_eval keys work too

@@ -4,7 +4,7 @@ The output holds every row of the input file, every column kept, plus three colu
     responses       n strings: the decoded responses (special tokens dropped)
     response_ids    n token-id lists, for training on them (best-of-n, rejection-sampled SFT)
     finish_reasons  n of "stop" (an eos token) or "length" (--max-response-length reached)
-Rows with agent_name tool_agent run through the agent loop (common.agent) with --tool-config and
+Rows with agent_name tool_agent run through the agent loop (common.agents.agent) with --tool-config and
 --interaction-config, as in training: their response is the whole conversation after the prompt,
 tool results included. Then a fourth column, response_extra_info, holds n JSON strings of what
 the conversation adds to the row's extra_info for the reward (verl's num_turns and
@@ -12,7 +12,7 @@ rollout_reward_scores; "null" for other rows), and recipes/evaluate.py scores wi
 With --env-config there is no input file: it plays --env-val-seeds held-out seeds of every tag
 (the seeds training validates on), each row a tag (data_source), its env_seed and its prompt (the
 first observation), and response_extra_info holds each trajectory's return, success and counts
-(common.env_manager), which recipes/evaluate.py reports per tag.
+(common.agents.env_manager), which recipes/evaluate.py reports per tag.
 Prompts go through the model's chat template and --max-prompt-length exactly as in training
 (--truncation; rows dropped by --filter-overlong-prompts are counted and left out of the output).
 
@@ -40,14 +40,15 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Literal
 
 import torch
-import tyro
+from tyro.conf import OmitArgPrefixes
 
-from common.config import BUNDLED, AgentArgs, EngineArgs, EnvPlayArgs, WaitArgs, check_flags, cli_args
+from common.config import BUNDLED, AgentArgs, EngineArgs, EnvPlayArgs, WaitArgs, check_flags, cli, group
 from common.errors import UsageError, usage_errors
 from common.flags import flag, flag_values
 from common.parallel import barrier, init_distributed
@@ -64,7 +65,7 @@ OUTPUT_FLAGS = ("data_path", "prompt_key", "n_samples", "batch_size", "model", "
 
 # --- config ---------------------------------------------------------------------------------------
 @dataclass
-class Args(EngineArgs, WaitArgs):  # the engines' flags; the agent loop's and the environments' are groups
+class Args(WaitArgs):  # generate.py's own knobs; the engine's, the agent loop's and the environments' are groups
     data_path: str = str(BUNDLED / "addition" / "test.parquet")
     """input in verl's format (a prompt column; other columns are copied to the output): parquet, JSON / JSONL, CSV,
     Arrow, a save_to_disk folder or a dataset's name, as --train-files takes them"""
@@ -114,10 +115,12 @@ class Args(EngineArgs, WaitArgs):  # the engines' flags; the agent loop's and th
     """drop (and count) prompts longer than max_prompt_length instead of truncating / failing"""
     seed: int = flag(1, ge=0)
     """seed for sampling (chunk c is sampled from seed and c)"""
-    agent: Annotated[AgentArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=AgentArgs)
-    """multi-turn conversations: tools and interactions (common.agent), off without --tool-config"""
-    env: Annotated[EnvPlayArgs, tyro.conf.OmitArgPrefixes] = field(default_factory=EnvPlayArgs)
-    """Gymnasium environments played instead of --data-path's prompts (common.envs), off without --env-config"""
+    engine: Annotated[EngineArgs, OmitArgPrefixes] = group(EngineArgs)
+    """the engine that samples: transformers' generate or vLLM (common.rollout.local_engine)"""
+    agent: Annotated[AgentArgs, OmitArgPrefixes] = group(AgentArgs)
+    """multi-turn conversations: tools and interactions (common.agents.agent), off without --tool-config"""
+    env: Annotated[EnvPlayArgs, OmitArgPrefixes] = group(EnvPlayArgs)
+    """Gymnasium environments played instead of --data-path's prompts (common.agents.envs), off without --env-config"""
 
     def __post_init__(self):  # checked as the flags are parsed, before anything loads
         check_flags(self)
@@ -171,16 +174,21 @@ def write_chunk(parts: Path, c: int, rows: list[dict], groups, tokenizer) -> Non
 
     own = {}  # an environment's rows come from no file: they carry what they are
     if rows and rows[0].get("agent_name") == "env":
-        own = {"data_source": [r["data_source"] for r in rows], "env_seed": [r["env_seed"] for r in rows],
-               "prompt": [r["messages"] for r in rows]}  # fmt: skip
-    table = pa.table({
-        "row": [r["row"] for r in rows],
-        **own,
-        "responses": [tokenizer.batch_decode([x.token_ids for x in g], skip_special_tokens=True) for g in groups],
-        "response_ids": [[x.token_ids for x in g] for g in groups],
-        "finish_reasons": [[x.finish_reason for x in g] for g in groups],
-        "response_extra_info": [[json.dumps(x.extra_info) for x in g] for g in groups],
-    })  # fmt: skip
+        own = {
+            "data_source": [r["data_source"] for r in rows],
+            "env_seed": [r["env_seed"] for r in rows],
+            "prompt": [r["messages"] for r in rows],
+        }
+    table = pa.table(
+        {
+            "row": [r["row"] for r in rows],
+            **own,
+            "responses": [tokenizer.batch_decode([x.token_ids for x in g], skip_special_tokens=True) for g in groups],
+            "response_ids": [[x.token_ids for x in g] for g in groups],
+            "finish_reasons": [[x.finish_reason for x in g] for g in groups],
+            "response_extra_info": [[json.dumps(x.extra_info) for x in g] for g in groups],
+        }
+    )
     tmp = parts / f"chunk_{c:06d}.parquet.tmp"
     pq.write_table(table, tmp)
     os.replace(tmp, parts / f"chunk_{c:06d}.parquet")
@@ -200,7 +208,7 @@ def merge_parts(parts: Path, n_chunks: int, data_path: str | None, out: Path) ->
     elif Path(data_path).suffix == ".parquet":
         table = pq.read_table(Path(data_path).expanduser()).take(done.column("row"))
     else:  # JSON / JSONL, CSV, Arrow, a save_to_disk folder, a dataset's name: as datasets holds it
-        from common.sources import open_source
+        from common.formats.sources import open_source
 
         table = open_source(data_path, "data_path").data.table.take(done.column("row"))
     agent = any(x != "null" for group in done.column("response_extra_info").to_pylist() for x in group)
@@ -216,29 +224,40 @@ def merge_parts(parts: Path, n_chunks: int, data_path: str | None, out: Path) ->
     shutil.rmtree(parts)
     lengths = [len(ids) for group in done.column("response_ids").to_pylist() for ids in group]
     reasons = [r for group in done.column("finish_reasons").to_pylist() for r in group]
-    return {"rows": table.num_rows, "responses": len(lengths), "length_mean": sum(lengths) / max(len(lengths), 1),
-            "truncated": reasons.count("length") / max(len(reasons), 1)}  # fmt: skip
+    return {
+        "rows": table.num_rows,
+        "responses": len(lengths),
+        "length_mean": sum(lengths) / max(len(lengths), 1),
+        "truncated": reasons.count("length") / max(len(reasons), 1),
+    }
 
 
 def read_rows(args: Args, tokenizer) -> tuple[list[dict], str]:
     """The rows to generate for, and a line saying what they are: the prompts of --data-path (checked
     and templated as training does), or with --env-config every tag's held-out seeds, as training
-    validates on (common.envs.env_rows)."""
-    from common.envs import env_rows
-    from common.prompt_cache import load_prompts  # a small parquet file in process; a large input kept on disk
-    from common.tools import check_agent_rows
+    validates on (common.agents.envs.env_rows)."""
+    from common.agents.envs import env_rows, env_tags
+    from common.agents.tools import check_rows, read_tool_config
+    from common.formats.prompt_cache import load_prompts  # a small parquet file in process; a large input kept on disk
 
     if (env := args.env).env_config:
-        tags = env.env_tag_list()
+        tags = env_tags(env)
         rows = env_rows(env.env_config, tags, [1] * len(tags), len(tags), env.env_val_seeds)[2]
         return rows, f"env_config: {env.env_val_seeds} held-out seeds of each of {', '.join(tags)}"
-    rows, stats = load_prompts([args.data_path], tokenizer, prompt_key=args.prompt_key, what="data_path",
-                               max_prompt_length=args.max_prompt_length, truncation=args.truncation,
-                               filter_overlong_prompts=args.filter_overlong_prompts,
-                               tools=args.agent.tool_schemas())  # fmt: skip
-    if stats.agent_rows or args.agent.tool_config or args.agent.interaction_config:
-        rows = list(rows)  # check_agent_rows fills in each row's interaction_kwargs
-        check_agent_rows(rows, args.agent.tool_schemas(), args.agent.interaction_names(), args.agent.tool_class_names())
+    tools = read_tool_config(args.agent.tool_config).schemas if args.agent.tool_config else None
+    rows, stats = load_prompts(
+        [args.data_path],
+        tokenizer,
+        prompt_key=args.prompt_key,
+        what="data_path",
+        max_prompt_length=args.max_prompt_length,
+        truncation=args.truncation,
+        filter_overlong_prompts=args.filter_overlong_prompts,
+        tools=tools,
+    )
+    if stats.agent_rows or args.agent.on:
+        rows = list(rows)  # check_rows fills in each row's interaction_kwargs
+        check_rows(rows, args.agent)
     return rows, stats.summary("data_path")
 
 
@@ -246,12 +265,13 @@ def read_rows(args: Args, tokenizer) -> tuple[list[dict], str]:
 def main(args: Args) -> dict:
     from tqdm.auto import tqdm
 
+    from common.agents.envs import start_env_pool
+    from common.agents.tools import start_agent_pools
     from common.engines import Sampling
     from common.model import load_policy, load_tokenizer
-    from common.rewards import start_agent_pools, start_env_pool
-    from common.rollout import sample, start_engine
+    from common.rollout import local_engine, sample, with_agents
 
-    dist = init_distributed(args.wait_timeout)
+    dist = init_distributed(args.wait_timeout, args.seed)
     out = claim_output(args.output(), dist, args.force_unlock)  # one live run per output file
     parts = out.with_name(out.name + ".parts")
 
@@ -266,15 +286,16 @@ def main(args: Args) -> dict:
         print(described)
         if done:
             print(f"resuming: {len(done)} of {len(chunks)} chunks already in {parts}")
-    model = None if args.rollout_name != "hf" else load_policy(  # vLLM loads the checkpoint itself
-        args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code).to(dist.device)  # fmt: skip
-    agent, env, lengths = args.agent, args.env, (args.max_prompt_length, args.max_response_length)
-    pools = start_agent_pools(agent.tool_config, agent.interaction_config, workers=2, timeout=agent.tool_timeout)
-    if env.env_config:  # the environments' workers, checked on the rows to play
-        pools += (start_env_pool(**env.env_pool_kwargs(lengths[0]), rows=rows, tokenizer=tokenizer),)
-    # Each process generates its own chunks, as many as it has: no lockstep.
-    loop = env.env_kwargs(pools[-1], *lengths, lockstep=False) or agent.agent_kwargs(*pools[:2], lengths[1], False)
-    engine = start_engine(model, tokenizer, dist, **args.engine_kwargs(args.batch_size), **loop)
+    checkpoint, model = (args.model, args.dtype, args.trust_remote_code), None  # vLLM loads the checkpoint itself
+    if args.engine.rollout_name == "hf":
+        model = load_policy(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code).to(dist.device)
+    env, max_model_len = args.env, args.max_prompt_length + args.max_response_length
+    pools = SimpleNamespace(envs=None)  # the tools' and interactions' workers; the environments' (on these rows)
+    pools.tools, pools.interactions = start_agent_pools(args.agent, workers=2)
+    if env.env_config:
+        pools.envs = start_env_pool(env, args.max_prompt_length, rows, tokenizer)
+    engine = local_engine(model, tokenizer, dist, args.engine, *checkpoint, max_model_len, args.batch_size)
+    engine = with_agents(engine, tokenizer, pools, args.agent, env, args.max_prompt_length, lockstep=False)  # alone
     temperature = args.temperature if args.do_sample else 0.0  # 0 is greedy, however it was asked for
     sampling = Sampling(args.n_samples, temperature, args.top_p, args.top_k, args.max_response_length)
 
@@ -290,7 +311,7 @@ def main(args: Args) -> dict:
             write_chunk(parts, c, batch, groups, tokenizer)
             bar.update(len(chunks[c]))
     barrier()
-    for pool in pools:
+    for pool in (pools.tools, pools.interactions, pools.envs):
         if pool is not None:
             pool.close()
     summary = {"prompts_per_s": mine * dist.world_size / max(time.time() - t0, 1e-9)}
@@ -306,4 +327,4 @@ def main(args: Args) -> dict:
 
 if __name__ == "__main__":
     with usage_errors():  # a bad flag, path or file: one line naming it, exit status 2
-        main(tyro.cli(Args, args=cli_args(Args)))  # verl's main_generation keys work too
+        main(cli(Args, RECIPE))  # verl's main_generation keys work too

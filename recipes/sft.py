@@ -17,25 +17,24 @@ Run (the tests run the same commands, shortened):
         --train-files ~/data/gsm8k/train.parquet --response-key extra_info.answer --lr 1e-5
 """
 
-import dataclasses
 import time
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
 import torch
-import tyro
+from tyro.conf import OmitArgPrefixes
 
 from common.check import prove_resume, trainer_check
 from common.checkpoint import find_resume, resume, save_checkpoint
-from common.config import DataArgs, ModelArgs, OptimArgs, TrainerArgs, cli_args, is_due, plan_batches
+from common.config import BUNDLED, ModelArgs, OptimArgs, TrainerArgs, check_flags, cli, group, is_due, plan_batches
 from common.data import pad, step_rows
 from common.engines import hf_generate_greedy
 from common.errors import UsageError, usage_errors
-from common.flags import flag
+from common.flags import flag, flag_values
 from common.model import load_tokenizer, load_trained_model, sequence_logits
 from common.ops import logprobs_from_logits
+from common.optim import trainable
 from common.parallel import (
     StopSignal,
     all_reduce_sum,
@@ -48,7 +47,7 @@ from common.parallel import (
 )
 from common.runlock import claim_run_dir
 from common.scoring import builtin_scorer, exact_match
-from common.sft_data import load_sft
+from common.sft_data import SFTDataArgs, load_sft
 from common.tracking import Tracker, describe_run
 
 RECIPE = Path(__file__).stem  # names the run and owns its checkpoints: a copy of this file is its own experiment
@@ -57,31 +56,24 @@ PLOTS = ("val/accuracy", "val/loss", "train/loss", "train/lr")  # panels of curv
 
 # --- config ---------------------------------------------------------------------------------------
 @dataclass
-class Args(TrainerArgs, DataArgs, ModelArgs):  # flags listed model, data, trainer; optim is a group
-    response_key: Annotated[str, tyro.conf.arg(aliases=("--output-key",))] = "extra_info.answer"
-    """column holding the response (dotted keys reach into structs; OpenRLHF's --output-key)"""
-    messages_key: str = "messages"
-    """chat column; used instead of prompt/response when a file has it"""
-    tools_key: str = "tools"
-    """column of a chat row's tool schemas (OpenAI format, a list or JSON), shown by the chat template"""
-    max_length: int = flag(128, ge=1)
-    """longest prompt + response in tokens (longer rows follow --truncation)"""
-    train_batch_size: int = flag(64, ge=1)
-    """examples per optimizer step, over all processes"""
-    micro_batch_size_per_gpu: int = flag(32, ge=1)
-    """examples per forward/backward pass on one process"""
-    optim: Annotated[OptimArgs, tyro.conf.OmitArgPrefixes] = field(
-        default_factory=partial(OptimArgs, lr=2e-3, lr_warmup_steps_ratio=0.05, lr_scheduler="cosine", weight_decay=0.0)
-    )
-    """AdamW and the lr schedule (common.optim)"""
-    total_epochs: int = 6
-    """passes over the training data (ignored when total_training_steps is set)"""
-    test_freq: int | None = 100
-    """validate every N steps and after the last (unset: only after the last; 0 or below: never, as in verl)"""
+class Args:  # sft.py's own knobs, then its flag groups: args.model, args.data, args.optim, args.trainer
     max_new_tokens: int = flag(16, ge=1)
     """validation accuracy: greedy tokens generated per prompt"""
     val_batch_size: int = flag(256, ge=1)
     """validation: prompts per generate / forward call on one process"""
+    model: Annotated[ModelArgs, OmitArgPrefixes] = group(ModelArgs, path=str(BUNDLED / "tiny-qwen2"))
+    """the model trained (common.model)"""
+    data: Annotated[SFTDataArgs, OmitArgPrefixes] = group(SFTDataArgs)
+    """the examples: files, columns, length, a step's batch (common.sft_data)"""
+    optim: Annotated[OptimArgs, OmitArgPrefixes] = group(
+        OptimArgs, lr=2e-3, lr_warmup_steps_ratio=0.05, lr_scheduler="cosine", weight_decay=0.0
+    )
+    """AdamW and the lr schedule (common.optim)"""
+    trainer: Annotated[TrainerArgs, OmitArgPrefixes] = group(TrainerArgs, total_epochs=6, test_freq=100)
+    """the run: its folder, length, checkpoints, logs and launch check (common.config)"""
+
+    def __post_init__(self):  # every flag checked as the flags are parsed, before anything loads
+        check_flags(self)
 
 
 # --- the loss ---------------------------------------------------------------------------------------
@@ -126,16 +118,21 @@ def validate(model, tokenizer, val, dist, *, batch_size, max_new_tokens):
     if scored:
         local, n_real = shard_evenly(scored, dist)
         completions = hf_generate_greedy(
-            model, [e["prompt_ids"] for e in local], pad_id=tokenizer.pad_token_id,
-            eos_id=tokenizer.eos_token_id, max_new_tokens=max_new_tokens,
-            batch_size=batch_size, device=dist.device, world_size=dist.world_size,
-        )  # fmt: skip
+            model,
+            [e["prompt_ids"] for e in local],
+            pad_id=tokenizer.pad_token_id,
+            eos_id=tokenizer.eos_token_id,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            device=dist.device,
+            world_size=dist.world_size,
+        )
         texts = tokenizer.batch_decode(completions[:n_real], skip_special_tokens=True)
         # Rows whose data_source has no built-in reward are scored by exact match.
         results = [
             (e["data_source"], (builtin_scorer(e["data_source"]) or exact_match)(text, e["ground_truth"]))
             for e, text in zip(local[:n_real], texts)
-        ]  # fmt: skip
+        ]
         results = [r for part in gather_objects(results) for r in part]
         metrics["val/accuracy"] = sum(s for _, s in results) / len(results)
         for source in sorted({d for d, _ in results}):
@@ -146,7 +143,7 @@ def validate(model, tokenizer, val, dist, *, batch_size, max_new_tokens):
 
 
 # --- one step ---------------------------------------------------------------------------------------
-def train_step(policy, mine, epoch, pad_id, dist, *, micro_batch_size, grad_clip) -> dict:
+def train_step(policy, mine, epoch, pad_id, dist, micro_batch_size, grad_clip) -> dict:
     """Steps 2-3 on this rank's examples of the global batch (`mine`, of `epoch`): forward / backward
     over micro-batches of micro_batch_size, then one clipped optimizer step of policy (model,
     optimizer, scheduler)."""
@@ -174,66 +171,72 @@ def train_step(policy, mine, epoch, pad_id, dist, *, micro_batch_size, grad_clip
     optimizer.zero_grad(set_to_none=True)
     step_s = time.time() - t0
     return {
-        "train/loss": (all_reduce_sum(nll_total) / num_tokens).item(), "train/grad_norm": grad_norm,
-        "train/lr": lr, "train/epoch": epoch, "train/tokens": num_tokens.item(),
-        "perf/step_s": step_s, "perf/update_s": step_s, "perf/tokens_per_s": num_tokens.item() / step_s,
-    }  # fmt: skip
+        "train/loss": (all_reduce_sum(nll_total) / num_tokens).item(),
+        "train/grad_norm": grad_norm,
+        "train/lr": lr,
+        "train/epoch": epoch,
+        "train/tokens": num_tokens.item(),
+        "perf/step_s": step_s,
+        "perf/update_s": step_s,
+        "perf/tokens_per_s": num_tokens.item() / step_s,
+    }
 
 
 # --- main ---------------------------------------------------------------------------------------
 def main(args: Args) -> dict:
     # Setup: process group, batch arithmetic (before any model loads), run folder, seeds.
-    dist = init_distributed(args.wait_timeout)
-    plan = plan_batches(world_size=dist.world_size, train_batch_size=args.train_batch_size,
-                        micro_batch_size_per_gpu=args.micro_batch_size_per_gpu)  # fmt: skip
-    run_dir = claim_run_dir(args.run_dir(RECIPE), dist, args.force_unlock)
-    seed_everything(args.seed + dist.rank)
+    dist = init_distributed(args.trainer.wait_timeout)
+    batch_size, micro_batch_size = args.data.train_batch_size, args.data.micro_batch_size_per_gpu
+    plan = plan_batches(
+        world_size=dist.world_size, train_batch_size=batch_size, micro_batch_size_per_gpu=micro_batch_size
+    )
+    run_dir = claim_run_dir(args.trainer.run_dir(RECIPE), dist, args.trainer.force_unlock)
+    seed_everything(args.trainer.seed + dist.rank)
+    flags = flag_values(args)  # every flag by its name: what a checkpoint records and a resume compares
 
     # Data, read and checked before the model so bad rows fail in seconds; then the run to resume.
-    tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
-    data_kwargs = dict(max_length=args.max_length, messages_key=args.messages_key, prompt_key=args.prompt_key,
-                       response_key=args.response_key, tools_key=args.tools_key, truncation=args.truncation,
-                       data_workers=args.data_workers)  # fmt: skip
-    train, stats = load_sft(args.train_files, tokenizer, **data_kwargs, what="train_files")
-    val = load_sft(args.val_files, tokenizer, **data_kwargs, what="val_files")[0] if args.val_files else []
-    steps_per_epoch = len(train) // args.train_batch_size
+    tokenizer = load_tokenizer(args.model.tokenizer or args.model.path, args.model.trust_remote_code)
+    train, stats = load_sft(args.data.train_files, tokenizer, args.data, "train_files")
+    val = load_sft(args.data.val_files, tokenizer, args.data, "val_files")[0] if args.data.val_files else []
+    steps_per_epoch = len(train) // batch_size
     if steps_per_epoch == 0:
-        raise UsageError(f"train_files hold {len(train)} examples, fewer than train_batch_size={args.train_batch_size}")
-    total_steps = args.total_steps(steps_per_epoch)
-    checkpoint = find_resume(args.resume, run_dir, RECIPE, total_steps, flags=dataclasses.asdict(args))
+        raise UsageError(f"train_files hold {len(train)} examples, fewer than train_batch_size={batch_size}")
+    total_steps = args.trainer.total_steps(steps_per_epoch)
+    checkpoint = find_resume(args.trainer.resume, run_dir, RECIPE, total_steps, flags)
 
     # Model, optimizer, schedule; then resume.
-    resumed = prove_resume(args.check, dist)  # --check full: save, resume, a step, in child runs of this command
-    model, run_info = load_trained_model(args.model, dist, strategy=args.strategy, **args.policy_kwargs())
-    policy = args.optim.trainable(model, total_steps)  # the model with its AdamW and lr schedule
+    resumed = prove_resume(args.trainer.check, dist)  # --check full: save, resume, a step, in child runs
+    model, run_info = load_trained_model(args.model, dist)
+    policy = trainable(model, args.optim, total_steps)  # the model with its AdamW and lr schedule
     start_step = resume(checkpoint, policy, dist=dist)["step"]
-    tracker = Tracker(run_dir, start_step, total_steps, is_main=dist.is_main, bar_keys=("train/loss", "val/accuracy"),
-                      **args.tracker_kwargs(RECIPE, run_info))  # fmt: skip
-    tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model, run_info, plan))
-    trainer_check(args.check, tracker, resumed, dist.is_main)  # the stack's versions; resume under --check full
+    bar = ("train/loss", "val/accuracy")
+    tracker = Tracker(
+        run_dir, start_step, total_steps, dist.is_main, args.trainer, RECIPE, flags, run_info, bar_keys=bar
+    )
+    tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model.path, run_info, plan))
+    trainer_check(args.trainer.check, tracker, resumed, dist.is_main)  # the stack's versions; resume (--check full)
 
     validation = dict(batch_size=args.val_batch_size, max_new_tokens=args.max_new_tokens)
-    if val and args.val_before_train and start_step == 0:
+    if val and args.trainer.val_before_train and start_step == 0:
         tracker.log(validate(model, tokenizer, val, dist, **validation), step=0)
     model.train()
     stop = StopSignal(dist)  # SIGUSR1 / SIGTERM (Slurm, before the time limit): save after this step, exit 0
     for step in range(start_step, total_steps):
         # 1. this rank's slice of the global batch (a seeded order per epoch)
-        epoch, ranks = step_rows(step, train, args.train_batch_size, args.seed, args.shuffle, dist.world_size)
+        epoch, ranks = step_rows(step, train, batch_size, args.trainer.seed, args.data.shuffle, dist.world_size)
 
         # 2-3. forward / backward over micro-batches, optimizer step
-        metrics = train_step(policy, ranks[dist.rank], epoch, tokenizer.pad_token_id, dist,
-                             micro_batch_size=args.micro_batch_size_per_gpu, grad_clip=args.optim.grad_clip)  # fmt: skip
+        grad_clip = args.optim.grad_clip
+        metrics = train_step(policy, ranks[dist.rank], epoch, tokenizer.pad_token_id, dist, micro_batch_size, grad_clip)
 
         # 4. validate / save (and, after a stop signal, save and end the run here)
         done = step + 1
-        if val and is_due(done, args.test_freq, total_steps):
+        if val and is_due(done, args.trainer.test_freq, total_steps):
             metrics.update(validate(model, tokenizer, val, dist, **validation))
         tracker.log(metrics, step=done)
-        if (stopping := stop.requested()) or is_due(done, args.save_freq, total_steps):  # every rank stops together
+        if (stopping := stop.requested()) or is_due(done, args.trainer.save_freq, total_steps):  # every rank at once
             position = {"epoch": done // steps_per_epoch, "batch_in_epoch": done % steps_per_epoch}
-            save_checkpoint(run_dir, done, policy, dist=dist, tokenizer=tokenizer, trainer_state=position,
-                            **args.save_kwargs(RECIPE))  # fmt: skip
+            save_checkpoint(run_dir, done, policy, dist, tokenizer, RECIPE, args.trainer, flags, position)
         if stopping:
             break
     return tracker.finish(PLOTS, stopped=stop.stopping)
@@ -241,4 +244,4 @@ def main(args: Args) -> dict:
 
 if __name__ == "__main__":
     with usage_errors():  # a bad flag, path or file: one line naming it, exit status 2
-        main(tyro.cli(Args, args=cli_args(Args, trainer="sft")))  # verl's key=value arguments work too
+        main(cli(Args, RECIPE, trainer="sft"))  # verl's key=value arguments work too

@@ -113,17 +113,31 @@ def load_recipe(name: str):
 
 
 def make_args(args_class, **flags):
-    """args_class(**flags) with the flags of a group (RLArgs.optim, RLArgs.conditioning) given to their
-    group, as the command line gives them: make_args(Args, lr=1e-3, reward_norm="batch")."""
+    """args_class(**flags) with each flag given to the group that holds it (at any depth: RLArgs.rollout.vllm), by
+    its name on the command line (ModelArgs.path as model): make_args(Args, lr=1e-3, reward_norm="batch")."""
     from dataclasses import MISSING, fields, is_dataclass, replace
 
-    for f in fields(args_class):
-        group = f.default_factory() if f.default_factory is not MISSING else None  # the group as the recipe sets it
-        if is_dataclass(group):
-            mine = {g.name for g in fields(group)} & set(flags)
-            if mine:
-                flags[f.name] = replace(group, **{name: flags.pop(name) for name in mine})
-    return args_class(**flags)
+    from common.flags import name_of
+
+    def take(cls, current):
+        given = {}
+        for f in fields(cls):
+            if current is not None:
+                value = getattr(current, f.name)
+            else:
+                value = f.default_factory() if f.default_factory is not MISSING else f.default
+            if is_dataclass(value) and not isinstance(value, type):  # a group, as the recipe sets it
+                inner = take(type(value), value)
+                if inner:
+                    given[f.name] = replace(value, **inner)
+            elif name_of(cls, f) in flags:
+                given[f.name] = flags.pop(name_of(cls, f))
+        return given
+
+    given = take(args_class, None)
+    if flags:
+        raise TypeError(f"{args_class.__module__}.Args has no flags {sorted(flags)}")
+    return args_class(**given)
 
 
 def load_recipe_refusing_models(name: str, monkeypatch):
@@ -212,21 +226,38 @@ def run_recipes_together(runs: list[tuple], folder, nproc: int = 2, timeout: int
     run's exit status, the same on every rank, and keeps the launch's output in FOLDER/runs.out; a
     launch that fails raises with its output."""
     plan = Path(folder) / "runs.json"
-    plan.write_text(json.dumps([
-        [str(name if isinstance(name, Path) else ROOT / "recipes" / f"{name}.py"), [str(f) for f in flags],
-         {k: str(v) for k, v in (env or {}).items()}]
-        for name, flags, env in ((*run, None)[:3] for run in runs)
-    ]))  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(29500 + os.getpid() % 1000), str(ROOT / "tests" / "run_together.py"), str(plan)]  # fmt: skip
+    plan.write_text(
+        json.dumps(
+            [
+                [
+                    str(name if isinstance(name, Path) else ROOT / "recipes" / f"{name}.py"),
+                    [str(f) for f in flags],
+                    {k: str(v) for k, v in (env or {}).items()},
+                ]
+                for name, flags, env in ((*run, None)[:3] for run in runs)
+            ]
+        )
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(29500 + os.getpid() % 1000),
+        str(ROOT / "tests" / "run_together.py"),
+        str(plan),
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     (Path(folder) / "runs.out").write_text(proc.stdout + proc.stderr)
     ranks = [Path(f"{plan}.rank{r}") for r in range(nproc)]
     codes = [json.loads(r.read_text()) if r.is_file() else None for r in ranks]
     if proc.returncode != 0 or any(c != codes[0] for c in codes):
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode} (statuses {codes})\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-6000:]}")  # fmt: skip
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode} (statuses {codes})\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return codes[0]
 
 
@@ -306,8 +337,10 @@ def stop_side_by_side(runs: dict, *, before=None, timeout: int = 600) -> dict:
                 proc.kill()
                 proc.wait()
             log.close()
-    return {name: (codes.get(name), Path(f"{folder}.out").read_text(), seen.get(name))
-            for name, (_, _, folder, _, _) in runs.items()}  # fmt: skip
+    return {
+        name: (codes.get(name), Path(f"{folder}.out").read_text(), seen.get(name))
+        for name, (_, _, folder, _, _) in runs.items()
+    }
 
 
 def child_pids() -> set[int]:
@@ -450,7 +483,8 @@ runpy.run_path('recipes/grpo.py', run_name='__main__')
 run = {name: getattr(module, '__file__', None) for name, module in sys.modules.items()}
 recipe = runpy.run_path('recipes/grpo.py', run_name='imported')
 sys.argv = ['recipes/grpo.py', 'trainer.total_epochs=1']
-recipe['cli_args'](recipe['Args'], 'grpo')  # the command line read as the recipe's __main__ reads it
+from common.config import cli_args
+cli_args(recipe['Args'], 'grpo')  # the command line read as the recipe's __main__ reads it (common.config.cli)
 print('MODULES', json.dumps({'run': run, 'verl': sorted(sys.modules)}))
 """
 
@@ -462,8 +496,9 @@ def default_run(tmp_path_factory) -> dict:
     key=value on the command line has been read after it}. One interpreter for the tests that judge
     what a default run loads (tests/test_layers.py, tests/test_shape.py)."""
     out = tmp_path_factory.mktemp("default_run") / "run"
-    proc = subprocess.run([sys.executable, "-c", DEFAULT_RUN, str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", DEFAULT_RUN, str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.split("MODULES ", 1)[1])
 
@@ -481,11 +516,16 @@ def ray_cluster():
     stops, with every process it made."""
     import ray
 
-    from common.remote import _descendants
+    from common.serving.remote import _descendants
 
     before = child_pids()
-    context = ray.init(include_dashboard=False, num_cpus=4, object_store_memory=256 * 1024**2, log_to_driver=False,
-                       configure_logging=False)  # fmt: skip
+    context = ray.init(
+        include_dashboard=False,
+        num_cpus=4,
+        object_store_memory=256 * 1024**2,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     SHARED_RAY.update(child_pids() - before)
     yield context.address_info["gcs_address"]
     started = _descendants(os.getpid(), "ray")

@@ -1,4 +1,4 @@
-"""The agent loop (common.agent) with a scripted engine: which tokens are the policy's, what the
+"""The agent loop (common.agents.agent) with a scripted engine: which tokens are the policy's, what the
 model is told when a tool hangs, raises, returns garbage or a call is malformed, and the
 tokenisation check."""
 
@@ -8,12 +8,13 @@ import math
 import pytest
 from conftest import OWN_PLUMBING, torchrun_plan
 
-from common.agent import AgentLoop, Conversation, check_tokenization
+from common.agents import AgentArgs
+from common.agents.agent import AgentLoop, Conversation, check_tokenization
+from common.agents.tools import parse_tool_calls, read_tool_config
 from common.engines import Completion, Sampling
 from common.errors import UsageError
 from common.rewards import TOOLS_PREFIX, RewardPool
 from common.rollout import pack_groups
-from common.tools import parse_tool_calls, read_tool_config
 
 TOOLS = """
 import os, time
@@ -89,17 +90,26 @@ def row(tokenizer, agent="tool_agent", interaction=None):
 
     messages = [{"role": "user", "content": "What is 2+3?"}]
     tools = [schema(n) for n in TOOL_NAMES] if agent == "tool_agent" else None
-    return {"prompt_ids": render_chat(tokenizer, messages, True, tools=tools), "messages": messages,
-            "agent_name": agent, "data_source": "t", "ground_truth": "5", "extra_info": {},
-            "interaction_kwargs": interaction}  # fmt: skip
+    return {
+        "prompt_ids": render_chat(tokenizer, messages, True, tools=tools),
+        "messages": messages,
+        "agent_name": agent,
+        "data_source": "t",
+        "ground_truth": "5",
+        "extra_info": {},
+        "interaction_kwargs": interaction,
+    }
 
 
 def loop(tokenizer, script, pool, tool_config, **kw):
+    """The agent loop over a Scripted engine; its conversations' budget is the generate call's max_tokens."""
     engine = Scripted(tokenizer, script)
-    tools = read_tool_config(tool_config) if tool_config else None
-    agent = AgentLoop(engine, tokenizer, tools=tools, pool=pool, max_assistant_turns=kw.pop("turns", 4),
-                      max_response_length=kw.pop("length", 200), check_mode=kw.pop("check", "strict"))  # fmt: skip
-    return agent, engine
+    group = AgentArgs(
+        tool_config=tool_config,
+        max_assistant_turns=kw.pop("turns", 4),
+        tokenization_sanity_check_mode=kw.pop("check", "strict"),
+    )
+    return AgentLoop(engine, tokenizer, group, pool), engine
 
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
@@ -181,8 +191,8 @@ def test_turn_and_length_limits_end_the_conversation(tokenizer, pool, tool_confi
     agent, engine = loop(tokenizer, [CALL], pool, tool_config, turns=3)  # the model never stops calling
     (c,) = agent.generate_rows([row(tokenizer)], Sampling(n=1, max_tokens=200))[0]
     assert len(engine.calls) == 3 and agent.stats()["agent/turns_mean"] == 3
-    agent, engine = loop(tokenizer, [CALL], pool, tool_config, turns=10, length=130)
-    (c,) = agent.generate_rows([row(tokenizer)], Sampling(n=1, max_tokens=200))[0]
+    agent, engine = loop(tokenizer, [CALL], pool, tool_config, turns=10)
+    (c,) = agent.generate_rows([row(tokenizer)], Sampling(n=1, max_tokens=130))[0]
     assert len(c.token_ids) <= 130 and c.finish_reason == "length"
 
 
@@ -261,9 +271,26 @@ def test_grpo_runs_tool_agent_rows_through_the_agent_loop(tmp_path):
     from conftest import read_metrics, run_recipe
 
     train, test, tools = tool_task(tmp_path)
-    run_recipe("grpo", "--train-files", train, "--val-files", test, "--tool-config", tools, "--total-training-steps",
-               "2", "--test-freq", "0", "--no-val-before-train", "--save-freq", "0", "--max-prompt-length", "96",
-               "--output-dir", tmp_path / "run")  # fmt: skip
+    run_recipe(
+        "grpo",
+        "--train-files",
+        train,
+        "--val-files",
+        test,
+        "--tool-config",
+        tools,
+        "--total-training-steps",
+        "2",
+        "--test-freq",
+        "0",
+        "--no-val-before-train",
+        "--save-freq",
+        "0",
+        "--max-prompt-length",
+        "96",
+        "--output-dir",
+        tmp_path / "run",
+    )
     steps = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
     assert len(steps) == 2 and all(m["agent/turns_mean"] >= 1 for m in steps)
     assert all(m["agent/policy_token_share"] == 1 for m in steps)  # no tool turn: every token sampled
@@ -280,11 +307,36 @@ def test_every_rl_recipe_trains_on_tool_conversations(tmp_path, recipe):
 
     task = BUNDLED / "calculator"
     pq.write_table(pq.read_table(task / "train.parquet").slice(0, 64), tmp_path / "train.parquet")
-    run_recipe(recipe, "--model", BUNDLED / "tiny-qwen2-tools", "--train-files", tmp_path / "train.parquet",
-               "--val-files", tmp_path / "train.parquet", "--tool-config", task / "tools.yaml", "--max-prompt-length",
-               "128", "--max-response-length", "128", "--max-assistant-turns", "3", "--train-batch-size", "8",
-               "--rollout-n", "4", "--total-training-steps", "1", "--test-freq", "0", "--no-val-before-train",
-               "--save-freq", "0", "--output-dir", tmp_path / "run")  # fmt: skip
+    run_recipe(
+        recipe,
+        "--model",
+        BUNDLED / "tiny-qwen2-tools",
+        "--train-files",
+        tmp_path / "train.parquet",
+        "--val-files",
+        tmp_path / "train.parquet",
+        "--tool-config",
+        task / "tools.yaml",
+        "--max-prompt-length",
+        "128",
+        "--max-response-length",
+        "128",
+        "--max-assistant-turns",
+        "3",
+        "--train-batch-size",
+        "8",
+        "--rollout-n",
+        "4",
+        "--total-training-steps",
+        "1",
+        "--test-freq",
+        "0",
+        "--no-val-before-train",
+        "--save-freq",
+        "0",
+        "--output-dir",
+        tmp_path / "run",
+    )
     (step,) = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
     assert step["agent/tool_calls_mean"] > 0 and step["agent/policy_token_share"] < 1
     assert all(math.isfinite(step[k]) for k in ("train/loss", "train/grad_norm"))
@@ -302,10 +354,33 @@ def test_grpo_runs_an_interaction_and_its_scores_reach_the_reward(tmp_path):
         "    scores = extra_info['rollout_reward_scores']['user_turn_rewards']\n"
         "    return {'score': scores[-1] if scores else 0.0, 'turns': extra_info['num_turns']}\n"
     )
-    run_recipe("grpo", "--train-files", train, "--val-files", test, "--tool-config", tools, "--interaction-config",
-               ROOT / "bundled/calculator/interactions.yaml", "--max-user-turns", "2", "--reward-fn",
-               tmp_path / "reward.py", "--total-training-steps", "2", "--test-freq", "0", "--save-freq", "0",
-               "--max-prompt-length", "96", "--max-response-length", "48", "--output-dir", tmp_path / "run")  # fmt: skip
+    run_recipe(
+        "grpo",
+        "--train-files",
+        train,
+        "--val-files",
+        test,
+        "--tool-config",
+        tools,
+        "--interaction-config",
+        ROOT / "bundled/calculator/interactions.yaml",
+        "--max-user-turns",
+        "2",
+        "--reward-fn",
+        tmp_path / "reward.py",
+        "--total-training-steps",
+        "2",
+        "--test-freq",
+        "0",
+        "--save-freq",
+        "0",
+        "--max-prompt-length",
+        "96",
+        "--max-response-length",
+        "48",
+        "--output-dir",
+        tmp_path / "run",
+    )
     steps = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
     assert len(steps) == 2
     for m in steps:
@@ -329,8 +404,20 @@ def test_tool_agent_rows_without_tools_and_a_bad_tool_config_stop_before_loading
     (tmp_path / "broken.yaml").write_text(
         json.dumps({"tools": [{"function": "broken.py:add", "tool_schema": schema("add")}]})
     )
-    proc = run_recipe("grpo", "--train-files", train, "--val-files", test, "--tool-config", tmp_path / "broken.yaml",
-                      "--max-prompt-length", "96", "--output-dir", tmp_path / "b", check=False)  # fmt: skip
+    proc = run_recipe(
+        "grpo",
+        "--train-files",
+        train,
+        "--val-files",
+        test,
+        "--tool-config",
+        tmp_path / "broken.yaml",
+        "--max-prompt-length",
+        "96",
+        "--output-dir",
+        tmp_path / "b",
+        check=False,
+    )
     assert proc.returncode == 2 and "--tool-config" in proc.stderr and "no calculator here" in proc.stderr
     assert "params" not in proc.stdout  # no model was loaded
     proc = run_recipe("generate", "--data-path", test, "--output-path", tmp_path / "out.parquet", check=False)
@@ -342,8 +429,8 @@ import json, sys
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from test_agent import Scripted, row, CALL
-from common.agent import AgentLoop
-from common.tools import read_tool_config
+from common.agents import AgentArgs
+from common.agents.agent import AgentLoop
 from common.model import load_tokenizer
 from common.rewards import TOOLS_PREFIX, RewardPool
 from common.engines import Sampling
@@ -370,9 +457,8 @@ tokenizer = load_tokenizer(sys.argv[2])
 script = [CALL, CALL, "<answer>5</answer>"] if rank == 0 else ["<answer>5</answer>"]  # 3 turns on rank 0, 1 on rank 1
 pool = RewardPool(TOOLS_PREFIX + sys.argv[3], workers=1, timeout=5)
 engine = Collective(tokenizer, script)
-agent = AgentLoop(engine, tokenizer, tools=read_tool_config(sys.argv[3]), pool=pool, max_assistant_turns=5,
-                  max_response_length=400)
-groups = agent.generate_rows([row(tokenizer)], Sampling(n=2, max_tokens=200))
+agent = AgentLoop(engine, tokenizer, AgentArgs(tool_config=sys.argv[3], max_assistant_turns=5), pool)
+groups = agent.generate_rows([row(tokenizer)], Sampling(n=2, max_tokens=400))
 pool.close()
 # One file per rank: two processes printing to one pipe can interleave their lines.
 with open(f"{sys.argv[4]}/rank{rank}.json", "w") as f:
@@ -474,13 +560,14 @@ def interaction_pool(tmp_path):
 
 
 def interacting(tokenizer, script, pool, interaction_pool, tool_config, **kw):
-    from common.tools import read_interaction_config
-
     engine = Scripted(tokenizer, script)
-    agent = AgentLoop(engine, tokenizer, tools=read_tool_config(tool_config), pool=pool, max_assistant_turns=5,
-                      max_response_length=300, interactions=read_interaction_config(interaction_pool.spec.split(":", 1)[1]),
-                      interaction_pool=interaction_pool, max_user_turns=kw.pop("user_turns", 5))  # fmt: skip
-    return agent, engine
+    group = AgentArgs(
+        tool_config=tool_config,
+        interaction_config=interaction_pool.spec.split(":", 1)[1],
+        max_assistant_turns=5,
+        max_user_turns=kw.pop("user_turns", 5),
+    )
+    return AgentLoop(engine, tokenizer, group, pool, interaction_pool), engine
 
 
 def test_an_interaction_replies_until_the_answer_is_right(tokenizer, pool, interaction_pool, tool_config):
@@ -489,8 +576,9 @@ def test_an_interaction_replies_until_the_answer_is_right(tokenizer, pool, inter
     verl's reward functions read them."""
     from common.rollout import reward_task
 
-    agent, engine = interacting(tokenizer, ["<answer>4</answer>", "<answer>5</answer>"], pool, interaction_pool,
-                                tool_config)  # fmt: skip
+    agent, engine = interacting(
+        tokenizer, ["<answer>4</answer>", "<answer>5</answer>"], pool, interaction_pool, tool_config
+    )
     r = row(tokenizer, interaction={"name": "grader", "ground_truth": "5"})
     (c,) = agent.generate_rows([r], Sampling(n=1, max_tokens=200))[0]
     eos = tokenizer.eos_token_id
@@ -533,8 +621,8 @@ def test_a_failing_interaction_ends_its_conversation_counted(tokenizer, pool, in
 
 
 def test_interaction_rows_and_configs_are_checked(tmp_path):
+    from common.agents.tools import check_agent_rows, read_interaction_config
     from common.data import DataError
-    from common.tools import check_agent_rows, read_interaction_config
 
     (tmp_path / "g.py").write_text("class G:\n    pass\n")
     cases = {
@@ -576,9 +664,25 @@ def test_generate_keeps_what_each_conversation_adds_and_evaluate_scores_with_it(
     _, test, tools = tool_task(tmp_path, interaction="grader")
     pq.write_table(pq.read_table(test).slice(0, 48), test)
     out = tmp_path / "gen.parquet"
-    run_recipe("generate", "--data-path", test, "--output-path", out, "--tool-config", tools, "--interaction-config",
-               ROOT / "bundled/calculator/interactions.yaml", "--max-user-turns", "2", "--n-samples", "2",
-               "--max-prompt-length", "96", "--max-response-length", "48")  # fmt: skip
+    run_recipe(
+        "generate",
+        "--data-path",
+        test,
+        "--output-path",
+        out,
+        "--tool-config",
+        tools,
+        "--interaction-config",
+        ROOT / "bundled/calculator/interactions.yaml",
+        "--max-user-turns",
+        "2",
+        "--n-samples",
+        "2",
+        "--max-prompt-length",
+        "96",
+        "--max-response-length",
+        "48",
+    )
     rows = pq.read_table(out).to_pylist()
     added = [json.loads(x) for r in rows for x in r["response_extra_info"]]
     assert len(added) == 96 and all(len(a["rollout_reward_scores"]["user_turn_rewards"]) >= 1 for a in added)
@@ -592,8 +696,9 @@ def test_generate_keeps_what_each_conversation_adds_and_evaluate_scores_with_it(
     expected = sum(a["num_turns"] + a["rollout_reward_scores"]["user_turn_rewards"][-1] for a in added) / 96
     assert result["scoring_failures"] == 0 and result["mean_score"] == pytest.approx(expected)
     pq.write_table(pq.read_table(out).drop_columns(["response_extra_info"]), tmp_path / "bare.parquet")
-    proc = run_recipe("evaluate", "--data-path", tmp_path / "bare.parquet", "--reward-fn", tmp_path / "reward.py",
-                      check=False)  # fmt: skip
+    proc = run_recipe(
+        "evaluate", "--data-path", tmp_path / "bare.parquet", "--reward-fn", tmp_path / "reward.py", check=False
+    )
     assert proc.returncode == 2 and "reward dry run failed" in proc.stderr
 
 
@@ -608,11 +713,37 @@ def test_a_killed_multi_turn_run_resumes_exactly(tmp_path):
 
     train, test, tools = tool_task(tmp_path, interaction="grader")
     out = tmp_path / "run"
-    flags = ["--train-files", train, "--val-files", test, "--tool-config", tools, "--interaction-config",
-             ROOT / "bundled/calculator/interactions.yaml", "--max-user-turns", "2", "--max-prompt-length", "96",
-             "--max-response-length", "48", "--train-batch-size", "8", "--rollout-n", "4", "--total-training-steps",
-             "4", "--save-freq", "2", "--test-freq", "0", "--no-val-before-train", "--max-ckpt-to-keep", "0",
-             "--output-dir", out]  # fmt: skip
+    flags = [
+        "--train-files",
+        train,
+        "--val-files",
+        test,
+        "--tool-config",
+        tools,
+        "--interaction-config",
+        ROOT / "bundled/calculator/interactions.yaml",
+        "--max-user-turns",
+        "2",
+        "--max-prompt-length",
+        "96",
+        "--max-response-length",
+        "48",
+        "--train-batch-size",
+        "8",
+        "--rollout-n",
+        "4",
+        "--total-training-steps",
+        "4",
+        "--save-freq",
+        "2",
+        "--test-freq",
+        "0",
+        "--no-val-before-train",
+        "--max-ckpt-to-keep",
+        "0",
+        "--output-dir",
+        out,
+    ]
     run_recipe("grpo", *flags)
     want = read_metrics(out)
     assert min(m["agent/user_turns_mean"] for m in want) > 0  # the grader replied: several turns to resume
@@ -647,15 +778,42 @@ def test_grpo_learns_to_call_the_calculator(tmp_path, capsys):
     task = BUNDLED / "calculator"
     pq.write_table(pq.read_table(task / "test.parquet").slice(0, 128), tmp_path / "val.parquet")
     out = tmp_path / "run"
-    run_recipe("grpo", "--model", BUNDLED / "tiny-qwen2-tools", "--train-files", task / "train.parquet",
-               "--val-files", tmp_path / "val.parquet", "--tool-config", task / "tools.yaml", "--max-prompt-length",
-               "128", "--max-response-length", "128", "--max-assistant-turns", "3", "--lr", "5e-5", "--rollout-n", "4",
-               "--total-training-steps", "1", "--test-freq", "1", "--save-freq", "0", "--output-dir", out)  # fmt: skip
+    run_recipe(
+        "grpo",
+        "--model",
+        BUNDLED / "tiny-qwen2-tools",
+        "--train-files",
+        task / "train.parquet",
+        "--val-files",
+        tmp_path / "val.parquet",
+        "--tool-config",
+        task / "tools.yaml",
+        "--max-prompt-length",
+        "128",
+        "--max-response-length",
+        "128",
+        "--max-assistant-turns",
+        "3",
+        "--lr",
+        "5e-5",
+        "--rollout-n",
+        "4",
+        "--total-training-steps",
+        "1",
+        "--test-freq",
+        "1",
+        "--save-freq",
+        "0",
+        "--output-dir",
+        out,
+    )
     metrics = read_metrics(out)
     before, after = metrics[0], metrics[-1]
     with capsys.disabled():
-        print(f"\ntool task: val accuracy {before['val/accuracy']:.1%} -> {after['val/accuracy']:.1%}, greedy calls "
-              f"{before['val/agent/tool_calls_mean']:.2f} -> {after['val/agent/tool_calls_mean']:.2f}")  # fmt: skip
+        print(
+            f"\ntool task: val accuracy {before['val/accuracy']:.1%} -> {after['val/accuracy']:.1%}, greedy calls "
+            f"{before['val/agent/tool_calls_mean']:.2f} -> {after['val/agent/tool_calls_mean']:.2f}"
+        )
     assert before["val/agent/tool_calls_mean"] <= 0.2 and after["val/agent/tool_calls_mean"] >= 0.9
     assert after["val/accuracy"] >= before["val/accuracy"] + 0.3
 
@@ -664,14 +822,16 @@ def test_per_row_tools_kwargs_go_to_tool_classes_only_and_are_counted_elsewhere(
     """verl's extra_info.tools_kwargs on a tool_agent row must name tool classes (a function tool
     takes only what the model writes: an error naming the row); on rows that run no tools it is
     unused (as in verl) and counted aloud."""
+    from common.agents.tools import check_agent_rows
     from common.data import DataError
-    from common.tools import check_agent_rows
 
     kwargs = {"add": {"create_kwargs": {"ground_truth": "7"}}}
 
     def rows(agent, n=1, kwargs=kwargs):
-        return [{"file": "f.parquet", "row": i, "agent_name": agent, "extra_info": {"tools_kwargs": kwargs}}
-                for i in range(n)]  # fmt: skip
+        return [
+            {"file": "f.parquet", "row": i, "agent_name": agent, "extra_info": {"tools_kwargs": kwargs}}
+            for i in range(n)
+        ]
 
     with pytest.raises(DataError, match="f.parquet row 0 column 'extra_info.tools_kwargs': 'add' is a function tool"):
         check_agent_rows(rows("tool_agent"), [schema("add")], None)
@@ -680,7 +840,7 @@ def test_per_row_tools_kwargs_go_to_tool_classes_only_and_are_counted_elsewhere(
     with pytest.raises(DataError, match="expected a mapping with any of create_kwargs"):
         check_agent_rows(rows("tool_agent", kwargs={"add": {"kwargs": {}}}), [schema("add")], None, ["add"])
     check_agent_rows(rows("tool_agent"), [schema("add")], None, ["add"])  # a tool class takes them
-    with caplog.at_level("WARNING", logger="common.tools"):
+    with caplog.at_level("WARNING", logger="common.agents.tools"):
         check_agent_rows(rows("single_turn_agent", 3), None, None)
     assert "3 rows carry extra_info.tools_kwargs but are not tool_agent rows" in caplog.text
     caplog.clear()
@@ -769,7 +929,7 @@ def test_a_tool_class_on_verls_base_class_loads_where_verl_is_installed(tmp_path
     release) loads where verl's package is importable, and is given verl's own schema class."""
     import sys
 
-    from common.tools import load_tools
+    from common.agents.tools import load_tools
 
     for name, text in VERL_PACKAGE.items():
         (tmp_path / "site" / name).parent.mkdir(parents=True, exist_ok=True)
@@ -808,8 +968,15 @@ def test_a_verl_tool_class_lives_one_instance_per_conversation(tokenizer, tmp_pa
 
     monkeypatch.setenv("RELEASED", str(tmp_path / "released"))
     (tmp_path / "verl_tool.py").write_text(VERL_TOOL)
-    config = {"tools": [{"class_name": "verl_tool.py:Gsm8kLikeTool", "config": {"prefix": "checked:"},
-                         "tool_schema": schema("check")}]}  # fmt: skip
+    config = {
+        "tools": [
+            {
+                "class_name": "verl_tool.py:Gsm8kLikeTool",
+                "config": {"prefix": "checked:"},
+                "tool_schema": schema("check"),
+            }
+        ]
+    }
     (tmp_path / "tools.yaml").write_text(json.dumps(config))
     tool_config = str(tmp_path / "tools.yaml")
     assert read_tool_config(tool_config).classes["check"][1] == {"prefix": "checked:"}
@@ -818,11 +985,24 @@ def test_a_verl_tool_class_lives_one_instance_per_conversation(tokenizer, tmp_pa
 
         def script_row(truth, bonus):
             messages = [{"role": "user", "content": f"Say {truth}"}]
-            extra = {"tools_kwargs": {"check": {"create_kwargs": {"ground_truth": truth},
-                                                "execute_kwargs": {"scale": 2.0}, "calc_reward_kwargs": {"bonus": bonus}}}}  # fmt: skip
-            return {"prompt_ids": render_chat(tokenizer, messages, True, tools=[schema("check")]), "messages": messages,
-                    "agent_name": "tool_agent", "data_source": "t", "ground_truth": truth, "extra_info": extra,
-                    "interaction_kwargs": None}  # fmt: skip
+            extra = {
+                "tools_kwargs": {
+                    "check": {
+                        "create_kwargs": {"ground_truth": truth},
+                        "execute_kwargs": {"scale": 2.0},
+                        "calc_reward_kwargs": {"bonus": bonus},
+                    }
+                }
+            }
+            return {
+                "prompt_ids": render_chat(tokenizer, messages, True, tools=[schema("check")]),
+                "messages": messages,
+                "agent_name": "tool_agent",
+                "data_source": "t",
+                "ground_truth": truth,
+                "extra_info": extra,
+                "interaction_kwargs": None,
+            }
 
         calls = [
             '<tool_call>{"name": "check", "arguments": {"answer": "7"}}</tool_call>',

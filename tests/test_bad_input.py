@@ -47,12 +47,19 @@ def files(tmp_path_factory):
         "truth_list": {i: dict(reward_model={"style": "rule", "ground_truth": ["4", "04"]}) for i in range(16)},
     }
     for name, changes in odd.items():
-        pq.write_table(pa.Table.from_pylist([dict(r, **changes.get(i, {})) for i, r in enumerate(rows)]),
-                       d / f"{name}.parquet")  # fmt: skip
+        pq.write_table(
+            pa.Table.from_pylist([dict(r, **changes.get(i, {})) for i, r in enumerate(rows)]), d / f"{name}.parquet"
+        )
     sft = pq.read_table(TASK_TRAIN).slice(0, 16).to_pylist()
-    chats = [{"messages": [{"role": "user", "content": r["extra_info"]["question"]},
-                           {"role": "gpt" if i == 4 else "assistant", "content": r["extra_info"]["answer"]}]}
-             for i, r in enumerate(sft)]  # fmt: skip
+    chats = [
+        {
+            "messages": [
+                {"role": "user", "content": r["extra_info"]["question"]},
+                {"role": "gpt" if i == 4 else "assistant", "content": r["extra_info"]["answer"]},
+            ]
+        }
+        for i, r in enumerate(sft)
+    ]
     pq.write_table(pa.Table.from_pylist(chats), d / "sharegpt_roles.parquet")
     for name, text in (("broken_config", '{"model_type": "qwen2",'), ("no_model_type", '{"hidden_size": 8}')):
         (d / name).mkdir()
@@ -397,8 +404,14 @@ def test_sft_bad_input_is_a_usage_error_before_any_model_loads(tmp_path, monkeyp
 
 def test_the_command_line_prints_one_line_and_exits_2(tmp_path):
     """From the shell: `error: <message>` on stderr, no traceback, exit status 2 (tyro's for a bad flag)."""
-    cmd = [sys.executable, str(ROOT / "recipes" / "grpo.py"), "--train-files", str(tmp_path / "missing.parquet"),
-           "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "recipes" / "grpo.py"),
+        "--train-files",
+        str(tmp_path / "missing.parquet"),
+        "--output-dir",
+        str(tmp_path / "run"),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "error: train_files: file" in done.stderr and "does not exist" in done.stderr
@@ -418,8 +431,12 @@ def test_a_usage_error_under_a_launch_is_printed_once_whichever_rank_exits_first
         "    raise UsageError(f'--lr -1: must be > 0 (rank {os.environ[\"RANK\"]})')\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": tmp_path.name}
-    ranks = [subprocess.Popen([sys.executable, str(script), str(delay)], env={**env, "RANK": str(rank)},
-                              stderr=subprocess.PIPE, text=True) for rank, delay in enumerate(delays)]  # fmt: skip
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(delay)], env={**env, "RANK": str(rank)}, stderr=subprocess.PIPE, text=True
+        )
+        for rank, delay in enumerate(delays)
+    ]
     while all(p.poll() is None for p in ranks):
         time.sleep(0.01)
     first = next(p for p in ranks if p.poll() is not None)

@@ -13,7 +13,8 @@ import pytest
 import torch
 from conftest import BUNDLED, ROOT
 
-from common.check import check_engine_logprobs, launch_check
+from common.check import Check, check_engine_logprobs, launch_check
+from common.config import Sync, engine_sync
 from common.data import load_prompts
 from common.engines import HFEngine
 from common.errors import RunStopped
@@ -35,11 +36,44 @@ class Written:
         self.text += message + "\n"
 
 
+def sync_of(freq: int = 0) -> Sync:
+    """The HF engine's sync in a float32 run (the trainer's own weights): what common.config.engine_sync gives."""
+    return Sync(
+        False, "when-stale", trainer_dtype=torch.float32, gap_dtype=torch.float32, gap_proves_sync=False, freq=freq
+    )
+
+
+def gap_bound(args) -> dict | None:
+    """The bound Check.during holds a step's logged gap (rollout/logprob_diff_mean) to, found by handing it gaps
+    either side of the dtype's TOLERANCE: dict(mean, dtype, warn), or None where it holds none."""
+    from common.rollout import TOLERANCE
+
+    sync = engine_sync(args.model, args.rollout, args.placement, args.correction)
+    bound = TOLERANCE[sync.gap_dtype][1]
+
+    def stops(mean: float) -> bool:
+        failed = []
+        gaps = {"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": mean}
+        Check(args.trainer.check, sync).during(1, SimpleNamespace(fail=failed.append), gaps)
+        return bool(failed)
+
+    if not stops(bound * 1.5):
+        return None
+    assert not stops(bound)
+    return dict(mean=bound, dtype=str(sync.gap_dtype).removeprefix("torch."), warn=args.trainer.check == "warn")
+
+
 def rollout_of(engine, tokenizer):
     rows, _ = load_prompts([BUNDLED / "addition" / "test.parquet"], tokenizer, max_prompt_length=64)
     pool = SimpleNamespace(dry_run_report=(True, "2 of 2 rows"))
-    return SimpleNamespace(val=rows[:8], train=[], tokenizer=tokenizer, sampling=SimpleNamespace(temperature=1.0),
-                           dist=Dist(0, 1, 0, torch.device("cpu")), pool=pool)  # fmt: skip
+    return SimpleNamespace(
+        val=rows[:8],
+        train=[],
+        tokenizer=tokenizer,
+        sampling=SimpleNamespace(temperature=1.0),
+        dist=Dist(0, 1, 0, torch.device("cpu")),
+        pool=pool,
+    )
 
 
 def test_an_engine_serving_another_model_fails_the_logprob_item(tokenizer):
@@ -60,13 +94,12 @@ def test_an_engine_serving_another_model_fails_the_logprob_item(tokenizer):
         if want:
             assert float(item.figure.split("max gap ")[1].split(",")[0]) < 1e-4
             continue
-        kwargs = dict(dtype=torch.float32, own_weights=False, version=0)
         with pytest.raises(
             RunStopped, match=r"(?s)engine logprobs +FAIL +max gap .*engine logprobs: the engine's logprobs"
         ):
-            launch_check("fast", policy, engine, rollout, Written(), **kwargs)
+            launch_check("fast", policy, engine, rollout, Written(), None, sync_of())
         written = Written()
-        launch_check("warn", policy, engine, rollout, written, **kwargs)
+        launch_check("warn", policy, engine, rollout, written, None, sync_of())
         assert "FAIL" in written.text and "warning: engine logprobs" in written.text
 
 
@@ -78,8 +111,7 @@ def test_the_check_leaves_the_samplers_generator_where_it_was(tokenizer):
     torch.manual_seed(3)
     want = torch.rand(4)
     torch.manual_seed(3)
-    launch_check("fast", policy, engine, rollout_of(engine, tokenizer), Written(), dtype=torch.float32,
-                 own_weights=False, version=0)  # fmt: skip
+    launch_check("fast", policy, engine, rollout_of(engine, tokenizer), Written(), None, sync_of())
     assert torch.equal(torch.rand(4), want)
 
 
@@ -114,23 +146,32 @@ def test_the_packing_item_holds_each_layout_to_the_compute_dtypes_bound(tokenize
 def test_check_off_and_warn_are_flags_of_every_rl_recipe():
     from conftest import RL_RECIPES, load_recipe, make_args
 
+    def sync(args) -> Sync:
+        return engine_sync(args.model, args.rollout, args.placement, args.correction)
+
     for name in RL_RECIPES:
         args = make_args(load_recipe(name).Args, check="warn")
-        want = dict(
-            dtype=torch.float32, own_weights=False, version=3, freq=0, trainer_dtype=torch.float32
-        )  # the HF engine: nothing to re-probe
-        assert args.check == "warn" and args.check_kwargs(3) == want
+        s = sync(args)
+        got = dict(dtype=s.gap_dtype, own_weights=s.own_weights, freq=Check("warn", s).freq, trainer=s.trainer_dtype)
+        want = dict(dtype=torch.float32, own_weights=False, freq=0, trainer=torch.float32)  # HF: nothing to re-probe
+        assert args.trainer.check == "warn" and got == want
     # an engine with its own weights: the logged gap is bounded every step, unless it proves nothing
     grpo = load_recipe("grpo").Args
     remote = make_args(grpo, rollout_placement="remote")
-    assert remote.check_kwargs(0)["freq"] == 0 and remote.gap_bound(torch.float32) == dict(
+    assert Check(remote.trainer.check, sync(remote)).freq == 0 and gap_bound(remote) == dict(
         mean=1e-4, dtype="float32", warn=False
     )
-    for unusable in (dict(top_k=50), dict(top_p=0.9), dict(max_staleness=1), dict(bypass_mode=True),
-                     dict(rollout_is="token"), dict(rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")):  # fmt: skip
+    for unusable in (
+        dict(top_k=50),
+        dict(top_p=0.9),
+        dict(max_staleness=1),
+        dict(bypass_mode=True),
+        dict(rollout_is="token"),
+        dict(rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0"),
+    ):
         args = make_args(grpo, rollout_placement="remote", **unusable)
-        assert args.check_kwargs(0)["freq"] == 10 and args.gap_bound(torch.float32) is None, unusable
-    assert make_args(grpo, rollout_placement="remote", check_freq=0).gap_bound(torch.float32) is None
+        assert Check(args.trainer.check, sync(args)).freq == 10 and gap_bound(args) is None, unusable
+    assert gap_bound(make_args(grpo, rollout_placement="remote", check_freq=0)) is None
 
 
 def test_every_training_recipe_takes_the_resume_proofs_flags_last():
@@ -139,13 +180,19 @@ def test_every_training_recipe_takes_the_resume_proofs_flags_last():
     import tyro
     from conftest import RL_RECIPES, load_recipe
 
-    from common.resume_proof import RESUME_FLAGS
+    from common.flags import flag_values
+    from common.proofs.resume_proof import RESUME_FLAGS
 
     for name in [*RL_RECIPES, "sft"]:
         user = ["--total-training-steps", "50", "--save-freq", "10", "--check", "full", "--logger", "wandb"]
-        args = tyro.cli(load_recipe(name).Args, args=[*user, *RESUME_FLAGS, "--output-dir", "x"])
-        assert (args.total_training_steps, args.save_freq, args.check, args.logger) == (2, 1, "off", ("console",))
-        assert args.max_ckpt_to_keep == 0 and args.test_freq == 0 and not args.val_before_train, name
+        args = flag_values(tyro.cli(load_recipe(name).Args, args=[*user, *RESUME_FLAGS, "--output-dir", "x"]))
+        assert (args["total_training_steps"], args["save_freq"], args["check"], args["logger"]) == (
+            2,
+            1,
+            "off",
+            ("console",),
+        )
+        assert args["max_ckpt_to_keep"] == 0 and args["test_freq"] == 0 and not args["val_before_train"], name
 
 
 def test_the_tested_versions_hold_for_this_environment():
@@ -184,8 +231,10 @@ def test_python_m_common_check_runs_a_recipe_up_to_its_check(tmp_path, capsys, m
     assert common.check.main(["grpo", "--check", "fast", "--output-dir", str(tmp_path / "ok")]) == 0
     out = capsys.readouterr().out
     assert "check engine logprobs  pass" in out and "check rewards          pass" in out
-    assert not (tmp_path / "ok" / "metrics.jsonl").exists() or "train/loss" not in (
-        tmp_path / "ok" / "metrics.jsonl").read_text()  # fmt: skip
+    assert (
+        not (tmp_path / "ok" / "metrics.jsonl").exists()
+        or "train/loss" not in (tmp_path / "ok" / "metrics.jsonl").read_text()
+    )
     probe = common.check._probe
     monkeypatch.setattr(common.check, "_probe", lambda *a: (lambda b, r: (b, r - 0.5))(*probe(*a)))  # a wrong engine
     assert common.check.main(["grpo", "--check", "fast", "--output-dir", str(tmp_path / "bad")]) == 1
@@ -198,7 +247,7 @@ def test_python_m_common_check_runs_a_recipe_up_to_its_check(tmp_path, capsys, m
     assert common.errors.STOP_AFTER_CHECK not in os.environ  # the recipes this process runs next train
 
 
-def test_check_freq_measures_the_engine_and_stops_a_run_that_diverged(tokenizer):
+def test_check_freq_measures_the_engine_and_stops_a_run_that_diverged(tokenizer, monkeypatch):
     """Check.during every --check-freq steps: the HF engine's fresh samples of the probe prompts against
     the trainer's pass, logged as check/engine_gap_*; when the engine no longer serves the trainer's
     model, the stop signal is asked to end the run after this step's checkpoint, with a message naming
@@ -208,20 +257,23 @@ def test_check_freq_measures_the_engine_and_stops_a_run_that_diverged(tokenizer)
     policy = load_policy(SFT)
     engine = HFEngine(policy, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu")
     rollout = rollout_of(engine, tokenizer)
-    check = launch_check("fast", policy, engine, rollout, Written(), dtype=torch.float32, own_weights=False,
-                         version=0, freq=2)  # fmt: skip
+    # The HF engine's probe every 2 steps: a run's Check re-probes only an engine with its own weights (Check.freq),
+    # so the HF branch of Check.during is reached by giving this Check the frequency itself.
+    monkeypatch.setattr(Check, "freq", property(lambda self: self.sync.freq))
+    check = launch_check("fast", policy, engine, rollout, Written(), None, sync_of(freq=2))
     stop = StopSignal(rollout.dist)
-    assert check.during(1, stop) == {}  # not due
-    metrics = check.during(2, stop)
+    assert check.during(1, stop, {}) == {}  # not due
+    metrics = check.during(2, stop, {})
     assert set(metrics) == {"check/engine_gap_max", "check/engine_gap_mean"} and metrics["check/engine_gap_max"] < 1e-4
     assert stop.failure is None and not stop.requested()
-    check.engine = HFEngine(load_policy(TEACHER), pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id],
-                            device="cpu")  # fmt: skip
-    assert check.during(4, stop)["check/engine_gap_mean"] > 1e-2
+    check.engine = HFEngine(
+        load_policy(TEACHER), pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu"
+    )
+    assert check.during(4, stop, {})["check/engine_gap_mean"] > 1e-2
     assert stop.requested() and "--check-freq at step 4: HFEngine's logprobs of the probe are" in stop.failure
     warned = StopSignal(rollout.dist)
     check.mode = "warn"
-    check.during(6, warned)
+    check.during(6, warned, {})
     assert warned.failure is None and not warned.requested()
 
 
@@ -248,8 +300,14 @@ def test_check_full_proves_a_resumed_step_equals_the_uninterrupted_one(tmp_path,
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plant), os.environ.get("PYTHONPATH", "")])}
     # The planted run is the tool's own command line in a process of its own, beside the sound one
     # here: the two sets of child runs overlap their start-ups.
-    bad = subprocess.Popen([sys.executable, "-m", "common.check", *flags, "--output-dir", str(tmp_path / "bad")],
-                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    bad = subprocess.Popen(
+        [sys.executable, "-m", "common.check", *flags, "--output-dir", str(tmp_path / "bad")],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert common.check.main([*flags, "--output-dir", str(tmp_path / "ok")]) == 0
         out = capsys.readouterr().out

@@ -8,11 +8,17 @@ import torch
 from conftest import BUNDLED, TINY
 
 from common.checkpoint import find_resume, list_checkpoints, load_checkpoint, resume, save_checkpoint
-from common.model import load_policy
+from common.config import TrainerArgs
+from common.model import ModelArgs, load_policy
 from common.optim import build_optimizer, build_scheduler
 from common.parallel import Dist
 
 DIST = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def keeping(keep: int = 2) -> TrainerArgs:
+    """The trainer group of a run that keeps the newest `keep` checkpoints (0: all), as --max-ckpt-to-keep."""
+    return TrainerArgs(max_ckpt_to_keep=keep)
 
 
 def make():
@@ -35,15 +41,7 @@ def test_roundtrip_continues_exactly(tmp_path, tokenizer):
     model, opt, sched = make()
     train_step(model, opt, sched)
     random.seed(5), np.random.seed(5), torch.manual_seed(5)
-    save_checkpoint(
-        tmp_path,
-        1,
-        (model, opt, sched),
-        tokenizer=tokenizer,
-        dist=DIST,
-        recipe="grpo",
-        trainer_state={"epoch": 0},
-    )
+    save_checkpoint(tmp_path, 1, (model, opt, sched), DIST, tokenizer, "grpo", keeping(), None, {"epoch": 0})
     expected_rng = (random.random(), np.random.rand(), torch.rand(1).item())
     random.seed(5), np.random.seed(5), torch.manual_seed(5)
     train_step(model, opt, sched)  # the uninterrupted run's next step
@@ -64,16 +62,7 @@ def test_roundtrip_continues_exactly(tmp_path, tokenizer):
 def test_keep_last_k_and_tmp_folders_are_not_checkpoints(tmp_path, tokenizer):
     model, opt, sched = make()
     for step in (1, 2, 3):
-        save_checkpoint(
-            tmp_path,
-            step,
-            (model, opt, sched),
-            tokenizer=tokenizer,
-            dist=DIST,
-            recipe="grpo",
-            trainer_state={},
-            keep=2,
-        )
+        save_checkpoint(tmp_path, step, (model, opt, sched), DIST, tokenizer, "grpo", keeping(2), None, {})
     (tmp_path / "checkpoints" / "step_9.tmp").mkdir()  # a save that was killed half-way
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_2", "step_3"]
     assert find_resume("auto", tmp_path, "grpo").name == "step_3"
@@ -105,7 +94,7 @@ def test_a_completed_run_exits_before_any_model_loads(tmp_path, tokenizer, caplo
 def make_critic():
     from common.critic import load_critic
 
-    critic = load_critic(str(TINY), dist=DIST, strategy="ddp")
+    critic = load_critic(ModelArgs(path=str(TINY), strategy="ddp", use_remove_padding=False), DIST)
     opt = build_optimizer(critic, 1e-2, 0.0)
     return critic, opt, build_scheduler(opt, kind="cosine", total_steps=10, warmup_ratio=0.2)
 
@@ -127,9 +116,8 @@ def test_extra_models_roundtrip_with_the_policy(tmp_path, tokenizer):
     policy, critic = make(), make_critic()
     train_step(*policy), critic_step(*critic), critic_step(*critic)
     save_checkpoint(
-        tmp_path, 1, policy, tokenizer=tokenizer, dist=DIST,
-        recipe="ppo", trainer_state={"kl_coef": 0.25}, extra_models={"critic": critic},
-    )  # fmt: skip
+        tmp_path, 1, policy, DIST, tokenizer, "ppo", keeping(), None, {"kl_coef": 0.25}, extra_models={"critic": critic}
+    )
     torch.manual_seed(7)
     train_step(*policy), critic_step(*critic)
     want_policy, want_critic = policy[0].state_dict(), critic[0].state_dict()
@@ -141,9 +129,11 @@ def test_extra_models_roundtrip_with_the_policy(tmp_path, tokenizer):
     fresh, fresh_critic = make(), make_critic()
     assert not torch.equal(fresh_critic[0].score.weight, critic[0].score.weight)
     state = resume(
-        ckpt, fresh, dist=DIST,
+        ckpt,
+        fresh,
+        dist=DIST,
         extra_models={"critic": fresh_critic},
-    )  # fmt: skip
+    )
     assert state["step"] == 1 and state["kl_coef"] == 0.25
     assert fresh[2].last_epoch == 1 and fresh_critic[2].last_epoch == 2
     torch.manual_seed(7)
@@ -153,15 +143,14 @@ def test_extra_models_roundtrip_with_the_policy(tmp_path, tokenizer):
             assert torch.equal(v, want[k]), k
 
     # a checkpoint saved without the critic cannot silently resume a run that has one
-    save_checkpoint(
-        tmp_path, 2, policy, tokenizer=tokenizer, dist=DIST,
-        recipe="ppo", trainer_state={},
-    )  # fmt: skip
+    save_checkpoint(tmp_path, 2, policy, DIST, tokenizer, "ppo", keeping(), None, {})
     with pytest.raises(ValueError, match="saved without critic"):
         resume(
-            tmp_path / "checkpoints" / "step_2", fresh,
-            dist=DIST, extra_models={"critic": fresh_critic},
-        )  # fmt: skip
+            tmp_path / "checkpoints" / "step_2",
+            fresh,
+            dist=DIST,
+            extra_models={"critic": fresh_critic},
+        )
 
 
 class _RunsCode:
@@ -212,10 +201,7 @@ def test_a_malicious_checkpoint_is_refused_and_runs_nothing(tmp_path, tokenizer,
 
     model, opt, sched = make()
     train_step(model, opt, sched)
-    save_checkpoint(
-        tmp_path, 1, (model, opt, sched), tokenizer=tokenizer, dist=DIST, recipe="grpo",
-        trainer_state={},
-    )  # fmt: skip
+    save_checkpoint(tmp_path, 1, (model, opt, sched), DIST, tokenizer, "grpo", keeping(), None, {})
     ckpt = tmp_path / "checkpoints" / "step_1"
     marker = tmp_path / "pwned"
     name = _plant(kind, ckpt, marker)
@@ -233,10 +219,7 @@ def test_a_malicious_checkpoint_is_refused_and_runs_nothing(tmp_path, tokenizer,
 def _save(tmp_path, tokenizer, steps, keep=0, model=None):
     model, opt, sched = model or make()
     for step in steps:
-        save_checkpoint(
-            tmp_path, step, (model, opt, sched), tokenizer=tokenizer, dist=DIST,
-            recipe="grpo", trainer_state={}, keep=keep,
-        )  # fmt: skip
+        save_checkpoint(tmp_path, step, (model, opt, sched), DIST, tokenizer, "grpo", keeping(keep), None, {})
     return tmp_path / "checkpoints"
 
 
@@ -299,7 +282,7 @@ def test_a_torn_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a"')
     with caplog.at_level("WARNING"):
-        Tracker(tmp_path, 2, 5, loggers=())
+        Tracker(tmp_path, 2, 5, True, TrainerArgs(logger=()), "grpo", {}, {})
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "a": 1}, {"step": 2, "a": 2}]
     assert "line 3 is torn" in caplog.text
 
@@ -323,10 +306,7 @@ def test_resume_refuses_a_checkpoint_trained_with_other_settings(tmp_path, token
     model, opt, sched = make()
     flags = {"lr": 1e-3, "rollout_n": 4, "train_files": ("a.parquet",), "total_training_steps": 5, "logger": (),
              "use_torch_compile": False}  # fmt: skip
-    save_checkpoint(
-        tmp_path, 1, (model, opt, sched), tokenizer=tokenizer, dist=DIST, recipe="grpo",
-        trainer_state={}, flags=flags,
-    )  # fmt: skip
+    save_checkpoint(tmp_path, 1, (model, opt, sched), DIST, tokenizer, "grpo", keeping(), flags, {})
     assert find_resume("auto", tmp_path, "grpo", flags=flags).name == "step_1"
     longer = {**flags, "total_training_steps": 9, "logger": ("wandb",), "use_torch_compile": True}
     assert find_resume("auto", tmp_path, "grpo", flags=longer).name == "step_1"
@@ -345,8 +325,7 @@ def test_resume_refuses_a_checkpoint_trained_with_other_settings(tmp_path, token
         "model": "/old/place/bundled/tiny-qwen2-sft",
         "train_files": ("/old/place/bundled/addition/train.parquet",),
     }
-    save_checkpoint(tmp_path / "moved", 1, (model, opt, sched), tokenizer=tokenizer, dist=DIST, recipe="grpo",
-                    trainer_state={}, flags=moved)  # fmt: skip
+    save_checkpoint(tmp_path / "moved", 1, (model, opt, sched), DIST, tokenizer, "grpo", keeping(), moved, {})
     here = {
         **moved,
         "model": str(BUNDLED / "tiny-qwen2-sft"),

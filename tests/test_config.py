@@ -52,7 +52,7 @@ def test_micro_batch_size_is_a_cap_not_a_divisor():
                 use_dynamic_bsz=True,
                 max_token_len_per_gpu=50,
                 max_sequence_length=80,
-            ),  # fmt: skip
+            ),
             "ppo_max_token_len_per_gpu=50 cannot hold one sequence of up to 80 tokens",
         ),
         (
@@ -77,13 +77,29 @@ def test_suggestions_are_valid():
 def test_the_plan_carries_how_the_trainer_passes_run():
     """epochs x mini-batches x micro-batches: the micro-batch limits are split_rows' (a sequence cap,
     or with dynamic batching a token budget too), with the temperature and prompt sharing."""
-    plan = plan_batches(world_size=1, train_batch_size=8, micro_batch_size_per_gpu=12, rollout_n=4, epochs=2,
-                        temperature=0.7, share_prompts=False)  # fmt: skip
+    plan = plan_batches(
+        world_size=1,
+        train_batch_size=8,
+        micro_batch_size_per_gpu=12,
+        rollout_n=4,
+        epochs=2,
+        temperature=0.7,
+        share_prompts=False,
+    )
     assert (plan.epochs, plan.micro, plan.temperature, plan.share_prompts) == (
-        2, {"max_seqs": 12, "max_tokens": None}, 0.7, False,
-    )  # fmt: skip
-    packed = plan_batches(world_size=1, train_batch_size=8, micro_batch_size_per_gpu=12, use_dynamic_bsz=True,
-                          max_token_len_per_gpu=300, max_sequence_length=80)  # fmt: skip
+        2,
+        {"max_seqs": 12, "max_tokens": None},
+        0.7,
+        False,
+    )
+    packed = plan_batches(
+        world_size=1,
+        train_batch_size=8,
+        micro_batch_size_per_gpu=12,
+        use_dynamic_bsz=True,
+        max_token_len_per_gpu=300,
+        max_sequence_length=80,
+    )
     assert packed.micro == {"max_seqs": 12, "max_tokens": 300} and packed.grad_accum == 0
 
 
@@ -95,8 +111,9 @@ def test_shuffled_mini_batches_hold_whole_groups_in_a_new_seeded_order_each_epoc
     import torch
 
     group_ids = torch.arange(8).repeat_interleave(4)  # 8 prompts x 4 responses, one rank
-    plan = plan_batches(world_size=1, train_batch_size=8, micro_batch_size_per_gpu=16, mini_batch_size=2,
-                        rollout_n=4, shuffle=True)  # fmt: skip
+    plan = plan_batches(
+        world_size=1, train_batch_size=8, micro_batch_size_per_gpu=16, mini_batch_size=2, rollout_n=4, shuffle=True
+    )
     torch.manual_seed(0)
     epochs = [plan.mini_batches(group_ids) for _ in range(2)]
     for minis in epochs:
@@ -110,33 +127,67 @@ def test_shuffled_mini_batches_hold_whole_groups_in_a_new_seeded_order_each_epoc
     assert all(torch.equal(a, b) for a, b in zip(plan.mini_batches(group_ids), epochs[0]))
     state = torch.get_rng_state()
     for shuffle, mini in ((False, 2), (True, 8)):
-        same = plan_batches(world_size=1, train_batch_size=8, micro_batch_size_per_gpu=16, mini_batch_size=mini,
-                            rollout_n=4, shuffle=shuffle)  # fmt: skip
+        same = plan_batches(
+            world_size=1,
+            train_batch_size=8,
+            micro_batch_size_per_gpu=16,
+            mini_batch_size=mini,
+            rollout_n=4,
+            shuffle=shuffle,
+        )
         assert torch.equal(torch.cat(same.mini_batches(group_ids)), torch.arange(32))
     assert torch.equal(torch.get_rng_state(), state)
 
 
-def test_the_rollout_dtype_is_the_engines_and_the_gap_takes_the_coarser_bound():
+def sync_of(args, needed_before_update=False):
+    """The run's common.config.Sync (how engine and trainer keep to one policy), from args' groups."""
+    from common.config import engine_sync
+
+    return engine_sync(args.model, args.rollout, args.placement, args.correction, needed_before_update)
+
+
+def engine_dtype(args, monkeypatch) -> str:
+    """The dtype common.rollout.start_engine starts args' remote engines in (RemoteEngines recorded, not started)."""
+    import common.serving.remote
+    from common.rollout import start_engine
+
+    seen = {}
+    monkeypatch.setattr(common.serving.remote, "RemoteEngines", lambda *a, **kw: seen.update(kw))
+    prompts, tokenizer = (
+        SimpleNamespace(rows=[], max_length=8, total_steps=1),
+        SimpleNamespace(pad_token_id=0, eos_token_id=1),
+    )
+    start_engine(None, tokenizer, SimpleNamespace(seed=0), 0, args.model, args.rollout, args.placement, prompts)
+    return seen["dtype"]
+
+
+def test_the_rollout_dtype_is_the_engines_and_the_gap_takes_the_coarser_bound(monkeypatch):
     """--rollout-dtype (verl's rollout.dtype) sets the dtype of an engine with weights of its own, and the
     engine-trainer gap (the launch check, the logged per-step gap) is held to the coarser of it and the
     trainer's; the HF engine runs in --dtype, so there the flag is refused naming what to add."""
     import torch
 
+    from common.check import Check
     from common.config import RLArgs
 
-    pool = SimpleNamespace(tools=None, interactions=None)
     remote = make_args(RLArgs, rollout_placement="remote", rollout_dtype="bfloat16")
-    assert remote.engine_kwargs([], 1, pool)["dtype"] == "bfloat16" and remote.gap_dtype == torch.bfloat16
-    assert remote.check_kwargs(0)["dtype"] == torch.bfloat16
-    assert make_args(RLArgs, rollout_placement="remote").engine_kwargs([], 1, pool)["dtype"] == "float32"
-    assert RLArgs().gap_dtype == torch.float32 and RLArgs(mixed_precision="bf16").gap_dtype == torch.bfloat16
+    assert engine_dtype(remote, monkeypatch) == "bfloat16" and sync_of(remote).gap_dtype == torch.bfloat16
+    assert Check("fast", sync_of(remote), None, None, None).sync.gap_dtype == torch.bfloat16  # what the check holds
+    assert engine_dtype(make_args(RLArgs, rollout_placement="remote"), monkeypatch) == "float32"
+    assert sync_of(RLArgs()).gap_dtype == torch.float32
+    assert sync_of(make_args(RLArgs, mixed_precision="bf16")).gap_dtype == torch.bfloat16
     assert (
-        make_args(RLArgs, rollout_placement="remote", rollout_dtype="float32", mixed_precision="bf16").gap_dtype
+        sync_of(
+            make_args(RLArgs, rollout_placement="remote", rollout_dtype="float32", mixed_precision="bf16")
+        ).gap_dtype
         == torch.bfloat16
     )
-    with pytest.raises(UsageError, match=r"--rollout-dtype 'float16' would change nothing in this run: add "
-                                         r"--rollout-name vllm or --rollout-placement remote"):  # fmt: skip
-        RLArgs(rollout_dtype="float16")
+    with pytest.raises(
+        UsageError,
+        match=r"--rollout-dtype 'float16' would change nothing in this run: add "
+        r"--rollout-name vllm or --rollout-placement remote",
+    ):
+        make_args(RLArgs, rollout_dtype="float16")
 
 
 def test_where_old_logprobs_come_from():
@@ -145,23 +196,74 @@ def test_where_old_logprobs_come_from():
     policy moves before a sample is used."""
     from common.config import RLArgs
 
-    assert RLArgs().old_logprobs_from == "when-stale"
-    assert RLArgs(rollout_is="token").old_logprobs_from == "pass"
-    assert make_args(RLArgs, rollout_placement="remote").old_logprobs_from == "pass"
-    assert RLArgs(bypass_mode=True).old_logprobs_from == "engine"
-    assert make_args(RLArgs, bypass_mode=True, rollout_placement="remote").old_logprobs_from == "engine"
+    assert sync_of(RLArgs()).old_logprobs == "when-stale"
+    assert sync_of(make_args(RLArgs, rollout_is="token")).old_logprobs == "pass"
+    assert sync_of(make_args(RLArgs, rollout_placement="remote")).old_logprobs == "pass"
+    assert sync_of(make_args(RLArgs, bypass_mode=True)).old_logprobs == "engine"
+    assert sync_of(make_args(RLArgs, bypass_mode=True, rollout_placement="remote")).old_logprobs == "engine"
 
 
-def test_a_kl_in_the_reward_needs_the_reference_and_old_logprobs_before_the_update():
-    grpo, rloo = load_recipe("grpo").Args, load_recipe("rloo").Args
-    assert not grpo().needs_ref and grpo(use_kl_loss=True).needs_ref
-    assert (rloo().needs_ref, rloo().old_logprobs_from) == (False, "when-stale")
-    assert (rloo(use_kl_in_reward=True).needs_ref, rloo(use_kl_in_reward=True).old_logprobs_from) == (True, "pass")
-    assert rloo(use_kl_in_reward=True, bypass_mode=True).old_logprobs_from == "engine"
+class Loaded(Exception):
+    """Raised in place of loading the models: the run got that far, asking for a reference or not."""
+
+
+def loads_reference(module, monkeypatch, tmp_path, **flags) -> bool:
+    """Whether the recipe's main asks common.rollout.load_rl_models for a frozen reference under these flags (its
+    reward pool and models are not started: the run stops there)."""
+
+    def load_rl_models(policy, dist, with_reference=False):
+        raise Loaded(with_reference)
+
+    monkeypatch.setattr(module, "load_rl_models", load_rl_models)
+    monkeypatch.setattr(module, "start_reward_pool", lambda *a, **kw: None)
+    train = ROOT / "bundled" / "addition" / "test.parquet"
+    args = make_args(
+        module.Args, output_dir=str(tmp_path / "run"), train_files=str(train), val_files=str(train), **flags
+    )
+    with pytest.raises(Loaded) as loaded:
+        module.main(args)
+    return bool(loaded.value.args[0])
+
+
+def step_4_passes(module, monkeypatch, **flags) -> list[str]:
+    """Which passes the recipe's step 4 (old_ref_logprobs) makes under these flags: "ref" (the reference's logprobs
+    of the sampled tokens) and "full" (the exact KL of policy and reference, from a pass of both), no old pass."""
+    import torch
+
+    passes = []
+
+    def forward_logprobs(model, batch, rows, plan, with_entropy=False, kl_ref=None):
+        passes.append("full" if kl_ref is not None else model)
+        return torch.zeros(len(rows), 2), None, torch.zeros(len(rows), 2)
+
+    monkeypatch.setattr(module, "forward_logprobs", forward_logprobs)
+    batch = {"responses": torch.zeros(4, 2, dtype=torch.long), "response_mask": torch.ones(4, 2), "timing": {}}
+    batch["attention_mask"] = torch.ones(4, 4)  # two prompt tokens, two response tokens a row
+    plan = plan_batches(world_size=1, train_batch_size=1, micro_batch_size_per_gpu=4, mini_batch_size=1, rollout_n=4)
+    module.old_ref_logprobs("policy", "ref", batch, plan, "when-stale", make_args(module.Args, **flags))
+    return passes
+
+
+def test_a_kl_in_the_reward_needs_the_reference_and_old_logprobs_before_the_update(monkeypatch, tmp_path):
+    grpo, rloo = load_recipe("grpo"), load_recipe("rloo")
+    kl_loss, kl_reward = dict(use_kl_loss=True), dict(use_kl_in_reward=True)
+    assert not loads_reference(grpo, monkeypatch, tmp_path) and loads_reference(grpo, monkeypatch, tmp_path, **kl_loss)
+    # rloo passes use_kl_in_reward to engine_sync: old logprobs are needed before the update
+    assert (loads_reference(rloo, monkeypatch, tmp_path), sync_of(rloo.Args()).old_logprobs) == (False, "when-stale")
+    with_kl = make_args(rloo.Args, **kl_reward)
+    assert (loads_reference(rloo, monkeypatch, tmp_path, **kl_reward), sync_of(with_kl, True).old_logprobs) == (
+        True,
+        "pass",
+    )
+    assert sync_of(make_args(rloo.Args, bypass_mode=True, **kl_reward), True).old_logprobs == "engine"
     # full: the reference runs beside the policy for the exact KL; step 4 has no sampled-token logprobs to make
-    full_loss, full_reward = grpo(use_kl_loss=True, kl_loss_type="full"), rloo(use_kl_in_reward=True, kl_penalty="full")
-    assert full_loss.needs_ref and not full_loss.ref_pass and grpo(use_kl_loss=True).ref_pass
-    assert full_reward.needs_ref and full_reward.full_kl_in_reward and not full_reward.ref_pass
+    full_loss, full_reward = dict(kl_loss, kl_loss_type="full"), dict(kl_reward, kl_penalty="full")
+    assert loads_reference(grpo, monkeypatch, tmp_path, **full_loss) and "ref" not in step_4_passes(
+        grpo, monkeypatch, **full_loss
+    )
+    assert step_4_passes(grpo, monkeypatch, **kl_loss) == ["ref"]
+    assert loads_reference(rloo, monkeypatch, tmp_path, **full_reward)
+    assert step_4_passes(rloo, monkeypatch, **full_reward) == ["full"]  # the exact KL in the reward, no ref pass
 
 
 def edges(f, hint, defaults: dict) -> tuple[list, list]:
@@ -290,15 +392,29 @@ def test_a_frequency_of_0_or_below_is_never():
     assert due(0) == due(-1) == due(-7) == []
 
 
-def test_validation_samples_with_its_own_top_p_and_top_k():
+def samplings(args, monkeypatch) -> tuple:
+    """(training's Sampling, validation's): the rollout group's, and what common.rollout.Rollout.validate samples
+    with from the validation group (its evaluate recorded, not run)."""
+    import common.rollout
+
+    seen = []
+    monkeypatch.setattr(
+        common.rollout, "evaluate", lambda engine, pool, tok, val, sampling, *a: seen.append(sampling) or {}
+    )
+    rollout = common.rollout.Rollout(None, [], None, None, None, None, args.rollout.sampling, args.validation)
+    rollout.validate()
+    return rollout.sampling, seen[0]
+
+
+def test_validation_samples_with_its_own_top_p_and_top_k(monkeypatch):
     """As verl's val_kwargs: validation's top-p / top-k are their own flags (off by default), not
     training's; at --val-temperature 0 (greedy) they would change nothing, so setting them is refused."""
     from common.config import RLArgs
-    from common.verl import translate
+    from common.formats.verl import translate
 
-    train, val = make_args(RLArgs, top_p=0.5, top_k=3, val_temperature=0.7).samplings()
+    train, val = samplings(make_args(RLArgs, top_p=0.5, top_k=3, val_temperature=0.7), monkeypatch)
     assert (train.top_p, train.top_k, val.top_p, val.top_k, val.temperature) == (0.5, 3, 1.0, -1, 0.7)
-    val = make_args(RLArgs, val_temperature=0.7, val_top_p=0.9, val_top_k=20).samplings()[1]
+    val = samplings(make_args(RLArgs, val_temperature=0.7, val_top_p=0.9, val_top_k=20), monkeypatch)[1]
     assert (val.top_p, val.top_k) == (0.9, 20)
     with pytest.raises(UsageError, match="--val-top-k 20 would change nothing in this run: add --val-temperature"):
         make_args(RLArgs, val_top_k=20)

@@ -41,14 +41,21 @@ def test_the_overlong_penalty_counts_a_conversations_tool_tokens(monkeypatch):
 
     mask = torch.tensor([[1] * 4 + [0] * 8 + [1] * 4, [1] * 8 + [0] * 8])  # holes; a short single-turn row
     attention = torch.cat([torch.ones(2, 3), torch.tensor([[1] * 16, [1] * 8 + [0] * 8])], 1)  # prompt 3
-    batch = {"responses": torch.zeros(2, 16, dtype=torch.long), "response_mask": mask, "attention_mask": attention,
-             "rewards": torch.ones(2), "rows": [None, None], "epoch": 0,
-             "scored": SimpleNamespace(scores=[1.0, 1.0], extras=[{}, {}])}  # fmt: skip
+    batch = {
+        "responses": torch.zeros(2, 16, dtype=torch.long),
+        "response_mask": mask,
+        "attention_mask": attention,
+        "rewards": torch.ones(2),
+        "rows": [None, None],
+        "epoch": 0,
+        "scored": SimpleNamespace(scores=[1.0, 1.0], extras=[{}, {}]),
+    }
     kept = {}
     monkeypatch.setattr(dapo, "regroup", lambda groups, *rest: kept.update(groups=groups) or {})
     dist = SimpleNamespace(rank=0, world_size=1, device="cpu")
-    rollout = SimpleNamespace(step=lambda i: batch, sampling=SimpleNamespace(n=1, max_tokens=16), dist=dist,
-                              batch_size=2, tokenizer=None)  # fmt: skip
+    rollout = SimpleNamespace(
+        step=lambda i: batch, sampling=SimpleNamespace(n=1, max_tokens=16), dist=dist, batch_size=2, tokenizer=None
+    )
     dapo.dynamic_sampling(rollout, 0, 1, 4, 1.0)  # overlong buffer 4: the ramp starts at 12
     assert [reward for group in kept["groups"] for _, reward, _, _ in group] == [0.0, 1.0]  # 16 tokens: -1
 
@@ -105,7 +112,7 @@ def test_dapos_own_flags_are_checked_as_they_are_parsed():
 
     with pytest.raises(UsageError, match=r"--overlong-buffer-len 17: must be in \[0, --max-response-length \(16\)\]"):
         dapo.Args(overlong_buffer_len=17)
-    dapo.Args(overlong_buffer_len=32, max_response_length=32)  # the bound is the flag's value in this run
+    make_args(dapo.Args, overlong_buffer_len=32, max_response_length=32)  # the bound is the flag's value in this run
     with pytest.raises(UsageError, match="--max-staleness 1: must be 0: dynamic sampling draws batches as its filter"):
         make_args(dapo.Args, rollout_placement="remote", max_staleness=1)
     with pytest.raises(UsageError, match=r"--overlong-penalty-factor 2.0 would change nothing in this run"):

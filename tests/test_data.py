@@ -8,7 +8,12 @@ import torch
 from conftest import TASK_TEST, TASK_TRAIN
 
 from common.data import DataError, batch_indices, load_prompts, pack_sequences, pad, step_rows, truncate
-from common.sft_data import load_sft
+from common.sft_data import SFTDataArgs, load_sft
+
+
+def sft_data(**flags) -> SFTDataArgs:
+    """sft.py's data group with these flags, reading the response from a "response" column unless told."""
+    return SFTDataArgs(**{"response_key": "response", **flags})
 
 
 def write(path, rows):
@@ -94,7 +99,7 @@ def test_truncate_modes():
 
 
 def test_sft_prompt_response_masks_response_and_eos(tokenizer):
-    rows, _ = load_sft([TASK_TEST], tokenizer, max_length=128, response_key="extra_info.answer")
+    rows, _ = load_sft([TASK_TEST], tokenizer, sft_data(max_length=128, response_key="extra_info.answer"))
     ex = rows[0]
     masked = [t for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m]
     assert tokenizer.decode(masked) == f"<answer>{ex['ground_truth']}</answer><|im_end|>"
@@ -111,7 +116,7 @@ def test_sft_messages_trains_on_every_assistant_turn_only(tmp_path, tokenizer):
         {"role": "assistant", "content": "4"},
     ]
     f = write(tmp_path / "m.parquet", [{"messages": conv}])
-    (ex,), _ = load_sft([f], tokenizer, max_length=128)
+    (ex,), _ = load_sft([f], tokenizer, sft_data(max_length=128))
     masked = tokenizer.decode([t for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m])
     assert masked == "2<|im_end|>\n4<|im_end|>\n"
     assert tokenizer.decode(ex["prompt_ids"]).endswith("2+2<|im_end|>\n<|im_start|>assistant\n")
@@ -123,11 +128,11 @@ def test_sft_tool_conversations_show_the_tools_and_train_on_assistant_turns_only
     prompt of the same question, templated with --tool-config's schemas, is the same prefix."""
     from conftest import BUNDLED
 
-    from common.tools import read_tool_config
+    from common.agents.tools import read_tool_config
 
     sft = tmp_path / "sft.parquet"  # its first rows: templating all 8,000 took 6-8 s
     pq.write_table(pq.read_table(BUNDLED / "calculator" / "sft.parquet").slice(0, 4), sft)
-    (ex, *_), _ = load_sft([sft], tokenizer, max_length=256)
+    (ex, *_), _ = load_sft([sft], tokenizer, sft_data(max_length=256))
     row = pq.read_table(sft).slice(0, 1).to_pylist()[0]
     a, b = row["extra_info"]["question"].split("=")[0].split("*")
     text = tokenizer.decode(ex["input_ids"])
@@ -140,20 +145,20 @@ def test_sft_tool_conversations_show_the_tools_and_train_on_assistant_turns_only
     assert ex["input_ids"][: len(rows[0]["prompt_ids"])] == rows[0]["prompt_ids"]
     bad = write(tmp_path / "t.parquet", [{"messages": row["messages"], "tools": "[{oops"}])
     with pytest.raises(DataError, match="row 0 column 'tools': not valid JSON"):
-        load_sft([bad], tokenizer, max_length=256)
+        load_sft([bad], tokenizer, sft_data(max_length=256))
 
 
 def test_sft_errors(tmp_path, tokenizer):
     f = write(tmp_path / "n.parquet", [{"text": "a"}])
     with pytest.raises(DataError, match="neither a 'messages' column .* nor a 'prompt' column"):
-        load_sft([f], tokenizer, max_length=64)
+        load_sft([f], tokenizer, sft_data(max_length=64))
     g = write(tmp_path / "r.parquet", [{"prompt": "a", "response": 5}])
     with pytest.raises(DataError, match="row 0 column 'response': expected a string response, got int"):
-        load_sft([g], tokenizer, max_length=64)
+        load_sft([g], tokenizer, sft_data(max_length=64))
     h = write(tmp_path / "h.parquet", [{"prompt": "a", "response": "b" * 200}])
     with pytest.raises(DataError, match=r"row 0: \d+ tokens > max_length=64"):
-        load_sft([h], tokenizer, max_length=64)
-    rows, stats = load_sft([h], tokenizer, max_length=64, truncation="right")
+        load_sft([h], tokenizer, sft_data(max_length=64))
+    rows, stats = load_sft([h], tokenizer, sft_data(max_length=64, truncation="right"))
     assert len(rows[0]["input_ids"]) == 64 and stats.truncated == 1
 
 
@@ -162,7 +167,7 @@ def test_sft_rows_without_loss_tokens_are_counted(tmp_path, tokenizer):
         tmp_path / "c.parquet",
         [{"prompt": "a" * 60, "response": "b"}, {"prompt": "a", "response": "b"}],
     )
-    rows, stats = load_sft([f], tokenizer, max_length=40, truncation="right")
+    rows, stats = load_sft([f], tokenizer, sft_data(max_length=40, truncation="right"))
     assert len(rows) == 1 and stats.no_loss_tokens == 1 and "1 left out" in stats.summary("train")
 
 
@@ -239,9 +244,11 @@ def test_messages_keep_tool_calls_and_refuse_what_a_template_would_drop(tmp_path
     does not know, a field it never reads (the bundled template has no tool_calls) or a field no
     template reads is an error naming the row, not a message silently left out or reduced."""
     call = [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]
-    chat = [{"role": "user", "content": "1+2?", "tool_calls": None},
-            {"role": "assistant", "content": None, "tool_calls": call},
-            {"role": "tool", "content": "3", "tool_calls": None}]  # fmt: skip
+    chat = [
+        {"role": "user", "content": "1+2?", "tool_calls": None},
+        {"role": "assistant", "content": None, "tool_calls": call},
+        {"role": "tool", "content": "3", "tool_calls": None},
+    ]
     f = write(tmp_path / "c.parquet", [{"prompt": chat}])
     with pytest.raises(
         DataError, match="row 0 column 'prompt': message 1 has tool_calls, which the chat template never"
@@ -257,8 +264,10 @@ def test_messages_keep_tool_calls_and_refuse_what_a_template_would_drop(tmp_path
     assert rows[0]["messages"][1] == {"role": "assistant", "content": "", "tool_calls": call}
     assert "tool_calls" not in rows[0]["messages"][0]  # parquet's null for the rows without
     assert '"name": "add"' in renders.decode(rows[0]["prompt_ids"])
-    for bad, words in (({"role": "bot"}, "message 0 has role 'bot', which the chat template does not know"),
-                       ({"weight": 0.5}, "message 0 has the field(s) 'weight', which no chat template here reads")):  # fmt: skip
+    for bad, words in (
+        ({"role": "bot"}, "message 0 has role 'bot', which the chat template does not know"),
+        ({"weight": 0.5}, "message 0 has the field(s) 'weight', which no chat template here reads"),
+    ):
         f = write(tmp_path / "bad.parquet", [{"prompt": [{"role": "user", "content": "hi", **bad}]}])
         with pytest.raises(DataError, match=re.escape(f"bad.parquet row 0 column 'prompt': {words}")):
             load_prompts([f], tokenizer, max_prompt_length=64)

@@ -13,7 +13,7 @@ from conftest import BUNDLED, TINY, load_recipe, make_args
 from common.data import pack_sequences
 from common.errors import UsageError
 from common.model import load_policy
-from common.ops import jsd_from_logits
+from common.teacher import jsd_from_logits
 
 distill = load_recipe("distill")
 SFT = str(BUNDLED / "tiny-qwen2-sft")
@@ -52,8 +52,8 @@ def jsd_by_formula(logits, teacher_logits, beta):
 
 @pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
 def test_gkd_divergence_equals_its_formula(beta, monkeypatch):
-    """jsd_from_logits against the formula on random logits, chunked (a chunk of 3 rows) and whole;
-    its gradient reaches the student's logits only and equals the formula's."""
+    """jsd_from_logits against the formula on random logits, chunked (a chunk of 3 rows: common.ops.rowwise's) and
+    whole; its gradient reaches the student's logits only and equals the formula's."""
     import common.ops
 
     g = torch.Generator().manual_seed(0)
@@ -103,10 +103,11 @@ def test_a_teacher_equal_to_the_student_teaches_nothing(tokenizer, loss):
     advantages = distill.teacher_advantages(old, teacher, mask)
     assert advantages.abs().max() == 0
     gkd = loss == "gkd"
-    new, entropy, _, jsd = distill.forward_logprobs(model, batch, rows, plan, True, None, model if gkd else None,
-                                                    0.5 if gkd else None)  # fmt: skip
-    terms, _ = distill.compute_loss(new, old, advantages, mask, {"mode": "token-mean"}, clip_ratio_low=0.2,
-                                    clip_ratio_high=0.2, clip_ratio_c=3.0, jsd=jsd)  # fmt: skip
+    new, entropy, _, jsd = distill.forward_logprobs(
+        model, batch, rows, plan, True, None, model if gkd else None, 0.5 if gkd else None
+    )
+    args = make_args(distill.Args, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
+    terms, _ = distill.compute_loss(new, old, advantages, mask, {"mode": "token-mean"}, args, jsd=jsd)
     total = sum(terms.values())
     grads = torch.autograd.grad(total, [p for p in model.parameters() if p.requires_grad])
     assert max(g.abs().max().item() for g in grads) < 1e-6
@@ -126,8 +127,7 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_any_model_loads(tmp_
     other.add_tokens(["<extra>"])
     other.save_pretrained(tmp_path / "teacher")
     monkeypatch.setattr(common.model, "load_policy", lambda *a, **k: pytest.fail("a model loaded"))
-    args = make_args(distill.Args, teacher_model=str(tmp_path / "teacher"), output_dir=str(tmp_path / "run"),
-                     logger=())  # fmt: skip
+    args = make_args(distill.Args, teacher_model=str(tmp_path / "teacher"), output_dir=str(tmp_path / "run"), logger=())
     with pytest.raises(UsageError, match=r"--teacher-model .*tokenizer differs.*1 in one vocabulary only; '<extra>'"):
         distill.main(args)
 
@@ -151,7 +151,7 @@ def test_an_engine_scores_the_batch_as_the_teachers_passes(tokenizer):
     from common.engines import HFEngine
     from common.rollout import engine_logprobs
 
-    teacher = load_policy(distill.Args.teacher_model)
+    teacher = load_policy(distill.Args().teacher.teacher_model)
     rows, _ = load_prompts([BUNDLED / "addition" / "test.parquet"], tokenizer, max_prompt_length=64)
     prompts = [r["prompt_ids"] for r in rows[:4]]
     prompts[1] = prompts[1][5:]  # prompts of different lengths
@@ -162,14 +162,15 @@ def test_an_engine_scores_the_batch_as_the_teachers_passes(tokenizer):
     plan = type("Plan", (), {"share_prompts": True, "temperature": 0.7})()
     with torch.no_grad():
         want = distill.forward_logprobs(teacher, batch, torch.arange(4), plan)[0]
-    engine = HFEngine(teacher, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu",
-                      batch_size=3)  # fmt: skip
+    engine = HFEngine(
+        teacher, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu", batch_size=3
+    )
     got, mask = engine_logprobs(engine, batch, 0.7), batch["response_mask"]
     assert got.shape == want.shape and torch.allclose(got, want * mask, atol=1e-5)
     assert (got[mask == 0] == 0).all() and (got[mask == 1] < 0).all()
 
 
-def test_teacher_engine_flags_are_checked():
+def test_teacher_engine_flags_are_checked(tokenizer, monkeypatch):
     """An engine serves the teacher's logprobs of the sampled tokens only (no GKD), vLLM's at
     temperature 1; the remote engines' own flags need --teacher-placement remote."""
     with pytest.raises(UsageError, match=r"--loss gkd with --teacher-engine hf --teacher-placement remote: GKD"):
@@ -190,4 +191,12 @@ def test_teacher_engine_flags_are_checked():
         with pytest.raises(UsageError, match=r"--teacher-engine vllm: vLLM is not installed; pip install"):
             make_args(distill.Args, teacher_engine="vllm")
     args = make_args(distill.Args, teacher_placement="remote", ray_address="10.0.0.1:6379", engine_timeout=60.0)
-    assert args.teacher_kwargs()["remote"]["ray_address"] == "10.0.0.1:6379"
+    import common.serving.remote
+    from common.parallel import Dist
+    from common.teacher import start_teacher
+
+    started = {}  # the keywords the teacher's remote engines are started with (start_teacher's RemoteEngines)
+    monkeypatch.setattr(common.serving.remote, "RemoteEngines", lambda *a, **kw: started.update(kw))
+    dist = Dist(0, 1, 0, torch.device("cpu"))
+    start_teacher(args.teacher, args.model, args.data, args.rollout, args.actor, args.placement, dist, tokenizer)
+    assert started["ray_address"] == "10.0.0.1:6379"

@@ -30,7 +30,7 @@ from conftest import RL_RECIPES, ROOT
 
 from common.config import flag_types
 from common.flags import _flags as flag_fields_of
-from common.verl import OVERRIDE, Refused, is_override, lookup
+from common.formats.verl import OVERRIDE, Refused, is_override, lookup
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
@@ -249,9 +249,13 @@ def check_flags(script: str, words: list[str]) -> list[str]:
         i += 1
         if word == "--":
             break
-        if script.startswith("recipes/") and word in ("--verl-config", "--config-path", "--config-name",
-                                                      "--print-verl-translation"):  # fmt: skip
-            i += word != "--print-verl-translation"  # read by common.verl before tyro: a path or name follows
+        if script.startswith("recipes/") and word in (
+            "--verl-config",
+            "--config-path",
+            "--config-name",
+            "--print-verl-translation",
+        ):
+            i += word != "--print-verl-translation"  # read by common.formats.verl before tyro: a path or name follows
             continue
         if not word.startswith("--") and script.startswith("recipes/") and is_override(word):
             entry = lookup(OVERRIDE.match(word).group(1))

@@ -1,4 +1,4 @@
-"""Environments (common.envs, common.env_manager): the config file, the action of a reply, a
+"""Environments (common.agents.envs, common.agents.env_manager): the config file, the action of a reply, a
 scripted player through the manager (the exact trajectory, its mask and return), the format
 penalty, hanging and crashing environments, the Gymnasium adapter, environment reuse, ROLL's
 reward normalisation, and the rows of a run."""
@@ -12,13 +12,14 @@ import pytest
 import torch
 from conftest import BUNDLED, OWN_PLUMBING, make_args, read_metrics, run_recipe, torchrun_plan
 
-from common.conditioning import group_normalize, normalize_rewards
+from common.agents import EnvArgs
+from common.agents.env_manager import EnvLoop
+from common.agents.envs import VAL_SEED_OFFSET, EnvHost, check_envs, env_rows, parse_action, read_env_config
 from common.data import render_chat
 from common.engines import Completion, Sampling
-from common.env_manager import EnvLoop
-from common.envs import VAL_SEED_OFFSET, EnvHost, check_envs, env_rows, parse_action, read_env_config
 from common.errors import UsageError
 from common.rewards import ENVS_PREFIX, RewardPool
+from common.shaping.conditioning import group_normalize, normalize_rewards
 
 GAMES = BUNDLED / "envs" / "games.yaml"
 
@@ -83,10 +84,14 @@ class Scripted:
 
 
 def manager(tokenizer, config, pool, script, **kw):
-    return EnvLoop(Scripted(tokenizer, script), tokenizer, config=read_env_config(str(config)), pool=pool,
-                   max_env_steps=kw.pop("steps", 8), format_penalty=kw.pop("penalty", -0.1),
-                   gamma=kw.pop("gamma", 1.0), max_response_length=kw.pop("length", 400),
-                   max_prompt_length=kw.pop("prompt", 64), lockstep=False)  # fmt: skip
+    """The environment manager over a Scripted engine; a trajectory's budget is the generate call's max_tokens."""
+    group = EnvArgs(
+        env_config=str(config),
+        max_env_steps=kw.pop("steps", 8),
+        format_penalty=kw.pop("penalty", -0.1),
+        env_gamma=kw.pop("gamma", 1.0),
+    )
+    return EnvLoop(Scripted(tokenizer, script), tokenizer, group, pool, kw.pop("prompt", 64), lockstep=False)
 
 
 def rows(config, tag, seeds):
@@ -242,8 +247,10 @@ def test_a_scripted_player_gives_the_exact_trajectory_mask_and_return(tokenizer)
         pool.close()
     messages = [{"role": "user", "content": observations[0]}]
     for action, observation in zip(path, observations[1:]):
-        messages += [{"role": "assistant", "content": f"<answer>{action}</answer>"},
-                     {"role": "user", "content": observation}]  # fmt: skip
+        messages += [
+            {"role": "assistant", "content": f"<answer>{action}</answer>"},
+            {"role": "user", "content": observation},
+        ]
     messages = messages[:-1]  # the goal's observation is never shown: the game is over
     assert row["prompt_ids"] == render_chat(tokenizer, messages[:1], add_generation_prompt=True)
     whole = render_chat(tokenizer, messages, add_generation_prompt=False)
@@ -267,8 +274,9 @@ def test_an_unparsed_reply_is_penalised_and_does_not_step(tokenizer, counter_con
     script = ["jump!", "<answer>sit</answer>", "<answer>go</answer>"]
     pool = env_pool(counter_config)
     try:
-        loop = manager(tokenizer, counter_config, pool, lambda obs, turn: script[min(turn, 2)], penalty=-0.25,
-                       gamma=0.5)  # fmt: skip
+        loop = manager(
+            tokenizer, counter_config, pool, lambda obs, turn: script[min(turn, 2)], penalty=-0.25, gamma=0.5
+        )
         (c,) = loop.generate_rows(rows(counter_config, "Counter", [7]), Sampling(n=1, max_tokens=400))[0]
     finally:
         pool.close()
@@ -286,8 +294,8 @@ def test_turn_and_length_limits_end_a_trajectory(tokenizer, counter_config):
         loop = manager(tokenizer, counter_config, pool, lambda obs, turn: "<answer>sit</answer>", steps=3)
         (c,) = loop.generate_rows(rows(counter_config, "Counter", [1]), Sampling(n=1, max_tokens=400))[0]
         assert c.extra_info["env"]["turns"] == 3 and c.finish_reason == "stop" and not c.extra_info["env"]["success"]
-        loop = manager(tokenizer, counter_config, pool, lambda obs, turn: "<answer>sit</answer>", length=60)
-        (c,) = loop.generate_rows(rows(counter_config, "Counter", [1]), Sampling(n=1, max_tokens=400))[0]
+        loop = manager(tokenizer, counter_config, pool, lambda obs, turn: "<answer>sit</answer>")
+        (c,) = loop.generate_rows(rows(counter_config, "Counter", [1]), Sampling(n=1, max_tokens=60))[0]
         assert len(c.token_ids) <= 60 and c.finish_reason == "length"
         loop = manager(tokenizer, counter_config, pool, lambda obs, turn: "<answer>go</answer>", prompt=30)
         loop.generate_rows(rows(counter_config, "Counter", [7]), Sampling(n=1, max_tokens=400))  # 30 tokens: fits
@@ -384,9 +392,11 @@ def test_rows_hold_each_tags_groups_and_held_out_seeds():
     assert [r["data_source"] for r in train[:4]] == ["FrozenLake"] * 3 + ["SimpleSokoban"]
     assert [r["env_seed"] for r in train] == list(range(8))
     assert [(r["data_source"], r["env_seed"]) for r in val] == [
-        ("FrozenLake", VAL_SEED_OFFSET), ("FrozenLake", VAL_SEED_OFFSET + 1),
-        ("SimpleSokoban", VAL_SEED_OFFSET), ("SimpleSokoban", VAL_SEED_OFFSET + 1),
-    ]  # fmt: skip
+        ("FrozenLake", VAL_SEED_OFFSET),
+        ("FrozenLake", VAL_SEED_OFFSET + 1),
+        ("SimpleSokoban", VAL_SEED_OFFSET),
+        ("SimpleSokoban", VAL_SEED_OFFSET + 1),
+    ]
     assert "3 FrozenLake, 1 SimpleSokoban" in stats.summary("train")
 
 
@@ -423,10 +433,28 @@ def test_roll_reward_normalisation_by_hand():
 # --- the recipes ----------------------------------------------------------------------------------
 GAMES_MODEL = BUNDLED / "tiny-qwen2-games"
 PLAY = [
-    "--env-config", GAMES, "--model", GAMES_MODEL, "--max-response-length", 256, "--max-env-steps", 3,
-    "--train-batch-size", 2, "--rollout-n", 2, "--env-val-seeds", 2, "--no-val-before-train",
-    "--total-training-steps", 2, "--test-freq", 2, "--log-interval", 0,
-]  # fmt: skip
+    "--env-config",
+    GAMES,
+    "--model",
+    GAMES_MODEL,
+    "--max-response-length",
+    256,
+    "--max-env-steps",
+    3,
+    "--train-batch-size",
+    2,
+    "--rollout-n",
+    2,
+    "--env-val-seeds",
+    2,
+    "--no-val-before-train",
+    "--total-training-steps",
+    2,
+    "--test-freq",
+    2,
+    "--log-interval",
+    0,
+]
 
 
 @pytest.mark.e2e
@@ -468,15 +496,44 @@ def test_grpo_learns_a_game_its_prior_loses(tmp_path, capsys):
     config = {"envs": {"Counter": {"env": "counter.py:Counter", "kwargs": {"goal": 2, "word": "up"}}}}
     (tmp_path / "envs.yaml").write_text(json.dumps(config))
     out = tmp_path / "run"
-    run_recipe("grpo", "--env-config", tmp_path / "envs.yaml", "--model", GAMES_MODEL, "--max-response-length", 128,
-               "--max-env-steps", 4, "--train-batch-size", 4, "--rollout-n", 8, "--lr", 3e-4, "--lr-scheduler",
-               "constant", "--total-training-steps", 6, "--test-freq", 6, "--env-val-seeds", 16, "--save-freq", 0,
-               "--log-interval", 0, "--output-dir", out)  # fmt: skip
+    run_recipe(
+        "grpo",
+        "--env-config",
+        tmp_path / "envs.yaml",
+        "--model",
+        GAMES_MODEL,
+        "--max-response-length",
+        128,
+        "--max-env-steps",
+        4,
+        "--train-batch-size",
+        4,
+        "--rollout-n",
+        8,
+        "--lr",
+        3e-4,
+        "--lr-scheduler",
+        "constant",
+        "--total-training-steps",
+        6,
+        "--test-freq",
+        6,
+        "--env-val-seeds",
+        16,
+        "--save-freq",
+        0,
+        "--log-interval",
+        0,
+        "--output-dir",
+        out,
+    )
     metrics = read_metrics(out)
     sampled = [m["env/Counter/success"] for m in metrics if "env/Counter/success" in m]
     with capsys.disabled():
-        print(f"\ncounter game: sampled success {sampled[0]:.2f} -> {sampled[-1]:.2f}, held-out greedy "
-              f"{metrics[0]['val/accuracy']:.0%} -> {metrics[-1]['val/accuracy']:.0%}")  # fmt: skip
+        print(
+            f"\ncounter game: sampled success {sampled[0]:.2f} -> {sampled[-1]:.2f}, held-out greedy "
+            f"{metrics[0]['val/accuracy']:.0%} -> {metrics[-1]['val/accuracy']:.0%}"
+        )
     assert metrics[0]["val/accuracy"] == 0.0 and metrics[-1]["val/accuracy"] >= 0.9
     assert len(sampled) == 6 and sampled[-1] >= sampled[0] + 0.3
 
@@ -489,8 +546,18 @@ def test_generate_plays_held_out_seeds_and_evaluate_reports_each_game(tmp_path):
 
     generate, evaluate = load_recipe("generate"), load_recipe("evaluate")
     out = tmp_path / "games.parquet"
-    generate.main(make_args(generate.Args, model=str(GAMES_MODEL), env_config=str(GAMES), env_val_seeds=3, n_samples=2,
-                                max_response_length=256, max_env_steps=3, output_path=str(out)))  # fmt: skip
+    generate.main(
+        make_args(
+            generate.Args,
+            model=str(GAMES_MODEL),
+            env_config=str(GAMES),
+            env_val_seeds=3,
+            n_samples=2,
+            max_response_length=256,
+            max_env_steps=3,
+            output_path=str(out),
+        )
+    )
     rows = pq.read_table(out).to_pylist()
     assert [(r["data_source"], r["env_seed"]) for r in rows] == [
         (tag, VAL_SEED_OFFSET + i) for tag in ("FrozenLake", "SimpleSokoban") for i in range(3)
@@ -549,9 +616,19 @@ def test_the_bundled_sokoban_checkpoint_wins_a_third_of_the_held_out_rooms(tmp_p
 
     generate, evaluate = load_recipe("generate"), load_recipe("evaluate")
     out = tmp_path / "sokoban.parquet"
-    generate.main(make_args(generate.Args, model=str(SOKOBAN_MODEL), env_config=str(SOKOBAN), env_val_seeds=64,
-                                temperature=0.0, max_prompt_length=128, max_response_length=64, max_env_steps=1,
-                                output_path=str(out)))  # fmt: skip
+    generate.main(
+        make_args(
+            generate.Args,
+            model=str(SOKOBAN_MODEL),
+            env_config=str(SOKOBAN),
+            env_val_seeds=64,
+            temperature=0.0,
+            max_prompt_length=128,
+            max_response_length=64,
+            max_env_steps=1,
+            output_path=str(out),
+        )
+    )
     success = evaluate.main(evaluate.Args(data_path=str(out)))["SimpleSokoban"]["pass@1"]
     assert 0.25 <= success <= 0.45, success
 

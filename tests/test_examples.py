@@ -42,10 +42,18 @@ def test_gsm8k_rows_become_verl_rows_the_builtin_reward_scores(tmp_path):
     rows = pq.read_table(out).to_pylist()
     assert [r["reward_model"]["ground_truth"] for r in rows] == ["7", "2400", "-3"]
     assert {r["data_source"] for r in rows} == {"openai/gsm8k"}
-    assert rows[0]["prompt"] == [{"role": "user", "content": ROWS[0]["question"] + ' Let\'s think step by step and '
-                                  'output the final answer after "####".'}]  # fmt: skip
-    assert rows[1]["extra_info"] == {"split": "test", "index": 1, "question": ROWS[1]["question"],
-                                     "answer": ROWS[1]["answer"]}  # fmt: skip
+    assert rows[0]["prompt"] == [
+        {
+            "role": "user",
+            "content": ROWS[0]["question"] + ' Let\'s think step by step and output the final answer after "####".',
+        }
+    ]
+    assert rows[1]["extra_info"] == {
+        "split": "test",
+        "index": 1,
+        "question": ROWS[1]["question"],
+        "answer": ROWS[1]["answer"],
+    }
     for row in rows:
         truth = row["reward_model"]["ground_truth"]
         assert default_compute_score(row["data_source"], f"So the total is\n#### {truth}", truth) == 1.0
@@ -55,8 +63,13 @@ def test_gsm8k_rows_become_verl_rows_the_builtin_reward_scores(tmp_path):
 def test_a_row_without_a_final_answer_is_named(tmp_path):
     """From the command line, as a user runs it: one line naming the row, exit status 2, nothing written."""
     source, out = write(tmp_path, [ROWS[0], {"question": "q", "answer": "no final line"}])
-    done = subprocess.run([sys.executable, "examples/gsm8k.py", "--input", str(source), "--output", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "examples/gsm8k.py", "--input", str(source), "--output", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2 and not out.exists()
     assert "gsm8k.jsonl row 1 column 'answer': no final answer after '#### '" in done.stderr
 
@@ -66,8 +79,28 @@ def test_the_converted_file_trains_grpo(tmp_path):
     """One command between a GSM8K-style file and recipes/grpo.py: two steps on its output."""
     _, out = convert(tmp_path, ROWS * 4)
     run = tmp_path / "run"
-    run_recipe("grpo", "--train-files", out, "--val-files", out, "--output-dir", run, "--total-training-steps", 2,
-               "--train-batch-size", 4, "--rollout-n", 2, "--max-prompt-length", 256, "--test-freq", 2,
-               "--save-freq", 0, "--no-val-before-train", "--logger")  # fmt: skip
+    run_recipe(
+        "grpo",
+        "--train-files",
+        out,
+        "--val-files",
+        out,
+        "--output-dir",
+        run,
+        "--total-training-steps",
+        2,
+        "--train-batch-size",
+        4,
+        "--rollout-n",
+        2,
+        "--max-prompt-length",
+        256,
+        "--test-freq",
+        2,
+        "--save-freq",
+        0,
+        "--no-val-before-train",
+        "--logger",
+    )
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == [1, 2] and "val/accuracy" in metrics[-1]

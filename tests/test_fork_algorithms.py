@@ -5,6 +5,7 @@ verl's loss of the same name (verl/trainer/ppo/core_algos.py, actor_rollout_ref.
 the recipe's compute_loss runs on random batches with rows of unequal length, one empty row and junk
 on the padding, and must give the same loss and the same gradient to 1e-6."""
 
+import dataclasses
 import math
 
 import pytest
@@ -36,9 +37,16 @@ def tokens(mask):
 
 
 def run(recipe, new, old, adv, mask, mode="token-mean", **knobs):
-    """compute_loss's loss (its terms summed, as update sums them), its gradient in new, and its metrics."""
+    """compute_loss's loss (its terms summed, as update sums them), its gradient in new, and its metrics. knobs:
+    the recipe's Args fields compute_loss reads, set on its default Args as they are given (the formulas are
+    checked past what the flags' ranges let a run set too: a negative --clip-cov-lb, a --clip-ratio-low of 9)."""
+    args = recipe.Args()
+    unknown = set(knobs) - {f.name for f in dataclasses.fields(args)}
+    assert not unknown, f"{recipe.__name__}.Args has no {sorted(unknown)}"
+    for name, value in knobs.items():
+        setattr(args, name, value)
     new = new.clone().requires_grad_(True)
-    terms, metrics = recipe.compute_loss(new, old, adv, mask, dict(mode=mode), **knobs)
+    terms, metrics = recipe.compute_loss(new, old, adv, mask, dict(mode=mode), args)
     loss = sum(terms.values())
     loss.backward()
     return loss.item(), new.grad, metrics
@@ -206,7 +214,7 @@ def test_clip_cov_equals_its_formula(seed):
     new, old, adv, mask = random_batch(seed)
     knobs = dict(clip_ratio_low=0.2, clip_ratio_high=0.2)
     for lb, ub in [(0.0, 5.0), (-0.3, 0.2), (1.0, 5.0)]:
-        got = run(clip_cov, new, old, adv, mask, clip_cov=(1.0, lb, ub), **knobs)
+        got = run(clip_cov, new, old, adv, mask, clip_cov_ratio=1.0, clip_cov_lb=lb, clip_cov_ub=ub, **knobs)
         assert_equal(got, *clip_cov_reference(new, old, adv, mask, 0.2, 0.2, lb, ub), mask)
 
 
@@ -218,8 +226,8 @@ def test_clip_cov_cuts_a_share_of_the_tokens_at_random_among_the_candidates():
     picks = []
     for seed in (1, 2, 1):
         torch.manual_seed(seed)
-        _, grad, metrics = run(clip_cov, new, old, adv, mask, clip_cov=(0.1, 0.0, 5.0), clip_ratio_low=9.0,
-                               clip_ratio_high=9.0)  # fmt: skip
+        cut_knobs = dict(clip_cov_ratio=0.1, clip_cov_lb=0.0, clip_cov_ub=5.0, clip_ratio_low=9.0, clip_ratio_high=9.0)
+        _, grad, metrics = run(clip_cov, new, old, adv, mask, **cut_knobs)
         cut = {(i, t) for i, t in tokens(mask) if grad[i, t] == 0}
         assert len(cut) == max(1, int(0.1 * len(tokens(mask)))) and cut <= candidates
         assert metrics["policy/covfrac"].item() == pytest.approx(len(cut) / len(tokens(mask)))
@@ -283,8 +291,8 @@ def dppo_reference(new, old, adv, mask, divergence, low, high, cap):
 def test_dppo_equals_its_formula(seed, divergence):
     new, old, adv, mask = random_batch(seed, spread=0.6)
     for low, high, cap in [(0.2, 0.2, 3.0), (0.05, 0.15, 1.2), (0.02, 0.01, 1e4)]:
-        got = run(dppo, new, old, adv, mask, divergence=divergence, clip_ratio_low=low, clip_ratio_high=high,
-                  clip_ratio_c=cap)  # fmt: skip
+        knobs = dict(loss_mode=divergence, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=cap)
+        got = run(dppo, new, old, adv, mask, **knobs)
         assert_equal(got, *dppo_reference(new, old, adv, mask, divergence, low, high, cap), mask)
         assert 0 < got[2]["policy/clipfrac"].item() < 1 or (low, high) == (0.2, 0.2)
 
@@ -416,7 +424,7 @@ def test_passk_advantage_equals_its_formula(seed):
     )
     assert one[:, 0].tolist() == pytest.approx([1 / (0.5 + 1e-6), 0, 0, 0])  # verl's worked case
     with pytest.raises(Exception, match="pass@k needs 2 or more responses"):
-        passk.Args(rollout_n=1)
+        make_args(passk.Args, rollout_n=1)
 
 
 remax = load_recipe("remax")
@@ -434,10 +442,10 @@ def test_remax_advantage_equals_its_formula(seed):
 
 
 def test_the_greedy_baseline_samples_this_steps_prompts_once_greedily(monkeypatch):
-    """Rollout.greedy_rewards: one greedy response (n 1, temperature 0, no top-p / top-k) to each of this rank's
-    prompts of the step (the ones step() samples), scored by the same pool; its time adds to the step's."""
+    """remax.greedy_rewards: one greedy response (n 1, temperature 0, no top-p / top-k) to each of this rank's
+    prompts of the step (the ones Rollout.step() samples), scored by the same pool; its time adds to the step's."""
     import common.rollout as rollout
-    from common.data import step_rows
+    from common.data import RLDataArgs, StepPrompts, step_rows
     from common.engines import Sampling
     from common.parallel import Dist
 
@@ -447,14 +455,14 @@ def test_the_greedy_baseline_samples_this_steps_prompts_once_greedily(monkeypatc
         calls.append((prompts, sampling))
         return {"rewards": torch.arange(float(len(prompts))), "timing": {"perf/generate_s": 1.0, "perf/score_s": 2.0}}
 
-    monkeypatch.setattr(rollout, "generate_and_score", fake)
+    monkeypatch.setattr(remax, "generate_and_score", fake)  # what greedy_rewards calls (rollout.generate_and_score)
     train = [{"prompt_ids": [i]} for i in range(20)]
     sampling = Sampling(n=4, temperature=0.9, top_p=0.8, top_k=5, max_tokens=7)
-    run = rollout.Rollout(
-        train, [], None, None, None, Dist(1, 2, 1, torch.device("cpu")), sampling, sampling, 8, 3, True
-    )
+    prompts = StepPrompts(train, RLDataArgs(train_batch_size=8, shuffle=True), seed=3, total_steps=10)
+    dist = Dist(1, 2, 1, torch.device("cpu"))
+    run = rollout.Rollout(prompts, [], None, None, None, dist, sampling, rollout.ValidationArgs())
     batch = {"timing": {"perf/generate_s": 0.5, "perf/score_s": 0.25}}
-    baselines = run.greedy_rewards(5, batch)
+    baselines = remax.greedy_rewards(run, 5, batch)
     prompts, greedy = calls[0]
     assert prompts == step_rows(5, train, 8, 3, True, 2)[1][1] and len(baselines) == len(prompts) == 4
     assert (greedy.n, greedy.temperature, greedy.top_p, greedy.top_k, greedy.max_tokens) == (1, 0.0, 1.0, -1, 7)
@@ -485,16 +493,22 @@ def test_gdpo_advantage_equals_its_formula(seed):
     tokens_ = [(total[i], mask[i, t].item()) for i in range(len(total)) for t in range(mask.shape[1]) if mask[i, t] > 0]
     mean = sum(v for v, _ in tokens_) / len(tokens_)
     var = sum((v - mean) ** 2 for v, _ in tokens_) / (len(tokens_) - 1)
-    want = [[(total[i] - mean) / (var + 1e-8) ** 0.5 if mask[i, t] > 0 else 0.0 for t in range(mask.shape[1])]
-            for i in range(len(total))]  # fmt: skip
+    want = [
+        [(total[i] - mean) / (var + 1e-8) ** 0.5 if mask[i, t] > 0 else 0.0 for t in range(mask.shape[1])]
+        for i in range(len(total))
+    ]
     got = gdpo.compute_advantages(columns, groups, mask, weights)
     torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=1e-6)
 
 
 def test_gdpo_matches_verls_worked_case():
     """verl's own check: groups a, a, b, b; acc 1, 0, 0, 1; format 0, 1, 0, 1; two tokens each."""
-    got = gdpo.compute_advantages(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [1.0, 1.0]]),
-                                  torch.tensor([0, 0, 1, 1]), torch.ones(4, 2), [1.0, 1.0])  # fmt: skip
+    got = gdpo.compute_advantages(
+        torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [1.0, 1.0]]),
+        torch.tensor([0, 0, 1, 1]),
+        torch.ones(4, 2),
+        [1.0, 1.0],
+    )
     torch.testing.assert_close(got[:, 0], torch.tensor([0.0, 0.0, -1.3228757, 1.3228757]), rtol=1e-5, atol=1e-6)
 
 

@@ -67,7 +67,7 @@ def test_greedy_pass_at_1_equals_the_training_validation(tmp_path, gen, ev):
     from common.engines import HFEngine, Sampling
     from common.model import load_policy, load_tokenizer
     from common.parallel import Dist
-    from common.rewards import start_reward_pool
+    from common.rewards import reward_pool
     from common.rollout import evaluate
 
     out = tmp_path / "greedy.parquet"
@@ -81,7 +81,8 @@ def test_greedy_pass_at_1_equals_the_training_validation(tmp_path, gen, ev):
     rows, _ = load_prompts([TASK_TEST], tokenizer, max_prompt_length=64)
     dist = Dist(rank=0, world_size=1, local_rank=0, device="cpu")
     engine = HFEngine.for_policy(load_policy(SFT), tokenizer, dist, batch_size=256)
-    pool = start_reward_pool(None, workers=2, timeout=10.0, dry_run_rows=rows)
+    pool = reward_pool(None, 2, 10.0)
+    pool.dry_run(rows)
     validation = evaluate(engine, pool, tokenizer, rows, Sampling(n=1, temperature=0, max_tokens=16), dist)
     pool.close()
     assert results["all"]["pass@1"] == validation["val/accuracy"] == SHIPPED_ACCURACY
@@ -227,8 +228,9 @@ def test_bad_input_is_refused_before_any_model_loads_or_score(tmp_path, monkeypa
 
 
 def test_the_command_line_prints_one_line(tmp_path):
-    proc = run_recipe("evaluate", "--data-path", str(TASK_TEST), "--output-json", str(tmp_path / "m.json"), check=False,
-                      fresh=True)  # fmt: skip
+    proc = run_recipe(
+        "evaluate", "--data-path", str(TASK_TEST), "--output-json", str(tmp_path / "m.json"), check=False, fresh=True
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and "no column 'responses'" in proc.stderr
 

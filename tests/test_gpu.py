@@ -102,15 +102,17 @@ def test_a_packed_forward_equals_the_padded_one_on_gpu(tokenizer):
         half_lp, half_grad = results["bfloat16", remove_padding]
         gap = (half_lp - lp).abs()
         errors[remove_padding] = (gap.mean().item(), gap.max().item(), ((half_grad - grad).norm() / grad.norm()).item())
-    print(f"bfloat16 against float32 (mean, max logprob gap, relative gradient gap): padded {errors[False]}, "
-          f"packed {errors[True]}")  # fmt: skip
+    print(
+        f"bfloat16 against float32 (mean, max logprob gap, relative gradient gap): padded {errors[False]}, "
+        f"packed {errors[True]}"
+    )
     (mean, largest, gradient), (packed_mean, packed_largest, packed_gradient) = errors[False], errors[True]
     assert packed_mean <= 1.5 * mean and packed_gradient <= 1.5 * gradient
     assert packed_largest <= 2 * largest  # one token's rounding: the loosest of the three
 
 
 def test_compiled_layers_give_the_eager_pass_on_gpu(tokenizer):
-    """--use-torch-compile (common.model.compile_layers) on a GPU, padded and packed: the compiled layers'
+    """--use-torch-compile (common.scaling.compile.compile_layers) on a GPU, padded and packed: the compiled layers'
     logprobs and gradients equal the eager ones within float32 rounding (fused kernels round in another
     order; a wrong fusion or a layer left out of its graph misses by far more)."""
     layouts = [("float32", False), ("float32", True)]
@@ -119,6 +121,8 @@ def test_compiled_layers_give_the_eager_pass_on_gpu(tokenizer):
     for layout in layouts:
         (lp, grad), (compiled_lp, compiled_grad) = eager[layout], compiled[layout]
         gaps = (compiled_lp - lp).abs().max().item(), ((compiled_grad - grad).norm() / grad.norm()).item()
-        print(f"\n{layout}: compiled against eager, largest logprob gap {gaps[0]:.2e}, relative gradient gap "
-              f"{gaps[1]:.2e}")  # fmt: skip
+        print(
+            f"\n{layout}: compiled against eager, largest logprob gap {gaps[0]:.2e}, relative gradient gap "
+            f"{gaps[1]:.2e}"
+        )
         assert gaps[0] < 1e-4 and gaps[1] < 1e-3

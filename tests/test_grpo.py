@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ROOT, load_recipe_refusing_models, read_metrics, run_recipe, torchrun_plan
+from conftest import ROOT, load_recipe_refusing_models, make_args, read_metrics, run_recipe, torchrun_plan
 from safetensors.torch import load_file
 
 from common.scoring import extract_answer_tag
@@ -49,8 +49,10 @@ def two_process_plan(folder, fixture):
     runs["fsdp2-packed"] = (
         f"{two_process_flags('fsdp2')} --total-training-steps 1 --test-freq 0 --use-remove-padding True"
     )
-    return {name: ("grpo", ["--output-dir", folder / name, *fixture("small_files"), *flags.split()])
-            for name, flags in runs.items()}  # fmt: skip
+    return {
+        name: ("grpo", ["--output-dir", folder / name, *fixture("small_files"), *flags.split()])
+        for name, flags in runs.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +173,7 @@ def test_unknown_data_source_fails_before_model_loads(tmp_path, grpo_no_model):
     ] * 16
     pq.write_table(pa.Table.from_pylist(rows), f)
     with pytest.raises(ValueError, match="no built-in reward for data_source='my/task'"):
-        grpo_no_model.main(grpo_no_model.Args(train_files=(str(f),), val_files=(), output_dir=str(tmp_path)))
+        grpo_no_model.main(make_args(grpo_no_model.Args, train_files=(str(f),), val_files=(), output_dir=str(tmp_path)))
 
 
 def test_options_and_lora_reference_run(tmp_path, small_files):

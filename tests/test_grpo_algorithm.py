@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import load_recipe
+from conftest import load_recipe, make_args
 
 from common.ops import agg_loss, kl_penalty
 
@@ -12,9 +12,11 @@ grpo = load_recipe("grpo")
 compute_advantages = grpo.compute_advantages
 
 
-def compute_loss(new, old, adv, mask, loss_agg_mode="token-mean", num_tokens=None, **knobs):
-    """grpo.compute_loss with agg_loss's mode and token count, its terms summed as update sums them."""
-    terms, metrics = grpo.compute_loss(new, old, adv, mask, dict(mode=loss_agg_mode, num_tokens=num_tokens), **knobs)
+def compute_loss(new, old, adv, mask, loss_agg_mode="token-mean", num_tokens=None, entropy=None, kl=None, **knobs):
+    """grpo.compute_loss with agg_loss's mode and token count and the Args of these knobs, its terms summed as
+    update sums them."""
+    agg, args = dict(mode=loss_agg_mode, num_tokens=num_tokens), make_args(grpo.Args, **knobs)
+    terms, metrics = grpo.compute_loss(new, old, adv, mask, agg, args, entropy, kl)
     return sum(terms.values()), metrics
 
 
@@ -42,7 +44,7 @@ def test_advantages_eps_on_std_and_dr_grpo():
 
 
 def loss_args(**over):
-    args = dict(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean")
+    args = dict(clip_ratio=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean")
     return {**args, **over}
 
 
@@ -95,6 +97,7 @@ def test_kl_and_entropy_terms():
         mask,
         **loss_args(),
         kl=kl_penalty(new, ref, "k1"),
+        use_kl_loss=True,
         kl_loss_coef=0.5,
         entropy=ent,
         entropy_coeff=0.1,
@@ -107,11 +110,15 @@ def test_kl_and_entropy_terms():
 @pytest.mark.parametrize(
     "kind, expected",
     [
-        ("kl", [0.5, -1.0]), ("k1", [0.5, -1.0]), ("abs", [0.5, 1.0]), ("mse", [0.125, 0.5]), ("k2", [0.125, 0.5]),
+        ("kl", [0.5, -1.0]),
+        ("k1", [0.5, -1.0]),
+        ("abs", [0.5, 1.0]),
+        ("mse", [0.125, 0.5]),
+        ("k2", [0.125, 0.5]),
         ("low_var_kl", [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]),
         ("k3", [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]),
     ],
-)  # fmt: skip
+)
 def test_kl_penalty_kinds(kind, expected):
     logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
     assert kl_penalty(logp, ref, kind).tolist() == pytest.approx(expected)
@@ -175,11 +182,13 @@ def test_is_weights_on_the_advantage_weight_each_tokens_loss():
     weighted_adv = loss_and_grad(lambda new: compute_loss(new, old, adv * weights, mask, **loss_args())[0])
     weighted_loss = loss_and_grad(
         lambda new: sum(
-            weights[0, t] * compute_loss(new[:, t : t + 1], old[:, t : t + 1], adv[:, t : t + 1], mask[:, t : t + 1],
-                                         **loss_args(), num_tokens=5)[0]
+            weights[0, t]
+            * compute_loss(
+                new[:, t : t + 1], old[:, t : t + 1], adv[:, t : t + 1], mask[:, t : t + 1], **loss_args(), num_tokens=5
+            )[0]
             for t in range(5)
         )
-    )  # fmt: skip
+    )
     assert weighted_adv[1] == pytest.approx(weighted_loss[1])
     assert torch.allclose(weighted_adv[0], weighted_loss[0])
     assert weighted_adv[0][0, 4] == 0  # the dual clip held on the last token

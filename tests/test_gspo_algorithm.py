@@ -4,14 +4,14 @@ import math
 
 import pytest
 import torch
-from conftest import load_recipe
+from conftest import load_recipe, make_args
 
 gspo = load_recipe("gspo")
 
 
 def compute_loss(new, old, adv, mask, loss_agg_mode="token-mean", **knobs):
-    """gspo.compute_loss with agg_loss's mode, its terms summed as update sums them."""
-    terms, metrics = gspo.compute_loss(new, old, adv, mask, dict(mode=loss_agg_mode), **knobs)
+    """gspo.compute_loss with agg_loss's mode and the Args of these knobs, its terms summed as update sums them."""
+    terms, metrics = gspo.compute_loss(new, old, adv, mask, dict(mode=loss_agg_mode), make_args(gspo.Args, **knobs))
     return sum(terms.values()), metrics
 
 

@@ -1,6 +1,6 @@
 """The configuration guides our users know (verl's and ROLL's), read themselves: every key they give is in
 tests/data/verl_keys.yaml (the list the rest of the suite reads, where tests/test_verl.py checks that
-common.verl classifies each) or, for ROLL's, named in docs/configuration.md's "Coming from ROLL". So a key a
+common.formats.verl classifies each) or, for ROLL's, named in docs/configuration.md's "Coming from ROLL". So a key a
 guide gives cannot be missed again. The guides live beside the checkout (../shared/reference) or where
 $RECIPES_GUIDES points; a clone without them skips these tests, saying where it looked."""
 
@@ -13,16 +13,19 @@ import pytest
 import yaml
 
 from common.errors import UsageError
-from common.sources import nested
-from common.verl import compose_hydra_config, lookup
+from common.formats.sources import nested
+from common.formats.verl import compose_hydra_config, lookup
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDES = Path(os.environ.get("RECIPES_GUIDES") or ROOT.parent / "shared" / "reference")
 pytestmark = pytest.mark.skipif(
     not GUIDES.is_dir(), reason=f"the configuration guides are not at {GUIDES} (set RECIPES_GUIDES to their folder)"
 )
-LISTED = {key: value for keys in yaml.safe_load((ROOT / "tests" / "data" / "verl_keys.yaml").read_text()).values()
-          for key, value in keys.items()}  # fmt: skip
+LISTED = {
+    key: value
+    for keys in yaml.safe_load((ROOT / "tests" / "data" / "verl_keys.yaml").read_text()).values()
+    for key, value in keys.items()
+}
 # verl's config sections, where a guide's block or sentence may start below the root (`custom_cls:` is data's)
 SECTIONS = ("", "data.", "actor_rollout_ref.", "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "trainer.")
 VERL_ROOTS = ("data", "actor_rollout_ref", "critic", "reward_model", "custom_reward_function", "algorithm", "trainer",
@@ -63,8 +66,11 @@ def guides(kind: str) -> list[Path]:
     """verl's guides (they name actor_rollout_ref) or ROLL's (they name num_return_sequences_in_group)."""
     paths = sorted(GUIDES.glob("*.txt"))
     verl = [p for p in paths if "actor_rollout_ref" in guide_text(p)]
-    return verl if kind == "verl" else [p for p in paths if p not in verl and "num_return_sequences_in_group" in
-                                        guide_text(p)]  # fmt: skip
+    return (
+        verl
+        if kind == "verl"
+        else [p for p in paths if p not in verl and "num_return_sequences_in_group" in guide_text(p)]
+    )
 
 
 def listed_as(key: str) -> str | None:
@@ -89,19 +95,24 @@ def test_the_guides_are_there_and_read():
 
 def test_every_key_the_verl_guides_give_is_listed_and_classified():
     """Every key of every YAML listing of verl's guides, and every dotted key their text names, is in
-    tests/data/verl_keys.yaml and has an entry in common.verl's table (a flag, a no-op, fixed or refused)."""
+    tests/data/verl_keys.yaml and has an entry in common.formats.verl's table (a flag, a no-op, fixed or refused)."""
     checked, missing = 0, []
     for path in guides("verl"):
         text = guide_text(path)  # the listings' keys, less a tool file's and Hydra's list (the tests below)
-        keys = [key for tree in yaml_blocks(text) if isinstance(tree, dict) for key in leaves(tree)
-                if key.split(".")[0] not in ("tools", "defaults")]  # fmt: skip
+        keys = [
+            key
+            for tree in yaml_blocks(text)
+            if isinstance(tree, dict)
+            for key in leaves(tree)
+            if key.split(".")[0] not in ("tools", "defaults")
+        ]
         keys += re.findall(r"`{1,2}((?:" + "|".join(VERL_ROOTS) + r")(?:\.[\w-]+)+)", text)  # sentences' keys
         for key in keys:
             name = listed_as(key)
             if name is None:
                 missing.append(f"{path.name}: {key}")
             elif name in LISTED:
-                assert lookup(name) is not None, f"{path.name}: {name} has no entry in common.verl.VERL_KEYS"
+                assert lookup(name) is not None, f"{path.name}: {name} has no entry in common.formats.verl.VERL_KEYS"
             checked += 1
     assert not missing, "not in tests/data/verl_keys.yaml:\n" + "\n".join(missing)
     assert checked > 400
@@ -118,15 +129,21 @@ def test_every_key_rolls_guide_gives_is_named_in_the_docs():
     keys = [key for tree in yaml_blocks(text) if isinstance(tree, dict) for key in leaves(tree)]
     keys += re.findall(r"^\s*[-*]\s+\*{0,2}`([\w.]+)`", text, re.M)
     assert len(keys) > 100
-    missing = sorted({f"{part} (of {key})" for key in keys for part in key.split(".") if part not in named and
-                      not (part.startswith("moe_") and "moe_*" in section)})  # fmt: skip
+    missing = sorted(
+        {
+            f"{part} (of {key})"
+            for key in keys
+            for part in key.split(".")
+            if part not in named and not (part.startswith("moe_") and "moe_*" in section)
+        }
+    )
     assert not missing, f"ROLL keys the docs do not name: {missing}"
 
 
 def test_the_guides_tool_file_example_is_refused_naming_what_to_write(tmp_path):
     """A verl guide's tool file example names its tool at tool_schema.name; verl's tools (and this library's
     --tool-config) read tool_schema.function.name, and the refusal says so."""
-    from common.tools import read_tool_config
+    from common.agents.tools import read_tool_config
 
     examples = [t for p in guides("verl") for t in yaml_blocks(guide_text(p)) if isinstance(t, dict) and "tools" in t]
     assert examples
@@ -159,7 +176,7 @@ def test_every_verl_listing_runs_under_verl_config_or_is_refused_naming_its_key(
     naming one of its keys."""
     from test_verl import args_class
 
-    from common.verl import verl_args
+    from common.formats.verl import verl_args
 
     scripts = {name: args_class(name) for name in ("ppo", "sft", "generate", "evaluate")}
     ran = refused = 0
@@ -176,9 +193,15 @@ def test_every_verl_listing_runs_under_verl_config_or_is_refused_naming_its_key(
                 if ref and ref.group(1) not in flat:
                     flat[key] = LISTED[ref.group(1)]
             tree = nested(flat)
-            script = ("generate" if "data.n_samples" in keys or "rollout.n" in keys else
-                      "evaluate" if "data.response_key" in keys and not section else
-                      "sft" if next(iter(keys)).startswith(("optim.", "model.")) and not section else "ppo")  # fmt: skip
+            script = (
+                "generate"
+                if "data.n_samples" in keys or "rollout.n" in keys
+                else "evaluate"
+                if "data.response_key" in keys and not section
+                else "sft"
+                if next(iter(keys)).startswith(("optim.", "model.")) and not section
+                else "ppo"
+            )
             file = tmp_path / f"{path.stem}_{i}.yaml"
             file.write_text(yaml.safe_dump(tree))
             estimator, trainer = ("gae", "ppo") if script == "ppo" else (None, "sft" if script == "sft" else None)

@@ -46,8 +46,14 @@ FLAGS = ["--lr", "1e-6", "--experiment-name", "a name with spaces", "--target-mo
 @pytest.mark.parametrize("hosts", [["gpu-a01"], ["gpu-a01", "gpu-a02", "gpu-b07"]])
 def test_accelerate_script_starts_one_launcher_per_node(tmp_path, hosts):
     env = slurm_env(tmp_path, hosts, gpus=8)
-    proc = subprocess.run(["bash", str(LAUNCH / "slurm_accelerate.sbatch"), "recipes/grpo.py", *FLAGS],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(LAUNCH / "slurm_accelerate.sbatch"), "recipes/grpo.py", *FLAGS],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     launches = calls(tmp_path, "accelerate")
     assert len(launches) == len(hosts)
@@ -75,10 +81,24 @@ def test_accelerate_script_starts_one_launcher_per_node(tmp_path, hosts):
 
 
 def test_accelerate_script_overrides_and_failures(tmp_path):
-    env = slurm_env(tmp_path, ["n1", "n2"], gpus="h100:4", CONFIG="configs/ddp.yaml", MAIN_PORT="29555",
-                    LOG_DIR=str(tmp_path / "mylogs"), STOP_GRACE="60", FAKE_EXIT="3")  # fmt: skip
-    proc = subprocess.run(["bash", str(LAUNCH / "slurm_accelerate.sbatch"), "recipes/sft.py"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    env = slurm_env(
+        tmp_path,
+        ["n1", "n2"],
+        gpus="h100:4",
+        CONFIG="configs/ddp.yaml",
+        MAIN_PORT="29555",
+        LOG_DIR=str(tmp_path / "mylogs"),
+        STOP_GRACE="60",
+        FAKE_EXIT="3",
+    )
+    proc = subprocess.run(
+        ["bash", str(LAUNCH / "slurm_accelerate.sbatch"), "recipes/sft.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 3  # a failed launcher fails the job, and it is not requeued
     argv = shlex.split(calls(tmp_path, "accelerate")[0].split(" | ")[0])
     assert (
@@ -91,8 +111,9 @@ def test_accelerate_script_overrides_and_failures(tmp_path):
     usage = subprocess.run(["bash", str(LAUNCH / "slurm_accelerate.sbatch")], env=env, capture_output=True, text=True)
     assert usage.returncode == 2 and "usage: sbatch" in usage.stderr
     bare = {k: v for k, v in env.items() if k != "SLURM_JOB_ID"}
-    outside = subprocess.run(["bash", str(LAUNCH / "slurm_accelerate.sbatch"), "recipes/grpo.py"], env=bare,
-                             capture_output=True, text=True)  # fmt: skip
+    outside = subprocess.run(
+        ["bash", str(LAUNCH / "slurm_accelerate.sbatch"), "recipes/grpo.py"], env=bare, capture_output=True, text=True
+    )
     assert outside.returncode != 0 and "run this script with sbatch" in outside.stderr
 
 
@@ -102,8 +123,14 @@ def test_the_time_limit_signal_reaches_every_node_and_requeues(tmp_path):
     through srun; when they have exited (the ranks saved), the script requeues the job and exits 0."""
     hosts = ["gpu-a01", "gpu-a02", "gpu-b07"]
     env = slurm_env(tmp_path, hosts, FAKE_RUN_UNTIL_USR1="1")
-    proc = subprocess.Popen(["bash", str(LAUNCH / "slurm_accelerate.sbatch"), "recipes/grpo.py"], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        ["bash", str(LAUNCH / "slurm_accelerate.sbatch"), "recipes/grpo.py"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 60
     while not (tmp_path / "calls.log").is_file() or len(calls(tmp_path, "accelerate")) < len(hosts):
         assert time.time() < deadline and proc.poll() is None
@@ -155,14 +182,17 @@ def fakes_left(folder) -> list[str]:
 @pytest.mark.e2e
 @pytest.mark.parametrize("hosts", [["gpu-a01"], ["gpu-a01", "gpu-a02", "gpu-b07"]])
 def test_ray_script_starts_the_cluster_runs_the_driver_and_stops(tmp_path, hosts):
-    proc = run_ray(tmp_path, hosts, "python", "driver.py", "--rollout-placement", "remote", "--note", "two words",
-                   FAKE_EXIT="5")  # fmt: skip
+    proc = run_ray(
+        tmp_path, hosts, "python", "driver.py", "--rollout-placement", "remote", "--note", "two words", FAKE_EXIT="5"
+    )
     assert proc.returncode == 5, proc.stderr  # the driver's status is the job's
     log = (tmp_path / "calls.log").read_text().splitlines()
     starts = [line for line in log if line.startswith("ray start")]
     head = [line for line in starts if "--head" in line]
-    assert head == [f"ray start --head --node-ip-address={hosts[0]} --port=6379 --num-gpus=8 --include-dashboard=false "
-                    f"--block @ {hosts[0]}"]  # fmt: skip
+    assert head == [
+        f"ray start --head --node-ip-address={hosts[0]} --port=6379 --num-gpus=8 --include-dashboard=false "
+        f"--block @ {hosts[0]}"
+    ]
     workers = sorted(line.rsplit(" @ ", 1)[1] for line in starts if "--address=" in line)
     assert workers == sorted(hosts[1:]) and all(
         f"--address={hosts[0]}:6379" in line for line in starts if line not in head
@@ -217,8 +247,16 @@ def gpu_config_launches():
         size = ["--num_processes", "1"] if config == "single_gpu" else ["--num_processes", "2", "--num_machines", "1"]
         # Side by side, each launch needs its own rendezvous port (they all default to 29500).
         port = ["--main_process_port", str(29500 + os.getpid() % 1000 + 100 + i)]
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/{config}.yaml", *size,
-               *port, "recipes/grpo.py"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            f"configs/{config}.yaml",
+            *size,
+            *port,
+            "recipes/grpo.py",
+        ]
         procs[config] = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done = {}
     for config, proc in procs.items():
@@ -247,26 +285,32 @@ def test_every_gpu_config_is_refused_without_cuda(monkeypatch, config):
     prove that a recipe finds the file its launcher was given): refused on a machine without CUDA."""
     import yaml
 
-    import common.parallel
+    import common.scaling.accelerate
     from common.errors import UsageError
 
     path = f"configs/{config}.yaml"
     settings = yaml.safe_load((ROOT / path).read_text())
-    monkeypatch.setattr(common.parallel, "accelerate_config", lambda: (path, settings))
+    monkeypatch.setattr(common.scaling.accelerate, "accelerate_config", lambda: (path, settings))
     with pytest.raises(UsageError, match=rf"accelerate config {path} runs on GPUs .* no CUDA device"):
-        common.parallel.check_accelerate_config(settings.get("num_processes", 1))
+        common.scaling.accelerate.check_accelerate_config(settings.get("num_processes", 1))
 
 
 @pytest.mark.e2e
 def test_a_cpu_config_is_read_and_passes(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(
-        "from common.parallel import accelerate_config, check_accelerate_config\n"
+        "from common.scaling.accelerate import accelerate_config, check_accelerate_config\n"
         "check_accelerate_config(1)\nprint('CONFIG', accelerate_config())\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu.yaml",
-                           str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/cpu.yaml", str(script)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "CONFIG ('configs/cpu.yaml', {" in proc.stdout and "'use_cpu': True" in proc.stdout
 
@@ -329,14 +373,31 @@ def test_fsdp_settings_the_recipes_would_not_apply_are_refused(monkeypatch):
 def offload_plan(folder, fixture):
     """grpo.py under 2 processes: plain FSDP2, FSDP2 with FSDP_OFFLOAD_PARAMS=true (what
     configs/fsdp2_offload.yaml exports), and a run resumed from the offloaded run's step 2."""
-    flags = ["--total-training-steps", "4", "--test-freq", "0", "--save-freq", "2", "--log-interval", "0",
-             "--train-batch-size", "8", "--ppo-mini-batch-size", "8", "--rollout-n", "4", "--no-val-before-train",
-             *fixture("small_files")]  # fmt: skip
+    flags = [
+        "--total-training-steps",
+        "4",
+        "--test-freq",
+        "0",
+        "--save-freq",
+        "2",
+        "--log-interval",
+        "0",
+        "--train-batch-size",
+        "8",
+        "--ppo-mini-batch-size",
+        "8",
+        "--rollout-n",
+        "4",
+        "--no-val-before-train",
+        *fixture("small_files"),
+    ]
     offload = {"FSDP_OFFLOAD_PARAMS": "true"}
     step_2 = folder / "offload" / "checkpoints" / "step_2"
-    return {"plain": ("grpo", [*flags, "--strategy", "fsdp2", "--output-dir", folder / "plain"]),
-            "offload": ("grpo", [*flags, "--output-dir", folder / "offload"], offload),
-            "resumed": ("grpo", [*flags, "--output-dir", folder / "resumed", "--resume", step_2], offload)}  # fmt: skip
+    return {
+        "plain": ("grpo", [*flags, "--strategy", "fsdp2", "--output-dir", folder / "plain"]),
+        "offload": ("grpo", [*flags, "--output-dir", folder / "offload"], offload),
+        "resumed": ("grpo", [*flags, "--output-dir", folder / "resumed", "--resume", step_2], offload),
+    }
 
 
 def test_cpu_offload_trains_and_resumes_exactly_as_plain_fsdp2(torchrun_runs):

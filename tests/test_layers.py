@@ -1,57 +1,80 @@
-"""common/ is read bottom-up: common.LAYERS lists its modules from the bottom, and a module may
-import (at top level or inside a function) only modules listed before it. Parsed, not imported."""
+"""common/ is read bottom-up: common.LAYERS lists the core's modules from the bottom and common.FEATURES the
+features' above them, and a module imports (at top level or inside a function) only modules listed before it; the
+core reaches a feature only inside a function (the one its flag routes to). Parsed, not imported."""
 
 import ast
 from pathlib import Path
 
-from common import FEATURES, LAYERS, PUBLIC
+from common import FEATURES, LAYERS
 
 COMMON = Path(__file__).resolve().parent.parent / "common"
 
 
-def common_imports(path: Path) -> list[tuple[int, str]]:
-    """(line, module) for every import of a common module anywhere in the file: `from common.x import
-    ...`, `from common import x`, `import common.x`, at top level or nested in a function."""
+def module_name(path: Path, folder: Path = COMMON) -> str:
+    """common/serving/remote.py -> serving.remote; common/serving/__init__.py -> serving."""
+    parts = path.relative_to(folder).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def common_imports(path: Path, folder: Path = COMMON) -> list[tuple[int, str, bool]]:
+    """(line, module, inside a function) for every import of a common module anywhere in the file: `from
+    common.x.y import ...`, `from common import x`, `import common.x`, relative imports, at top level or nested
+    in a function."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            parts = node.module.split(".")
-            if parts[0] == "common" and len(parts) > 1:
-                found.append((node.lineno, parts[1]))
-            elif node.module == "common":
-                found += [(node.lineno, alias.name) for alias in node.names if alias.name != "LAYERS"]
-        elif isinstance(node, ast.ImportFrom) and node.level > 0:  # from . import x / from .x import y
-            target = node.module.split(".")[0] if node.module else None
-            names = [target] if target else [alias.name for alias in node.names]
-            found += [(node.lineno, name) for name in names]
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                parts = alias.name.split(".")
+    package = ".".join(path.relative_to(folder).parts[:-1])  # what a relative import is relative to
+
+    def visit(node, nested: bool):
+        for child in ast.iter_child_nodes(node):
+            inner = nested or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)
+            if isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                parts = child.module.split(".")
                 if parts[0] == "common" and len(parts) > 1:
-                    found.append((node.lineno, parts[1]))
-                if parts[0] == "recipes":
-                    found.append((node.lineno, "recipes"))
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "recipes":
-            found.append((node.lineno, "recipes"))
+                    found.append((child.lineno, ".".join(parts[1:]), inner))
+                elif child.module == "common":
+                    found.extend((child.lineno, a.name, inner) for a in child.names if a.name != "LAYERS")
+                elif parts[0] == "recipes":
+                    found.append((child.lineno, "recipes", inner))
+            elif isinstance(child, ast.ImportFrom) and child.level > 0:  # from . import x / from .x import y
+                base = package.split(".")[: max(0, len(package.split(".")) - (child.level - 1))] if package else []
+                names = [child.module] if child.module else [a.name for a in child.names]
+                found.extend((child.lineno, ".".join([*base, n]).strip("."), inner) for n in names)
+            elif isinstance(child, ast.Import):
+                for alias in child.names:
+                    parts = alias.name.split(".")
+                    if parts[0] == "common" and len(parts) > 1:
+                        found.append((child.lineno, ".".join(parts[1:]), inner))
+                    if parts[0] == "recipes":
+                        found.append((child.lineno, "recipes", inner))
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text(), filename=str(path)), False)
     return found
 
 
-def layer_violations(layers: tuple[str, ...], folder: Path = COMMON) -> list[str]:
-    """Every import in folder's modules of a module not listed before the importer, as
+def layer_violations(layers: tuple[str, ...], features: tuple[str, ...] = (), folder: Path = COMMON) -> list[str]:
+    """Every import in folder's modules of a module not listed before the importer (the core, then the
+    features), but for the core's imports of a feature inside a function, as
     'common/x.py:LINE imports common.y (listed after x: ...)'."""
-    rank = {name: i for i, name in enumerate(layers)}
+    order = (*layers, *features)
+    rank = {name: i for i, name in enumerate(order)}
     problems = []
-    for path in sorted(folder.glob("*.py")):
-        me = path.stem
-        if me == "__init__":
+    for path in sorted(folder.rglob("*.py")):
+        me = module_name(path, folder)
+        if not me:
             continue
-        for line, name in common_imports(path):
-            where = f"common/{path.name}:{line}"
+        for line, name, nested in common_imports(path, folder):
+            where = f"common/{path.relative_to(folder)}:{line}"
             if name == "recipes":
                 problems.append(f"{where} imports a recipe (nothing in common/ may)")
             elif name not in rank:
-                problems.append(f"{where} imports common.{name}, which is not in common.LAYERS")
-            elif rank[name] >= rank[me]:
+                problems.append(f"{where} imports common.{name}, which is not in common.LAYERS or common.FEATURES")
+            elif me in layers and name in features:
+                if not nested:
+                    problems.append(
+                        f"{where} imports the feature common.{name} at its top (a core module reaches a "
+                        f"feature only inside the function its flag routes to)"
+                    )
+            elif rank[name] >= rank.get(me, -1):
                 problems.append(
                     f"{where} imports common.{name}, listed "
                     + ("as the module itself" if name == me else f"after {me} (layer {rank[name]} > {rank[me]})")
@@ -59,69 +82,55 @@ def layer_violations(layers: tuple[str, ...], folder: Path = COMMON) -> list[str
     return problems
 
 
-def test_every_module_of_common_has_exactly_one_layer():
-    modules = sorted(p.stem for p in COMMON.glob("*.py") if p.stem != "__init__")
-    assert len(LAYERS) == len(set(LAYERS)), f"listed twice: {[m for m in LAYERS if LAYERS.count(m) > 1]}"
-    assert sorted(LAYERS) == modules, (
-        f"common/ modules not in common.LAYERS: {sorted(set(modules) - set(LAYERS))}; "
-        f"listed but missing: {sorted(set(LAYERS) - set(modules))}"
+def test_every_module_of_common_has_exactly_one_place():
+    modules = sorted(module_name(p) for p in COMMON.rglob("*.py") if module_name(p))
+    listed = [*LAYERS, *FEATURES]
+    assert len(listed) == len(set(listed)), f"listed twice: {[m for m in listed if listed.count(m) > 1]}"
+    assert sorted(listed) == modules, (
+        f"common/ modules in neither common.LAYERS nor common.FEATURES: {sorted(set(modules) - set(listed))}; "
+        f"listed but missing: {sorted(set(listed) - set(modules))}"
     )
 
 
+def test_the_features_live_in_subpackages_and_the_core_flat():
+    """The folders say what the code is: every feature module is in a subpackage (common/<what it adds>/), every
+    core module flat in common/ but for a feature package's __init__ (its flag groups, which every run parses)."""
+    assert all("." in f or (COMMON / f / "__init__.py").is_file() for f in FEATURES), FEATURES
+    packages = {f.split(".")[0] for f in FEATURES}
+    assert all("." not in m and ((COMMON / f"{m}.py").is_file() or m in packages) for m in LAYERS), LAYERS
+
+
 def test_common_imports_only_downward():
-    problems = layer_violations(LAYERS)
+    problems = layer_violations(LAYERS, FEATURES)
     assert not problems, "common/ imports against its layers (common/__init__.py):\n" + "\n".join(problems)
 
 
 def test_the_check_names_file_line_and_module_of_an_upward_import(tmp_path):
-    """The checker itself: an import inside a function that goes up (a circle in the making) is
-    reported with its file, line and module; a downward one is not."""
+    """The checker itself: an import inside a function that goes up (a circle in the making) is reported with its
+    file, line and module; a downward one is not; the core may reach a feature inside a function, never at its top."""
     (tmp_path / "low.py").write_text("import os\n\n\ndef f():\n    from common.high import g\n    return g\n")
     (tmp_path / "high.py").write_text("from common.low import f\n")
     (tmp_path / "__init__.py").write_text("")
-    assert layer_violations(("low", "high"), tmp_path) == [
+    assert layer_violations(("low", "high"), (), tmp_path) == [
         "common/low.py:5 imports common.high, listed after low (layer 1 > 0)"
     ]
-    assert layer_violations(("high", "low"), tmp_path) == [
+    assert layer_violations(("high", "low"), (), tmp_path) == [
         "common/high.py:1 imports common.low, listed after high (layer 1 > 0)"
     ]
-    (tmp_path / "low.py").write_text("import common.extra\nfrom recipes import grpo\n")
-    assert layer_violations(("low", "high"), tmp_path) == [
-        "common/low.py:1 imports common.extra, which is not in common.LAYERS",
+    assert layer_violations(("low",), ("high",), tmp_path) == []  # low reaches the feature inside a function
+    (tmp_path / "low.py").write_text("import common.extra\nfrom recipes import grpo\nfrom common.high import g\n")
+    assert layer_violations(("low",), ("high",), tmp_path) == [
+        "common/low.py:1 imports common.extra, which is not in common.LAYERS or common.FEATURES",
         "common/low.py:2 imports a recipe (nothing in common/ may)",
+        "common/low.py:3 imports the feature common.high at its top (a core module reaches a feature only inside "
+        "the function its flag routes to)",
     ]
-
-
-def top_level_imports(path: Path) -> list[tuple[int, str]]:
-    """(line, module) for every import of a common module that runs when the file is imported: at
-    module level, or in an if / try there, not inside a function."""
-    found, todo = [], list(ast.parse(path.read_text(), filename=str(path)).body)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, ast.If | ast.Try):
-            todo += (
-                node.body
-                + node.orelse
-                + getattr(node, "finalbody", [])
-                + [n for h in getattr(node, "handlers", []) for n in h.body]
-            )
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("common."):
-            found.append((node.lineno, node.module.split(".")[1]))
-        elif isinstance(node, ast.ImportFrom) and node.module == "common":
-            found += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.Import):
-            found += [(node.lineno, a.name.split(".")[1]) for a in node.names if a.name.startswith("common.")]
-    return found
-
-
-def test_no_core_module_imports_a_feature_when_it_is_imported():
-    """common.FEATURES load only where a flag asks: a module outside them imports one inside the
-    function that serves the flag, never at its top, so a default run does not load it."""
-    assert set(FEATURES) <= set(LAYERS)
-    problems = [f"common/{path.name}:{line} imports common.{name} at its top"
-                for path in sorted(COMMON.glob("*.py")) if path.stem not in (*FEATURES, "__init__")
-                for line, name in top_level_imports(path) if name in FEATURES]  # fmt: skip
-    assert not problems, "a core module loads a feature in every run:\n" + "\n".join(problems)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "mod.py").write_text("from common.high import f\n")  # a feature reaching a later one
+    assert layer_violations(("low",), ("pkg", "pkg.mod", "high"), tmp_path)[-1] == (
+        "common/pkg/mod.py:1 imports common.high, listed after pkg.mod (layer 3 > 2)"
+    )
 
 
 def test_a_default_run_loads_no_ray_gymnasium_engines_agent_or_environments(default_run):
@@ -133,7 +142,42 @@ def test_a_default_run_loads_no_ray_gymnasium_engines_agent_or_environments(defa
     unwanted = {"ray", "gymnasium", "vllm", *(f"common.{m}" for m in FEATURES)}
     assert not loaded & unwanted, sorted(loaded & unwanted)
     assert "common.rollout" in loaded  # the run did run
-    assert "common.verl" in default_run["verl"]
+    assert "common.formats.verl" in default_run["verl"]
+
+
+# The names the recipes import, by module: the surface a fork builds on. The recipes are held to it, so that every
+# name a recipe uses is named here and every name here is used (test_the_recipes_import_exactly_the_public_names).
+PUBLIC = {
+    "agents.envs": "env_rows env_tags start_env_pool",
+    "agents.tools": "check_rows read_tool_config start_agent_pools",
+    "check": "launch_check prove_resume trainer_check",
+    "checkpoint": "find_resume resume save_checkpoint",
+    "config": "AgentArgs BUNDLED EngineArgs EnvPlayArgs ModelArgs OptimArgs RLArgs TrainerArgs WaitArgs check_flags cli "
+    "engine_sync group is_due plan_batches plan_rl_batches",
+    "critic": "load_critic response_values",
+    "data": "DataError RLDataArgs StepPrompts get_field has_column pad read_rows split_rows step_rows take_rows",
+    "engines": "RolloutArgs Sampling hf_generate_greedy",
+    "errors": "UsageError usage_errors",
+    "flags": "flag flag_values",
+    "formats.prompt_cache": "load_prompts",
+    "formats.sources": "open_source",
+    "model": "load_policy load_tokenizer load_trained_model response_logits sequence_logits",
+    "kl_reward": "KLRewardArgs kl_controller_step",
+    "ops": "KLEstimator agg_loss kl_from_logits kl_penalty logprobs_and_entropy logprobs_from_logits "
+    "masked_mean masked_mean_all_ranks masked_var masked_whiten masked_whiten_all_ranks",
+    "optim": "trainable",
+    "parallel": "StopSignal all_reduce_sum barrier clip_grad_norm gather_objects grad_sync init_distributed "
+    "seed_everything setup_logging shard_evenly",
+    "rewards": "Scored reward_pool start_reward_pool",
+    "rollout": "Rollout engine_logprobs generate_and_score load_reward_model load_rl_data load_rl_models local_engine "
+    "regroup sample start_engine with_agents",
+    "runlock": "claim_output claim_run_dir",
+    "scoring": "builtin_scorer exact_match extract_answer hit",
+    "sft_data": "SFTDataArgs load_sft",
+    "shaping": "condition_advantages condition_rewards roll_terms rollout_correction",
+    "teacher": "TeacherArgs check_teacher check_teacher_engine jsd_from_logits start_teacher",
+    "tracking": "Tracker describe_run step_metrics",
+}
 
 
 # What the recipes imported from common/ before it was layered: a fork made then still imports.
@@ -150,8 +194,12 @@ FORK_IMPORTS = {
 def test_an_older_forks_imports_still_resolve():
     import importlib
 
-    missing = [f"{m}.{n}" for m, names in FORK_IMPORTS.items() for n in names.split()
-               if not hasattr(importlib.import_module(m), n)]  # fmt: skip
+    missing = [
+        f"{m}.{n}"
+        for m, names in FORK_IMPORTS.items()
+        for n in names.split()
+        if not hasattr(importlib.import_module(m), n)
+    ]
     assert not missing, f"names a fork of an earlier recipe imports are gone: {missing}"
 
 
@@ -164,11 +212,13 @@ def test_the_recipes_import_exactly_the_public_names():
     for path in sorted((COMMON.parent / "recipes").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("common."):
-                used.setdefault(node.module.split(".")[1], set()).update(a.name for a in node.names)
+                used.setdefault(node.module.split(".", 1)[1], set()).update(a.name for a in node.names)
     listed = {module: set(names.split()) for module, names in PUBLIC.items()}
-    assert used == listed, {m: (sorted(used.get(m, set()) - listed.get(m, set())),
-                                sorted(listed.get(m, set()) - used.get(m, set()))) for m in used.keys() | listed.keys()
-                            if used.get(m) != listed.get(m)}  # fmt: skip
+    assert used == listed, {
+        m: (sorted(used.get(m, set()) - listed.get(m, set())), sorted(listed.get(m, set()) - used.get(m, set())))
+        for m in used.keys() | listed.keys()
+        if used.get(m) != listed.get(m)
+    }
     missing = [
         f"{m}.{n}"
         for m, names in listed.items()
@@ -176,3 +226,36 @@ def test_the_recipes_import_exactly_the_public_names():
         if not hasattr(importlib.import_module(f"common.{m}"), n)
     ]
     assert not missing, missing
+
+
+def assembly(path: Path) -> list[str]:
+    """Where a file builds another function's arguments from a flag group: a method of a dataclass named *_kwargs,
+    or a call that splats one (`f(**args.engine_kwargs())`), as 'file:LINE what'."""
+    tree, found = ast.parse(path.read_text()), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
+            found += [
+                f"{path.name}:{f.lineno} {node.name}.{f.name}"
+                for f in node.body
+                if isinstance(f, ast.FunctionDef) and f.name.endswith("_kwargs")
+            ]
+        if isinstance(node, ast.Call):
+            for keyword in node.keywords:
+                splat = keyword.value
+                if keyword.arg is None and isinstance(splat, ast.Call) and ast.unparse(splat.func).endswith("_kwargs"):
+                    found.append(f"{path.name}:{node.lineno} **{ast.unparse(splat)}")
+    return found
+
+
+def test_flag_groups_hold_knobs_and_rules_not_assembly(tmp_path):
+    """A call in a recipe shows what it receives (flag groups passed whole, or values): no flag group has a method
+    building another function's keyword arguments, and nothing splats one."""
+    files = [*sorted(COMMON.rglob("*.py")), *sorted((COMMON.parent / "recipes").glob("*.py"))]
+    assert len(files) > 60 and not [problem for path in files for problem in assembly(path)]
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "from dataclasses import dataclass\n@dataclass\nclass EngineArgs:\n    n: int = 1\n"
+        "    def engine_kwargs(self):\n        return dict(n=self.n)\n"
+        "def main(args):\n    start(**args.engine.engine_kwargs())\n"
+    )
+    assert assembly(planted) == ["planted.py:5 EngineArgs.engine_kwargs", "planted.py:8 **args.engine.engine_kwargs()"]

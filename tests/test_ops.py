@@ -3,8 +3,20 @@ import math
 import pytest
 import torch
 
-from common import correction, flags, ops
-from common.conditioning import topr_loss
+from common import kl_reward, ops, shaping
+from common.kl_reward import KLRewardArgs
+from common.shaping import CorrectionArgs, correction
+from common.shaping.conditioning import topr_loss
+
+
+def rollout_correction(old, rollout, mask, advantages=None, *, mode=None, threshold=2.0, batch_normalize=False, **rest):
+    """common.shaping.rollout_correction with the correction group of these knobs: mode --rollout-is, threshold
+    --rollout-is-threshold, batch_normalize --rollout-is-batch-normalize, and in rest rs --rollout-rs, rs_threshold
+    --rollout-rs-threshold, opsm --off-policy-mask-threshold."""
+    names = {"rs": "rollout_rs", "rs_threshold": "rollout_rs_threshold", "opsm": "off_policy_mask_threshold"}
+    knobs = dict(rollout_is=mode, rollout_is_threshold=threshold, rollout_is_batch_normalize=batch_normalize)
+    c = CorrectionArgs(**knobs, **{names[k]: v for k, v in rest.items()})
+    return shaping.rollout_correction(old, rollout, mask, advantages, c)
 
 
 def test_masked_mean_sum_with_explicit_denominator():
@@ -91,19 +103,19 @@ def test_the_exact_kl_over_the_vocabulary_and_its_gradient(monkeypatch, dtype):
 
 def test_adaptive_kl_controller_follows_its_update_rule():
     # kl above target by more than 20%: the proportional error is clipped at +0.2
-    assert ops.update_kl_coef(0.1, 0.5, kind="adaptive", target_kl=0.1, horizon=1000, n_steps=100) == pytest.approx(
-        0.1 * (1 + 0.2 * 100 / 1000)
-    )
+    assert kl_reward.update_kl_coef(
+        0.1, 0.5, kind="adaptive", target_kl=0.1, horizon=1000, n_steps=100
+    ) == pytest.approx(0.1 * (1 + 0.2 * 100 / 1000))
     # within the clip: error = 0.11 / 0.1 - 1 = 0.1; below target: clipped at -0.2
-    assert ops.update_kl_coef(0.1, 0.11, kind="adaptive", target_kl=0.1, horizon=50, n_steps=10) == pytest.approx(
+    assert kl_reward.update_kl_coef(0.1, 0.11, kind="adaptive", target_kl=0.1, horizon=50, n_steps=10) == pytest.approx(
         0.1 * (1 + 0.1 * 10 / 50)
     )
-    assert ops.update_kl_coef(0.1, 0.0, kind="adaptive", target_kl=0.1, horizon=50, n_steps=10) == pytest.approx(
+    assert kl_reward.update_kl_coef(0.1, 0.0, kind="adaptive", target_kl=0.1, horizon=50, n_steps=10) == pytest.approx(
         0.1 * (1 - 0.2 * 10 / 50)
     )
-    assert ops.update_kl_coef(0.1, 5.0, kind="fixed", target_kl=0.1, horizon=50, n_steps=10) == 0.1
+    assert kl_reward.update_kl_coef(0.1, 5.0, kind="fixed", target_kl=0.1, horizon=50, n_steps=10) == 0.1
     with pytest.raises(ValueError, match="kl_ctrl"):
-        ops.update_kl_coef(0.1, 0.0, kind="pid", target_kl=0.1, horizon=50, n_steps=10)
+        kl_reward.update_kl_coef(0.1, 0.0, kind="pid", target_kl=0.1, horizon=50, n_steps=10)
 
 
 def test_masked_whiten_all_ranks_matches_masked_whiten_in_one_process():
@@ -121,12 +133,13 @@ def test_kl_controller_step_uses_the_mean_of_sequence_means():
     kl = torch.tensor([[0.2, 0.4, 9.0], [0.1, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     want_kl = (0.3 + 0.1) / 2
-    coef, metrics = ops.kl_controller_step(0.05, kl, mask, kind="adaptive", target_kl=0.1, horizon=20)
+    adaptive, fixed = (KLRewardArgs(kl_ctrl=kind, target_kl=0.1, horizon=20) for kind in ("adaptive", "fixed"))
+    coef, metrics = kl_reward.kl_controller_step(0.05, kl, mask, adaptive)
     assert coef == pytest.approx(
-        ops.update_kl_coef(0.05, want_kl, kind="adaptive", target_kl=0.1, horizon=20, n_steps=2)
+        kl_reward.update_kl_coef(0.05, want_kl, kind="adaptive", target_kl=0.1, horizon=20, n_steps=2)
     )
     assert coef != 0.05 and metrics == {"policy/kl_coef": 0.05, "reward/kl_penalty": pytest.approx(want_kl)}
-    assert ops.kl_controller_step(0.05, kl, mask, kind="fixed", target_kl=0.1, horizon=20)[0] == 0.05
+    assert kl_reward.kl_controller_step(0.05, kl, mask, fixed)[0] == 0.05
 
 
 def test_rollout_is_weights_token_and_sequence_against_a_loop():
@@ -162,12 +175,12 @@ def test_rollout_is_weights_stay_finite_and_keep_small_weights():
 def test_rollout_correction_gives_the_weights_and_their_metrics_only_when_on():
     old, rollout = torch.tensor([[-1.0, -0.2, 0.0]]), torch.tensor([[-2.0, -0.1, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    weights, loss_mask, metrics = ops.rollout_correction(old, rollout, mask, mode="token", threshold=2.0)
+    weights, loss_mask, metrics = rollout_correction(old, rollout, mask, mode="token", threshold=2.0)
     assert torch.equal(weights, correction.rollout_is_weights(old, rollout, mask, "token", 2.0)) and loss_mask is mask
     assert (
         metrics == correction.rollout_is_metrics(weights, mask, 2.0) and metrics["rollout_corr/rollout_is_max"] == 2.0
     )
-    weights, loss_mask, metrics = ops.rollout_correction(None, rollout, mask, mode=None, threshold=2.0)
+    weights, loss_mask, metrics = rollout_correction(None, rollout, mask, mode=None, threshold=2.0)
     assert torch.equal(weights, mask) and loss_mask is mask and metrics == {}
 
 
@@ -178,24 +191,24 @@ def test_a_lo_hi_band_zeroes_the_weights_outside_it():
     old, rollout, mask = log_w, torch.zeros(1, 5), torch.tensor([[1.0, 1, 1, 1, 0]])
     w = correction.rollout_is_weights(old, rollout, mask, "token", "0.5_5.0")
     assert w.tolist()[0] == pytest.approx([0.0, 0.6, 4.0, 0.0, 0.0])
-    weights, loss_mask, metrics = ops.rollout_correction(old, rollout, mask, mode="token", threshold="0.5_5.0")
+    weights, loss_mask, metrics = rollout_correction(old, rollout, mask, mode="token", threshold="0.5_5.0")
     assert loss_mask is mask and metrics["rollout_corr/rollout_is_oob_ratio"] == 0.5
     assert "rollout_corr/rollout_is_ratio_fraction_high" not in metrics
-    assert flags.parse_band(2.0) == (None, 2.0) and flags.parse_band("0.5_5") == (0.5, 5.0)
+    assert shaping.parse_band(2.0) == (None, 2.0) and shaping.parse_band("0.5_5") == (0.5, 5.0)
 
 
 def test_batch_normalize_rescales_the_weights_to_mean_one():
     old, rollout = torch.tensor([[0.2, 0.0, 0.0], [-0.3, 0.1, 9.0]]), torch.zeros(2, 3)
     mask = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
     raw = correction.rollout_is_weights(old, rollout, mask, "token", 2.0)
-    weights, _, metrics = ops.rollout_correction(old, rollout, mask, mode="token", threshold=2.0, batch_normalize=True)
+    weights, _, metrics = rollout_correction(old, rollout, mask, mode="token", threshold=2.0, batch_normalize=True)
     factor = raw[mask.bool()].mean().item()
     torch.testing.assert_close(weights, raw / factor)
     assert weights[mask.bool()].mean().item() == pytest.approx(1.0)
     assert metrics["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(factor)
     # sequence weights: the mean over responses of each response's weight
     raw = correction.rollout_is_weights(old, rollout, mask, "sequence", 2.0)
-    weights, _, _ = ops.rollout_correction(old, rollout, mask, mode="sequence", threshold=2.0, batch_normalize=True)
+    weights, _, _ = rollout_correction(old, rollout, mask, mode="sequence", threshold=2.0, batch_normalize=True)
     torch.testing.assert_close(weights, raw / ((raw[0, 0] + raw[1, 0]) / 2))
 
 
@@ -224,11 +237,14 @@ def test_rejection_against_each_statistic():
     assert keep("token_k3", "0.005") == [[0, 1, 1, 0], [0, 1, 1, 0], [1, 1, 1, 1]]
     # two options, one bound each: a token is kept when both keep it
     assert keep("token_k3,seq_mean_k1", "0.005,1.1") == [[0, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
-    _, loss_mask, metrics = ops.rollout_correction(old, rollout, mask, mode=None, threshold=2.0, rs="seq_mean_k1",
-                                                   rs_threshold="1.1")  # fmt: skip
+    _, loss_mask, metrics = rollout_correction(
+        old, rollout, mask, mode=None, threshold=2.0, rs="seq_mean_k1", rs_threshold="1.1"
+    )
     assert loss_mask.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
-    assert metrics == {"rollout_corr/rollout_rs_masked_fraction": pytest.approx(3 / 10),
-                       "rollout_corr/rollout_rs_seq_masked_fraction": pytest.approx(1 / 3)}  # fmt: skip
+    assert metrics == {
+        "rollout_corr/rollout_rs_masked_fraction": pytest.approx(3 / 10),
+        "rollout_corr/rollout_rs_seq_masked_fraction": pytest.approx(1 / 3),
+    }
 
 
 def test_topr_loss_against_its_formula():
@@ -273,8 +289,9 @@ def verl_is_weights(old, rollout, mask, level, threshold, batch_normalize):
             valid = [w[b][t] for b in range(rows) for t in range(cols) if mask[b][t]]
             mean = sum(valid) / len(valid)
         else:
-            row_means = [sum(w[b][t] for t in range(cols) if mask[b][t]) / sum(mask[b]) for b in range(rows)
-                         if sum(mask[b])]  # fmt: skip
+            row_means = [
+                sum(w[b][t] for t in range(cols) if mask[b][t]) / sum(mask[b]) for b in range(rows) if sum(mask[b])
+            ]
             mean = sum(row_means) / len(row_means)
         if mean > 1e-8:
             w = [[x / mean for x in row] for row in w]
@@ -335,14 +352,17 @@ def test_the_off_policy_sequence_mask_equals_deepseek_v32s(seed):
     advantages = torch.randn(mask.shape, generator=g, dtype=torch.float64)  # per token, as GAE's
     fractions = []
     for threshold in (-0.1, 0.01, 0.05, 0.2):
-        weights, loss_mask, metrics = ops.rollout_correction(old, rollout, mask, advantages, mode=None, threshold=2.0,
-                                                             opsm=threshold)  # fmt: skip
+        weights, loss_mask, metrics = rollout_correction(
+            old, rollout, mask, advantages, mode=None, threshold=2.0, opsm=threshold
+        )
         want, dropped = [], 0
         for i in range(mask.shape[0]):
             valid = [t for t in range(mask.shape[1]) if mask[i, t] > 0]
             gap = sum(rollout[i, t].item() - old[i, t].item() for t in valid) / len(valid) if valid else 0.0
-            row = [0.0 if (mask[i, t] > 0 and advantages[i, t] < 0 and gap > threshold) else mask[i, t].item()
-                   for t in range(mask.shape[1])]  # fmt: skip
+            row = [
+                0.0 if (mask[i, t] > 0 and advantages[i, t] < 0 and gap > threshold) else mask[i, t].item()
+                for t in range(mask.shape[1])
+            ]
             dropped += sum(1 for t in valid if row[t] == 0.0)
             want.append(row)
         torch.testing.assert_close(weights.double(), torch.tensor(want, dtype=torch.float64))
@@ -351,10 +371,11 @@ def test_the_off_policy_sequence_mask_equals_deepseek_v32s(seed):
         fractions.append(dropped)
     assert fractions[0] > fractions[-1] and fractions[0] > 0  # a lower threshold drops more
     # with importance weights normalised over the step, the mask drops tokens after the normalisation
-    keep, _, _ = ops.rollout_correction(old, rollout, mask, advantages, mode=None, threshold=2.0, opsm=-0.1)
-    both, _, with_mask = ops.rollout_correction(old, rollout, mask, advantages, mode="token", threshold=2.0,
-                                                batch_normalize=True, opsm=-0.1)  # fmt: skip
-    alone, _, without = ops.rollout_correction(old, rollout, mask, mode="token", threshold=2.0, batch_normalize=True)
+    keep, _, _ = rollout_correction(old, rollout, mask, advantages, mode=None, threshold=2.0, opsm=-0.1)
+    both, _, with_mask = rollout_correction(
+        old, rollout, mask, advantages, mode="token", threshold=2.0, batch_normalize=True, opsm=-0.1
+    )
+    alone, _, without = rollout_correction(old, rollout, mask, mode="token", threshold=2.0, batch_normalize=True)
     key = "rollout_corr/rollout_is_batch_norm_factor"
     assert with_mask[key] == without[key]
     torch.testing.assert_close(both, alone * keep)
@@ -364,11 +385,16 @@ def test_the_off_policy_sequence_mask_equals_deepseek_v32s(seed):
 def test_rollout_is_weights_equal_verls_on_random_batches(seed):
     old, rollout, mask = random_batch(seed)
     as_lists = (old.tolist(), rollout.tolist(), mask.int().tolist())
-    cases = [(level, threshold, norm) for level in ("token", "sequence") for threshold in (1.2, 2.0, "0.8_1.25")
-             for norm in (False, True)]  # fmt: skip
+    cases = [
+        (level, threshold, norm)
+        for level in ("token", "sequence")
+        for threshold in (1.2, 2.0, "0.8_1.25")
+        for norm in (False, True)
+    ]
     for level, threshold, norm in cases:
-        weights, loss_mask, metrics = ops.rollout_correction(old, rollout, mask, mode=level, threshold=threshold,
-                                                             batch_normalize=norm)  # fmt: skip
+        weights, loss_mask, metrics = rollout_correction(
+            old, rollout, mask, mode=level, threshold=threshold, batch_normalize=norm
+        )
         want = torch.tensor(verl_is_weights(*as_lists, level, threshold, norm), dtype=torch.float64)
         torch.testing.assert_close(weights.double(), want, rtol=1e-6, atol=1e-7, msg=f"{level} {threshold} {norm}")
         assert loss_mask is mask  # the weights never change the loss mask

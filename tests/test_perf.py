@@ -3,12 +3,22 @@ the work a group's shared prompt saves, the device peaks, and perf/mfu in a run'
 
 import pytest
 import torch
-from conftest import BUNDLED, read_metrics, run_recipe
+from conftest import BUNDLED, make_args, read_metrics, run_recipe
 
 from common import perf
+from common.config import RLArgs, plan_rl_batches
+from common.flags import flag_values
 from common.model import load_policy
 from common.perf import device_peak, flop_terms, matmul_parameters, needed_tokens, update_flops, verdict
 from common.tracking import Tracker
+
+
+def rl_tracker(run_dir, run_info: dict, **flags) -> Tracker:
+    """The Tracker of a grpo run with these flags (by name) and run_info (common.model.load_trained_model's), its
+    update measured over the run's batch plan; no console."""
+    args = make_args(RLArgs, logger=(), **flags)
+    plan = plan_rl_batches(args.data, args.actor, args.rollout, run_info["world_size"])
+    return Tracker(run_dir, 0, 0, True, args.trainer, "grpo", flag_values(args), run_info, plan)
 
 
 def test_the_flop_terms_of_the_bundled_model_equal_a_hand_count():
@@ -78,8 +88,8 @@ def test_device_peaks_come_from_the_datasheets_or_a_probe(monkeypatch):
 
 def test_the_tracker_turns_a_steps_lengths_into_mfu(tmp_path):
     terms = {"per_token": 600, "per_token_sq": 12}
-    perf = {"flops": terms, "device": "cpu", "compute_dtype": "float32", "world_size": 2, "epochs": 3}
-    tracker = Tracker(tmp_path, loggers=(), perf=perf)
+    run_info = {"flops": terms, "device": "cpu", "compute_dtype": "float32", "world_size": 2}
+    tracker = rl_tracker(tmp_path, run_info, ppo_epochs=3)
     peak = device_peak("cpu", torch.float32)[0]
     tracker.log({"perf/update_s": 0.5, "_sequence_tokens": (120.0, 100.0, 2000.0)}, step=1)
     (record,) = read_metrics(tmp_path)
@@ -128,15 +138,33 @@ def test_the_verdict_names_the_largest_kind_of_phase_and_only_advice_the_run_can
 
 def test_trainer_bound_advice_follows_the_runs_flags():
     update = {"update": 8.0, "generate": 2.0}
-    padded = {**RUN, "use_remove_padding": False, "padding": 0.4, "device": "cuda", "micro_batches": 4,
-              "gradient_checkpointing": True}  # fmt: skip
+    padded = {
+        **RUN,
+        "use_remove_padding": False,
+        "padding": 0.4,
+        "device": "cuda",
+        "micro_batches": 4,
+        "gradient_checkpointing": True,
+    }
     advice = verdict(update, 10.0, padded)[1]
-    for flag in ("--use-remove-padding auto", "40%", "--mixed-precision bf16", "--gradient-checkpointing",
-                 "--micro-batch-size-per-gpu (now 64)", "4 micro-batches", "--use-torch-compile"):  # fmt: skip
+    for flag in (
+        "--use-remove-padding auto",
+        "40%",
+        "--mixed-precision bf16",
+        "--gradient-checkpointing",
+        "--micro-batch-size-per-gpu (now 64)",
+        "4 micro-batches",
+        "--use-torch-compile",
+    ):
         assert flag in advice, flag
     advice = verdict(update, 10.0, {**RUN, "device": "cuda", "mixed_precision": "bf16", "use_torch_compile": True})[1]
-    for flag in ("--use-remove-padding", "--mixed-precision", "--gradient-checkpointing", "--micro-batch-size",
-                 "--use-torch-compile"):  # fmt: skip
+    for flag in (
+        "--use-remove-padding",
+        "--mixed-precision",
+        "--gradient-checkpointing",
+        "--micro-batch-size",
+        "--use-torch-compile",
+    ):
         assert flag not in advice, flag
     assert "--use-torch-compile" not in verdict(update, 10.0, padded | {"device": "cpu"})[1]  # little gain on a CPU
 
@@ -190,15 +218,13 @@ def test_a_slow_update_makes_the_run_trainer_bound(tmp_path, small_files, monkey
     assert sum(int(v.rstrip("%")) for v in shares.values()) in range(97, 104)  # every second, once (rounded)
 
 
-def test_the_micro_batch_advice_counts_the_passes_of_one_optimizer_step():
+def test_the_micro_batch_advice_counts_the_passes_of_one_optimizer_step(tmp_path):
     """A larger --micro-batch-size-per-gpu merges the passes of one mini-batch, not the mini-batches of a step:
     four mini-batches of 8 sequences at a cap of 64 make no such advice; a cap of 4 splits each into 2 passes."""
-    from common.config import RLArgs
-
     info = {"world_size": 1, "device": "cpu"}
     for cap, passes in ((64, 1), (4, 2)):
-        args = RLArgs(train_batch_size=8, ppo_mini_batch_size=2, rollout_n=4, micro_batch_size_per_gpu=cap)
-        run = args.tracker_kwargs("grpo", info)["perf"]["run"]
+        flags = dict(train_batch_size=8, ppo_mini_batch_size=2, rollout_n=4, micro_batch_size_per_gpu=cap)
+        run = rl_tracker(tmp_path / str(cap), info, **flags).run_facts
         assert run["micro_batches"] == passes
         advice = verdict({"update": 8.0, "generate": 2.0}, 10.0, {**RUN, **run})[1]
         assert ("--micro-batch-size-per-gpu" in advice) is (passes > 1), advice

@@ -1,14 +1,11 @@
 """Known-answer tests for PPO's algorithm functions: GAE, the clipped value loss, the KL in the reward."""
 
-import dataclasses
 import inspect
 import statistics
 
 import pytest
 import torch
-from conftest import load_recipe
-
-from common.config import KLRewardArgs
+from conftest import load_recipe, make_args
 
 ppo = load_recipe("ppo")
 compute_gae, compute_value_loss, apply_kl_penalty = ppo.compute_gae, ppo.compute_value_loss, ppo.apply_kl_penalty
@@ -91,19 +88,22 @@ def test_value_loss_sequence_aggregation():
     assert loss.item() == pytest.approx(0.5 * (6.14 + 4.5) / 2)
 
 
-@dataclasses.dataclass
-class KLArgs(KLRewardArgs):  # the KL flags a recipe's Args has
-    use_kl_in_reward: bool = True
-
-
 def kl_args(**over):
-    return KLArgs(**{"kl_penalty": "kl", "kl_ctrl": "fixed", "target_kl": 0.1, "horizon": 100, **over})
+    """ppo's Args with the KL in the reward on and these KL knobs."""
+    knobs = {"use_kl_in_reward": True, "kl_penalty": "kl", "kl_ctrl": "fixed", **over}
+    if (
+        knobs["kl_ctrl"] == "adaptive"
+    ):  # target_kl and horizon only the adaptive controller reads (Args refuses them else)
+        knobs = {"target_kl": 0.1, "horizon": 100, **knobs}
+    return make_args(ppo.Args, **knobs)
 
 
 def penalty(args, scores, old_logprobs, ref_logprobs, mask, kl_coef):
-    """apply_kl_penalty with the knobs of args, as the recipe's main passes them."""
-    return apply_kl_penalty(scores, old_logprobs, ref_logprobs, None, mask, kl_coef, args.use_kl_in_reward,
-                            **args.kl_reward_kwargs())  # fmt: skip
+    """apply_kl_penalty with the knobs of args and the coefficient kl_coef, as the recipe's main passes them.
+    Returns (token rewards, the coefficient of the next step, metrics)."""
+    state = {"kl_coef": kl_coef}
+    rewards, metrics = apply_kl_penalty(scores, old_logprobs, ref_logprobs, None, mask, state, args)
+    return rewards, state["kl_coef"], metrics
 
 
 def test_token_rewards_score_on_the_last_token_minus_the_kl():
@@ -158,10 +158,12 @@ def test_critic_values_at_the_policys_positions_with_the_shared_prompt():
 
     from common.critic import load_critic, response_values
     from common.data import pack_sequences
+    from common.model import ModelArgs
     from common.parallel import Dist
 
     torch.manual_seed(0)
-    critic = load_critic(str(TINY), dist=Dist(0, 1, 0, torch.device("cpu")), strategy="ddp")
+    policy = ModelArgs(path=str(TINY), strategy="ddp", use_remove_padding=False)
+    critic = load_critic(policy, dist=Dist(0, 1, 0, torch.device("cpu")))
     prompts, responses = [[1, 2, 3, 4]] * 2 + [[5, 6]] * 2, [[7, 8, 9], [10], [11, 12], [13, 14, 15, 16]]
     batch = pack_sequences(prompts, responses, pad_id=0)
     batch["group_ids"] = torch.tensor([0, 0, 1, 1])

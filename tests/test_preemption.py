@@ -23,10 +23,25 @@ STEPS = 8  # the signal comes once 2 steps are logged; the run stops after the s
 def command(recipe, out, flags, nproc, port=0):
     launch = [sys.executable]
     if nproc > 1:
-        launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-                   str(29500 + os.getpid() % 1000 + port)]  # fmt: skip
-    return [*launch, str(ROOT / "recipes" / f"{recipe}.py"), "--output-dir", str(out),
-            "--total-training-steps", str(STEPS), "--save-freq", "0", *flags]  # fmt: skip
+        launch += [
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(29500 + os.getpid() % 1000 + port),
+        ]
+    return [
+        *launch,
+        str(ROOT / "recipes" / f"{recipe}.py"),
+        "--output-dir",
+        str(out),
+        "--total-training-steps",
+        str(STEPS),
+        "--save-freq",
+        "0",
+        *flags,
+    ]
 
 
 def children(pid: int) -> list[int]:

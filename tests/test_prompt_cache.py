@@ -1,5 +1,5 @@
 """The conventions users bring (TRL's and OpenRLHF's columns, mapped by flags with their names) and large data
-(common.prompt_cache): the cached map over several processes gives the rows the in-process path gives, a second
+(common.formats.prompt_cache): the cached map over several processes gives the rows the in-process path gives, a second
 start reads the cache instead of templating, and a bad row is named as the in-process path names it."""
 
 import json
@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import TASK_TRAIN, run_recipe
 
-import common.prompt_cache as prompt_cache
+import common.formats.prompt_cache as prompt_cache
 from common.data import DataError, load_prompts
 
 ROWS = 300
@@ -44,22 +44,39 @@ def trl(rows):
 def test_trls_columns_give_the_rows_verls_give(tmp_path, tokenizer, verl_rows):
     verl = write_parquet(tmp_path / "verl.parquet", verl_rows)
     mine, stats = load_prompts([verl], tokenizer, max_prompt_length=64, ground_truth="required")
-    theirs, trl_stats = load_prompts([jsonl(tmp_path / "trl.jsonl", trl(verl_rows))], tokenizer, max_prompt_length=64,
-                                     ground_truth="required", data_source="bundled/addition")  # fmt: skip
+    theirs, trl_stats = load_prompts(
+        [jsonl(tmp_path / "trl.jsonl", trl(verl_rows))],
+        tokenizer,
+        max_prompt_length=64,
+        ground_truth="required",
+        data_source="bundled/addition",
+    )
     keys = ("prompt_ids", "messages", "data_source", "ground_truth")
     assert [{k: r[k] for k in keys} for r in theirs] == [{k: r[k] for k in keys} for r in mine]
     (said,) = trl_stats.columns
-    assert said == "prompt <- 'prompt' (chat-templated), ground truth <- 'solution', data_source <- --data-source " \
-                   "'bundled/addition'"  # fmt: skip
+    assert (
+        said == "prompt <- 'prompt' (chat-templated), ground truth <- 'solution', data_source <- --data-source "
+        "'bundled/addition'"
+    )
     (said,) = stats.columns
-    assert said == "prompt <- 'prompt' (chat-templated), ground truth <- 'reward_model.ground_truth', data_source <- " \
-                   "'data_source'"  # fmt: skip
+    assert (
+        said == "prompt <- 'prompt' (chat-templated), ground truth <- 'reward_model.ground_truth', data_source <- "
+        "'data_source'"
+    )
 
 
 def test_openrlhfs_keys_and_a_prompt_fed_as_written(tmp_path, tokenizer):
     f = jsonl(tmp_path / "o.jsonl", [{"input": "2+2=", "label": "4"}, {"input": "3+3=", "label": "6"}])
-    rows, _ = load_prompts([f], tokenizer, prompt_key="input", label_key="label", data_source="bundled/addition",
-                           apply_chat_template=False, ground_truth="required", max_prompt_length=64)  # fmt: skip
+    rows, _ = load_prompts(
+        [f],
+        tokenizer,
+        prompt_key="input",
+        label_key="label",
+        data_source="bundled/addition",
+        apply_chat_template=False,
+        ground_truth="required",
+        max_prompt_length=64,
+    )
     assert [r["ground_truth"] for r in rows] == ["4", "6"]
     assert rows[0]["prompt_ids"] == tokenizer("2+2=", add_special_tokens=False)["input_ids"]
     templated, _ = load_prompts([f], tokenizer, prompt_key="input", max_prompt_length=64)
@@ -115,11 +132,14 @@ def test_the_cached_map_gives_the_in_process_rows_and_is_read_back(tmp_path, tok
     load does not template (prompt_records fails if called) and gives the same rows; a changed flag templates again."""
     limits = dict(max_prompt_length=22, truncation="left", ground_truth="required")
     here, here_stats = load_prompts([TASK_TRAIN], tokenizer, **limits)
-    caplog.set_level(logging.INFO, "common.prompt_cache")
+    caplog.set_level(logging.INFO, "common.formats.prompt_cache")
     mapped, stats = prompt_cache.load_prompts([TASK_TRAIN], tokenizer, data_workers=2, **limits)
     assert "templating 7600 rows in 2 process(es), cached in" in caplog.text
     assert here_stats.truncated > 0 and (stats.rows, stats.kept, stats.truncated) == (
-        here_stats.rows, here_stats.kept, here_stats.truncated)  # fmt: skip
+        here_stats.rows,
+        here_stats.kept,
+        here_stats.truncated,
+    )
     assert len(mapped) == len(here) and list(mapped) == here
     assert mapped.column("data_source") == [r["data_source"] for r in here]
 
@@ -142,12 +162,15 @@ def test_the_map_names_the_first_bad_row_and_filters_as_in_process(tmp_path, tok
     for load in (load_prompts, prompt_cache.load_prompts):
         with pytest.raises(DataError, match=r"bad.parquet row 120 column 'prompt': message 0 has role 'human'"):
             load([f], tokenizer, max_prompt_length=64, **({"data_workers": 2} if load != load_prompts else {}))
-    rows = [dict(r, prompt=[{"role": "user", "content": "Think. " + r["prompt"][0]["content"]}]) if i % 3 else r
-            for i, r in enumerate(verl_rows)]  # fmt: skip
+    rows = [
+        dict(r, prompt=[{"role": "user", "content": "Think. " + r["prompt"][0]["content"]}]) if i % 3 else r
+        for i, r in enumerate(verl_rows)
+    ]
     f = write_parquet(tmp_path / "good.parquet", rows)
     here, here_stats = load_prompts([f], tokenizer, max_prompt_length=40, filter_overlong_prompts=True)
-    mapped, stats = prompt_cache.load_prompts([f], tokenizer, max_prompt_length=40, filter_overlong_prompts=True,
-                                              data_workers=2)  # fmt: skip
+    mapped, stats = prompt_cache.load_prompts(
+        [f], tokenizer, max_prompt_length=40, filter_overlong_prompts=True, data_workers=2
+    )
     assert 0 < stats.filtered_overlong == here_stats.filtered_overlong and list(mapped) == here
 
 
@@ -167,9 +190,28 @@ def test_grpo_trains_two_steps_on_trls_columns(tmp_path, cache, verl_rows):
     trains two steps, and says how it read the columns."""
     data = jsonl(tmp_path / "data.jsonl", trl(verl_rows))
     out = tmp_path / "run"
-    done = run_recipe("grpo", "--train-files", data, "--val-files", "--data-source", "bundled/addition",
-                      "--data-workers", 2, "--output-dir", out, "--total-training-steps", 2, "--train-batch-size", 8,
-                      "--rollout-n", 2, "--save-freq", 0, "--logger", env={"HF_DATASETS_CACHE": str(cache)})  # fmt: skip
+    done = run_recipe(
+        "grpo",
+        "--train-files",
+        data,
+        "--val-files",
+        "--data-source",
+        "bundled/addition",
+        "--data-workers",
+        2,
+        "--output-dir",
+        out,
+        "--total-training-steps",
+        2,
+        "--train-batch-size",
+        8,
+        "--rollout-n",
+        2,
+        "--save-freq",
+        0,
+        "--logger",
+        env={"HF_DATASETS_CACHE": str(cache)},
+    )
     said = done.stdout + done.stderr
     assert f"train: {ROWS}/{ROWS} rows from 1 file(s)" in said
     assert "columns of data.jsonl: prompt <- 'prompt' (chat-templated), ground truth <- 'solution'" in said
@@ -178,13 +220,36 @@ def test_grpo_trains_two_steps_on_trls_columns(tmp_path, cache, verl_rows):
 
 
 def test_grpo_takes_openrlhfs_flags(tmp_path, cache):
-    data = jsonl(tmp_path / "o.jsonl", [{"input": f"{a}+{a}=? Answer in <answer></answer>.", "label": str(2 * a)}
-                                        for a in range(16)])  # fmt: skip
+    data = jsonl(
+        tmp_path / "o.jsonl",
+        [{"input": f"{a}+{a}=? Answer in <answer></answer>.", "label": str(2 * a)} for a in range(16)],
+    )
     out = tmp_path / "run"
-    done = run_recipe("grpo", "--train-files", data, "--val-files", "--input-key", "input", "--label-key", "label",
-                      "--apply-chat-template", "--data-source", "bundled/addition", "--output-dir", out,
-                      "--total-training-steps", 1, "--train-batch-size", 8, "--rollout-n", 2, "--save-freq", 0,
-                      "--logger", env={"HF_DATASETS_CACHE": str(cache)})  # fmt: skip
+    done = run_recipe(
+        "grpo",
+        "--train-files",
+        data,
+        "--val-files",
+        "--input-key",
+        "input",
+        "--label-key",
+        "label",
+        "--apply-chat-template",
+        "--data-source",
+        "bundled/addition",
+        "--output-dir",
+        out,
+        "--total-training-steps",
+        1,
+        "--train-batch-size",
+        8,
+        "--rollout-n",
+        2,
+        "--save-freq",
+        0,
+        "--logger",
+        env={"HF_DATASETS_CACHE": str(cache)},
+    )
     assert (
         "columns of o.jsonl: prompt <- 'input' (chat-templated), ground truth <- 'label'" in done.stdout + done.stderr
     )
@@ -192,17 +257,24 @@ def test_grpo_takes_openrlhfs_flags(tmp_path, cache):
 
 def test_a_long_file_is_mapped_with_one_worker(tmp_path, tokenizer, cache, verl_rows, monkeypatch):
     """A parquet file of LARGE_ROWS rows or more goes to the map (in one process), not read whole; the rows agree."""
+    from conftest import make_args
+
     import common.data
+    from common.config import RLArgs
     from common.rollout import load_rl_data
+
+    def rl_data(**flags):
+        a = make_args(RLArgs, train_files=(f,), val_files=(), train_batch_size=8, max_prompt_length=64, **flags)
+        return load_rl_data(a.data, tokenizer, a.reward, a.agent, a.env, a.conditioning)
 
     f = write_parquet(tmp_path / "long.parquet", verl_rows)
     here, _ = load_prompts([f], tokenizer, max_prompt_length=64)
     monkeypatch.setattr(common.data, "LARGE_ROWS", ROWS)
     monkeypatch.setattr(prompt_cache, "LARGE_ROWS", ROWS)
-    train, stats, val = load_rl_data([f], [], tokenizer, train_batch_size=8, max_prompt_length=64, data_workers=1)
+    train, stats, val = rl_data(data_workers=1)
     assert isinstance(train.parts[0], prompt_cache.MappedRows) and list(train) == here and stats.kept == ROWS
     monkeypatch.setattr(common.data, "LARGE_ROWS", ROWS + 1)
-    assert isinstance(load_rl_data([f], [], tokenizer, train_batch_size=8, max_prompt_length=64)[0], list)
+    assert isinstance(rl_data()[0], list)
 
 
 def test_under_a_launcher_the_nodes_first_process_maps_and_the_others_read_its_cache(
@@ -238,19 +310,21 @@ def test_sft_examples_through_the_map_equal_the_in_process_ones(tmp_path, tokeni
     and counts as in process (rows truncated, rows that lost every response token); read back from the cache."""
     import common.sft_data as sft_data
 
-    rows = [dict(r, prompt=[{"role": "user", "content": r["prompt"][0]["content"][:8]}]) if i % 2 else r
-            for i, r in enumerate(verl_rows)]  # fmt: skip
+    rows = [
+        dict(r, prompt=[{"role": "user", "content": r["prompt"][0]["content"][:8]}]) if i % 2 else r
+        for i, r in enumerate(verl_rows)
+    ]
     chats = [{"messages": [*r["prompt"], {"role": "assistant", "content": r["extra_info"]["answer"]}]} for r in rows]
     for name, data in (("pairs", rows), ("chats", chats)):
         f = write_parquet(tmp_path / f"{name}.parquet", data)
         kw = dict(max_length=40, response_key="extra_info.answer", truncation="right")
-        here, here_stats = sft_data.load_sft([f], tokenizer, **kw)
-        mapped, stats = sft_data.load_sft([f], tokenizer, **kw, data_workers=2)
+        here, here_stats = sft_data.load_sft([f], tokenizer, sft_data.SFTDataArgs(**kw))
+        mapped, stats = sft_data.load_sft([f], tokenizer, sft_data.SFTDataArgs(**kw, data_workers=2))
         counts = [(s.rows, s.kept, s.truncated, s.no_loss_tokens) for s in (stats, here_stats)]
         assert counts[0] == counts[1] and 0 < stats.no_loss_tokens < stats.rows and stats.truncated > 0, counts
         assert list(mapped) == here and mapped[-1]["ground_truth"] == here[-1]["ground_truth"]
     monkeypatch.setattr(sft_data, "sft_records", lambda *a, **k: (_ for _ in ()).throw(AssertionError("again")))
-    again, _ = sft_data.load_sft([f], tokenizer, **kw, data_workers=2)
+    again, _ = sft_data.load_sft([f], tokenizer, sft_data.SFTDataArgs(**kw, data_workers=2))
     assert list(again) == here
 
 

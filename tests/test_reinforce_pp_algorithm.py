@@ -1,15 +1,13 @@
 """Known-answer tests for REINFORCE++'s algorithm functions: token rewards with the KL in them, the
 discounted reward-to-go, the group baseline and the whitening over every rank's valid tokens."""
 
-import dataclasses
 import math
 import threading
 
 import pytest
 import torch
-from conftest import load_recipe
+from conftest import load_recipe, make_args
 
-from common.config import KLRewardArgs
 from common.ops import masked_whiten
 
 rpp = load_recipe("reinforce_pp")
@@ -107,19 +105,18 @@ def test_whitening_is_global_over_ranks(monkeypatch):
     assert not torch.allclose(masked_whiten(returns[:2], mask[:2]) * mask[:2], expected[:2], atol=1e-3)
 
 
-@dataclasses.dataclass
-class KLArgs(KLRewardArgs):  # the KL flags a recipe's Args has
-    use_kl_in_reward: bool = True
-
-
 def kl_args(**over):
-    return KLArgs(**{"kl_penalty": "kl", "kl_ctrl": "fixed", "target_kl": 0.1, "horizon": 10000, **over})
+    """reinforce_pp's Args with the KL in the reward on and these KL knobs."""
+    knobs = {"use_kl_in_reward": True, "kl_penalty": "kl", "kl_ctrl": "fixed", "target_kl": 0.1, "horizon": 10000}
+    return make_args(rpp.Args, **{**knobs, **over})
 
 
 def penalty(args, scores, old_logprobs, ref_logprobs, mask, kl_coef):
-    """apply_kl_penalty with the knobs of args, as the recipe's main passes them."""
-    return apply_kl_penalty(scores, old_logprobs, ref_logprobs, None, mask, kl_coef, args.use_kl_in_reward,
-                            **args.kl_reward_kwargs())  # fmt: skip
+    """apply_kl_penalty with the knobs of args and the coefficient kl_coef, as the recipe's main passes them.
+    Returns (token rewards, the coefficient of the next step, metrics)."""
+    state = {"kl_coef": kl_coef}
+    rewards, metrics = apply_kl_penalty(scores, old_logprobs, ref_logprobs, None, mask, state, args)
+    return rewards, state["kl_coef"], metrics
 
 
 OLD = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.0, 0.0], [-1.0, -1.0, -1.0]])

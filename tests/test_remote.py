@@ -1,4 +1,4 @@
-"""Remote rollout engines (common.remote): HF engines in Ray actors, their weight stream, the
+"""Remote rollout engines (common.serving.remote): HF engines in Ray actors, their weight stream, the
 staleness bound, engine faults, and grpo.py with --rollout-placement remote.
 
 One trainer process (this one) and two engine actors share a Ray started for the module; the
@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import ROOT, TASK_TRAIN, TINY
 
+from common.data import RLDataArgs, StepPrompts
 from common.engines import HFEngine, Sampling
 from common.errors import RunStopped
 from common.parallel import Dist
@@ -30,7 +31,7 @@ def ray_processes(include_shared: bool = False) -> list[str]:
     the shared cluster (conftest's ray_cluster) unless include_shared."""
     from conftest import SHARED_RAY
 
-    from common.remote import _descendants
+    from common.serving.remote import _descendants
 
     shared = set() if include_shared else {*SHARED_RAY, *(p for root in SHARED_RAY for p in _descendants(root, ""))}
     found = []
@@ -55,26 +56,63 @@ def wait_until_no_ray(seconds: float = 30) -> list[str]:
     return left
 
 
+DATA = RLDataArgs(
+    train_files=(str(TASK_TRAIN),),
+    val_files=(),
+    prompt_key="prompt",
+    max_prompt_length=64,
+    truncation="error",
+    filter_overlong_prompts=False,
+    train_batch_size=BATCH,
+    shuffle=True,
+)
+
+
 @pytest.fixture(scope="module")
 def task(tokenizer):
+    from common.agents import AgentArgs, EnvArgs
+    from common.rewards import RewardArgs
     from common.rollout import load_rl_data
+    from common.shaping import ConditioningArgs
 
-    train, _, _ = load_rl_data(
-        (str(TASK_TRAIN),), (), tokenizer, prompt_key="prompt", max_prompt_length=64, truncation="error",
-        filter_overlong_prompts=False, train_batch_size=BATCH,
-    )  # fmt: skip
+    train, _, _ = load_rl_data(DATA, tokenizer, RewardArgs(), AgentArgs(), EnvArgs(), ConditioningArgs())
     return train
 
 
+def step_prompts(task, steps: int) -> StepPrompts:
+    """The prompts of each training step as the RL recipes' rollout takes them (seed 7, shuffled)."""
+    return StepPrompts(task, DATA, 7, steps)
+
+
+def prompts_of(schedule: StepPrompts, step: int) -> list[list[int]]:
+    """Step `step`'s prompt ids of every rank, in rank order (one rank here)."""
+    return [row["prompt_ids"] for share in schedule.step(step, 1)[1] for row in share]
+
+
 def start(model, tokenizer, *, model_path=SFT, engines=2, staleness=0, timeout=120, schedule=None, steps=0, **kw):
-    from common.remote import RemoteEngines
+    from common.serving.remote import RemoteEngines
 
     return RemoteEngines(
-        model, Dist(0, 1, 0, torch.device("cpu")), 0, model_path=str(model_path), num_engines=engines,
-        engine_num_cpus=1, engine_num_gpus=0, ray_address=None, max_staleness=staleness, timeout=timeout, seed=7,
-        dtype="float32", trust_remote_code=False, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id],
-        batch_size=64, schedule=schedule, total_steps=steps, **kw,
-    )  # fmt: skip
+        model,
+        Dist(0, 1, 0, torch.device("cpu")),
+        0,
+        model_path=str(model_path),
+        num_engines=engines,
+        engine_num_cpus=1,
+        engine_num_gpus=0,
+        ray_address=None,
+        max_staleness=staleness,
+        timeout=timeout,
+        seed=7,
+        dtype="float32",
+        trust_remote_code=False,
+        pad_id=tokenizer.pad_token_id,
+        eos_ids=[tokenizer.eos_token_id],
+        batch_size=64,
+        schedule=schedule,
+        total_steps=steps,
+        **kw,
+    )
 
 
 @pytest.fixture
@@ -101,7 +139,7 @@ def test_the_shared_ray_is_this_process_and_leaves_nothing_of_a_run_behind(ray_s
 
 
 def checksums(model) -> dict[str, float]:
-    from common.weight_sync import hf_weights
+    from common.serving.weight_sync import hf_weights
 
     return {name: float(t.double().sum()) for name, t in hf_weights(model)}
 
@@ -182,11 +220,13 @@ def test_a_hung_engine_is_named_within_the_timeout(ray_session, tokenizer):
         # who waits on whom: this rank, the wait and its caller, the engines' queues (common.watchdog)
         assert re.search(
             r"\nrank 0 \(pid \d+ on [^)]+\): step None, policy version 0\n  waits in rollout engine 0 "
-            r"to generate \(Ray\) since \d+\.\ds ago \(from common/remote.py:\d+ in \w+",
+            r"to generate \(Ray\) since \d+\.\ds ago \(from common/serving/remote.py:\d+ in \w+",
             str(e.value),
         ), e.value
-        assert ("rollout engines: 1 engines holding weights version 0; the generate waited on awaits 1 of 1 chunk(s) "
-                "from engines [0]; asked ahead: none; 0 restarts") in str(e.value)  # fmt: skip
+        assert (
+            "rollout engines: 1 engines holding weights version 0; the generate waited on awaits 1 of 1 chunk(s) "
+            "from engines [0]; asked ahead: none; 0 restarts"
+        ) in str(e.value)
     finally:
         engines.close()
 
@@ -219,12 +259,10 @@ def test_a_weight_stream_to_a_hung_engine_is_named_within_the_timeout(ray_sessio
 def run_steps(engines, model, task, steps, trainer_seconds=0.0):
     """A trainer loop: each step asks for its prompts' completions, 'trains' and syncs. Returns
     per step (the versions that sampled, the completions, the seconds it waited)."""
-    from common.remote import StepPrompts
-
-    schedule = StepPrompts(task, BATCH, 7, True, SAMPLING)
+    schedule = step_prompts(task, steps)
     seen = []
     for step in range(steps):
-        prompts, _ = schedule(step, 1)
+        prompts = prompts_of(schedule, step)
         t = time.time()
         groups = engines.generate(prompts, SAMPLING)
         waited = time.time() - t
@@ -243,11 +281,10 @@ def test_no_sample_is_older_than_the_staleness_bound(ray_session, tokenizer, tas
     import ray
 
     from common.model import load_policy
-    from common.remote import StepPrompts
 
     model = load_policy(str(SFT))
-    schedule = StepPrompts(task, BATCH, 7, True, SAMPLING)
-    engines = start(model, tokenizer, staleness=staleness, schedule=schedule, steps=6)
+    schedule = step_prompts(task, 6)
+    engines = start(model, tokenizer, staleness=staleness, schedule=(schedule, SAMPLING), steps=6)
     try:
         if slow == "engine":
             ray.get([a.slow_down.remote(0.5) for a in engines.actors])
@@ -268,23 +305,22 @@ def test_a_killed_engine_is_restarted_synced_and_loses_no_prompt(ray_session, to
     import ray
 
     from common.model import load_policy
-    from common.remote import StepPrompts
 
     model = load_policy(str(SFT))
-    schedule = StepPrompts(task, BATCH, 7, True, SAMPLING)
-    engines = start(model, tokenizer, staleness=1, schedule=schedule, steps=4)
+    schedule = step_prompts(task, 4)
+    engines = start(model, tokenizer, staleness=1, schedule=(schedule, SAMPLING), steps=4)
     try:
-        step0 = engines.generate(schedule(0, 1)[0], SAMPLING)
+        step0 = engines.generate(prompts_of(schedule, 0), SAMPLING)
         pid = ray.get(engines.actors[1].slow_down.remote(3.0))
         nudge(model, 1)
         engines.update_weights(1)  # sends step 2's request: engine 1 sleeps in its chunk
         os.kill(pid, signal.SIGKILL)
-        step1 = engines.generate(schedule(1, 1)[0], SAMPLING)  # sent before the kill: unharmed
+        step1 = engines.generate(prompts_of(schedule, 1), SAMPLING)  # sent before the kill: unharmed
         nudge(model, 2)
         engines.update_weights(2)  # engine 1 is found dead here, restarted and streamed version 2
         assert engines.stats()["rollout/engine_restarts"] == 1
         assert engines.checksums() == [checksums(model)] * 2 and engines.versions() == [2, 2]
-        prompts = schedule(2, 1)[0]
+        prompts = prompts_of(schedule, 2)
         step2 = engines.generate(prompts, SAMPLING)
         assert engines.stats()["rollout/engine_restarts"] == 1  # one death, counted once
         assert [len(g) for g in step2] == [SAMPLING.n] * BATCH
@@ -322,8 +358,9 @@ def test_a_teacher_engine_scores_its_own_weights_and_survives_a_kill(ray_session
         g = torch.Generator().manual_seed(0)
         prompts = [row["prompt_ids"] for row in task[:6]]
         responses = [torch.randint(10, 100, (n,), generator=g).tolist() for n in (3, 9, 1, 7, 5, 2)]
-        local = HFEngine(load_policy(str(teacher)), pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id],
-                         device="cpu").score(prompts, responses, 0.7)  # fmt: skip
+        local = HFEngine(
+            load_policy(str(teacher)), pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu"
+        ).score(prompts, responses, 0.7)
         served = engines.score(prompts, responses, 0.7)
         assert [len(s) for s in served] == [len(r) for r in responses]
         assert torch.allclose(torch.tensor(sum(served, [])), torch.tensor(sum(local, [])), atol=1e-5)

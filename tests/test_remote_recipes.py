@@ -34,8 +34,22 @@ def test_grpo_with_remote_engines_and_staleness_1_learns(tmp_path, ray_cluster):
     sample step t+1 while the trainer trains step t), and validation accuracy still climbs: by
     +8.8 / +14.6 / +7.0 points with seeds 1-3 at 12 samples per prompt (at 8, seed 1 gained +5.0),
     against a bar of 4."""
-    run_recipe("grpo", *REMOTE, "--max-staleness", "1", "--total-training-steps", "20", "--save-freq", "0",
-               "--rollout-n", "12", "--output-dir", tmp_path / "run", "--ray-address", ray_cluster)  # fmt: skip
+    run_recipe(
+        "grpo",
+        *REMOTE,
+        "--max-staleness",
+        "1",
+        "--total-training-steps",
+        "20",
+        "--save-freq",
+        "0",
+        "--rollout-n",
+        "12",
+        "--output-dir",
+        tmp_path / "run",
+        "--ray-address",
+        ray_cluster,
+    )
     metrics = read_metrics(tmp_path / "run")
     steps = [m for m in metrics if "train/loss" in m]
     assert len(steps) == 20
@@ -51,9 +65,27 @@ def test_grpo_with_remote_engines_and_staleness_1_learns(tmp_path, ray_cluster):
 def test_two_trainer_processes_share_the_remote_engines(tmp_path, ray_cluster, small_files):
     """torchrun with 2 FSDP2 processes: rank 0 serves both ranks' prompts through the engines,
     and every sync gathers the sharded weights on all ranks; the staleness bound holds."""
-    run_recipe("grpo", *REMOTE, "--max-staleness", "1", "--strategy", "fsdp2", "--total-training-steps", "4",
-               "--test-freq", "0", "--save-freq", "0", "--output-dir", tmp_path / "run", "--ray-address", ray_cluster,
-               *small_files, *SMALL_STEPS, nproc=2)  # fmt: skip
+    run_recipe(
+        "grpo",
+        *REMOTE,
+        "--max-staleness",
+        "1",
+        "--strategy",
+        "fsdp2",
+        "--total-training-steps",
+        "4",
+        "--test-freq",
+        "0",
+        "--save-freq",
+        "0",
+        "--output-dir",
+        tmp_path / "run",
+        "--ray-address",
+        ray_cluster,
+        *small_files,
+        *SMALL_STEPS,
+        nproc=2,
+    )
     steps = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
     assert len(steps) == 4 and [m["rollout/staleness_max"] for m in steps] == [0, 1, 1, 1]
 
@@ -64,20 +96,23 @@ def test_grpo_plays_the_games_on_remote_engines(tmp_path, ray_cluster):
     reach them after each step, and the games' metrics come out as with the HF engine."""
     from test_envs import PLAY
 
-    run_recipe("grpo", *REMOTE, *PLAY, "--save-freq", "0", "--output-dir", tmp_path / "run", "--ray-address",
-               ray_cluster)  # fmt: skip
+    run_recipe(
+        "grpo", *REMOTE, *PLAY, "--save-freq", "0", "--output-dir", tmp_path / "run", "--ray-address", ray_cluster
+    )
     steps = [m for m in read_metrics(tmp_path / "run") if "train/loss" in m]
     assert [m["rollout/weight_version"] for m in steps] == [0, 1]
     assert all(m["rollout/engine_restarts"] == 0 and m["rollout/staleness_max"] == 0 for m in steps)
-    assert all(f"env/{tag}/steps" in steps[-1] and f"val/env/{tag}/success" in steps[-1]
-               for tag in ("FrozenLake", "SimpleSokoban"))  # fmt: skip
+    assert all(
+        f"env/{tag}/steps" in steps[-1] and f"val/env/{tag}/success" in steps[-1]
+        for tag in ("FrozenLake", "SimpleSokoban")
+    )
     assert steps[-1]["env/FrozenLake/steps"] + steps[-1]["env/SimpleSokoban/steps"] > 0
 
 
 def kill_an_engine_after(folder, steps: int, killed: list) -> None:
     """Once `steps` training steps are logged in folder, SIGKILL one rollout engine's process (a
     Ray actor of the shared Ray, found by the process title Ray gives it); its pid goes in killed."""
-    from common.remote import _descendants
+    from common.serving.remote import _descendants
 
     deadline = time.time() + 600
     while time.time() < deadline and len([m for m in read_metrics_if_any(folder) if "train/loss" in m]) < steps:
@@ -99,8 +134,25 @@ def test_a_resumed_run_with_synchronous_remote_engines_repeats_the_steps_exactly
     first run one engine's process is killed after step 2: Ray restarts it, it is given the weights
     again and its prompts are sampled again, so steps 3-4 still equal the resumed run's, which
     lost no engine (a prompt lost or sampled twice would change the loss), and the run says so."""
-    flags = [*REMOTE, "--total-training-steps", "4", "--test-freq", "0", "--save-freq", "2", "--output-dir", tmp_path,
-             "--ray-address", ray_cluster, *small_files, *SMALL_STEPS, "--lora-rank", "8", "--lora-alpha", "16"]  # fmt: skip
+    flags = [
+        *REMOTE,
+        "--total-training-steps",
+        "4",
+        "--test-freq",
+        "0",
+        "--save-freq",
+        "2",
+        "--output-dir",
+        tmp_path,
+        "--ray-address",
+        ray_cluster,
+        *small_files,
+        *SMALL_STEPS,
+        "--lora-rank",
+        "8",
+        "--lora-alpha",
+        "16",
+    ]
     killed = []
     killer = threading.Thread(target=kill_an_engine_after, args=(tmp_path, 2, killed), daemon=True)
     killer.start()
@@ -136,15 +188,31 @@ def stopped_runs(tmp_path_factory, small_files):
     step on 2 cores, much of it waiting on start-ups that overlap). {signal: (exit status or None,
     output, run folder, {pid: command line} of the processes below the trainer just before the
     signal, or None if it was never sent)}."""
-    from common.remote import _cmdline, _descendants
+    from common.serving.remote import _cmdline, _descendants
 
     assert not wait_until_no_ray(), f"Ray processes from before this test: {ray_processes()}"
     runs = {}
     for how in STOPS:
         folder = tmp_path_factory.mktemp(how)
-        cmd = [sys.executable, "-c", AS_FROM_A_TERMINAL, str(ROOT / "recipes" / "grpo.py"), *REMOTE, "--max-staleness", "1",
-               "--total-training-steps", "200", "--test-freq", "0", "--save-freq", "0",
-               "--output-dir", str(folder / "run"), *small_files, *SMALL_STEPS]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-c",
+            AS_FROM_A_TERMINAL,
+            str(ROOT / "recipes" / "grpo.py"),
+            *REMOTE,
+            "--max-staleness",
+            "1",
+            "--total-training-steps",
+            "200",
+            "--test-freq",
+            "0",
+            "--save-freq",
+            "0",
+            "--output-dir",
+            str(folder / "run"),
+            *small_files,
+            *SMALL_STEPS,
+        ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
         runs[how] = (cmd, env, folder / "run", getattr(signal, how), None)
     done = stop_side_by_side(
@@ -180,8 +248,10 @@ def test_distill_with_a_remote_teacher_trains_as_with_the_teacher_in_the_trainer
     short = ["--total-training-steps", "2", *SMALL_STEPS, "--test-freq", "0", "--save-freq", "0", "--strategy", "fsdp2"]
     remote = ["--teacher-placement", "remote", "--teacher-num-engines", "2", "--ray-address", ray_cluster]
     with ThreadPoolExecutor(2) as pool:  # side by side: their start-ups (torchrun, imports, Ray actors) overlap
-        runs = [pool.submit(run_recipe, "distill", *short, "--output-dir", tmp_path / name, *more, nproc=2)
-                for name, more in (("local", []), ("remote", remote))]  # fmt: skip
+        runs = [
+            pool.submit(run_recipe, "distill", *short, "--output-dir", tmp_path / name, *more, nproc=2)
+            for name, more in (("local", []), ("remote", remote))
+        ]
         for run in runs:
             run.result()
     local, remote = ([m for m in read_metrics(tmp_path / run) if "train/loss" in m] for run in ("local", "remote"))
@@ -200,8 +270,8 @@ def test_the_launch_check_proves_the_remote_engines_sync(tmp_path, ray_cluster, 
     weights) or a planted LoRA sync that sends the base weights without the adapter, the weight-sync
     item fails and the run stops (exit 1) with what to check; under --check warn the stale run goes
     on, warned. (A LoRA run resumed on remote engines: the resume test below.)"""
-    import common.weight_sync
-    from common.remote import RemoteEngines
+    import common.serving.weight_sync
+    from common.serving.remote import RemoteEngines
 
     if plant and plant.startswith("stale"):
         real = RemoteEngines.update_weights
@@ -213,12 +283,30 @@ def test_the_launch_check_proves_the_remote_engines_sync(tmp_path, ray_cluster, 
 
         monkeypatch.setattr(RemoteEngines, "update_weights", stale)
     if plant == "lora":
-        monkeypatch.setattr(common.weight_sync, "_delta", lambda layer: 0.0)
+        monkeypatch.setattr(common.serving.weight_sync, "_delta", lambda layer: 0.0)
     lora = ["--lora-rank", "8", "--lora-alpha", "16"] if plant in (None, "lora") else []
     warn = {"stale-warn": ["--check", "warn"]}.get(plant, [])
-    proc = run_recipe("grpo", "--rollout-placement", "remote", "--num-rollout-engines", "1", "--total-training-steps",
-                      "1", *SMALL_STEPS, "--test-freq", "0", "--save-freq", "0", "--output-dir", tmp_path, "--ray-address",
-                      ray_cluster, *lora, *warn, check=plant in (None, "stale-warn"))  # fmt: skip
+    proc = run_recipe(
+        "grpo",
+        "--rollout-placement",
+        "remote",
+        "--num-rollout-engines",
+        "1",
+        "--total-training-steps",
+        "1",
+        *SMALL_STEPS,
+        "--test-freq",
+        "0",
+        "--save-freq",
+        "0",
+        "--output-dir",
+        tmp_path,
+        "--ray-address",
+        ray_cluster,
+        *lora,
+        *warn,
+        check=plant in (None, "stale-warn"),
+    )
     if plant is None:
         for item in ("engine logprobs", "weight sync", "packing", "rewards"):
             assert f"check {item:<16} pass" in proc.stdout, proc.stdout
@@ -249,18 +337,37 @@ def test_check_freq_stops_a_run_whose_engine_went_stale_with_a_checkpoint(tmp_pa
     sync instead: it stops after step 1, naming the engine and the version it claims."""
     from conftest import read_metrics
 
-    import common.remote
+    import common.serving.remote
 
-    real, first = common.remote.hf_weights, []
+    real, first = common.serving.remote.hf_weights, []
 
     def stale_after_the_check(model):  # the start's sync and the check's two send the trainer's weights
         first.append(len(first) or [(name, tensor.detach().clone()) for name, tensor in real(model)])
         return iter(first[0]) if len(first) > 3 else real(model)  # later syncs: the start's weights again
 
-    monkeypatch.setattr(common.remote, "hf_weights", stale_after_the_check)
-    proc = run_recipe("grpo", "--rollout-placement", "remote", "--num-rollout-engines", "1", "--total-training-steps",
-                      "4", *SMALL_STEPS, "--test-freq", "0", "--save-freq", "0", "--check-freq", "1", "--output-dir",
-                      tmp_path, "--ray-address", ray_cluster, *sampling, check=False)  # fmt: skip
+    monkeypatch.setattr(common.serving.remote, "hf_weights", stale_after_the_check)
+    proc = run_recipe(
+        "grpo",
+        "--rollout-placement",
+        "remote",
+        "--num-rollout-engines",
+        "1",
+        "--total-training-steps",
+        "4",
+        *SMALL_STEPS,
+        "--test-freq",
+        "0",
+        "--save-freq",
+        "0",
+        "--check-freq",
+        "1",
+        "--output-dir",
+        tmp_path,
+        "--ray-address",
+        ray_cluster,
+        *sampling,
+        check=False,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     steps = [m for m in read_metrics(tmp_path) if "train/loss" in m]
     if not sampling:

@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import TINY
 
-from common.reward_model import RewardModel
 from common.rewards import RewardPool, Scored
 from common.scoring import default_compute_score, gsm8k_score, load_reward_fn, math_score, score_value
+from common.shaping.reward_model import RewardModel
 
 BAD_FN = """
 import os, time
@@ -188,10 +188,17 @@ def test_a_packed_reward_model_scores_as_the_padded_one(tmp_path, tokenizer):
     assert len(set(want.tolist())) == 4
     # Its forwards take --micro-batch-size-per-gpu sequences, as every forward here (verl's
     # reward_model.micro_batch_size_per_gpu is said to follow it): 4 conversations, 3 a forward.
-    from common.config import RLArgs
+    from conftest import make_args
 
-    assert RLArgs(micro_batch_size_per_gpu=3).model_kwargs()["micro_batch_size"] == 3
-    small, calls = RewardModel(str(tmp_path / "rm"), tokenizer, device="cpu", batch_size=3), []
+    from common.config import RLArgs
+    from common.parallel import Dist
+    from common.rollout import load_reward_model
+
+    rl = make_args(RLArgs, micro_batch_size_per_gpu=3, reward_model=str(tmp_path / "rm"), use_remove_padding=False)
+    dist = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    small = load_reward_model(rl.reward, rl.model, tokenizer, dist, rl.actor.micro_batch_size_per_gpu)
+    assert small.batch_size == 3
+    calls = []
     small.model.register_forward_hook(lambda *_: calls.append(1))
     assert torch.allclose(small.score(*args), want, atol=1e-5) and len(calls) == 2
 
@@ -209,7 +216,7 @@ def test_a_reward_file_runs_only_in_workers_and_a_hang_at_import_is_an_error(tmp
         f"import os\nopen({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
     )
-    pool = rewards.start_reward_pool(str(spy), workers=2, timeout=5.0, dry_run_rows=[])
+    pool = rewards.reward_pool(str(spy), 2, 5.0)
     pool.close()
     pids = marker.read_text().split()
     assert len(pids) == 2 and str(os.getpid()) not in pids
@@ -218,7 +225,7 @@ def test_a_reward_file_runs_only_in_workers_and_a_hang_at_import_is_an_error(tmp
     monkeypatch.setattr(rewards, "STARTUP_TIMEOUT", 3.0)
     t0 = time.time()
     with pytest.raises(UsageError, match="importing it did not finish in 3s"):
-        rewards.start_reward_pool(str(hangs), workers=1, timeout=5.0, dry_run_rows=[])
+        rewards.reward_pool(str(hangs), 1, 5.0)
     assert time.time() - t0 < 30
 
 
@@ -235,7 +242,7 @@ def test_what_reward_workers_print_goes_to_a_capped_log_file(tmp_path, monkeypat
     )
     monkeypatch.setattr(rewards._WorkerOutput, "MAX_BYTES", 2000)
     log_path = tmp_path / "run" / "reward_workers.log"
-    pool = rewards.start_reward_pool(str(chatty), workers=2, timeout=5.0, dry_run_rows=[], log_path=log_path)
+    pool = rewards.reward_pool(str(chatty), 2, 5.0, log_path=log_path)
     pool.score([("d", str(i), "1", None) for i in range(40)])  # about 9 kB of output
     pool.close()
     for _ in range(100):  # the copying threads finish once the workers' pipes close
@@ -287,9 +294,9 @@ def test_the_batch_reward_manager_calls_once_a_step_with_lists(tmp_path, monkeyp
     (tmp_path / "batch_reward.py").write_text(BATCH_FN)
     calls = tmp_path / "calls"
     monkeypatch.setenv("BATCH_CALLS", str(calls))
-    from common.rewards import start_reward_pool
+    from common.rewards import reward_pool
 
-    pool = start_reward_pool(str(tmp_path / "batch_reward.py"), batch=True, workers=2, timeout=2.0, dry_run_rows=[])
+    pool = reward_pool(str(tmp_path / "batch_reward.py"), 2, 2.0, batch=True)
     try:
         out = pool.score([("d", s, "12", {"i": i}) for i, s in enumerate(["12", "7", "12"])])
         assert out.scores == [1.0, 0.0, 1.0] and [e["len"] for e in out.extras] == [2, 1, 2]
@@ -310,7 +317,7 @@ def test_a_reward_function_is_called_by_name_as_verl_calls_it(tmp_path):
     """verl's reward managers pass compute_score's arguments by name (data_source=, solution_str=,
     ground_truth=, extra_info=; a batch's in the plural), so a function that lists them in another
     order gets each where it asked for it, one sample at a time and as a batch."""
-    from common.rewards import start_reward_pool
+    from common.rewards import reward_pool
 
     (tmp_path / "any_order.py").write_text(
         "def compute_score(extra_info, ground_truth, solution_str, data_source):\n"
@@ -319,13 +326,13 @@ def test_a_reward_function_is_called_by_name_as_verl_calls_it(tmp_path):
         "    return [float(s == g) + 10 * e['i'] for s, g, e in zip(solution_strs, ground_truths, extra_infos)]\n"
     )
     tasks = [("src", s, "12", {"i": i}) for i, s in enumerate(["12", "7"])]
-    pool = start_reward_pool(str(tmp_path / "any_order.py"), workers=1, timeout=5.0, dry_run_rows=[])
+    pool = reward_pool(str(tmp_path / "any_order.py"), 1, 5.0)
     try:
         out = pool.score(tasks)
         assert out.scores == [1.0, 0.0] and [(e["src"], e["i"]) for e in out.extras] == [(1.0, 0), (1.0, 1)]
     finally:
         pool.close()
-    pool = start_reward_pool(f"{tmp_path / 'any_order.py'}:batch", batch=True, workers=1, timeout=5.0, dry_run_rows=[])
+    pool = reward_pool(f"{tmp_path / 'any_order.py'}:batch", 1, 5.0, batch=True)
     try:
         assert pool.score(tasks).scores == [1.0, 10.0]
     finally:

@@ -1,12 +1,8 @@
 """Known-answer tests for RLOO's algorithm functions: the leave-one-out advantage and the KL in the reward."""
 
-import dataclasses
-
 import pytest
 import torch
-from conftest import load_recipe
-
-from common.config import KLRewardArgs
+from conftest import load_recipe, make_args
 
 rloo = load_recipe("rloo")
 compute_advantages, apply_kl_penalty = rloo.compute_advantages, rloo.apply_kl_penalty
@@ -37,19 +33,18 @@ def test_interleaved_groups_and_the_n_over_n_minus_1_identity():
     assert compute_advantages(torch.tensor([1.0, 1.0]), torch.tensor([0, 0]), torch.ones(2, 2)).abs().sum() == 0
 
 
-@dataclasses.dataclass
-class KLArgs(KLRewardArgs):  # the KL flags a recipe's Args has
-    use_kl_in_reward: bool = True
-
-
 def kl_args(**over):
-    return KLArgs(**{"kl_penalty": "kl", "kl_ctrl": "fixed", "target_kl": 0.1, "horizon": 10000, **over})
+    """rloo's Args with the KL in the reward on and these KL knobs."""
+    knobs = {"use_kl_in_reward": True, "kl_penalty": "kl", "kl_ctrl": "fixed", "target_kl": 0.1, "horizon": 10000}
+    return make_args(rloo.Args, **{**knobs, **over})
 
 
 def penalty(args, scores, old_logprobs, ref_logprobs, mask, kl_coef):
-    """apply_kl_penalty with the knobs of args, as the recipe's main passes them."""
-    return apply_kl_penalty(scores, old_logprobs, ref_logprobs, None, mask, kl_coef, args.use_kl_in_reward,
-                            **args.kl_reward_kwargs())  # fmt: skip
+    """apply_kl_penalty with the knobs of args and the coefficient kl_coef, as the recipe's main passes them.
+    Returns (rewards, the coefficient of the next step, metrics)."""
+    state = {"kl_coef": kl_coef}
+    rewards, metrics = apply_kl_penalty(scores, old_logprobs, ref_logprobs, None, mask, state, args)
+    return rewards, state["kl_coef"], metrics
 
 
 OLD = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.0, 0.0]])
@@ -96,5 +91,9 @@ def test_kl_in_reward_and_in_loss_are_refused_together():
     defaults = rloo.Args()
     assert not defaults.use_kl_in_reward  # as verl: no KL unless asked
     assert (defaults.kl_coef, defaults.kl_penalty, defaults.kl_ctrl, defaults.target_kl, defaults.horizon) == (
-        0.001, "kl", "fixed", 0.1, 10000
-    )  # fmt: skip
+        0.001,
+        "kl",
+        "fixed",
+        0.1,
+        10000,
+    )

@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import ROOT, TASK_TEST, load_recipe, torchrun_plan
+from conftest import ROOT, TASK_TEST, load_recipe, make_args, torchrun_plan
 
 from common.data import load_prompts, pack_sequences
 from common.engines import HFEngine, Sampling
@@ -148,7 +148,7 @@ def test_a_packed_forward_equals_the_padded_one(setup, tokenizer, rows, family):
     for both model families the bundle holds (Llama's: grouped key-value heads, no attention bias)."""
     from common.critic import load_critic, response_values
     from common.data import take_rows
-    from common.model import packs, response_logits, sequence_logits
+    from common.model import ModelArgs, packs, response_logits, sequence_logits
     from common.ops import logprobs_and_entropy
 
     qwen, prompts, engine = setup
@@ -175,15 +175,19 @@ def test_a_packed_forward_equals_the_padded_one(setup, tokenizer, rows, family):
     assert torch.allclose(packed_lp, lp, atol=1e-5) and torch.allclose(packed_ent, ent, atol=1e-5)
     for a, b in zip(packed_grads, grads):
         assert (a - b).norm() <= 1e-4 * b.norm() + 1e-8
-    full = [torch.cat([mb["input_ids"], torch.zeros_like(mb["input_ids"][:, :3])], 1),
-            torch.cat([mb["attention_mask"], torch.zeros_like(mb["attention_mask"][:, :3])], 1)]  # fmt: skip
+    full = [
+        torch.cat([mb["input_ids"], torch.zeros_like(mb["input_ids"][:, :3])], 1),
+        torch.cat([mb["attention_mask"], torch.zeros_like(mb["attention_mask"][:, :3])], 1),
+    ]
     # sequence_logits (sft.py's forward) on rows padded on both sides: the same logits at every real token
     real = full[1].bool()
     with torch.no_grad():
         a, b = sequence_logits(base, *full), sequence_logits(packed, *full)
     assert torch.allclose(b[real], a[real], atol=1e-4) and (b[~real] == 0).all()
     dist = type("Single", (), {"world_size": 1, "rank": 0, "device": torch.device("cpu")})()
-    critics = [load_critic(path, dist=dist, strategy="ddp", remove_padding=flag) for flag in (False, True)]
+    critics = [
+        load_critic(ModelArgs(path=path, strategy="ddp", use_remove_padding=flag), dist) for flag in (False, True)
+    ]
     torch.manual_seed(0)
     critics[1].score.load_state_dict(critics[0].score.state_dict())  # the same fresh value head
     values = [response_values(c, mb, share_prompts=False) for c in critics]
@@ -205,8 +209,9 @@ def windowed_pair(base, prompts, tokenizer, window):
         models[-1].load_state_dict(base.state_dict())
     models[1].padding_free = True
     g = torch.Generator().manual_seed(0)
-    batch = pack_sequences(prompts, [torch.randint(10, 100, (n,), generator=g).tolist() for n in (3, 20, 9, 14)],
-                           tokenizer.pad_token_id)  # fmt: skip
+    batch = pack_sequences(
+        prompts, [torch.randint(10, 100, (n,), generator=g).tolist() for n in (3, 20, 9, 14)], tokenizer.pad_token_id
+    )
     batch["group_ids"] = torch.arange(4)
     return models, batch, batch["response_mask"].bool()
 
@@ -239,9 +244,14 @@ def stand_in_varlen_attn(calls):
             i = torch.arange(b - a)
             back = i[:, None] - i[None]  # how far each key lies behind each query
             allowed = ((back <= left) | (left < 0)) & ((-back <= right) | (right < 0))
-            out.append(torch.nn.functional.scaled_dot_product_attention(
-                *(x[a:b].transpose(0, 1) for x in (q, k, v)), attn_mask=allowed, scale=scale, enable_gqa=enable_gqa,
-            ).transpose(0, 1))  # fmt: skip
+            out.append(
+                torch.nn.functional.scaled_dot_product_attention(
+                    *(x[a:b].transpose(0, 1) for x in (q, k, v)),
+                    attn_mask=allowed,
+                    scale=scale,
+                    enable_gqa=enable_gqa,
+                ).transpose(0, 1)
+            )
         return torch.cat(out)
 
     return kernel
@@ -321,8 +331,10 @@ def test_auto_leaves_a_model_with_its_own_attention_code_padded(monkeypatch, cap
     with caplog.at_level("INFO", logger="common.model"):
         model = load_policy(SFT, remove_padding="auto")
     assert pack_mode(model) is False and model.config._attn_implementation == "sdpa"
-    assert "runs attention code of its own, which would let packed sequences attend to each other: its forward " \
-           "passes stay padded" in caplog.text  # fmt: skip
+    assert (
+        "runs attention code of its own, which would let packed sequences attend to each other: its forward "
+        "passes stay padded" in caplog.text
+    )
 
 
 def test_a_model_with_capped_attention_logits_is_not_packed(tmp_path, caplog):
@@ -559,11 +571,19 @@ def test_regroup_keeps_the_chosen_groups_in_order_and_every_parts_counts(tokeniz
         return ((prompt, Completion([5 + i, 6 + i], [-0.1, -0.2], "length")), reward, reward, {"acc": reward})
 
     parts = [  # two generation batches of one step: the same weights sampled both
-        {"scored": Scored([0.0] * 4, [{}] * 4, errors=1, seconds=1.0), "timing": {"perf/generate_s": 2.0}, "started": 5.0,
-         "weight_version": 7},
-        {"scored": Scored([1.0] * 4, [{}] * 4, timeouts=2, seconds=0.5), "timing": {"perf/generate_s": 3.0}, "started": 9.0,
-         "weight_version": 7},
-    ]  # fmt: skip
+        {
+            "scored": Scored([0.0] * 4, [{}] * 4, errors=1, seconds=1.0),
+            "timing": {"perf/generate_s": 2.0},
+            "started": 5.0,
+            "weight_version": 7,
+        },
+        {
+            "scored": Scored([1.0] * 4, [{}] * 4, timeouts=2, seconds=0.5),
+            "timing": {"perf/generate_s": 3.0},
+            "started": 9.0,
+            "weight_version": 7,
+        },
+    ]
     groups = [[member(3, 1.0), member(3, 0.0)], [member(0, 0.0), member(0, 1.0)]]
     batch = regroup(groups, parts, tokenizer, "cpu")
     assert batch["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0] and batch["group_ids"].tolist() == [0, 0, 1, 1]
@@ -580,7 +600,7 @@ def test_regroup_keeps_the_chosen_groups_in_order_and_every_parts_counts(tokeniz
 def test_only_the_vllm_warnings_this_engine_causes_on_purpose_are_dropped():
     import logging
 
-    from common.vllm_engine import _ExpectedVLLMWarnings
+    from common.serving.vllm_engine import _ExpectedVLLMWarnings
 
     def shown(filt, msg, *args):
         return filt.filter(logging.LogRecord("vllm.x", logging.WARNING, "f.py", 1, msg, args, None))
@@ -612,9 +632,11 @@ def test_otbs_step_4_measures_each_tokens_sum_of_squared_probabilities(setup, to
         {},
         batch["responses"].shape[1],
     )
-    plan = SimpleNamespace(share_prompts=True, temperature=0.7, micro=dict(max_seqs=3, max_tokens=40),
-                           mini_batches_per_step=1, epochs=1)  # fmt: skip
-    old, ref = otb.old_ref_logprobs(model, None, batch, plan, "trainer", False)
+    plan = SimpleNamespace(
+        share_prompts=True, temperature=0.7, micro=dict(max_seqs=3, max_tokens=40), mini_batches_per_step=1, epochs=1
+    )
+    args = make_args(otb.Args)  # no KL term: no reference pass
+    old, ref = otb.old_ref_logprobs(model, None, batch, plan, "trainer", args)
     keys = ("input_ids", "attention_mask", "position_ids")
     with torch.no_grad():
         p = torch.softmax(model(**{k: batch[k] for k in keys}).logits[:, -T - 1 : -1].float() / 0.7, -1)
@@ -627,7 +649,7 @@ def test_otbs_step_4_measures_each_tokens_sum_of_squared_probabilities(setup, to
     torch.testing.assert_close(old[mask], drawn[mask], atol=1e-5, rtol=1e-5)
     assert 0 < batch["sum_pi_squared"][mask].min() and batch["sum_pi_squared"][mask].max() <= 1 + 1e-6
     batch["rollout_logprobs"] = torch.full_like(old, -1.5)
-    engine_old, _ = otb.old_ref_logprobs(model, None, batch, plan, "engine", False)
+    engine_old, _ = otb.old_ref_logprobs(model, None, batch, plan, "engine", args)
     assert engine_old is batch["rollout_logprobs"] and "sum_pi_squared" in batch
 
 

@@ -19,6 +19,7 @@ from conftest import (
     TINY,
     load_recipe,
     load_recipe_refusing_models,
+    make_args,
     read_metrics,
     run_recipe,
     torchrun_plan,
@@ -26,7 +27,7 @@ from conftest import (
 from safetensors.torch import load_file
 
 from common.data import DataError
-from common.sft_data import load_sft
+from common.sft_data import SFTDataArgs, load_sft
 
 
 def base_flags(out, files, extra: str = ""):
@@ -79,7 +80,7 @@ def test_smoke_checkpoint_and_export_reload(tmp_path, small_files, small_val, to
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(ckpt / "hf")
-    val, _ = load_sft([small_val], tokenizer, max_length=128, response_key="extra_info.answer")
+    val, _ = load_sft([small_val], tokenizer, SFTDataArgs(max_length=128, response_key="extra_info.answer"))
     sft = load_recipe("sft")
     ids, attention, mask = sft.collate(val, tokenizer.pad_token_id, "cpu")
     with torch.no_grad():
@@ -178,8 +179,10 @@ def test_a_padding_free_run_equals_the_padded_one(tmp_path, odd_files, single_pr
     """--use-remove-padding packs each micro-batch's examples into one row (common.model.sequence_logits):
     the same training and validation losses and gradients as the padded run."""
     out = tmp_path / "packed"
-    run_recipe("sft", *base_flags(out, odd_files, f"{STEPS3} --micro-batch-size-per-gpu 8 --save-freq 0 "
-                                                  "--use-remove-padding True"))  # fmt: skip
+    run_recipe(
+        "sft",
+        *base_flags(out, odd_files, f"{STEPS3} --micro-batch-size-per-gpu 8 --save-freq 0 --use-remove-padding True"),
+    )
     assert losses(out) == pytest.approx(losses(single_process_run), rel=1e-5)
     assert losses(out, "train/grad_norm") == pytest.approx(losses(single_process_run, "train/grad_norm"), rel=1e-4)
     assert losses(out, "val/loss") == pytest.approx(losses(single_process_run, "val/loss"), rel=1e-5)
@@ -189,8 +192,10 @@ def test_a_padding_free_run_equals_the_padded_one(tmp_path, odd_files, single_pr
 def two_process_plan(folder, fixture):
     """sft.py with 2 processes: DDP and FSDP2 in float32, and FSDP2 under bf16 mixed precision with
     the float32 reference's micro-batch layout."""
-    runs = {strategy: f"{STEPS3} --micro-batch-size-per-gpu 4 --strategy {strategy} --save-freq 3"
-            for strategy in ("ddp", "fsdp2")}  # fmt: skip
+    runs = {
+        strategy: f"{STEPS3} --micro-batch-size-per-gpu 4 --strategy {strategy} --save-freq 3"
+        for strategy in ("ddp", "fsdp2")
+    }
     runs["bf16-fsdp2"] = f"{STEPS3} --micro-batch-size-per-gpu 8 --save-freq 3 --mixed-precision bf16 --strategy fsdp2"
     files = ["--train-files", fixture("small_train"), "--val-files", fixture("odd_val")]  # as odd_files
     return {name: ("sft", base_flags(folder / name, files, flags)) for name, flags in runs.items()}
@@ -322,7 +327,9 @@ def write(path, rows):
 def test_bad_input_fails_before_model_loads(tmp_path, sft_no_model, rows, flags, expected):
     f = write(tmp_path / "bad.parquet", rows)
     with pytest.raises((DataError, ValueError)) as err:  # a flag's range is checked as Args parses it
-        sft_no_model.main(sft_no_model.Args(train_files=(f,), val_files=(), output_dir=str(tmp_path / "o"), **flags))
+        sft_no_model.main(
+            make_args(sft_no_model.Args, train_files=(f,), val_files=(), output_dir=str(tmp_path / "o"), **flags)
+        )
     assert expected in str(err.value)
     if "row" in expected or "column" in expected:
         assert "bad.parquet" in str(err.value)
@@ -332,13 +339,13 @@ def test_empty_file_fails_before_model_loads(tmp_path, sft_no_model):
     empty = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
     with pytest.raises(DataError, match="empty.parquet' has no rows"):
-        sft_no_model.main(sft_no_model.Args(train_files=(str(empty),), output_dir=str(tmp_path / "o")))
+        sft_no_model.main(make_args(sft_no_model.Args, train_files=(str(empty),), output_dir=str(tmp_path / "o")))
 
 
 def test_missing_model_folder_is_named(tmp_path):
     sft = load_recipe("sft")
     with pytest.raises(ValueError, match="--model ./no/such/model: folder does not exist"):
-        sft.main(sft.Args(model="./no/such/model", output_dir=str(tmp_path / "o")))
+        sft.main(make_args(sft.Args, model="./no/such/model", output_dir=str(tmp_path / "o")))
 
 
 def test_resume_path_must_be_a_checkpoint(tmp_path):
@@ -360,8 +367,9 @@ def test_rerun_of_a_finished_run_says_so(tmp_path, small_files):
 
 
 @pytest.mark.parametrize("nproc, strategy", [(1, "ddp"), (2, "fsdp2")])
-def test_bf16_mixed_precision_keeps_float32_master_weights(tmp_path, odd_files, single_process_run, two_process_runs,
-                                                           nproc, strategy):  # fmt: skip
+def test_bf16_mixed_precision_keeps_float32_master_weights(
+    tmp_path, odd_files, single_process_run, two_process_runs, nproc, strategy
+):
     """bf16 compute (autocast, or FSDP2's param_dtype) tracks the float32 run closely, and the
     weights that are trained and exported stay float32."""
     if nproc == 1:  # the float32 reference's layout on one process
@@ -382,4 +390,4 @@ def test_openrlhfs_input_and_output_keys_name_the_prompt_and_response_columns():
     import tyro
 
     args = tyro.cli(load_recipe("sft").Args, args=["--input-key", "question", "--output-key", "answer"])
-    assert (args.prompt_key, args.response_key) == ("question", "answer")
+    assert (args.data.prompt_key, args.data.response_key) == ("question", "answer")

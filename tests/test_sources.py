@@ -1,4 +1,4 @@
-"""Data files that are not parquet (common.sources, through Hugging Face datasets): each format gives the rows the
+"""Data files that are not parquet (common.formats.sources, through Hugging Face datasets): each format gives the rows the
 same data gives as parquet, a recipe trains on them, and a bad input is named with what to give instead."""
 
 import json
@@ -32,8 +32,14 @@ def saved(tmp_path_factory, rows):
     d = tmp_path_factory.mktemp("sources")
     (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "rows.json").write_text(json.dumps(rows))
-    flat = [{"prompt": r["prompt"][0]["content"], "data_source": r["data_source"],
-             "reward_model.ground_truth": r["reward_model"]["ground_truth"]} for r in rows]  # fmt: skip
+    flat = [
+        {
+            "prompt": r["prompt"][0]["content"],
+            "data_source": r["data_source"],
+            "reward_model.ground_truth": r["reward_model"]["ground_truth"],
+        }
+        for r in rows
+    ]
     pa.csv.write_csv(pa.Table.from_pylist(flat), d / "rows.csv")
     with (
         pa.OSFile(str(d / "rows.arrow"), "wb") as sink,
@@ -48,18 +54,18 @@ def saved(tmp_path_factory, rows):
 
 @pytest.mark.parametrize("name", ["rows.jsonl", "rows.json", "rows.arrow", "one", "two@train"])
 def test_each_format_gives_the_rows_parquet_gives(saved, rows, name):
-    (file, got), = read_rows([str(saved / name)])  # fmt: skip
+    ((file, got),) = read_rows([str(saved / name)])
     assert file == str(saved / name) and got == rows
 
 
 def test_a_csv_nests_its_dotted_columns_as_verls_structs(saved, rows):
-    (_, got), = read_rows([str(saved / "rows.csv")])  # fmt: skip
+    ((_, got),) = read_rows([str(saved / "rows.csv")])
     assert [r["reward_model"]["ground_truth"] for r in got] == [int(r["reward_model"]["ground_truth"]) for r in rows]
     assert [r["prompt"] for r in got] == [r["prompt"][0]["content"] for r in rows]
 
 
 def test_a_folder_of_two_splits_gives_the_one_named(saved):
-    (_, test), = read_rows([str(saved / "two@test")])  # fmt: skip
+    ((_, test),) = read_rows([str(saved / "two@test")])
     assert len(test) == 8
 
 
@@ -99,8 +105,9 @@ def hf_cache(tmp_path, monkeypatch, rows):
     source = tmp_path / "addition.parquet"
     pq.write_table(pa.Table.from_pylist(rows), source)
     files = DataFilesDict.from_patterns({"train": [str(source)]})
-    builder = Parquet(cache_dir=str(cache), dataset_name="someorg___addition", config_name="main", data_files=files,
-                      hash="0123abcd")  # fmt: skip
+    builder = Parquet(
+        cache_dir=str(cache), dataset_name="someorg___addition", config_name="main", data_files=files, hash="0123abcd"
+    )
     builder.download_and_prepare()
     prepared = Path(builder.cache_dir)  # .../someorg___addition/main-<data files' hash>/0.0.0/0123abcd
     (prepared / "someorg___addition-train.arrow").rename(prepared / "addition-train.arrow")
@@ -117,7 +124,7 @@ def hf_cache(tmp_path, monkeypatch, rows):
 
 @pytest.mark.parametrize("spec", ["someorg/addition", "someorg/addition:main", "someorg/addition@train"])
 def test_a_dataset_name_resolves_from_the_local_cache(hf_cache, rows, spec):
-    (name, got), = read_rows([spec])  # fmt: skip
+    ((name, got),) = read_rows([spec])
     assert name == spec and got == rows
 
 
@@ -138,10 +145,28 @@ def test_grpo_trains_on_a_mixed_list_of_formats(saved, hf_cache, tmp_path):
     """JSONL, CSV and a cached dataset's name for training, a save_to_disk split for validation: two steps, the
     rows of every input counted."""
     out = tmp_path / "run"
-    done = run_recipe("grpo", "--train-files", saved / "rows.jsonl", saved / "rows.csv", "someorg/addition",
-                      "--val-files", saved / "two@test", "--output-dir", out, "--total-training-steps", 2,
-                      "--train-batch-size", 8, "--rollout-n", 2, "--test-freq", 2, "--save-freq", 0,
-                      "--logger")  # fmt: skip
+    done = run_recipe(
+        "grpo",
+        "--train-files",
+        saved / "rows.jsonl",
+        saved / "rows.csv",
+        "someorg/addition",
+        "--val-files",
+        saved / "two@test",
+        "--output-dir",
+        out,
+        "--total-training-steps",
+        2,
+        "--train-batch-size",
+        8,
+        "--rollout-n",
+        2,
+        "--test-freq",
+        2,
+        "--save-freq",
+        0,
+        "--logger",
+    )
     assert f"train: {3 * ROWS}/{3 * ROWS} rows from 3 file(s)" in done.stdout + done.stderr
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2] and "val/accuracy" in metrics[-1]

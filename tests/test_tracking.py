@@ -2,37 +2,45 @@ import json
 
 import pytest
 
+from common.config import TrainerArgs
 from common.tracking import Tracker, read_metrics
 
 
+def tracker(run_dir, start_step=0, total_steps=0, is_main=True, *, loggers=("console",), flags=None, **trainer):
+    """A Tracker of recipe "grpo" with these flags (config.json's) and --logger, the rest of its trainer group's
+    flags by name (project_name, experiment_name, stop_on_nonfinite_reward, ...); no --log-interval lines."""
+    group = TrainerArgs(logger=tuple(loggers), **{"log_interval": 0, **trainer})
+    return Tracker(run_dir, start_step, total_steps, is_main, group, "grpo", flags or {}, {})
+
+
 def test_metrics_jsonl_resume_drops_steps_after_the_checkpoint(tmp_path):
-    t = Tracker(tmp_path, loggers=(), config={"lr": 1.0}, total_steps=5)
+    t = tracker(tmp_path, loggers=(), flags={"lr": 1.0}, total_steps=5)
     for step in range(1, 6):
         t.log({"train/loss": 1.0 / step, "val/accuracy": 0.1 * step}, step=step)
     png = t.close(plot_keys=("train/loss", "val/*"))
     assert png is not None and png.stat().st_size > 1000
-    assert json.loads((tmp_path / "config.json").read_text()) == {"lr": 1.0}
+    assert json.loads((tmp_path / "config.json").read_text()) == {"lr": 1.0, "recipe": "grpo", "run": {}}
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
 
     # A run killed after logging step 5 but resumed from its step-3 checkpoint logs 4 and 5 again.
-    t = Tracker(tmp_path, loggers=(), start_step=3, total_steps=5)
+    t = tracker(tmp_path, loggers=(), start_step=3, total_steps=5)
     t.log({"train/loss": 0.0}, step=4)
     t.close()
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
 def test_fresh_run_starts_a_new_file_and_other_ranks_write_nothing(tmp_path):
-    Tracker(tmp_path, loggers=()).log({"a": 1}, step=1)
-    t = Tracker(tmp_path, loggers=())
+    tracker(tmp_path, loggers=()).log({"a": 1}, step=1)
+    t = tracker(tmp_path, loggers=())
     t.log({"a": 2}, step=1)
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "a": 2}]
     other = tmp_path / "rank1"
-    Tracker(other, loggers=(), is_main=False).log({"a": 3}, step=1)
+    tracker(other, loggers=(), is_main=False).log({"a": 3}, step=1)
     assert not other.exists()
 
 
 def test_tensorboard_logger(tmp_path):
-    t = Tracker(tmp_path, loggers=("tensorboard",))
+    t = tracker(tmp_path, loggers=("tensorboard",))
     t.log({"train/loss": 0.5}, step=1)
     t.close()
     assert any((tmp_path / "tensorboard").iterdir())
@@ -40,7 +48,7 @@ def test_tensorboard_logger(tmp_path):
 
 def test_wandb_logger_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    t = Tracker(tmp_path, loggers=("wandb",), project="p", experiment="e", config={"lr": 1.0})
+    t = tracker(tmp_path, loggers=("wandb",), project_name="p", experiment_name="e", flags={"lr": 1.0})
     t.log({"train/loss": 0.5}, step=1)
     gens = [{"data_source": "d", "prompt": "1+1=", "response": "<answer>2</answer>", "ground_truth": "2", "score": 1.0}]
     t.log({"val/accuracy": 1.0, "val/generations": gens}, step=2)  # --log-val-generations: a wandb table
@@ -55,7 +63,7 @@ def test_wandb_logger_offline(tmp_path, monkeypatch):
 def test_finish_reports_the_validation_before_training_and_the_latest(tmp_path, capsys):
     """The closing summary pairs the step-0 validation with the last one logged; a run whose first
     validation comes later (or a resumed run) has no "before"."""
-    t = Tracker(tmp_path, 0, 4, loggers=())
+    t = tracker(tmp_path, 0, 4, loggers=())
     t.log({"val/accuracy": 0.25}, step=0)
     t.log({"train/loss": 1.0, "val/accuracy": 0.5}, step=2)
     t.log({"train/loss": 0.5}, step=3)
@@ -63,7 +71,7 @@ def test_finish_reports_the_validation_before_training_and_the_latest(tmp_path, 
     summary = t.finish()
     assert summary["val/accuracy"] == 0.75 and summary["steps"] == 4
     assert "val accuracy 25.0% -> 75.0%" in capsys.readouterr().out
-    t = Tracker(tmp_path / "later", 2, 4, loggers=())
+    t = tracker(tmp_path / "later", 2, 4, loggers=())
     t.log({"val/accuracy": 0.5}, step=4)
     assert t.finish()["steps"] == 2
     out = capsys.readouterr().out
@@ -76,7 +84,7 @@ def test_a_non_finite_loss_stops_the_run_at_its_step_on_every_rank(tmp_path):
     from common.tracking import NonFiniteError
 
     for is_main in (True, False):  # every rank raises, so none waits in a collective for the others
-        t = Tracker(tmp_path / str(is_main), 0, 5, loggers=(), is_main=is_main)
+        t = tracker(tmp_path / str(is_main), 0, 5, loggers=(), is_main=is_main)
         t.log({"train/loss": 0.5, "train/grad_norm": 1.0}, step=1)
         with pytest.raises(NonFiniteError, match=r"step 2: train/grad_norm = nan.*lower --lr"):
             t.log({"train/loss": 0.5, "train/grad_norm": float("nan")}, step=2)
@@ -91,10 +99,10 @@ def test_nonfinite_rewards_stop_the_run_only_when_asked(tmp_path):
 
     from common.tracking import NonFiniteError
 
-    counted = Tracker(tmp_path / "counted", 0, 5, loggers=())
+    counted = tracker(tmp_path / "counted", 0, 5, loggers=())
     counted.log({"reward/mean": 0.5, "reward/nonfinite": 2.0}, step=1)  # zeroed by the pool: the run goes on
     assert '"reward/nonfinite": 2.0' in (tmp_path / "counted" / "metrics.jsonl").read_text()
-    stops = Tracker(tmp_path / "stops", 0, 5, loggers=(), stop_on_nonfinite_reward=True)
+    stops = tracker(tmp_path / "stops", 0, 5, loggers=(), stop_on_nonfinite_reward=True)
     stops.log({"reward/mean": 0.5, "reward/nonfinite": 0.0, "val/reward/nonfinite": 0}, step=1)
     with pytest.raises(NonFiniteError, match=r"step 2: val/reward/nonfinite = 1 .*--stop-on-nonfinite-reward"):
         stops.log({"reward/mean": 0.5, "reward/nonfinite": 0.0, "val/reward/nonfinite": 1}, step=2)
@@ -116,7 +124,7 @@ def test_advantage_metrics_over_response_tokens_keep_a_nan():
 
 
 def test_steps_without_a_gradient_are_reported_once(tmp_path, caplog):
-    t = Tracker(tmp_path, 0, 9, loggers=())
+    t = tracker(tmp_path, 0, 9, loggers=())
     with caplog.at_level("WARNING"):
         for step, norm in enumerate([0.0, 0.0, 0.5, 0.0, 0.0], 1):  # never three in a row
             t.log({"train/grad_norm": norm, "reward/mean": 0.0}, step=step)
@@ -149,26 +157,28 @@ def test_rollout_is_metrics_over_response_tokens():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     weights = torch.tensor([[0.5, 2.0, 0.0], [1.0, 0.0, 0.0]])  # 2.0 sits at the threshold: truncated
     got = rollout_is_metrics(weights, mask, threshold=2.0)
-    assert got == pytest.approx({
-        "rollout_corr/rollout_is_mean": 3.5 / 3,
-        "rollout_corr/rollout_is_max": 2.0,
-        "rollout_corr/rollout_is_min": 0.5,
-        "rollout_corr/rollout_is_ratio_fraction_high": 1 / 3,
-        "rollout_corr/rollout_is_eff_sample_size": 3.5**2 / (3 * 5.25),
-    })  # fmt: skip
+    assert got == pytest.approx(
+        {
+            "rollout_corr/rollout_is_mean": 3.5 / 3,
+            "rollout_corr/rollout_is_max": 2.0,
+            "rollout_corr/rollout_is_min": 0.5,
+            "rollout_corr/rollout_is_ratio_fraction_high": 1 / 3,
+            "rollout_corr/rollout_is_eff_sample_size": 3.5**2 / (3 * 5.25),
+        }
+    )
     assert rollout_is_metrics(weights, torch.zeros_like(mask), threshold=2.0) == {}
 
 
 def test_logged_generations_go_to_their_own_file_and_resume_like_the_metrics(tmp_path):
     gens = [{"data_source": "d", "prompt": "1+1=", "response": "<answer>2</answer>", "ground_truth": "2", "score": 1.0}]
-    t = Tracker(tmp_path, loggers=(), total_steps=3)
+    t = tracker(tmp_path, loggers=(), total_steps=3)
     for step in (1, 2, 3):
         t.log({"val/accuracy": 0.5, "val/generations": gens * step}, step=step)
     t.close()
     lines = [json.loads(x) for x in (tmp_path / "val_generations.jsonl").read_text().splitlines()]
     assert [g["step"] for g in lines] == [1, 2, 2, 3, 3, 3] and lines[0]["response"] == "<answer>2</answer>"
     assert all("val/generations" not in r for r in read_metrics(tmp_path / "metrics.jsonl"))
-    Tracker(tmp_path, loggers=(), start_step=2, total_steps=3).close()  # resumed from step 2's checkpoint
+    tracker(tmp_path, loggers=(), start_step=2, total_steps=3).close()  # resumed from step 2's checkpoint
     lines = [json.loads(x) for x in (tmp_path / "val_generations.jsonl").read_text().splitlines()]
     assert [g["step"] for g in lines] == [1, 2, 2]
 
@@ -180,18 +190,26 @@ def test_a_logged_engine_gap_past_its_bound_saves_and_stops_the_run(tmp_path, ca
     and the run goes on."""
     import torch
 
+    from common.check import Check
+    from common.config import Sync
     from common.parallel import Dist, StopSignal
 
     dist = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    bound = dict(mean=1e-4, dtype="float32", warn=False)
-    stop, tracker = StopSignal(dist), Tracker(tmp_path / "stops", 0, 3, loggers=(), gap_bound=bound)
-    tracker.log({"rollout/logprob_diff_max": 0.02, "rollout/logprob_diff_mean": 5e-5}, step=1)  # one rare token
+    # an engine with its own weights whose logged gap proves the sync, bounded by float32's TOLERANCE (mean 1e-4)
+    sync = Sync(
+        own_weights=True,
+        old_logprobs="pass",
+        trainer_dtype=torch.float32,
+        gap_dtype=torch.float32,
+        gap_proves_sync=True,
+        freq=10,
+    )
+    stop, check = StopSignal(dist), Check("fast", sync)
+    check.during(1, stop, {"rollout/logprob_diff_max": 0.02, "rollout/logprob_diff_mean": 5e-5})  # one rare token
     assert not stop.requested() and stop.failure is None
-    tracker.log({"rollout/logprob_diff_max": 5e-4, "rollout/logprob_diff_mean": 3e-3}, step=2)
+    check.during(2, stop, {"rollout/logprob_diff_max": 5e-4, "rollout/logprob_diff_mean": 3e-3})
     assert stop.requested() and "step 2: the engine's logprobs of its sampled tokens are 0.003 (mean" in stop.failure
     assert "past the float32 bound 0.0001" in stop.failure
     warned = StopSignal(dist)
-    Tracker(tmp_path / "warns", 0, 3, loggers=(), gap_bound={**bound, "warn": True}).log(
-        {"rollout/logprob_diff_max": 0.5, "rollout/logprob_diff_mean": 0.1}, step=1
-    )
+    Check("warn", sync).during(1, warned, {"rollout/logprob_diff_max": 0.5, "rollout/logprob_diff_mean": 0.1})
     assert not warned.requested() and "the engine no longer samples" in caplog.text.lower()

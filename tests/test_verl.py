@@ -1,4 +1,4 @@
-"""verl's command-line overrides (common.verl): every key of verl's trainer configs is classified,
+"""verl's command-line overrides (common.formats.verl): every key of verl's trainer configs is classified,
 a verl GRPO command line runs after the entry point is swapped, and each kind of key (mapped,
 no-op, fixed, refused, unknown) does what the table says."""
 
@@ -13,7 +13,7 @@ from conftest import BUNDLED, ROOT, read_metrics, run_recipe
 
 from common.errors import ORIGINS, UsageError, usage_errors
 from common.flags import flag_types
-from common.verl import (
+from common.formats.verl import (
     ACTOR,
     ROLLOUT,
     VERL_DEFAULTS,
@@ -39,11 +39,41 @@ LOSS_FORKS = {
     "gpg": "gpg",
     "gspo": "gspo",
 }  # recipe: the verl loss_mode it computes
-RECIPES = ("sft", "grpo", "rloo", "reinforce_pp", "ppo", "dapo", "distill", "opo", "otb", "grpo_passk", "remax", "gdpo", *LOSS_FORKS,
-           "generate", "evaluate")  # fmt: skip
-ESTIMATOR = {"grpo": "grpo", "dapo": "grpo", "distill": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_plus_plus",
-             "ppo": "gae", "opo": "opo", "otb": "optimal_token_baseline", "grpo_passk": "grpo_passk", "remax": "remax", "gdpo": "gdpo", **{r: "grpo" for r in LOSS_FORKS}, "gpg": "gpg",
-             "sft": None, "generate": None, "evaluate": None}  # fmt: skip
+RECIPES = (
+    "sft",
+    "grpo",
+    "rloo",
+    "reinforce_pp",
+    "ppo",
+    "dapo",
+    "distill",
+    "opo",
+    "otb",
+    "grpo_passk",
+    "remax",
+    "gdpo",
+    *LOSS_FORKS,
+    "generate",
+    "evaluate",
+)
+ESTIMATOR = {
+    "grpo": "grpo",
+    "dapo": "grpo",
+    "distill": "grpo",
+    "rloo": "rloo",
+    "reinforce_pp": "reinforce_plus_plus",
+    "ppo": "gae",
+    "opo": "opo",
+    "otb": "optimal_token_baseline",
+    "grpo_passk": "grpo_passk",
+    "remax": "remax",
+    "gdpo": "gdpo",
+    **{r: "grpo" for r in LOSS_FORKS},
+    "gpg": "gpg",
+    "sft": None,
+    "generate": None,
+    "evaluate": None,
+}
 
 
 def args_class(recipe: str):
@@ -69,7 +99,7 @@ def test_every_key_of_verls_trainer_configs_is_classified():
     every_field = {name for r in RECIPES for name in flag_types(args_class(r))}  # a group's flags too
     for key in [key for section in keys.values() for key in section]:
         entry = lookup(key)
-        assert entry is not None, f"{key}: not in common.verl.VERL_KEYS"
+        assert entry is not None, f"{key}: not in common.formats.verl.VERL_KEYS"
         if isinstance(entry, Flag):
             assert entry.flag in every_field, f"{key} -> --{entry.flag}: no recipe has it"
         else:
@@ -80,15 +110,15 @@ def test_every_key_of_verls_trainer_configs_is_classified():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_each_script_reads_verls_keys_as_its_own_estimator(recipe):
-    """Every script hands its command line to common.config.cli_args (common.verl's translation,
-    where it holds verl's syntax), and names the verl estimator it runs (a fork must keep its
-    parent's: dapo and gspo are verl's grpo), and the verl policy loss when it is not the vanilla one."""
+    """Every script hands its command line to common.config.cli (which reads it through cli_args:
+    common.formats.verl's translation, where it holds verl's syntax), and names the verl estimator it runs (a fork
+    must keep its parent's: dapo and gspo are verl's grpo), and the verl policy loss when it is not the vanilla one."""
     source = (ROOT / "recipes" / f"{recipe}.py").read_text()
     loss = f', loss_mode="{LOSS_FORKS[recipe]}"' if recipe in LOSS_FORKS else ""
-    expected = f'cli_args(Args, "{ESTIMATOR[recipe]}"{loss})' if ESTIMATOR[recipe] else "cli_args(Args)"
+    expected = f'cli(Args, RECIPE, "{ESTIMATOR[recipe]}"{loss})' if ESTIMATOR[recipe] else "cli(Args, RECIPE)"
     if recipe == "sft":
-        expected = 'cli_args(Args, trainer="sft")'  # verl's SFT trainer's defaults, not its PPO trainer's
-    assert f"tyro.cli(Args, args={expected})" in source
+        expected = 'cli(Args, RECIPE, trainer="sft")'  # verl's SFT trainer's defaults, not its PPO trainer's
+    assert f"main({expected})" in source
 
 
 def verl_example(recipe: str, tmp_path) -> tuple[list[str], list[str]]:
@@ -96,57 +126,174 @@ def verl_example(recipe: str, tmp_path) -> tuple[list[str], list[str]]:
     cut down to the bundled task, paths local, 2 steps; the flags it must become)."""
     import pyarrow.parquet as pq
 
-    train, test, model, out = (BUNDLED / "addition" / "train.parquet", tmp_path / "test.parquet",
-                               BUNDLED / "tiny-qwen2-sft", tmp_path / "run")  # fmt: skip
+    train, test, model, out = (
+        BUNDLED / "addition" / "train.parquet",
+        tmp_path / "test.parquet",
+        BUNDLED / "tiny-qwen2-sft",
+        tmp_path / "run",
+    )
     pq.write_table(pq.read_table(BUNDLED / "addition" / "test.parquet").slice(0, 32), test)  # a quick validation
     if recipe == "grpo":
         argv = [
-            "algorithm.adv_estimator=grpo", f"data.train_files={train}", f"data.val_files={test}",
-            "data.train_batch_size=8", "data.max_prompt_length=64", "data.max_response_length=16",
-            "data.filter_overlong_prompts=True", "data.truncation='error'", f"actor_rollout_ref.model.path={model}",
-            "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.model.use_remove_padding=True",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
-            "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
-            "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
-            "actor_rollout_ref.model.enable_gradient_checkpointing=True", "actor_rollout_ref.actor.fsdp_config.param_offload=False",
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40", "actor_rollout_ref.rollout.name=hf",
-            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.ref.fsdp_config.param_offload=True",
-            "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", 'trainer.logger=["console"]',
-            "trainer.project_name=verl_grpo_example_gsm8k", "trainer.n_gpus_per_node=8", "trainer.nnodes=1",
-            "trainer.save_freq=20", "trainer.test_freq=5", "trainer.total_epochs=15", "trainer.total_training_steps=2",
+            "algorithm.adv_estimator=grpo",
+            f"data.train_files={train}",
+            f"data.val_files={test}",
+            "data.train_batch_size=8",
+            "data.max_prompt_length=64",
+            "data.max_response_length=16",
+            "data.filter_overlong_prompts=True",
+            "data.truncation='error'",
+            f"actor_rollout_ref.model.path={model}",
+            "actor_rollout_ref.actor.optim.lr=1e-6",
+            "actor_rollout_ref.model.use_remove_padding=True",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.actor.use_kl_loss=True",
+            "actor_rollout_ref.actor.kl_loss_coef=0.001",
+            "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+            "actor_rollout_ref.actor.entropy_coeff=0",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+            "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40",
+            "actor_rollout_ref.rollout.name=hf",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+            "algorithm.use_kl_in_reward=False",
+            "trainer.critic_warmup=0",
+            'trainer.logger=["console"]',
+            "trainer.project_name=verl_grpo_example_gsm8k",
+            "trainer.n_gpus_per_node=8",
+            "trainer.nnodes=1",
+            "trainer.save_freq=20",
+            "trainer.test_freq=5",
+            "trainer.total_epochs=15",
+            "trainer.total_training_steps=2",
             f"trainer.default_local_dir={out}",
-        ]  # fmt: skip
+        ]
         flags = [
-            "--train-files", str(train), "--val-files", str(test), "--train-batch-size", "8", "--max-prompt-length", "64",
-            "--max-response-length", "16", "--filter-overlong-prompts", "--truncation", "error", "--model", str(model),
-            "--lr", "1e-6", "--use-remove-padding", "True", "--ppo-mini-batch-size", "4", "--micro-batch-size-per-gpu", "8",
+            "--train-files",
+            str(train),
+            "--val-files",
+            str(test),
+            "--train-batch-size",
+            "8",
+            "--max-prompt-length",
+            "64",
+            "--max-response-length",
+            "16",
+            "--filter-overlong-prompts",
+            "--truncation",
+            "error",
+            "--model",
+            str(model),
+            "--lr",
+            "1e-6",
+            "--use-remove-padding",
+            "True",
+            "--ppo-mini-batch-size",
+            "4",
+            "--micro-batch-size-per-gpu",
+            "8",
             "--use-kl-loss",
-            "--kl-loss-coef", "0.001", "--kl-loss-type", "low_var_kl", "--entropy-coeff", "0", "--gradient-checkpointing",
-            "--rollout-name", "hf", "--rollout-n", "4", "--logger", "console", "--project-name", "verl_grpo_example_gsm8k",
-            "--save-freq", "20", "--test-freq", "5", "--total-epochs", "15", "--total-training-steps", "2",
-            "--output-dir", str(out),
-        ]  # fmt: skip
+            "--kl-loss-coef",
+            "0.001",
+            "--kl-loss-type",
+            "low_var_kl",
+            "--entropy-coeff",
+            "0",
+            "--gradient-checkpointing",
+            "--rollout-name",
+            "hf",
+            "--rollout-n",
+            "4",
+            "--logger",
+            "console",
+            "--project-name",
+            "verl_grpo_example_gsm8k",
+            "--save-freq",
+            "20",
+            "--test-freq",
+            "5",
+            "--total-epochs",
+            "15",
+            "--total-training-steps",
+            "2",
+            "--output-dir",
+            str(out),
+        ]
     else:  # ppo: a critic; kl_ctrl.kl_coef is unread by verl without use_kl_in_reward, and so here
         argv = [
-            f"data.train_files={train}", f"data.val_files={test}", "data.train_batch_size=8", "data.max_prompt_length=64",
-            "data.max_response_length=16", f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.actor.optim.lr=1e-6",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-            "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.n=1",  # verl's default n; ours is 16
+            f"data.train_files={train}",
+            f"data.val_files={test}",
+            "data.train_batch_size=8",
+            "data.max_prompt_length=64",
+            "data.max_response_length=16",
+            f"actor_rollout_ref.model.path={model}",
+            "actor_rollout_ref.actor.optim.lr=1e-6",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            "actor_rollout_ref.rollout.name=hf",
+            "actor_rollout_ref.rollout.n=1",  # verl's default n; ours is 16
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
-            "critic.optim.lr=1e-5", f"critic.model.path={model}", "critic.ppo_micro_batch_size_per_gpu=4",
-            "algorithm.kl_ctrl.kl_coef=0.001", "trainer.logger=['console']", "trainer.val_before_train=False",
-            "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.save_freq=10", "trainer.test_freq=10",
-            "trainer.total_epochs=15", "trainer.total_training_steps=2", f"trainer.default_local_dir={out}",
-        ]  # fmt: skip
+            "critic.optim.lr=1e-5",
+            f"critic.model.path={model}",
+            "critic.ppo_micro_batch_size_per_gpu=4",
+            "algorithm.kl_ctrl.kl_coef=0.001",
+            "trainer.logger=['console']",
+            "trainer.val_before_train=False",
+            "trainer.n_gpus_per_node=1",
+            "trainer.nnodes=1",
+            "trainer.save_freq=10",
+            "trainer.test_freq=10",
+            "trainer.total_epochs=15",
+            "trainer.total_training_steps=2",
+            f"trainer.default_local_dir={out}",
+        ]
         flags = [
-            "--train-files", str(train), "--val-files", str(test), "--train-batch-size", "8", "--max-prompt-length", "64",
-            "--max-response-length", "16", "--model", str(model), "--lr", "1e-6", "--ppo-mini-batch-size", "4",
-            "--micro-batch-size-per-gpu", "4", "--tensor-parallel-size", "1", "--rollout-name", "hf", "--rollout-n", "1",
+            "--train-files",
+            str(train),
+            "--val-files",
+            str(test),
+            "--train-batch-size",
+            "8",
+            "--max-prompt-length",
+            "64",
+            "--max-response-length",
+            "16",
+            "--model",
+            str(model),
+            "--lr",
+            "1e-6",
+            "--ppo-mini-batch-size",
+            "4",
+            "--micro-batch-size-per-gpu",
+            "4",
+            "--tensor-parallel-size",
+            "1",
+            "--rollout-name",
+            "hf",
+            "--rollout-n",
+            "1",
             "--critic-lr",
-            "1e-5", "--critic-model", str(model), "--logger", "console", "--no-val-before-train", "--save-freq", "10",
-            "--test-freq", "10", "--total-epochs", "15", "--total-training-steps", "2", "--output-dir", str(out),
-        ]  # fmt: skip
+            "1e-5",
+            "--critic-model",
+            str(model),
+            "--logger",
+            "console",
+            "--no-val-before-train",
+            "--save-freq",
+            "10",
+            "--test-freq",
+            "10",
+            "--total-epochs",
+            "15",
+            "--total-training-steps",
+            "2",
+            "--output-dir",
+            str(out),
+        ]
     return argv, flags
 
 
@@ -157,16 +304,34 @@ def test_verls_examples_translate_and_run(recipe, tmp_path):
     argv, expected = verl_example(recipe, tmp_path)
     flags, said = translate(argv, ARGS[recipe], ESTIMATOR[recipe], f"{recipe}.py")
     assert flags == expected
-    noops = {"grpo": ("algorithm.adv_estimator", "param_offload", "log_prob_micro_batch_size_per_gpu",
-                      "use_kl_in_reward", "trainer.critic_warmup", "trainer.n_gpus_per_node", "trainer.nnodes"),
-             "ppo": ("algorithm.kl_ctrl.kl_coef (verl reads it only with algorithm.use_kl_in_reward=True)",
-                     "critic.ppo_micro_batch_size_per_gpu", "trainer.nnodes")}[recipe]  # fmt: skip
+    noops = {
+        "grpo": (
+            "algorithm.adv_estimator",
+            "param_offload",
+            "log_prob_micro_batch_size_per_gpu",
+            "use_kl_in_reward",
+            "trainer.critic_warmup",
+            "trainer.n_gpus_per_node",
+            "trainer.nnodes",
+        ),
+        "ppo": (
+            "algorithm.kl_ctrl.kl_coef (verl reads it only with algorithm.use_kl_in_reward=True)",
+            "critic.ppo_micro_batch_size_per_gpu",
+            "trainer.nnodes",
+        ),
+    }[recipe]
     line, *differs = said  # the no-ops, named once in one line; then, in one more, the keys that differ in a detail
     assert all(key in line for key in noops), line
-    assert differs == ([] if recipe == "grpo" else ["verl keys whose meaning here differs in a detail "
-                       "(docs/configuration.md): critic.optim.lr (the critic takes the policy's schedule and warm-up "
-                       "here; verl's critic has its own); trainer.val_before_train (not again on a resumed run here; "
-                       "verl validates at each start)"])  # fmt: skip
+    assert differs == (
+        []
+        if recipe == "grpo"
+        else [
+            "verl keys whose meaning here differs in a detail "
+            "(docs/configuration.md): critic.optim.lr (the critic takes the policy's schedule and warm-up "
+            "here; verl's critic has its own); trainer.val_before_train (not again on a resumed run here; "
+            "verl validates at each start)"
+        ]
+    )
     result = run_recipe(recipe, *argv)
     assert all(said_line in result.stderr for said_line in said)
     assert [m["step"] for m in read_metrics(tmp_path / "run") if "train/loss" in m] == [1, 2]
@@ -232,29 +397,45 @@ def test_two_settings_of_one_flag_must_agree():
             grpo(*argv)
     # Two verl keys: verl keeps a switch for the policy and one for the critic; here one flag is both.
     both = ["actor_rollout_ref.model.use_remove_padding=True", "critic.model.use_remove_padding=False"]
-    with pytest.raises(UsageError, match=re.escape(
-        "critic.model.use_remove_padding=False and actor_rollout_ref.model.use_remove_padding=True both set "
-        "--use-remove-padding, to different values (False and True)"
-    )):  # fmt: skip
+    with pytest.raises(
+        UsageError,
+        match=re.escape(
+            "critic.model.use_remove_padding=False and actor_rollout_ref.model.use_remove_padding=True both set "
+            "--use-remove-padding, to different values (False and True)"
+        ),
+    ):
         translate(both, ARGS["ppo"], "gae", "ppo.py")
     # verl fills the rollout's lengths in from the data's: another value is a second setting, refused.
     lengths = ["data.max_response_length=512", "actor_rollout_ref.rollout.response_length=1024"]
-    with pytest.raises(UsageError, match=re.escape("actor_rollout_ref.rollout.response_length=1024 and "
-                                                   "data.max_response_length=512 both set --max-response-length")):  # fmt: skip
+    with pytest.raises(
+        UsageError,
+        match=re.escape(
+            "actor_rollout_ref.rollout.response_length=1024 and "
+            "data.max_response_length=512 both set --max-response-length"
+        ),
+    ):
         grpo(*lengths)
     assert grpo(lengths[0], "actor_rollout_ref.rollout.response_length=512")[0] == ["--max-response-length", "512"]
     same = ["actor_rollout_ref.model.use_remove_padding=True", "critic.model.use_remove_padding=True"]
     assert translate(same, ARGS["ppo"], "gae", "ppo.py")[0] == ["--use-remove-padding", "True"]
     # In a config file too; the command line's settings replace the file's, and say so.
     filed = {"actor_rollout_ref.model.use_remove_padding": True, "critic.model.use_remove_padding": False}
-    with pytest.raises(UsageError, match=re.escape("f.yaml: critic.model.use_remove_padding=False and f.yaml: "
-                                                   "actor_rollout_ref.model.use_remove_padding=True both set")):  # fmt: skip
+    with pytest.raises(
+        UsageError,
+        match=re.escape(
+            "f.yaml: critic.model.use_remove_padding=False and f.yaml: "
+            "actor_rollout_ref.model.use_remove_padding=True both set"
+        ),
+    ):
         translate([], ARGS["ppo"], "gae", "ppo.py", config=filed, source="f.yaml")
-    flags, said = translate(["--use-remove-padding", "False"], ARGS["ppo"], "gae", "ppo.py", config=filed,
-                            source="f.yaml")  # fmt: skip
+    flags, said = translate(
+        ["--use-remove-padding", "False"], ARGS["ppo"], "gae", "ppo.py", config=filed, source="f.yaml"
+    )
     assert flags == ["--use-remove-padding", "False"]
-    assert said[-1] == ("verl config keys the command line overrides: f.yaml: actor_rollout_ref.model.use_remove_padding"
-                        "=True (by --use-remove-padding False)")  # fmt: skip
+    assert said[-1] == (
+        "verl config keys the command line overrides: f.yaml: actor_rollout_ref.model.use_remove_padding"
+        "=True (by --use-remove-padding False)"
+    )
 
 
 def test_keys_that_combine_or_rename_values():
@@ -293,8 +474,17 @@ def test_keys_that_combine_or_rename_values():
     dapo = translate(["reward_model.reward_manager=dapo"], args_class("dapo"), "grpo", "dapo.py")[0]
     assert dapo == ["--reward-manager", "naive"]
     # SFT's own key names
-    flags, _ = translate(["model.partial_pretrain=m", "optim.lr=1e-4", "data.micro_batch_size_per_gpu=4",
-                          "data.multiturn.messages_key=messages"], ARGS["sft"], None, "sft.py")  # fmt: skip
+    flags, _ = translate(
+        [
+            "model.partial_pretrain=m",
+            "optim.lr=1e-4",
+            "data.micro_batch_size_per_gpu=4",
+            "data.multiturn.messages_key=messages",
+        ],
+        ARGS["sft"],
+        None,
+        "sft.py",
+    )
     assert flags == ["--model", "m", "--lr", "1e-4", "--micro-batch-size-per-gpu", "4", "--messages-key", "messages"]
     assert parse_value(" [ ] ") == [] and parse_value("True") is True and parse_value("~") is None
 
@@ -333,15 +523,25 @@ def test_keys_a_verl_command_leaves_out_take_verls_defaults():
         return found, said
 
     found, said = flags(["trainer.total_epochs=2"])
-    assert found == {"--total-epochs": "2", "--max-prompt-length": "512", "--max-response-length": "512",
-                     "--train-batch-size": "1024", "--ppo-mini-batch-size": "256", "--lr": "1e-06",
-                     "--lr-scheduler": "constant", "--rollout-n": "1", "--save-freq": "-1",
-                     "--total-training-steps": "None"}  # fmt: skip
-    assert said == ["verl's defaults for the keys this command leaves out: data.max_prompt_length=512, "
-                    "data.max_response_length=512, data.train_batch_size=1024, "
-                    "actor_rollout_ref.actor.ppo_mini_batch_size=256, actor_rollout_ref.actor.optim.lr=1e-06, "
-                    "actor_rollout_ref.actor.optim.warmup_style=constant, actor_rollout_ref.rollout.n=1, "
-                    "trainer.save_freq=-1, trainer.total_training_steps=None"]  # fmt: skip
+    assert found == {
+        "--total-epochs": "2",
+        "--max-prompt-length": "512",
+        "--max-response-length": "512",
+        "--train-batch-size": "1024",
+        "--ppo-mini-batch-size": "256",
+        "--lr": "1e-06",
+        "--lr-scheduler": "constant",
+        "--rollout-n": "1",
+        "--save-freq": "-1",
+        "--total-training-steps": "None",
+    }
+    assert said == [
+        "verl's defaults for the keys this command leaves out: data.max_prompt_length=512, "
+        "data.max_response_length=512, data.train_batch_size=1024, "
+        "actor_rollout_ref.actor.ppo_mini_batch_size=256, actor_rollout_ref.actor.optim.lr=1e-06, "
+        "actor_rollout_ref.actor.optim.warmup_style=constant, actor_rollout_ref.rollout.n=1, "
+        "trainer.save_freq=-1, trainer.total_training_steps=None"
+    ]
     found, _ = flags(
         ["trainer.total_epochs=2", "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "--lr", "1e-5"]
     )
@@ -354,10 +554,20 @@ def test_keys_a_verl_command_leaves_out_take_verls_defaults():
     assert found["--kl-coef"] == "0.001"
     # sft.py takes verl's SFT trainer's defaults; generate.py and evaluate.py none
     found, _ = flags(["optim.lr=1e-4"], "sft", None, "sft")
-    assert found == {"--lr": "1e-4", "--weight-decay": "0.01", "--lr-warmup-steps-ratio": "0.1", "--betas": "0.9",
-                     "--train-batch-size": "256", "--micro-batch-size-per-gpu": "4", "--max-length": "1024",
-                     "--truncation": "error", "--total-epochs": "4", "--total-training-steps": "None",
-                     "--save-freq": "-1", "--test-freq": "-1"}  # fmt: skip
+    assert found == {
+        "--lr": "1e-4",
+        "--weight-decay": "0.01",
+        "--lr-warmup-steps-ratio": "0.1",
+        "--betas": "0.9",
+        "--train-batch-size": "256",
+        "--micro-batch-size-per-gpu": "4",
+        "--max-length": "1024",
+        "--truncation": "error",
+        "--total-epochs": "4",
+        "--total-training-steps": "None",
+        "--save-freq": "-1",
+        "--test-freq": "-1",
+    }
     tokens = translate(["optim.lr=1e-4"], ARGS["sft"], None, "sft.py", trainer="sft")[0]
     assert tokens[tokens.index("--betas") : tokens.index("--betas") + 3] == ["--betas", "0.9", "0.95"]
     assert flags(["trainer.total_epochs=2"], trainer=None)[0] == {"--total-epochs": "2"}
@@ -375,7 +585,7 @@ def test_a_hydra_launch_composes_the_config_and_its_defaults(tmp_path, capsys):
                 "data": {"train_batch_size": 8, "max_prompt_length": 64},
                 "actor_rollout_ref": {"actor": {"optim": {"lr": 1e-5}}},
             }
-        )  # fmt: skip
+        )
     )
     main = {"hydra": {"searchpath": ["file://verl/trainer/config"]}, "defaults": ["ppo_trainer", "shared", "_self_"],
             "data": {"train_batch_size": 4}, "actor_rollout_ref": {"rollout": {"n": 2}},
@@ -432,8 +642,14 @@ def test_a_usage_error_names_the_verl_key_behind_a_flag(capsys):
 
 
 def test_print_verl_translation_prints_the_command_and_starts_nothing(tmp_path):
-    result = run_recipe("ppo", "--print-verl-translation", "algorithm.adv_estimator=gae", "critic.optim.lr=1e-5",
-                        "algorithm.lam=0.9", f"trainer.default_local_dir={tmp_path / 'run'}")  # fmt: skip
+    result = run_recipe(
+        "ppo",
+        "--print-verl-translation",
+        "algorithm.adv_estimator=gae",
+        "critic.optim.lr=1e-5",
+        "algorithm.lam=0.9",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+    )
     command = result.stdout.strip()
     assert f"ppo.py --critic-lr 1e-5 --lam 0.9 --output-dir {tmp_path / 'run'} --max-prompt-length 512 " in command
     assert command.endswith(
@@ -466,7 +682,7 @@ def test_the_coming_from_verl_table_agrees_with_the_translation_table():
             for short, full in SHORT.items():  # the table's short forms: actor.clip_ratio
                 key = full + key.removeprefix(short) if key.startswith(short) else key
             entry = lookup(key)
-            assert entry is not None, f"{key}: in the docs table, not in common.verl.VERL_KEYS"
+            assert entry is not None, f"{key}: in the docs table, not in common.formats.verl.VERL_KEYS"
             if isinstance(entry, Flag) and "--" in mapped:
                 assert "--" + entry.flag.replace("_", "-") in mapped, f"{key}: the table says {mapped.strip()}"
             checked += 1
@@ -494,21 +710,35 @@ def test_a_verl_config_file_runs_ppo(tmp_path):
     (paths, sizes, the HF engine), `${...}` references resolved; a key on the command line wins
     over the file and our own flag over both."""
     model = str(BUNDLED / "tiny-qwen2-sft")
-    config = verl_config({
-        "data.train_files": [str(BUNDLED / "addition" / "train.parquet")],
-        "data.val_files": str(BUNDLED / "addition" / "test.parquet"), "data.train_batch_size": 4,
-        "data.max_prompt_length": 64, "data.max_response_length": 8,
-        "actor_rollout_ref.model.path": model, "critic.model.path": model,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": 4, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 8,
-        "actor_rollout_ref.rollout.n": 2, "actor_rollout_ref.rollout.name": "hf",
-        "actor_rollout_ref.actor.use_torch_compile": False,  # compiling costs 35 s on CPU (tests/test_rollout.py)
-        "actor_rollout_ref.rollout.tensor_model_parallel_size": 1, "actor_rollout_ref.rollout.free_cache_engine": False,
-        "actor_rollout_ref.rollout.tool_kwargs.tools_config_file": None,
-        "actor_rollout_ref.rollout.interaction_config_file": None, "trainer.default_hdfs_dir": None,
-        "trainer.total_training_steps": 2, "trainer.test_freq": 0, "trainer.save_freq": 0, "trainer.logger": ["console"],
-        "trainer.val_before_train": False, "trainer.n_gpus_per_node": 1, "trainer.project_name": "verl_yaml",
-        "trainer.default_local_dir": str(tmp_path / "${trainer.project_name}" / "${trainer.experiment_name}"),
-    })  # fmt: skip
+    config = verl_config(
+        {
+            "data.train_files": [str(BUNDLED / "addition" / "train.parquet")],
+            "data.val_files": str(BUNDLED / "addition" / "test.parquet"),
+            "data.train_batch_size": 4,
+            "data.max_prompt_length": 64,
+            "data.max_response_length": 8,
+            "actor_rollout_ref.model.path": model,
+            "critic.model.path": model,
+            "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 8,
+            "actor_rollout_ref.rollout.n": 2,
+            "actor_rollout_ref.rollout.name": "hf",
+            "actor_rollout_ref.actor.use_torch_compile": False,  # compiling costs 35 s on CPU (tests/test_rollout.py)
+            "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
+            "actor_rollout_ref.rollout.free_cache_engine": False,
+            "actor_rollout_ref.rollout.tool_kwargs.tools_config_file": None,
+            "actor_rollout_ref.rollout.interaction_config_file": None,
+            "trainer.default_hdfs_dir": None,
+            "trainer.total_training_steps": 2,
+            "trainer.test_freq": 0,
+            "trainer.save_freq": 0,
+            "trainer.logger": ["console"],
+            "trainer.val_before_train": False,
+            "trainer.n_gpus_per_node": 1,
+            "trainer.project_name": "verl_yaml",
+            "trainer.default_local_dir": str(tmp_path / "${trainer.project_name}" / "${trainer.experiment_name}"),
+        }
+    )
     path = tmp_path / "ppo_trainer.yaml"
     path.write_text(yaml.safe_dump(config))
     result = run_recipe("ppo", "--verl-config", path, "critic.optim.lr=3e-5", "--critic-lr", "0.00003")
@@ -516,7 +746,7 @@ def test_a_verl_config_file_runs_ppo(tmp_path):
     assert [m["step"] for m in read_metrics(run) if "train/loss" in m] == [1, 2]
     assert "both set" not in result.stderr  # the command line's key and flag agree, and replace the file's key
     saved = json.loads((run / "config.json").read_text())
-    assert (saved["critic_lr"], saved["optim"]["lr"], saved["rollout_n"], saved["model"]) == (3e-5, 1e-6, 2, model)
+    assert (saved["critic_lr"], saved["lr"], saved["rollout_n"], saved["model"]) == (3e-5, 1e-6, 2, model)
 
 
 VERL_BATCH_REWARD = """
@@ -538,12 +768,22 @@ def test_a_verl_batch_reward_function_trains_grpo(tmp_path):
     calls = tmp_path / "calls"
     out = tmp_path / "run"
     run_recipe(
-        "grpo", "reward_model.reward_manager=batch", f"custom_reward_function.path={tmp_path / 'batch_reward.py'}",
-        f"data.train_files={BUNDLED / 'addition' / 'train.parquet'}", "data.val_files=[]", "data.train_batch_size=4",
-        "data.max_prompt_length=64", "data.max_response_length=8", "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", f"actor_rollout_ref.model.path={BUNDLED / 'tiny-qwen2-sft'}", "trainer.total_training_steps=2",
-        "trainer.save_freq=0", f"trainer.default_local_dir={out}", env={"BATCH_CALLS": str(calls)},
-    )  # fmt: skip
+        "grpo",
+        "reward_model.reward_manager=batch",
+        f"custom_reward_function.path={tmp_path / 'batch_reward.py'}",
+        f"data.train_files={BUNDLED / 'addition' / 'train.parquet'}",
+        "data.val_files=[]",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=64",
+        "data.max_response_length=8",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        f"actor_rollout_ref.model.path={BUNDLED / 'tiny-qwen2-sft'}",
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=0",
+        f"trainer.default_local_dir={out}",
+        env={"BATCH_CALLS": str(calls)},
+    )
     assert calls.read_text().split()[1:] == ["8", "8"]
     steps = [m for m in read_metrics(out) if "train/loss" in m]
     assert len(steps) == 2 and all(0 <= m["reward/mean"] <= 1 for m in steps)
@@ -634,25 +874,41 @@ def test_a_verl_multi_turn_tool_run(tmp_path):
                     "rollout": {"name": "hf", "multi_turn": {"enable": True, "max_assistant_turns": 3}},
                 },
             }
-        )  # fmt: skip
+        )
     )
     scores, out = tmp_path / "scores", tmp_path / "run"
     run_recipe(
-        "grpo", f"--config-path={tmp_path / 'config'}", "--config-name=gsm8k_multiturn_grpo",
-        "algorithm.adv_estimator=grpo", "data.filter_overlong_prompts=True", "data.truncation=error",
+        "grpo",
+        f"--config-path={tmp_path / 'config'}",
+        "--config-name=gsm8k_multiturn_grpo",
+        "algorithm.adv_estimator=grpo",
+        "data.filter_overlong_prompts=True",
+        "data.truncation=error",
         f"actor_rollout_ref.model.path={BUNDLED / 'tiny-qwen2-tools'}",
-        "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.model.use_remove_padding=True",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.use_kl_loss=True",
-        "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-        "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.optim.lr=1e-6",
+        "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.rollout.n=4",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp_path / 'tool_config.yaml'}",
-        "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", "trainer.logger=['console']",
-        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
-        f"data.train_files={tmp_path / 'train.parquet'}", "data.val_files=[]", "trainer.total_training_steps=2",
-        f"trainer.default_local_dir={out}", "reward_model.reward_manager=batch",
+        "algorithm.use_kl_in_reward=False",
+        "trainer.critic_warmup=0",
+        "trainer.logger=['console']",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        f"data.train_files={tmp_path / 'train.parquet'}",
+        "data.val_files=[]",
+        "trainer.total_training_steps=2",
+        f"trainer.default_local_dir={out}",
+        "reward_model.reward_manager=batch",
         f"custom_reward_function.path={tmp_path / 'reward.py'}",
         env={"CALCULATOR_DIR": str(BUNDLED / "calculator"), "TOOL_SCORES": str(scores)},
-    )  # fmt: skip
+    )
     steps = [m for m in read_metrics(out) if "train/loss" in m]
     assert len(steps) == 2 and sum(m["agent/tool_calls_mean"] for m in steps) > 0
     assert all(m["agent/tool_errors"] == 0 for m in steps)
@@ -672,16 +928,35 @@ def test_verls_generation_and_eval_commands_run(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "test.parquet")
     out = tmp_path / "gen.parquet"
     result = run_recipe(
-        "generate", "trainer.nnodes=1", "trainer.n_gpus_per_node=1", f"data.path={tmp_path / 'test.parquet'}",
-        "data.prompt_key=prompt", "data.n_samples=2", f"data.output_path={out}", f"model.path={BUNDLED / 'tiny-qwen2-sft'}",
-        "+model.trust_remote_code=False", "rollout.temperature=1.0", "rollout.top_k=50", "rollout.top_p=0.7",
-        "rollout.prompt_length=64", "rollout.response_length=8", "rollout.tensor_model_parallel_size=1", "data.batch_size=8",
-    )  # fmt: skip
+        "generate",
+        "trainer.nnodes=1",
+        "trainer.n_gpus_per_node=1",
+        f"data.path={tmp_path / 'test.parquet'}",
+        "data.prompt_key=prompt",
+        "data.n_samples=2",
+        f"data.output_path={out}",
+        f"model.path={BUNDLED / 'tiny-qwen2-sft'}",
+        "+model.trust_remote_code=False",
+        "rollout.temperature=1.0",
+        "rollout.top_k=50",
+        "rollout.top_p=0.7",
+        "rollout.prompt_length=64",
+        "rollout.response_length=8",
+        "rollout.tensor_model_parallel_size=1",
+        "data.batch_size=8",
+    )
     assert "trainer.nnodes, trainer.n_gpus_per_node" in result.stderr
     generated = pq.read_table(out).to_pylist()
     assert len(generated) == 16 and all(len(r["responses"]) == 2 for r in generated)
-    run_recipe("evaluate", f"data.path={out}", "data.response_key=responses", "data.data_source_key=data_source",
-               "data.reward_model_key=reward_model", "--output-json", tmp_path / "eval.json")  # fmt: skip
+    run_recipe(
+        "evaluate",
+        f"data.path={out}",
+        "data.response_key=responses",
+        "data.data_source_key=data_source",
+        "data.reward_model_key=reward_model",
+        "--output-json",
+        tmp_path / "eval.json",
+    )
     metrics = json.loads((tmp_path / "eval.json").read_text())
     assert any("pass@2" in key for key in json.dumps(metrics).split('"')), metrics
 
@@ -692,11 +967,19 @@ def test_a_frequency_of_minus_1_means_never_as_in_verl(tmp_path, small_train, sm
     training (verl's val_before_train) and leave no checkpoint."""
     out = tmp_path / "run"
     run_recipe(
-        "grpo", f"data.train_files={small_train}", f"data.val_files={small_val}", "data.train_batch_size=4",
-        "data.max_prompt_length=64", "data.max_response_length=8", "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", f"actor_rollout_ref.model.path={BUNDLED / 'tiny-qwen2-sft'}",
-        "trainer.total_training_steps=2", "trainer.test_freq=-1", f"trainer.default_local_dir={out}",
-    )  # fmt: skip
+        "grpo",
+        f"data.train_files={small_train}",
+        f"data.val_files={small_val}",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=64",
+        "data.max_response_length=8",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        f"actor_rollout_ref.model.path={BUNDLED / 'tiny-qwen2-sft'}",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=-1",
+        f"trainer.default_local_dir={out}",
+    )
     validated = [m["step"] for m in read_metrics(out) if "val/accuracy" in m]
     assert validated == [0] and len([m for m in read_metrics(out) if "train/loss" in m]) == 2
     assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())
@@ -710,21 +993,33 @@ def test_total_training_steps_past_verls_epochs_is_refused(tmp_path, small_train
     from conftest import make_args
 
     args = make_args(args_class("grpo"), total_training_steps=1000, total_epochs=2)
+
+    def total_steps(train_rows: int) -> int:  # as the recipe's main reads it: steps an epoch from the rows
+        return args.trainer.total_steps(train_rows // args.data.train_batch_size)
+
     for name in ("total_training_steps", "total_epochs"):  # what an earlier translation in this process left
         monkeypatch.delitem(ORIGINS, name, raising=False)
-    assert args.total_steps(16 * 100) == 1000  # our flag: 1000 steps, 10 passes over the data
+    assert total_steps(16 * 100) == 1000  # our flag: 1000 steps, 10 passes over the data
     monkeypatch.setitem(ORIGINS, "total_training_steps", "trainer.total_training_steps=1000")
-    assert args.total_steps(16 * 500) == 1000  # 2 epochs of 500 steps cover it
-    with pytest.raises(UsageError, match=r"trainer.total_training_steps=1000: verl would stop after 2 epochs "
-                                         r"\(--total-epochs\), 200 steps of 100.* give trainer.total_training_steps=200,"
-                                         r" or trainer.total_epochs=10 for all 1000"):  # fmt: skip
-        args.total_steps(16 * 100)
+    assert total_steps(16 * 500) == 1000  # 2 epochs of 500 steps cover it
+    with pytest.raises(
+        UsageError,
+        match=r"trainer.total_training_steps=1000: verl would stop after 2 epochs "
+        r"\(--total-epochs\), 200 steps of 100.* give trainer.total_training_steps=200,"
+        r" or trainer.total_epochs=10 for all 1000",
+    ):
+        total_steps(16 * 100)
     monkeypatch.delitem(ORIGINS, "total_training_steps")
     rows = len(__import__("pyarrow.parquet").parquet.read_table(small_train))
     proc = run_recipe(
-        "grpo", f"data.train_files={small_train}", "data.train_batch_size=4", "trainer.total_training_steps=9999",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", f"trainer.default_local_dir={tmp_path / 'run'}", check=False,
-    )  # fmt: skip
+        "grpo",
+        f"data.train_files={small_train}",
+        "data.train_batch_size=4",
+        "trainer.total_training_steps=9999",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        check=False,
+    )
     assert (
         proc.returncode == 2
         and "trainer.total_training_steps=9999: verl would stop after 30 epochs (verl's "
@@ -741,8 +1036,12 @@ def test_offload_is_the_launchs_megatron_is_refused_and_a_mini_batch_shuffle_is_
     --rollout-dtype for an engine with weights of its own."""
     on = "actor_rollout_ref.actor.fsdp_config.param_offload=True"
     monkeypatch.delenv("FSDP_OFFLOAD_PARAMS", raising=False)
-    with pytest.raises(UsageError, match=re.escape(f"{on}: CPU offload here is the launch's: accelerate launch "
-                                                   "--config_file configs/fsdp2_offload.yaml")):  # fmt: skip
+    with pytest.raises(
+        UsageError,
+        match=re.escape(
+            f"{on}: CPU offload here is the launch's: accelerate launch --config_file configs/fsdp2_offload.yaml"
+        ),
+    ):
         grpo(on)
     flags, said = grpo("actor_rollout_ref.ref.fsdp_config.param_offload=True", f"{on[:-4]}False")
     assert flags == [] and "actor_rollout_ref.ref.fsdp_config.param_offload" in said[0]
@@ -847,12 +1146,14 @@ def test_verls_loss_modes_and_estimators_route_to_their_recipes(recipe):
     """Every loss_mode and adv_estimator built here, given to a recipe that does not compute it, is refused
     naming the recipe to run with the same arguments; given to its own recipe it is read (the other
     divergence of dppo.py becomes --loss-mode). Another loss's knobs in a verl config are unread, as in verl."""
-    from common.verl import ESTIMATORS, LOSS_MODES
+    from common.formats.verl import ESTIMATORS, LOSS_MODES
 
     args = args_class(recipe)
     loss = LOSS_FORKS.get(recipe, "vanilla")
-    for key, table, own in [(ACTOR_KEY + "policy_loss.loss_mode", LOSS_MODES, loss),
-                            ("algorithm.adv_estimator", ESTIMATORS, ESTIMATOR[recipe])]:  # fmt: skip
+    for key, table, own in [
+        (ACTOR_KEY + "policy_loss.loss_mode", LOSS_MODES, loss),
+        ("algorithm.adv_estimator", ESTIMATORS, ESTIMATOR[recipe]),
+    ]:
         for value, where in table.items():
             argv = [f"{key}={value}"]
             if where == table.get(own):
@@ -862,8 +1163,12 @@ def test_verls_loss_modes_and_estimators_route_to_their_recipes(recipe):
             else:
                 with pytest.raises(UsageError, match=re.escape(f"run recipes/{where.split()[0]} with the same")):
                     translate(argv, args, ESTIMATOR[recipe], f"{recipe}.py", loss_mode=loss)
-    config = [f"{ACTOR_KEY}clip_ratio=0.2", f"{ACTOR_KEY}tau_pos=1.0", f"{ACTOR_KEY}policy_loss.dro_beta=0.05",
-              f"{ACTOR_KEY}policy_loss.kl_cov_ratio=0.0002"]  # fmt: skip
+    config = [
+        f"{ACTOR_KEY}clip_ratio=0.2",
+        f"{ACTOR_KEY}tau_pos=1.0",
+        f"{ACTOR_KEY}policy_loss.dro_beta=0.05",
+        f"{ACTOR_KEY}policy_loss.kl_cov_ratio=0.0002",
+    ]
     translate(config, args, ESTIMATOR[recipe], f"{recipe}.py", loss_mode=loss)  # the others' knobs: unread
 
 

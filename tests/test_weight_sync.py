@@ -1,4 +1,4 @@
-"""common/weight_sync.py: the weights an engine receives are the checkpoint's names and tensors,
+"""common/serving/weight_sync.py: the weights an engine receives are the checkpoint's names and tensors,
 LoRA merged without touching the trainer, tied weights once, FSDP2 gathered to the same values."""
 
 import copy
@@ -9,7 +9,7 @@ from conftest import ROOT, torchrun_plan
 from safetensors.torch import load_file
 
 from common.model import load_policy
-from common.weight_sync import check_against, checkpoint_shapes, hf_name, hf_weights
+from common.serving.weight_sync import check_against, checkpoint_shapes, hf_name, hf_weights
 
 SFT = ROOT / "bundled" / "tiny-qwen2-sft"
 
@@ -83,7 +83,7 @@ sys.path.insert(0, sys.argv[3])
 from test_weight_sync import trained_adapter
 from common.model import load_policy
 from common.parallel import init_distributed, wrap_model
-from common.weight_sync import hf_weights
+from common.serving.weight_sync import hf_weights
 dist = init_distributed()
 for lora_rank in (0, 4):
     model = wrap_model(load_policy(sys.argv[1], lora_rank=lora_rank, lora_alpha=8), "fsdp2", dist)

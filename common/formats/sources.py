@@ -2,7 +2,7 @@
 
 JSON / JSONL, CSV and Arrow files, save_to_disk folders and dataset names (ORG/NAME[:SUBSET][@SPLIT], from the
 Hugging Face cache, or the Hub where it is reachable) become the same plain rows as a parquet file's (read_source),
-or a memory-mapped Dataset (open_source: a large parquet file too, for common.prompt_cache). datasets
+or a memory-mapped Dataset (open_source: a large parquet file too, for common.formats.prompt_cache). datasets
 turns a file into its Arrow cache once (~/.cache/huggingface/datasets, found again by the file's fingerprint) and
 memory-maps it; a folder is memory-mapped as saved. A flat format's dotted column (CSV: reward_model.ground_truth)
 is nested as verl's structs are. Every error names the input and says what to give instead."""
@@ -46,8 +46,9 @@ def open_source(spec: str, what: str):
     else:
         builder = BUILDERS.get(path.suffix.lower())
         if builder is None:
-            raise DataError(f"{what}: {spec!r} is not a data file this library reads (suffix {path.suffix!r}); "
-                             f"give {KINDS}")  # fmt: skip
+            raise DataError(
+                f"{what}: {spec!r} is not a data file this library reads (suffix {path.suffix!r}); give {KINDS}"
+            )
         if split is not None:
             raise DataError(f"{what}: {spec!r}: @{split} picks a split of a save_to_disk folder; a file is one split")
         try:
@@ -66,8 +67,9 @@ def _folder(datasets, path: Path, spec: str, split: str | None, what: str):
     try:
         data = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError) as e:
-        raise DataError(f"{what}: {spec!r} is a folder that datasets' save_to_disk did not write "
-                         f"({_first_line(e)}); give {KINDS}") from e  # fmt: skip
+        raise DataError(
+            f"{what}: {spec!r} is a folder that datasets' save_to_disk did not write ({_first_line(e)}); give {KINDS}"
+        ) from e
     if not isinstance(data, datasets.DatasetDict):
         if split is not None:
             raise DataError(f"{what}: {spec!r}: the folder holds one split, not {split!r}; drop @{split}")
@@ -77,8 +79,9 @@ def _folder(datasets, path: Path, spec: str, split: str | None, what: str):
     if split not in data:
         name = str(path) if split is None else spec.rsplit("@", 1)[0]
         asked = "" if split is None else f" has no split {split!r}:"
-        raise DataError(f"{what}: {spec!r}{asked} it holds the splits {', '.join(data)}; name one as "
-                         f"{name}@{next(iter(data))}")  # fmt: skip
+        raise DataError(
+            f"{what}: {spec!r}{asked} it holds the splits {', '.join(data)}; name one as {name}@{next(iter(data))}"
+        )
     return data[split]
 
 
@@ -88,12 +91,15 @@ def _named(datasets, spec: str, what: str, name: str, subset: str | None, split:
     try:
         return datasets.load_dataset(name, subset, split=split)
     except ConnectionError as e:  # offline (HF_HUB_OFFLINE) and not in the cache, or the Hub out of reach
-        raise DataError(f"{what}: {spec!r} is neither a file nor a dataset in the local Hugging Face cache "
-                        f"({datasets.config.HF_DATASETS_CACHE}), and the Hub is out of reach ({_first_line(e)}); "
-                        f"give {KINDS}, or the name of a dataset loaded once with datasets") from e  # fmt: skip
+        raise DataError(
+            f"{what}: {spec!r} is neither a file nor a dataset in the local Hugging Face cache "
+            f"({datasets.config.HF_DATASETS_CACHE}), and the Hub is out of reach ({_first_line(e)}); "
+            f"give {KINDS}, or the name of a dataset loaded once with datasets"
+        ) from e
     except (ValueError, FileNotFoundError) as e:  # an unknown split or subset; a cache without the files
-        raise DataError(f"{what}: {spec!r}: {_first_line(e)} (the split follows @, the subset :, as in "
-                        f"{name}:main@{split})") from e  # fmt: skip
+        raise DataError(
+            f"{what}: {spec!r}: {_first_line(e)} (the split follows @, the subset :, as in {name}:main@{split})"
+        ) from e
 
 
 def nested(row: dict) -> dict:

@@ -8,7 +8,7 @@ the whole conversation after the prompt as one response; its mask marks only the
 policy sampled, so tool tokens never enter the loss, the KL or the entropy, and the engine's
 logprobs line up with the sampled tokens (0 elsewhere).
 
-Tools and interactions are declared in --tool-config and --interaction-config (common.tools reads
+Tools and interactions are declared in --tool-config and --interaction-config (common.agents.tools reads
 both files, and the Hermes-format calls in a turn). They run in the hang-proof worker pool of the
 rewards (common.rewards.RewardPool): a tool that raises, hangs past --tool-timeout or crashes its
 worker answers the model with an error message, and is counted; a malformed call is answered with
@@ -24,10 +24,15 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 
+from common.agents.tools import (
+    conversation_extra_info,
+    parse_tool_calls,
+    read_interaction_config,
+    read_tool_config,
+)
 from common.data import render_chat
 from common.engines import Completion, Sampling
 from common.parallel import all_reduce_max
-from common.tools import InteractionConfig, ToolConfig, conversation_extra_info, parse_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +74,9 @@ class Conversation:
 
     def completion(self) -> Completion:
         """As the trainer takes it, with conversation_extra_info."""
-        extra = conversation_extra_info(self.row, self.user_turns, self.assistant_turns, self.turn_scores,
-                                        self.tool_rewards, self.tool_step_rewards)  # fmt: skip
+        extra = conversation_extra_info(
+            self.row, self.user_turns, self.assistant_turns, self.turn_scores, self.tool_rewards, self.tool_step_rewards
+        )
         return Completion(self.tokens, self.logprobs, self.finish_reason, mask=self.mask, extra_info=extra)
 
 
@@ -157,18 +163,17 @@ class AgentLoop:
     """The agent loop over an engine. generate_rows(rows, sampling) runs each row's agent;
     everything else (generate, update_weights, the lifecycle, weight_version) is the engine's.
 
-    tools / pool: the --tool-config tools and the worker pool running them; interactions /
-    interaction_pool: the same for --interaction-config (one worker, which holds every running
-    interaction's state). lockstep: every rank calls the engine equally often (needed when its
-    generate is collective, as in training; generate.py's ranks work alone)."""
+    agent: the agent group (--tool-config's tools, --interaction-config's interactions, the turn limits and the
+    tokenization check); pool / interaction_pool: the worker pools running the tools and the interactions (one
+    worker, which holds every running interaction's state). lockstep: every rank calls the engine equally often
+    (needed when its generate is collective, as in training; generate.py's ranks work alone)."""
 
-    def __init__(self, engine, tokenizer, *, tools: ToolConfig | None, pool, max_assistant_turns: int,
-                 max_response_length: int, check_mode: str = "strict", interactions: InteractionConfig | None = None,
-                 interaction_pool=None, max_user_turns: int = 5, lockstep: bool = True):  # fmt: skip
-        self.engine, self.tokenizer, self.tools, self.pool = engine, tokenizer, tools, pool
-        self.interactions, self.interaction_pool = interactions, interaction_pool
-        self.max_turns, self.max_user_turns, self.max_length = max_assistant_turns, max_user_turns, max_response_length
-        self.check_mode, self.lockstep = check_mode, lockstep
+    def __init__(self, engine, tokenizer, agent, pool, interaction_pool=None, lockstep: bool = True):
+        self.engine, self.tokenizer, self.pool, self.interaction_pool = engine, tokenizer, pool, interaction_pool
+        self.tools = read_tool_config(agent.tool_config) if agent.tool_config else None
+        self.interactions = read_interaction_config(agent.interaction_config) if agent.interaction_config else None
+        self.max_turns, self.max_user_turns, self.max_length = agent.max_assistant_turns, agent.max_user_turns, 0
+        self.check_mode, self.lockstep = agent.tokenization_sanity_check_mode, lockstep
         self.eos_id = tokenizer.eos_token_id
         self.stats_since = AgentStats()
         self.reported_mismatch = self.reported_interaction_error = self.reported_tool_lifecycle_error = False
@@ -192,7 +197,9 @@ class AgentLoop:
 
     def generate_rows(self, rows: list[dict], sampling: Sampling) -> list[list[Completion]]:
         """sampling.n conversations per row, each as one Completion whose mask marks the sampled
-        tokens. Rows of single_turn_agent are sampled as the engine samples them."""
+        tokens, its tokens at most sampling.max_tokens. Rows of single_turn_agent are sampled as the
+        engine samples them."""
+        self.max_length = sampling.max_tokens  # a conversation's room, tool results included
         first = self.engine.generate([r["prompt_ids"] for r in rows], sampling)
         conversations = [Conversation(row, list(row["messages"])) for row, group in zip(rows, first) for _ in group]
         for slot, conversation in enumerate(conversations):
@@ -211,15 +218,21 @@ class AgentLoop:
             if count == 0:
                 break
             # Each conversation generates at most its own room left (a filler 1 token: it is dropped).
-            more = Sampling(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                            max_tokens=reduce(max(budget, default=1)),
-                            budgets=tuple(budget) + (1,) * (count - len(active)))  # fmt: skip
+            more = Sampling(
+                n=1,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                max_tokens=reduce(max(budget, default=1)),
+                budgets=tuple(budget) + (1,) * (count - len(active)),
+            )
             inputs = [c.row["prompt_ids"] + c.tokens for c in active]
             outs = self.engine.generate(inputs + [rows[0]["prompt_ids"]] * (count - len(inputs)), more)
             for conversation, left, (out,) in zip(active, budget, outs):
                 cut = len(out.token_ids) > left
-                self._sampled(conversation, out.token_ids[:left], out.logprobs[:left],
-                              "length" if cut else out.finish_reason)  # fmt: skip
+                self._sampled(
+                    conversation, out.token_ids[:left], out.logprobs[:left], "length" if cut else out.finish_reason
+                )
             self._after_turns(active)
         self._finish_tools(conversations)
         self._finish_interactions(conversations)
@@ -297,16 +310,32 @@ class AgentLoop:
                     replies[k].append(f"Error: no tool named {call['name']!r} (tools: {names})")
         if not known:
             return replies
-        creating = list({(id(c), call["name"]): (c, call["name"]) for c, call in known
-                         if call["name"] in self.tools.classes and call["name"] not in c.tool_instances}.values())  # fmt: skip
+        creating = list(
+            {
+                (id(c), call["name"]): (c, call["name"])
+                for c, call in known
+                if call["name"] in self.tools.classes and call["name"] not in c.tool_instances
+            }.values()
+        )
         made, failed, _ = self._tool_lifecycle("create", creating, lambda c, name: uuid.uuid4().hex)
         for (c, name), instance in zip(creating, made):
             if instance is not None:
                 c.tool_instances[name] = instance
-        runnable = [i for i, (c, call) in enumerate(known)
-                    if call["name"] not in self.tools.classes or call["name"] in c.tool_instances]  # fmt: skip
-        tasks = [("execute", call["name"], c.tool_instances.get(call["name"]), call["arguments"],
-                  self._tools_kwargs(c, call["name"], "execute")) for c, call in (known[i] for i in runnable)]  # fmt: skip
+        runnable = [
+            i
+            for i, (c, call) in enumerate(known)
+            if call["name"] not in self.tools.classes or call["name"] in c.tool_instances
+        ]
+        tasks = [
+            (
+                "execute",
+                call["name"],
+                c.tool_instances.get(call["name"]),
+                call["arguments"],
+                self._tools_kwargs(c, call["name"], "execute"),
+            )
+            for c, call in (known[i] for i in runnable)
+        ]
         ran, ran_failures, _ = (
             self.pool.run(tasks, slots=[known[i][0].slot for i in runnable]) if tasks else ([], {}, None)
         )
@@ -353,8 +382,11 @@ class AgentLoop:
                     c.tool_errors += 1
         if failures and not self.reported_tool_lifecycle_error:
             self.reported_tool_lifecycle_error = True
-            log.error("a tool class's %s failed (counted in agent/tool_errors; shown once):\n%s", step,
-                      first_error or f"no answer within {self.pool.timeout:g}s")  # fmt: skip
+            log.error(
+                "a tool class's %s failed (counted in agent/tool_errors; shown once):\n%s",
+                step,
+                first_error or f"no answer within {self.pool.timeout:g}s",
+            )
         return results, why, first_error
 
     def _finish_tools(self, conversations: list[Conversation]) -> None:
@@ -378,8 +410,12 @@ class AgentLoop:
         if failures and not self.reported_interaction_error:
             self.reported_interaction_error = True
             reason = first_error or f"no answer within {self.interaction_pool.timeout:g}s"
-            log.error("an interaction's %s failed (the conversation ends; counted in agent/interaction_errors; "
-                      "shown once):\n%s", method, reason)  # fmt: skip
+            log.error(
+                "an interaction's %s failed (the conversation ends; counted in agent/interaction_errors; "
+                "shown once):\n%s",
+                method,
+                reason,
+            )
         return [None if i in failures else r for i, r in enumerate(results)]
 
     def _start_interactions(self, conversations: list[Conversation]) -> None:
@@ -423,5 +459,8 @@ class AgentLoop:
                 s.tokenization_mismatches += 1
                 if not self.reported_mismatch:
                     self.reported_mismatch = True
-                    log.warning("tokenization sanity check (%s): %s (counted in agent/tokenization_mismatches; "
-                                "shown once)", self.check_mode, problem)  # fmt: skip
+                    log.warning(
+                        "tokenization sanity check (%s): %s (counted in agent/tokenization_mismatches; shown once)",
+                        self.check_mode,
+                        problem,
+                    )

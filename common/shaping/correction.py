@@ -1,5 +1,5 @@
 """verl's rollout correction (algorithm.rollout_correction: --rollout-is, --rollout-rs), a feature:
-common.ops.rollout_correction loads it only where a flag turns the correction on. The engine that
+common.shaping.rollout_correction loads it only where a flag turns the correction on. The engine that
 sampled (pi_rollout) is not exactly the trainer's old policy (pi_old); importance weights of one
 over the other, and a rejection of the tokens or responses whose gap leaves a band.
 """
@@ -9,8 +9,8 @@ import math
 import torch
 
 from common.errors import UsageError
-from common.flags import parse_band
 from common.parallel import all_reduce_sum, gather_objects
+from common.shaping import parse_band
 
 
 def _masked_mean_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -20,9 +20,12 @@ def _masked_mean_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def rollout_is_weights(
-    old_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
-    level: str | None, threshold: float | str,
-) -> torch.Tensor:  # fmt: skip
+    old_logprobs: torch.Tensor | None,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str | None,
+    threshold: float | str,
+) -> torch.Tensor:
     """Importance weights of the trainer's old policy over the engine that sampled, (B, T),
     detached, zero on padding (verl's decoupled rollout correction):
 
@@ -58,9 +61,12 @@ RS_OPTIONS = tuple(f"{level}_{k}" for level in ("token", "seq_sum", "seq_mean") 
 
 
 def rollout_rejection_mask(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, options: str,
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    options: str,
     thresholds: str,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """verl's rollout rejection sampling: the tokens (B, T) to keep, 1 or 0, zero on padding.
 
     With r_t = clamp(old_t - rollout_t, +-20), each option (comma-separated) measures
@@ -105,8 +111,14 @@ def rollout_is_metrics(weights, response_mask, threshold: float | str) -> dict:
     w = weights[response_mask.bool()]
     high = (w >= hi).sum().item() if lo is None else (w == 0).sum().item()  # in the weights' own dtype
     w = w.double()
-    local = (w.sum().item(), w.square().sum().item(), len(w), high,
-             w.max().item() if len(w) else None, w.min().item() if len(w) else None)  # fmt: skip
+    local = (
+        w.sum().item(),
+        w.square().sum().item(),
+        len(w),
+        high,
+        w.max().item() if len(w) else None,
+        w.min().item() if len(w) else None,
+    )
     parts = gather_objects(local)
     total, squares, count, high = (sum(p[i] for p in parts) for i in range(4))
     if not count:
@@ -121,9 +133,12 @@ def rollout_is_metrics(weights, response_mask, threshold: float | str) -> dict:
 
 
 def off_policy_sequence_mask(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor, advantages: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    advantages: torch.Tensor,
     threshold: float,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """DeepSeek-V3.2's off-policy sequence mask (TRL's off_policy_mask_threshold), (B, T) of 0 / 1: 0 on a token with a
     negative advantage in a response whose mean over its tokens of log(pi_rollout / pi_old) is above threshold (the
     engine sampled it where the policy has since turned away: learning from its failure is unreliable), 1 elsewhere.
@@ -134,15 +149,13 @@ def off_policy_sequence_mask(
     return 1.0 - ((advantages < 0) & (gap[:, None] > threshold)).float() * mask
 
 
-def correct(
-    old_logprobs: torch.Tensor | None, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
-    advantages: torch.Tensor | None = None, *, mode: str | None, threshold: float | str, batch_normalize: bool = False,
-    rs: str | None = None, rs_threshold: str | None = None, opsm: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, dict]:  # fmt: skip
-    """common.ops.rollout_correction with the correction on (mode, rs or opsm set)."""
+def correct(old_logprobs, rollout_logprobs, response_mask: torch.Tensor, advantages, c):
+    """common.shaping.rollout_correction with the correction group c on (--rollout-is, --rollout-rs or
+    --off-policy-mask-threshold set)."""
+    mode, threshold, rs, opsm = c.rollout_is, c.rollout_is_threshold, c.rollout_rs, c.off_policy_mask_threshold
     weights = rollout_is_weights(old_logprobs, rollout_logprobs, response_mask, mode, threshold)
     metrics = rollout_is_metrics(weights, response_mask, threshold) if mode else {}
-    if mode and batch_normalize:
+    if mode and c.rollout_is_batch_normalize:
         mask = response_mask.float()
         per_row = _masked_mean_rows(weights, mask) if mode == "sequence" else weights
         rows = (mask.sum(-1) > 0).float() if mode == "sequence" else mask
@@ -157,11 +170,14 @@ def correct(
         weights = weights * keep
     if rs is None:
         return weights, response_mask, metrics
-    keep = rollout_rejection_mask(old_logprobs, rollout_logprobs, response_mask, rs, rs_threshold)
+    keep = rollout_rejection_mask(old_logprobs, rollout_logprobs, response_mask, rs, c.rollout_rs_threshold)
     mask = response_mask.float()
     rejected = mask - keep
-    counts = all_reduce_sum(torch.stack([rejected.sum(), mask.sum(), (rejected.sum(-1) > 0).float().sum(),
-                                         mask.new_tensor(float(len(mask)))]))  # fmt: skip
+    counts = all_reduce_sum(
+        torch.stack(
+            [rejected.sum(), mask.sum(), (rejected.sum(-1) > 0).float().sum(), mask.new_tensor(float(len(mask)))]
+        )
+    )
     metrics["rollout_corr/rollout_rs_masked_fraction"] = (counts[0] / counts[1].clamp(min=1)).item()
     metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = (counts[2] / counts[3].clamp(min=1)).item()
     return weights * keep, response_mask * keep.to(response_mask.dtype), metrics
@@ -172,15 +188,21 @@ def check_rejection(args) -> None:
     options = [o.strip() for o in args.rollout_rs.split(",")]
     unknown = [o for o in options if o not in RS_OPTIONS]
     if unknown:
-        raise UsageError(f"--rollout-rs {args.rollout_rs}: {unknown[0]!r} is not an option; choose among "
-                         f"{', '.join(RS_OPTIONS)} (comma-separated)")  # fmt: skip
+        raise UsageError(
+            f"--rollout-rs {args.rollout_rs}: {unknown[0]!r} is not an option; choose among "
+            f"{', '.join(RS_OPTIONS)} (comma-separated)"
+        )
     if args.rollout_rs_threshold is None:
-        raise UsageError(f"--rollout-rs {args.rollout_rs}: give --rollout-rs-threshold (e.g. 0.5_2.0 for a k1 "
-                         f"option, 0.01 for k2 / k3)")  # fmt: skip
+        raise UsageError(
+            f"--rollout-rs {args.rollout_rs}: give --rollout-rs-threshold (e.g. 0.5_2.0 for a k1 "
+            f"option, 0.01 for k2 / k3)"
+        )
     bounds = [b.strip() for b in str(args.rollout_rs_threshold).split(",")]
     if len(bounds) not in (1, len(options)):
-        raise UsageError(f"--rollout-rs-threshold {args.rollout_rs_threshold}: give one bound, or one per option "
-                         f"of --rollout-rs ({len(options)})")  # fmt: skip
+        raise UsageError(
+            f"--rollout-rs-threshold {args.rollout_rs_threshold}: give one bound, or one per option "
+            f"of --rollout-rs ({len(options)})"
+        )
     for option, bound in zip(options, bounds * len(options) if len(bounds) == 1 else bounds):
         try:
             values = [float(x) for x in bound.split("_", 1)]
@@ -196,5 +218,7 @@ def check_rejection(args) -> None:
                 f"--rollout-rs-threshold {args.rollout_rs_threshold}: {bound!r} for {option}: must be {want}"
             )
     if args.bypass_mode:
-        raise UsageError("--bypass-mode with --rollout-rs: in bypass mode the engine's logprobs are the old policy, so "
-                         "there is no gap between them to reject on; drop one of the two flags")  # fmt: skip
+        raise UsageError(
+            "--bypass-mode with --rollout-rs: in bypass mode the engine's logprobs are the old policy, so "
+            "there is no gap between them to reject on; drop one of the two flags"
+        )

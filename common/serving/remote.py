@@ -9,7 +9,7 @@ policy, that generate while the trainer trains.
   its own TCP rendezvous, never the trainer's group, so an engine that dies breaks only its own.
   The names and shapes are agreed once by RPC before any tensor moves: a mismatch is an error on
   both sides. A sync waits for the engines' work in flight (the pause), streams every weight in a
-  fixed order (common.weight_sync.hf_weights: FSDP2 gathers one parameter at a time, LoRA merged)
+  fixed order (common.serving.weight_sync.hf_weights: FSDP2 gathers one parameter at a time, LoRA merged)
   cast to the engine's dtype; each engine copies it into its model, resets its cache and reports
   the version. Every wait has a timeout (--engine-timeout) and the message names the engine.
 - Staleness (--max-staleness k): after the sync that gives the engines version v (the trainer's
@@ -41,13 +41,12 @@ import torch
 import torch.distributed as tdist
 
 from common import watchdog
-from common.data import step_rows
 from common.engines import Completion, HFEngine, Sampling
 from common.errors import RunStopped
 from common.model import load_policy
 from common.parallel import Dist, broadcast_object, gather_objects
 from common.perf import timed
-from common.weight_sync import hf_name, hf_weights, weight_manifest
+from common.serving.weight_sync import hf_name, hf_weights, weight_manifest
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +65,23 @@ class EngineDied(Exception):
 
 class EngineActor:
     """One remote engine (run as a Ray actor): an HF engine on its own copy of the model, or with
-    `vllm` (common.vllm_engine.VLLMEngine's keyword arguments) a vLLM engine serving model_path. A
+    `vllm` (common.serving.vllm_engine.VLLMEngine's keyword arguments) a vLLM engine serving model_path. A
     frozen one serves model_path's weights as they are, from the start."""
 
-    def __init__(self, model_path: str, *, index: int, dtype: str, trust_remote_code: bool, pad_id: int,
-                 eos_ids: list[int], batch_size: int, threads: int, vllm: dict | None = None,
-                 frozen: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        index: int,
+        dtype: str,
+        trust_remote_code: bool,
+        pad_id: int,
+        eos_ids: list[int],
+        batch_size: int,
+        threads: int,
+        vllm: dict | None = None,
+        frozen: bool = False,
+    ):
         torch.set_num_threads(max(1, threads))
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if vllm is None:
@@ -79,11 +89,18 @@ class EngineActor:
             self.model = model.to(device).eval().requires_grad_(False)
             self.engine = HFEngine(self.model, pad_id=pad_id, eos_ids=eos_ids, device=device, batch_size=batch_size)
         else:
-            from common.vllm_engine import VLLMEngine
+            from common.serving.vllm_engine import VLLMEngine
 
             self.model = None  # vLLM holds the weights; its seed is offset by the engine's index
-            self.engine = VLLMEngine(None, model_path=model_path, eos_ids=eos_ids, dist=Dist(index, 1, 0, device),
-                                     dtype=dtype, trust_remote_code=trust_remote_code, **vllm)  # fmt: skip
+            self.engine = VLLMEngine(
+                None,
+                model_path=model_path,
+                eos_ids=eos_ids,
+                dist=Dist(index, 1, 0, device),
+                dtype=dtype,
+                trust_remote_code=trust_remote_code,
+                **vllm,
+            )
         self.index, self.version, self.group, self.order, self.delays = index, 0 if frozen else -1, None, [], {}
         self.incarnation = uuid.uuid4().hex  # a process Ray restarts gets a new one
 
@@ -192,23 +209,6 @@ class EngineActor:
 
 
 @dataclass
-class StepPrompts:
-    """step -> (the prompt ids of every rank for that training step, in rank order, and the
-    training sampling): the order the RL recipes' rollout takes them in (common.data.step_rows),
-    so a step's request can go out before the step."""
-
-    train: list
-    batch_size: int
-    seed: int
-    shuffle: bool
-    sampling: Sampling
-
-    def __call__(self, step: int, world_size: int) -> tuple[list[list[int]], Sampling]:
-        _, ranks = step_rows(step, self.train, self.batch_size, self.seed, self.shuffle, world_size)
-        return [row["prompt_ids"] for share in ranks for row in share], self.sampling
-
-
-@dataclass
 class _Request:
     prompts: list[list[int]]
     sampling: Sampling
@@ -236,14 +236,34 @@ class RemoteEngines:
     ray_num_cpus is the CPU count a Ray started here offers (default: the machine's, or what these
     engines ask when more), for a run that starts more engines on it later."""
 
-    def __init__(self, model, dist, version: int, *, model_path: str, num_engines: int, engine_num_cpus: float,
-                 engine_num_gpus: float, ray_address: str | None, max_staleness: int, timeout: float, seed: int,
-                 dtype: str, trust_remote_code: bool, pad_id: int, eos_ids: list[int], batch_size: int,
-                 schedule=None, total_steps: int = 0, vllm: dict | None = None, role: str = "rollout engine",
-                 ray_num_cpus: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        dist,
+        version: int,
+        *,
+        model_path: str,
+        num_engines: int,
+        engine_num_cpus: float,
+        engine_num_gpus: float,
+        ray_address: str | None,
+        max_staleness: int,
+        timeout: float,
+        seed: int,
+        dtype: str,
+        trust_remote_code: bool,
+        pad_id: int,
+        eos_ids: list[int],
+        batch_size: int,
+        schedule=None,
+        total_steps: int = 0,
+        vllm: dict | None = None,
+        role: str = "rollout engine",
+        ray_num_cpus: int | None = None,
+    ):
         self.model, self.dist, self.k, self.timeout, self.seed = model, dist, max_staleness, timeout, seed
         self.role, self.ray_num_cpus = role, ray_num_cpus
-        self.schedule, self.total_steps = schedule, total_steps  # step -> (every rank's prompts, sampling)
+        self.schedule, self.total_steps = schedule, total_steps  # (StepPrompts, the sampling of each step)
         self.weight_version, self.restarts, self.prefetch_misses, self.stale_resent, self.calls = -1, 0, 0, 0, 0
         self.engine_seconds, self.waited = 0.0, 0.0
         self.requests: dict[int, _Request] = {}
@@ -252,8 +272,19 @@ class RemoteEngines:
         self.actors, self.groups, self.incarnations, self.dtypes, self.ray_started = [], [], [], [], False
         if dist.is_main:
             try:
-                self._start(model_path, num_engines, engine_num_cpus, engine_num_gpus, ray_address, dtype,
-                            trust_remote_code, pad_id, eos_ids, batch_size, vllm)  # fmt: skip
+                self._start(
+                    model_path,
+                    num_engines,
+                    engine_num_cpus,
+                    engine_num_gpus,
+                    ray_address,
+                    dtype,
+                    trust_remote_code,
+                    pad_id,
+                    eos_ids,
+                    batch_size,
+                    vllm,
+                )
             except BaseException:
                 self.close()
                 raise
@@ -267,13 +298,20 @@ class RemoteEngines:
         """Where the requests stand (the watchdog's dump): the generate waited on, the chunks it
         still awaits and from which engines; the steps asked for ahead, with their chunks in flight."""
         now = self.collecting
-        waited = "no generate waited on" if now is None else (
-            f"the generate waited on awaits {sum(r is None for r in now.results)} of {len(now.results)} chunk(s) "
-            f"from engines {sorted(set(now.engines))}")  # fmt: skip
+        waited = (
+            "no generate waited on"
+            if now is None
+            else (
+                f"the generate waited on awaits {sum(r is None for r in now.results)} of {len(now.results)} chunk(s) "
+                f"from engines {sorted(set(now.engines))}"
+            )
+        )
         steps = {s: sum(f is not None for f in r.futures) for s, r in sorted(self.requests.items())}
         ahead = ", ".join(f"step {s + 1}: {n} chunk(s) in flight" for s, n in steps.items()) or "none"
-        return (f"{len(self.actors)} engines holding weights version {self.weight_version}; {waited}; asked ahead: "
-                f"{ahead}; {self.restarts} restarts")  # fmt: skip
+        return (
+            f"{len(self.actors)} engines holding weights version {self.weight_version}; {waited}; asked ahead: "
+            f"{ahead}; {self.restarts} restarts"
+        )
 
     # --- setup (rank 0) ---------------------------------------------------------------------------
     def _start(self, model_path, n, cpus, gpus, address, dtype, trust_remote_code, pad_id, eos_ids, batch_size, vllm):
@@ -287,18 +325,32 @@ class RemoteEngines:
                 ray.init(address=address, log_to_driver=False, configure_logging=False)
             else:
                 wanted = max(math.ceil(n * cpus), self.ray_num_cpus or 0)  # every engine asked for is placed
-                ray.init(include_dashboard=False, num_cpus=max(os.cpu_count() or 1, wanted),
-                         num_gpus=torch.cuda.device_count(), object_store_memory=256 * 1024**2,
-                         log_to_driver=False, configure_logging=False)  # fmt: skip
+                ray.init(
+                    include_dashboard=False,
+                    num_cpus=max(os.cpu_count() or 1, wanted),
+                    num_gpus=torch.cuda.device_count(),
+                    object_store_memory=256 * 1024**2,
+                    log_to_driver=False,
+                    configure_logging=False,
+                )
             self.ray_started = True
         actor = ray.remote(EngineActor).options(num_cpus=cpus, num_gpus=gpus, max_restarts=-1, max_task_retries=0)
         threads = max(1, int(cpus))
         self.actors = [
-            actor.remote(model_path, index=i, dtype=dtype, trust_remote_code=trust_remote_code, pad_id=pad_id,
-                         eos_ids=eos_ids, batch_size=batch_size, threads=threads, vllm=vllm,
-                         frozen=self.model is None)
+            actor.remote(
+                model_path,
+                index=i,
+                dtype=dtype,
+                trust_remote_code=trust_remote_code,
+                pad_id=pad_id,
+                eos_ids=eos_ids,
+                batch_size=batch_size,
+                threads=threads,
+                vllm=vllm,
+                frozen=self.model is None,
+            )
             for i in range(n)
-        ]  # fmt: skip
+        ]
         self.incarnations = [self._get(a.hello.remote(), i, "start")[0] for i, a in enumerate(self.actors)]
         log.info("%d remote %ss started (Ray %s)", n, self.role, "started here" if self.ray_started else "cluster")
         if self.model is None:  # serving model_path as it is: no weights to agree on or stream
@@ -320,8 +372,10 @@ class RemoteEngines:
                 try:
                     return ray.get(ref, timeout=self.timeout)
                 except ray.exceptions.GetTimeoutError:  # said while the wait is on, so the report shows it
-                    raise RunStopped(f"{self.role} {index} did not {what} within --engine-timeout "
-                                     f"{self.timeout:g}s\n{watchdog.report(stack=False)}") from None  # fmt: skip
+                    raise RunStopped(
+                        f"{self.role} {index} did not {what} within --engine-timeout "
+                        f"{self.timeout:g}s\n{watchdog.report(stack=False)}"
+                    ) from None
         except ray.exceptions.RayActorError:
             raise EngineDied(index) from None
         except ray.exceptions.RayTaskError as e:
@@ -366,8 +420,10 @@ class RemoteEngines:
                 self._recover(failed)
             targets = failed
         else:
-            raise RunStopped(f"rollout engines {targets} kept dying while taking the weights (see the Ray logs); the same "
-                             f"command resumes from the last checkpoint")  # fmt: skip
+            raise RunStopped(
+                f"rollout engines {targets} kept dying while taking the weights (see the Ray logs); the same "
+                f"command resumes from the last checkpoint"
+            )
         if engines is None:
             self.weight_version = version
             watchdog.note(version=version)
@@ -487,7 +543,9 @@ class RemoteEngines:
             return
         last = min(self.weight_version + self.k, self.total_steps - 1)
         while self.next_step <= last:
-            prompts, sampling = self.schedule(self.next_step, self.dist.world_size)
+            steps, sampling = self.schedule
+            ranks = steps.step(self.next_step, self.dist.world_size)[1]
+            prompts = [row["prompt_ids"] for share in ranks for row in share]  # every rank's, in rank order
             self.requests[self.next_step] = self._submit(prompts, sampling, self._seed(self.next_step))
             self.next_step += 1
 
@@ -541,8 +599,10 @@ class RemoteEngines:
             if not broadcast_object(self._send(request) if self.dist.is_main else None):
                 break
         else:
-            raise RunStopped("rollout engines kept dying while generating (see the Ray logs); the same command resumes "
-                             "from the last checkpoint")  # fmt: skip
+            raise RunStopped(
+                "rollout engines kept dying while generating (see the Ray logs); the same command resumes "
+                "from the last checkpoint"
+            )
         parts = None
         if self.dist.is_main:
             groups = []
@@ -574,8 +634,11 @@ class RemoteEngines:
         for _ in range(8):
             dead = []
             if self.dist.is_main:
-                futures = {c: self.actors[c].score.remote(flat_p[a:b], flat_r[a:b], temperature)
-                           for c, (a, b) in enumerate(chunks) if results[c] is None}  # fmt: skip
+                futures = {
+                    c: self.actors[c].score.remote(flat_p[a:b], flat_r[a:b], temperature)
+                    for c, (a, b) in enumerate(chunks)
+                    if results[c] is None
+                }
                 for c, ref in futures.items():
                     try:
                         results[c] = self._get(ref, c, "score")
@@ -588,8 +651,10 @@ class RemoteEngines:
                 self._recover(dead)
             self.update_weights(self.weight_version, engines=dead)
         else:
-            raise RunStopped(f"{self.role}s kept dying while scoring (see the Ray logs); the same command resumes "
-                             f"from the last checkpoint")  # fmt: skip
+            raise RunStopped(
+                f"{self.role}s kept dying while scoring (see the Ray logs); the same command resumes "
+                f"from the last checkpoint"
+            )
         parts = None
         if self.dist.is_main:
             flat = [logprobs for chunk in results for logprobs in chunk]
@@ -615,9 +680,13 @@ class RemoteEngines:
         --max-staleness > 0 mostly while the trainer trained) and perf/rollout_wait_s (how long
         the trainer waited on the engines since the last call, in generate and in the pause
         before a sync): the generation time the overlap did not hide."""
-        stats = {"rollout/engine_restarts": self.restarts, "rollout/prefetch_misses": self.prefetch_misses,
-                 "rollout/stale_resent": self.stale_resent, "perf/engine_generate_s": self.engine_seconds,
-                 "perf/rollout_wait_s": self.waited}  # fmt: skip
+        stats = {
+            "rollout/engine_restarts": self.restarts,
+            "rollout/prefetch_misses": self.prefetch_misses,
+            "rollout/stale_resent": self.stale_resent,
+            "perf/engine_generate_s": self.engine_seconds,
+            "perf/rollout_wait_s": self.waited,
+        }
         self.waited = 0.0
         return stats
 
@@ -647,20 +716,34 @@ class RemoteEngines:
         self.ray_started = False
 
 
-def start_remote_engines(model, tokenizer, dist, version: int, rollout_name: str, batch_size: int, placement,
-                         schedule: StepPrompts | None, total_steps: int, vllm_kwargs: dict):  # fmt: skip
-    """common.rollout.start_engine's RemoteEngines, as the `placement` group (common.rollout.PlacementArgs) asks: HF
-    or vLLM engines by rollout_name, vllm_kwargs start_engine's own."""
+def start_remote_engines(model, tokenizer, dist, version: int, policy, rollout, placement, prompts):
+    """common.rollout.start_engine's RemoteEngines, as the placement group asks: HF or vLLM engines (the rollout
+    group's --rollout-name) serving the policy group's model, sampling `prompts` (common.data.StepPrompts) ahead
+    (none for an environment's, which come as it plays)."""
+    dtype = policy.dtype if rollout.rollout_dtype == "auto" else rollout.rollout_dtype
+    env = prompts.rows and prompts.rows[0].get("agent_name") == "env"
+    vllm = dict(vllm=rollout.vllm, seed=dist.seed, max_model_len=prompts.max_length + rollout.max_response_length)
     return RemoteEngines(
-        model, dist, version, model_path=vllm_kwargs["model_path"], num_engines=placement.num_rollout_engines,
-        engine_num_cpus=placement.engine_num_cpus, engine_num_gpus=placement.engine_num_gpus,
-        ray_address=placement.ray_address, max_staleness=placement.max_staleness, timeout=placement.engine_timeout,
-        seed=vllm_kwargs["seed"], dtype=vllm_kwargs["dtype"], trust_remote_code=vllm_kwargs["trust_remote_code"],
-        pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], batch_size=batch_size,
-        schedule=schedule, total_steps=total_steps,
-        vllm=None if rollout_name == "hf" else {k: v for k, v in vllm_kwargs.items()
-                                                 if k not in ("model_path", "dtype", "trust_remote_code")},
-    )  # fmt: skip
+        model,
+        dist,
+        version,
+        model_path=policy.path,
+        num_engines=placement.num_rollout_engines,
+        engine_num_cpus=placement.engine_num_cpus,
+        engine_num_gpus=placement.engine_num_gpus,
+        ray_address=placement.ray_address,
+        max_staleness=placement.max_staleness,
+        timeout=placement.engine_timeout,
+        seed=dist.seed,
+        dtype=dtype,
+        trust_remote_code=policy.trust_remote_code,
+        pad_id=tokenizer.pad_token_id,
+        eos_ids=[tokenizer.eos_token_id],
+        batch_size=rollout.val_batch_size,
+        schedule=None if env else (prompts, rollout.sampling),
+        total_steps=prompts.total_steps,
+        vllm=None if rollout.rollout_name == "hf" else vllm,
+    )
 
 
 def _descendants(root: int, named: str) -> list[int]:

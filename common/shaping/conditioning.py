@@ -33,18 +33,55 @@ condition_advantages (B, T), in this order:
 
 Both write their metrics in batch["conditioning"] (common.tracking.step_metrics logs them).
 
-roll_loss: ROLL's loss terms (--rl-loss-coef, --sft-loss-coef, --use-topr-loss) around a recipe's
-compute_loss terms. A feature: common.config.ConditioningArgs loads this module only when a knob of
-it is on.
+roll_terms: ROLL's loss terms (--rl-loss-coef, --sft-loss-coef, --use-topr-loss) around a recipe's
+compute_loss terms. Each takes the conditioning group (common.shaping.ConditioningArgs), whose calls load this
+module only when a knob of it is on.
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
 
-from common.ops import RunningMoments, agg_loss, masked_whiten_all_ranks
+from common.ops import agg_loss, masked_whiten_all_ranks
 from common.parallel import all_reduce_sum, gather_objects
 
 EPS = 1e-6
+
+
+@dataclass
+class RunningMoments:
+    """Count, mean and sum of squared deviations of every value seen (Chan et al.'s parallel merge, exact in
+    float64; ROLL's RunningMoments keeps the same). state() is plain JSON, so a checkpoint restores it exactly."""
+
+    count: float = 0.0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def update(self, values: torch.Tensor) -> None:
+        x = values.double().flatten()
+        n = x.numel()
+        if n == 0:
+            return
+        batch_mean = x.mean().item()
+        batch_m2 = ((x - batch_mean) ** 2).sum().item()
+        total = self.count + n
+        delta = batch_mean - self.mean
+        self.m2 += batch_m2 + delta**2 * self.count * n / total
+        self.mean += delta * n / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        """The unbiased standard deviation of every value seen (1 before two values)."""
+        return (self.m2 / (self.count - 1)) ** 0.5 if self.count > 1 else 1.0
+
+    def state(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    @classmethod
+    def from_state(cls, state: dict | None) -> "RunningMoments":
+        return cls(**(state or {}))
 
 
 def length_reward(scores: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -97,30 +134,28 @@ def normalize_rewards(rewards, batch: dict, *, grouping: str = "state", method: 
     return group_normalize(every, every_keys, method)[start : start + len(rewards)].to(rewards.device)
 
 
-def condition_rewards(
-    rewards: torch.Tensor, batch: dict, running: RunningMoments, *, normalization_grouping: str = "state",
-    normalization_method: str = "identity", reward_norm: str | None = None, reward_shift: bool = False,
-    reward_scale: bool = False, whiten_rewards: bool = False, reward_clip: float | None = None,
-    add_len_reward: bool = False, len_reward_coef: float = 1.0,
-) -> torch.Tensor:  # fmt: skip
-    """Step 3's conditioning of the rewards (B,), in the module docstring's order; `running` is
-    updated in place when reward_norm is running. Every knob off returns the rewards unchanged.
-    Collective when a statistic spans ranks (batch, running, whitening)."""
+def condition_rewards(rewards: torch.Tensor, batch: dict, state: dict, c) -> torch.Tensor:
+    """Step 3's conditioning of the rewards (B,) by the group c, in the module docstring's order; --reward-norm
+    running keeps its moments (RunningMoments) in state["reward_stats"]. Collective when a statistic spans ranks
+    (batch, running, whitening)."""
     metrics = batch.setdefault("conditioning", {})
     rewards = rewards.float()
-    if add_len_reward:
+    if c.add_len_reward:
         bonus = length_reward(rewards, batch["response_mask"].sum(-1), batch["group_ids"])
-        rewards = rewards + len_reward_coef * bonus
+        rewards = rewards + c.len_reward_coef * bonus
         metrics["reward/len_reward_mean"] = _mean_every_rank(bonus)
-    rewards = normalize_rewards(rewards, batch, grouping=normalization_grouping, method=normalization_method)
-    if reward_norm is not None:
-        mean, std, eps = _reward_stats(rewards, batch["group_ids"], running, reward_norm)
-        rewards = rewards - (0.0 if reward_scale else mean)
-        rewards = rewards if reward_shift else rewards / (std + eps)
-    if reward_clip is not None:
-        metrics["reward/clip_frac"] = _mean_every_rank((rewards.abs() > reward_clip).float())
-        rewards = rewards.clamp(-reward_clip, reward_clip)
-    if whiten_rewards:
+    grouping, method = c.reward_normalization_grouping, c.reward_normalization_method
+    rewards = normalize_rewards(rewards, batch, grouping=grouping, method=method)
+    if c.reward_norm is not None:
+        running = RunningMoments.from_state(state.get("reward_stats"))
+        mean, std, eps = _reward_stats(rewards, batch["group_ids"], running, c.reward_norm)
+        state["reward_stats"] = running.state()
+        rewards = rewards - (0.0 if c.reward_scale else mean)
+        rewards = rewards if c.reward_shift else rewards / (std + eps)
+    if c.reward_clip is not None:
+        metrics["reward/clip_frac"] = _mean_every_rank((rewards.abs() > c.reward_clip).float())
+        rewards = rewards.clamp(-c.reward_clip, c.reward_clip)
+    if c.whiten_rewards:
         rewards = masked_whiten_all_ranks(rewards, torch.ones_like(rewards))
     return rewards
 
@@ -143,33 +178,35 @@ def _reward_stats(rewards, group_ids, running: RunningMoments, mode: str):
     return every.mean(), every.std(), EPS
 
 
-def condition_advantages(
-    advantages: torch.Tensor, response_mask: torch.Tensor, batch: dict, *, whiten_advantages: bool = False,
-    advantage_clip: float | None = None, difficulty_loss_weight: bool = False, length_loss_weight: bool = False,
-) -> torch.Tensor:  # fmt: skip
-    """Step 5's conditioning of the advantages (B, T) after the recipe's own, in the module
-    docstring's order. Every knob off returns the advantages unchanged. Collective when any is on."""
+def condition_advantages(advantages: torch.Tensor, response_mask: torch.Tensor, batch: dict, c) -> torch.Tensor:
+    """Step 5's conditioning of the advantages (B, T) by the group c, after the recipe's own, in the module
+    docstring's order. Collective."""
     metrics = batch.setdefault("conditioning", {})
-    if whiten_advantages:
+    if c.whiten_advantages:
         advantages = masked_whiten_all_ranks(advantages, response_mask)
-    if advantage_clip is not None:
-        outside = ((advantages.abs() > advantage_clip) & (response_mask > 0)).float()
+    if c.advantage_clip is not None:
+        outside = ((advantages.abs() > c.advantage_clip) & (response_mask > 0)).float()
         metrics["advantage/clip_frac"] = _mean_every_rank(outside[response_mask > 0])
-        advantages = advantages.clamp(-advantage_clip, advantage_clip)
-    if difficulty_loss_weight or length_loss_weight:
+        advantages = advantages.clamp(-c.advantage_clip, c.advantage_clip)
+    if c.difficulty_loss_weight or c.length_loss_weight:
         weights = torch.ones(len(advantages))
-        if difficulty_loss_weight:
+        if c.difficulty_loss_weight:
             difficulty = torch.tensor([float(row["difficulty"]) for row, _ in batch["rows"]])
             weights = weights * (0.5 + 1.5 * difficulty.clamp(0.0, 1.0))
-        if length_loss_weight:
+        if c.length_loss_weight:
             lengths, _, start = _gather(response_mask.sum(-1))
             scaled = (lengths - lengths.min()) / (lengths.max() - lengths.min() + 1e-8)
             weights = weights * (1.5 - scaled[start : start + len(advantages)])
         every, _, start = _gather(weights)
         every = every * every.numel() / (every.sum() + 1e-8) if every.sum() > 0 else every
         weights = every[start : start + len(advantages)]
-        metrics.update({"advantage/weight_mean": every.mean().item(), "advantage/weight_min": every.min().item(),
-                        "advantage/weight_max": every.max().item()})  # fmt: skip
+        metrics.update(
+            {
+                "advantage/weight_mean": every.mean().item(),
+                "advantage/weight_min": every.min().item(),
+                "advantage/weight_max": every.max().item(),
+            }
+        )
         advantages = advantages * weights.to(advantages.device, advantages.dtype).unsqueeze(-1)
     return advantages
 
@@ -208,23 +245,22 @@ def topr_loss(new_logprobs, old_logprobs, advantages, positive) -> torch.Tensor:
     return -advantages * weight * new_logprobs
 
 
-def roll_loss(
-    terms: dict, metrics: dict, new_logprobs, old_logprobs, advantages, response_mask, agg: dict, rewards, *,
-    rl_loss_coef: float = 1.0, sft_loss_coef: float = 0.0, use_topr_loss: bool = False,
-) -> torch.Tensor:  # fmt: skip
-    """ROLL's loss terms around a recipe's compute_loss terms {pg, entropy, kl} (each already
-    aggregated by agg, common.ops.agg_loss's mode and counts), as ROLL's actor composes them:
+def roll_terms(
+    terms: dict, metrics: dict, new_logprobs, old_logprobs, advantages, response_mask, agg: dict, rewards, c
+):
+    """ROLL's loss terms (the group c's) around a recipe's compute_loss terms {pg, entropy, kl} (each already
+    aggregated by agg, common.ops.agg_loss's mode and counts), as ROLL's actor composes them; their sum is
         loss = rl_loss_coef * (pg + kl) + entropy + sft_loss_coef * agg(-new on the responses that scored > 0)
-    --use-topr-loss puts TOPR's per-token loss (topr_loss) in place of pg; rewards (b,)
-    tell the responses that scored > 0 (TOPR's positive samples, the SFT term's). Updates metrics
-    (policy/pg_loss, policy/sft_loss) in place; returns the loss."""
+    --use-topr-loss puts TOPR's per-token loss (topr_loss) in place of pg; rewards (b,) tell the responses that
+    scored > 0 (TOPR's positive samples, the SFT term's). Updates metrics (policy/pg_loss, policy/sft_loss) in
+    place; returns the terms."""
     positive = (rewards > 0).float().unsqueeze(-1)
-    if use_topr_loss:
+    if c.use_topr_loss:
         terms["pg"] = agg_loss(topr_loss(new_logprobs, old_logprobs, advantages, positive), response_mask, **agg)
-    terms = {k: rl_loss_coef * v if k in ("pg", "kl") else v for k, v in terms.items()}
+    terms = {k: c.rl_loss_coef * v if k in ("pg", "kl") else v for k, v in terms.items()}
     metrics["policy/pg_loss"] = terms["pg"].detach()
-    if sft_loss_coef:
+    if c.sft_loss_coef:
         sft = agg_loss(-new_logprobs, response_mask * positive, **agg)
-        terms["sft"] = sft_loss_coef * sft
+        terms["sft"] = c.sft_loss_coef * sft
         metrics["policy/sft_loss"] = sft.detach()
-    return sum(terms.values())
+    return terms

@@ -31,13 +31,16 @@ class RewardModel:
         self.device, self.batch_size = device, batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            path, trust_remote_code=trust_remote_code,
+            path,
+            trust_remote_code=trust_remote_code,
             **({"attn_implementation": register_varlen()} if remove_padding else {}),
-        )  # fmt: skip
+        )
         if remove_padding and not hasattr(self.model, "score"):  # transformers' causal-LM classifiers' head
             if remove_padding is True:
-                raise UsageError(f"--use-remove-padding: reward model {path} ({type(self.model).__name__}) has no "
-                                 f"`score` head to apply to packed sequences; set --use-remove-padding False")  # fmt: skip
+                raise UsageError(
+                    f"--use-remove-padding: reward model {path} ({type(self.model).__name__}) has no "
+                    f"`score` head to apply to packed sequences; set --use-remove-padding False"
+                )
             self.model.set_attn_implementation("sdpa")
             remove_padding = False
         check_packs(self.model, path, remove_padding)

@@ -55,8 +55,13 @@ def _child(cmd: list[str], env: dict, folder, *extra: str) -> str | None:
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "console.log", "w") as out:
         try:
-            code = subprocess.run([*cmd, *RESUME_FLAGS, "--output-dir", str(folder), *extra], env=env, stdout=out,
-                                  stderr=subprocess.STDOUT, timeout=RESUME_TIMEOUT).returncode  # fmt: skip
+            code = subprocess.run(
+                [*cmd, *RESUME_FLAGS, "--output-dir", str(folder), *extra],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=RESUME_TIMEOUT,
+            ).returncode
         except subprocess.TimeoutExpired:
             code = f"no end within {RESUME_TIMEOUT:.0f}s"
     if code == 0:
@@ -114,8 +119,10 @@ def _prove_resume(dist) -> tuple[bool | None, str, str]:
     if error := _child(cmd, env, root / "resumed", "--resume", "auto"):
         return False, f"the run resumed from step 1 failed: {error}", advice
     metric_gap, weight_gap, keys, compared = _run_gap(root / "uninterrupted", root / "resumed")
-    figure = (f"step 2 resumed from step 1's checkpoint vs uninterrupted ({span}; {compared}): largest gaps "
-              f"{metric_gap:.2g} (relative) and {weight_gap:.2g}")  # fmt: skip
+    figure = (
+        f"step 2 resumed from step 1's checkpoint vs uninterrupted ({span}; {compared}): largest gaps "
+        f"{metric_gap:.2g} (relative) and {weight_gap:.2g}"
+    )
     ok = metric_gap <= 1e-5 and weight_gap <= 1e-6
     if not ok:  # the stack's own nondeterminism: an uninterrupted repeat
         if error := _child(cmd, env, root / "repeat", "--resume", "disable"):
@@ -128,6 +135,11 @@ def _prove_resume(dist) -> tuple[bool | None, str, str]:
         shutil.rmtree(root, ignore_errors=True)
         return True, figure, ""
     differ = f" (most: {', '.join(keys)})" if keys else ""
-    return False, figure, (
-        f"a run resumed from its checkpoint does not continue as the uninterrupted run{differ}: a preempted run "
-        f"would change course; {advice}")  # fmt: skip
+    return (
+        False,
+        figure,
+        (
+            f"a run resumed from its checkpoint does not continue as the uninterrupted run{differ}: a preempted run "
+            f"would change course; {advice}"
+        ),
+    )

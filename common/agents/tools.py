@@ -1,6 +1,6 @@
 """What --tool-config and --interaction-config declare, read and checked without running any of
 their code; the loaders that import it (in worker processes only); and the tool calls a model
-writes. The agent loop that uses them is common.agent.
+writes. The agent loop that uses them is common.agents.agent.
 
 Tools are an OpenAI-style function schema plus a Python function, listed in --tool-config (YAML):
 
@@ -142,8 +142,10 @@ def read_tool_config(path: str) -> ToolConfig:
         if name in functions or name in classes:
             raise UsageError(f"{where}: a second tool named {name!r}")
         if ("function" in tool) == ("class_name" in tool):
-            raise UsageError(f"{where} ({name}): needs function: path/to/file.py:function_name, or verl's "
-                             f"class_name: path/to/file.py:Class (or package.module.Class), not both")  # fmt: skip
+            raise UsageError(
+                f"{where} ({name}): needs function: path/to/file.py:function_name, or verl's "
+                f"class_name: path/to/file.py:Class (or package.module.Class), not both"
+            )
         if "class_name" in tool:
             settings = tool.get("config") or {}
             if not isinstance(settings, dict):
@@ -317,8 +319,9 @@ def load_interactions(path: str):
         if method == "respond":
             result = run(interaction.generate_response(instance_id, messages, **kwargs))
             if not (isinstance(result, tuple | list) and len(result) == 4 and isinstance(result[1], str)):
-                raise TypeError(f"{name}.generate_response must return (done, message: str, score, extra), "
-                                f"got {str(result)[:120]}")  # fmt: skip
+                raise TypeError(
+                    f"{name}.generate_response must return (done, message: str, score, extra), got {str(result)[:120]}"
+                )
             score = float(result[2])
             if not math.isfinite(score):
                 raise ValueError(f"{name}.generate_response returned the score {score}")
@@ -332,8 +335,9 @@ def load_interactions(path: str):
 
 
 # --- what a conversation tells the reward ---------------------------------------------------------
-def conversation_extra_info(row: dict, user_turns: int = 0, assistant_turns: int = 1, turn_scores=(),
-                            tool_rewards=None, tool_step_rewards=None) -> dict | None:  # fmt: skip
+def conversation_extra_info(
+    row: dict, user_turns: int = 0, assistant_turns: int = 1, turn_scores=(), tool_rewards=None, tool_step_rewards=None
+) -> dict | None:
     """What a tool_agent conversation adds to its row's extra_info for the reward function, under
     verl's names: num_turns and rollout_reward_scores (each tool class's calc_reward by tool name,
     and the interaction's user_turn_rewards); and, when a tool class was called, tool_step_rewards,
@@ -353,7 +357,7 @@ def conversation_extra_info(row: dict, user_turns: int = 0, assistant_turns: int
 def check_agent_rows(
     rows: list[dict], tools: list[dict] | None, interactions: list[str] | None, tool_classes: list[str] = ()
 ) -> None:
-    """What the agent loop (common.agent) needs of prompt rows: a tool_agent row needs tools or
+    """What the agent loop (common.agents.agent) needs of prompt rows: a tool_agent row needs tools or
     interactions to act on; a row whose extra_info holds interaction_kwargs (verl's) must be a
     tool_agent row naming an interaction of --interaction-config (the name may be left out when
     there is one). Sets each row's interaction_kwargs (None without), its name filled in.
@@ -379,35 +383,72 @@ def check_agent_rows(
                     kind = "not a tool of --tool-config"
                     if name in functions:
                         kind = "a function tool, which takes only the arguments the model writes"
-                    raise DataError(f"{column}: {name!r} is {kind}; per-row arguments go to verl's tool classes "
-                                    f"(class_name in --tool-config; they have: {', '.join(tool_classes) or 'none'})")  # fmt: skip
+                    raise DataError(
+                        f"{column}: {name!r} is {kind}; per-row arguments go to verl's tool classes "
+                        f"(class_name in --tool-config; they have: {', '.join(tool_classes) or 'none'})"
+                    )
                 if not isinstance(kwargs, dict) or not all(
                     k in steps and isinstance(v, dict | None) for k, v in kwargs.items()
                 ):
-                    raise DataError(f"{column}.{name}: expected a mapping with any of {', '.join(steps)}, each a "
-                                    f"mapping, got {str(kwargs)[:80]!r}")  # fmt: skip
+                    raise DataError(
+                        f"{column}.{name}: expected a mapping with any of {', '.join(steps)}, each a "
+                        f"mapping, got {str(kwargs)[:80]!r}"
+                    )
         idle_tools_kwargs += bool(per_tool) and r["agent_name"] != "tool_agent"
         kwargs = extra.get("interaction_kwargs")
         r["interaction_kwargs"] = None
         if kwargs is not None:
             if not isinstance(kwargs, dict):
-                raise DataError(f"{where} column 'extra_info.interaction_kwargs': expected a mapping with a name, "
-                                f"got {str(kwargs)[:80]!r}")  # fmt: skip
+                raise DataError(
+                    f"{where} column 'extra_info.interaction_kwargs': expected a mapping with a name, "
+                    f"got {str(kwargs)[:80]!r}"
+                )
             if not interactions:
-                raise DataError(f"{where}: extra_info.interaction_kwargs names an interaction; pass "
-                                f"--interaction-config interactions.yaml (docs/multi-turn.md describes the file)")  # fmt: skip
+                raise DataError(
+                    f"{where}: extra_info.interaction_kwargs names an interaction; pass "
+                    f"--interaction-config interactions.yaml (docs/multi-turn.md describes the file)"
+                )
             name = kwargs.get("name") or (interactions[0] if len(interactions) == 1 else None)
             if name not in interactions:
-                raise DataError(f"{where} column 'extra_info.interaction_kwargs.name': {name!r} is not in "
-                                f"--interaction-config (it has {', '.join(interactions)})")  # fmt: skip
+                raise DataError(
+                    f"{where} column 'extra_info.interaction_kwargs.name': {name!r} is not in "
+                    f"--interaction-config (it has {', '.join(interactions)})"
+                )
             if r["agent_name"] != "tool_agent":
-                raise DataError(f"{where}: interaction_kwargs need agent_name tool_agent (the agent that runs "
-                                f"interactions), not {r['agent_name']}")  # fmt: skip
+                raise DataError(
+                    f"{where}: interaction_kwargs need agent_name tool_agent (the agent that runs "
+                    f"interactions), not {r['agent_name']}"
+                )
             r["interaction_kwargs"] = {**kwargs, "name": name}
         if r["agent_name"] == "tool_agent" and not tools and not interactions:
-            raise DataError(f"{where} column 'agent_name': tool_agent rows need tools or interactions: pass "
-                            f"--tool-config tools.yaml and/or --interaction-config (docs/multi-turn.md describes "
-                            f"both files)")  # fmt: skip
+            raise DataError(
+                f"{where} column 'agent_name': tool_agent rows need tools or interactions: pass "
+                f"--tool-config tools.yaml and/or --interaction-config (docs/multi-turn.md describes "
+                f"both files)"
+            )
     if idle_tools_kwargs:
-        log.warning("%d rows carry extra_info.tools_kwargs but are not tool_agent rows, so no tool runs for them and it "
-                    "is unused (as in verl); set agent_name tool_agent to run tools", idle_tools_kwargs)  # fmt: skip
+        log.warning(
+            "%d rows carry extra_info.tools_kwargs but are not tool_agent rows, so no tool runs for them and it "
+            "is unused (as in verl); set agent_name tool_agent to run tools",
+            idle_tools_kwargs,
+        )
+
+
+def check_rows(rows: list[dict], agent) -> None:
+    """check_agent_rows against the agent group's --tool-config and --interaction-config."""
+    tools = read_tool_config(agent.tool_config) if agent.tool_config else None
+    interactions = read_interaction_config(agent.interaction_config).names if agent.interaction_config else None
+    check_agent_rows(rows, tools.schemas if tools else None, interactions, list(tools.classes) if tools else [])
+
+
+def start_agent_pools(agent, workers: int, log_path=None):
+    """The agent loop's pools (common.agents.agent), each None without its flag of the agent group: --tool-config's
+    tools (`workers` workers) and --interaction-config's interactions (one worker: it holds every interaction's
+    state). Started now, so an import that fails or hangs is an error before any model loads."""
+    from common.rewards import INTERACTIONS_PREFIX, TOOLS_PREFIX, RewardPool
+
+    def pool(prefix: str, config: str | None, workers: int):
+        return RewardPool(prefix + config, workers=workers, timeout=agent.tool_timeout, log_path=log_path)
+
+    tools = pool(TOOLS_PREFIX, agent.tool_config, workers) if agent.tool_config else None
+    return tools, pool(INTERACTIONS_PREFIX, agent.interaction_config, 1) if agent.interaction_config else None

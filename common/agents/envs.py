@@ -1,7 +1,7 @@
 """Environments for agentic RL (ROLL's env-manager pipeline) on Gymnasium's API: what --env-config
 declares, read and checked without running any of it; the adapter that makes a Gymnasium
 environment with discrete actions a text one; the action a model's reply names; and the host that
-an environment worker process runs (common.rewards' pool, common.env_manager's loop).
+an environment worker process runs (common.rewards' pool, common.agents.env_manager's loop).
 
 A text environment is a `gymnasium.Env` whose observations and actions are strings:
 `reset(seed=s) -> (observation, info)` and `step(action) -> (observation, reward, terminated,
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from common.agents.tools import read_yaml_section
 from common.errors import UsageError
 from common.flags import flag_defaults, flag_name, flag_values
 from common.scoring import load_from_file
-from common.tools import read_yaml_section
 
 DEFAULT_ACTION_PATTERN = r"<answer>(.*?)</answer>"  # ROLL's and RAGEN's answer tags
 ENTRY_KEYS = ("env", "kwargs", "system_prompt", "action_pattern", "actions", "render", "invalid_action_text")
@@ -139,8 +139,16 @@ def read_env_config(path: str) -> EnvConfig:
                 if not isinstance(render, str) or ":" not in render:
                     raise UsageError(f"{where}: render must be path/to/file.py:function")
                 render = _resolve(render, file.parent, where, "render")
-        specs[tag] = EnvSpec(tag, target, kwargs, texts["system_prompt"], pattern, actions, render,
-                             texts["invalid_action_text"] or DEFAULT_INVALID_ACTION_TEXT)  # fmt: skip
+        specs[tag] = EnvSpec(
+            tag,
+            target,
+            kwargs,
+            texts["system_prompt"],
+            pattern,
+            actions,
+            render,
+            texts["invalid_action_text"] or DEFAULT_INVALID_ACTION_TEXT,
+        )
     return EnvConfig(str(file), specs)
 
 
@@ -156,15 +164,21 @@ def check_env(args) -> None:
     config = read_env_config(args.env_config)
     for name in ENV_UNUSED:
         if name in defaults and values[name] != defaults[name]:
-            raise UsageError(f"{flag_name(name)} does nothing in an --env-config run (its rows are environment seeds, "
-                             f"its rewards their returns); drop it")  # fmt: skip
+            raise UsageError(
+                f"{flag_name(name)} does nothing in an --env-config run (its rows are environment seeds, "
+                f"its rewards their returns); drop it"
+            )
     if values.get("max_staleness", 0) > 0:  # generate.py has no placement group
-        raise UsageError("--max-staleness: an environment's next prompt is known only once it has stepped, so "
-                         "nothing can be sampled ahead; use 0 with --env-config")  # fmt: skip
+        raise UsageError(
+            "--max-staleness: an environment's next prompt is known only once it has stepped, so "
+            "nothing can be sampled ahead; use 0 with --env-config"
+        )
     unknown = [t for t in args.env_tags if t not in config.specs]
     if unknown:
-        raise UsageError(f"--env-tags {' '.join(unknown)}: not in --env-config {args.env_config} "
-                         f"(its tags: {', '.join(config.tags)})")  # fmt: skip
+        raise UsageError(
+            f"--env-tags {' '.join(unknown)}: not in --env-config {args.env_config} "
+            f"(its tags: {', '.join(config.tags)})"
+        )
     tags = list(args.env_tags) or config.tags
     if len(set(tags)) < len(tags):
         raise UsageError(f"--env-tags {' '.join(tags)}: a tag is named twice")
@@ -173,11 +187,15 @@ def check_env(args) -> None:
         if len(groups) != len(tags):
             raise UsageError(f"--env-n-groups {' '.join(map(str, groups))}: one number per tag ({', '.join(tags)})")
         if sum(groups) != args.train_batch_size:
-            raise UsageError(f"--env-n-groups {' '.join(map(str, groups))}: sums to {sum(groups)}, not "
-                             f"--train-batch-size {args.train_batch_size} (groups a step)")  # fmt: skip
+            raise UsageError(
+                f"--env-n-groups {' '.join(map(str, groups))}: sums to {sum(groups)}, not "
+                f"--train-batch-size {args.train_batch_size} (groups a step)"
+            )
     elif groups is not None and args.train_batch_size % len(tags):  # no --env-n-groups: an even split
-        raise UsageError(f"--train-batch-size {args.train_batch_size} groups cannot be split evenly over the "
-                         f"{len(tags)} tags {', '.join(tags)}; pass --env-n-groups with one number per tag")  # fmt: skip
+        raise UsageError(
+            f"--train-batch-size {args.train_batch_size} groups cannot be split evenly over the "
+            f"{len(tags)} tags {', '.join(tags)}; pass --env-n-groups with one number per tag"
+        )
     if values.get("env_train_seeds", 0) >= 10**9:
         raise UsageError(f"--env-train-seeds {args.env_train_seeds}: must be below 10^9, where validation seeds begin")
     if args.env_manager:
@@ -207,7 +225,7 @@ def first_messages(spec: EnvSpec, observation: str) -> list[dict]:
 
 def check_envs(pool, config: EnvConfig, rows: list[dict], tokenizer, max_prompt_length: int) -> None:
     """Before any model loads: every tag of `rows` (training and validation, from
-    common.envs.env_rows) resets twice with its first seed of each split in the environment
+    common.agents.envs.env_rows) resets twice with its first seed of each split in the environment
     workers, and must give the same text both times (a group shares its start); with listed
     actions, one step with the first of them; the first prompt must fit --max-prompt-length.
     Anything else is a UsageError naming the tag, the seed and what went wrong."""
@@ -405,9 +423,22 @@ def load_env_host(spec: str) -> EnvHost:
 VAL_SEED_OFFSET = 10**9  # an environment run's validation seeds start here; training seeds stay below
 
 
+def env_tags(env) -> list[str]:
+    """The env group's --env-tags, else every tag of its --env-config."""
+    return list(env.env_tags) or read_env_config(env.env_config).tags
+
+
+def play_rows(env, train_batch_size: int) -> tuple:
+    """env_rows of the env group's run: its tags, their groups a step (--env-n-groups, or train_batch_size split
+    evenly over the tags) and its training and validation seeds."""
+    tags = env_tags(env)
+    groups = list(env.env_n_groups) or [train_batch_size // len(tags)] * len(tags)
+    return env_rows(env.env_config, tags, groups, env.env_train_seeds, env.env_val_seeds)
+
+
 def env_rows(config: str, tags: list[str], n_groups: list[int], train_seeds: int, val_seeds: int) -> tuple:
     """(training rows, LoadStats, validation rows) of an --env-config run: one row per tag and seed,
-    played by common.env_manager (sampling.n trajectories a row, all reset with its seed).
+    played by common.agents.env_manager (sampling.n trajectories a row, all reset with its seed).
     Training rows come in batches of sum(n_groups) rows, n_groups[k] of tags[k] (ROLL's n_groups),
     with the seeds 0 .. train_seeds-1 in row order, so each step's batch holds every tag's share and
     each seed is played once an epoch (train in this order: the seeds are the randomness).
@@ -419,26 +450,41 @@ def env_rows(config: str, tags: list[str], n_groups: list[int], train_seeds: int
         raise DataError(f"--env-train-seeds {train_seeds}: fewer than one batch of {batch} groups")
 
     def row(tag: str, seed: int, split: str, index: int) -> dict:
-        return {"data_source": tag, "agent_name": "env", "env_seed": seed, "ground_truth": None,
-                "extra_info": {"split": split, "index": index}, "prompt_ids": None, "messages": None,
-                "file": f"--env-config {config}", "row": index}  # fmt: skip
+        return {
+            "data_source": tag,
+            "agent_name": "env",
+            "env_seed": seed,
+            "ground_truth": None,
+            "extra_info": {"split": split, "index": index},
+            "prompt_ids": None,
+            "messages": None,
+            "file": f"--env-config {config}",
+            "row": index,
+        }
 
     train = []
     for b in range(train_seeds // batch):
         shares = [(tag, sum(n_groups[:k]), n) for k, (tag, n) in enumerate(zip(tags, n_groups))]
-        train += [row(tag, b * batch + start + i, "train", b * batch + start + i) for tag, start, n in shares
-                  for i in range(n)]  # fmt: skip
+        train += [
+            row(tag, b * batch + start + i, "train", b * batch + start + i)
+            for tag, start, n in shares
+            for i in range(n)
+        ]
     val = [
         row(tag, VAL_SEED_OFFSET + i, "val", k * val_seeds + i) for k, tag in enumerate(tags) for i in range(val_seeds)
     ]
     shares = ", ".join(f"{n} {tag}" for tag, n in zip(tags, n_groups))
-    stats = LoadStats(rows=len(train), kept=len(train), described=f"{len(train)} environment seeds, groups a step: "
-                      f"{shares}; validation: {val_seeds} held-out seeds a tag")  # fmt: skip
+    stats = LoadStats(
+        rows=len(train),
+        kept=len(train),
+        described=f"{len(train)} environment seeds, groups a step: "
+        f"{shares}; validation: {val_seeds} held-out seeds a tag",
+    )
     return train, stats, val
 
 
 def env_metrics(rows: list[tuple], prefix: str = "env") -> dict:
-    """Per tag, over the trajectories of every rank (common.env_manager): <prefix>/<tag>/success
+    """Per tag, over the trajectories of every rank (common.agents.env_manager): <prefix>/<tag>/success
     (the share that succeeded), return and env_return (the environment's own rewards, without
     penalties or discount), steps (environment steps), format_errors (replies whose action did not
     parse) and invalid_actions (steps the environment called invalid), per trajectory; errors and
@@ -455,3 +501,18 @@ def env_metrics(rows: list[tuple], prefix: str = "env") -> dict:
         for key in ("errors", "timeouts"):
             metrics[f"{prefix}/{tag}/{key}"] = sum(e[key] for e in of)
     return metrics
+
+
+def start_env_pool(env, max_prompt_length: int, rows: list[dict], tokenizer, log_path=None):
+    """The environment workers of an --env-config run (EnvHost, the env group's --env-workers of them), checked
+    before any model loads on the rows to be played (check_envs)."""
+    from common.rewards import ENVS_PREFIX, RewardPool  # the trainer's; a worker imports this module without it
+
+    spec = f"{ENVS_PREFIX}{env.max_traj_per_env}:{env.env_config}"
+    pool = RewardPool(spec, workers=env.env_workers, timeout=env.env_timeout, log_path=log_path)
+    try:
+        check_envs(pool, read_env_config(env.env_config), rows, tokenizer, max_prompt_length)
+    except BaseException:
+        pool.close()
+        raise
+    return pool

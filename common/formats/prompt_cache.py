@@ -1,7 +1,7 @@
 """Prompt rows of large data, or any data with --data-workers above 1 (a feature: common.data templates a small
 parquet file in the trainer's process, as the bundled runs do).
 
-Each input is read through datasets (common.sources: memory-mapped Arrow) and templated by a datasets map of
+Each input is read through datasets (common.formats.sources: memory-mapped Arrow) and templated by a datasets map of
 common.data.prompt_records, the function the in-process path runs, over --data-workers processes (verl's
 filter_overlong_prompts_workers). The map is cached by a fingerprint of the input, the columns and length rules, the
 tokenizer and this code, so the next start on the same data and flags reads the cache instead of templating again.
@@ -35,8 +35,8 @@ from common.data import (
     prompt_row,
 )
 from common.errors import DataError
+from common.formats.sources import dotted, nested, open_source
 from common.parallel import barrier
-from common.sources import dotted, nested, open_source
 
 log = logging.getLogger(__name__)
 COLUMNS = ("fate", "error", "row", "prompt_ids", "messages", "data_source", "no_truth", "agent")  # the map's
@@ -46,8 +46,13 @@ def load_prompts(files, tokenizer, *, what: str = "train_files", data_workers: i
     """common.data.load_prompts' rows and LoadStats, as one PromptRows sequence (load_inputs: which input is templated
     in this process as there, and which by the cached map)."""
     spec, stats = PromptSpec(**spec), LoadStats()
-    parts = load_inputs(files, what, data_workers, lambda file: file_prompts(file, tokenizer, spec, what, stats),
-                        lambda data, file: mapped_prompts(data, file, tokenizer, spec, what, data_workers, stats))  # fmt: skip
+    parts = load_inputs(
+        files,
+        what,
+        data_workers,
+        lambda file: file_prompts(file, tokenizer, spec, what, stats),
+        lambda data, file: mapped_prompts(data, file, tokenizer, spec, what, data_workers, stats),
+    )
     if not stats.kept:
         raise DataError(f"{what}: no rows left after filtering ({stats.summary(what)})")
     return PromptRows(parts), stats
@@ -75,10 +80,18 @@ def mapped_prompts(data, file: str, tokenizer, spec: PromptSpec, what: str, work
     spec = spec.for_file(file, list(first), first, what)
     stats.per_file[file] = len(data)
     stats.columns.setdefault(spec.describe(), []).append(file)
-    columns = dict(row="int64", prompt_ids="int32[]", messages="string", data_source="string", no_truth="bool",
-                   agent="bool")  # fmt: skip
-    done = cached_map(data, file, _map_batch, dict(tokenizer=tokenizer, spec=spec, dotted=dotted(data)), columns,
-                      [repr(spec), tokenizer_identity(tokenizer)], workers)  # fmt: skip
+    columns = dict(
+        row="int64", prompt_ids="int32[]", messages="string", data_source="string", no_truth="bool", agent="bool"
+    )
+    done = cached_map(
+        data,
+        file,
+        _map_batch,
+        dict(tokenizer=tokenizer, spec=spec, dotted=dotted(data)),
+        columns,
+        [repr(spec), tokenizer_identity(tokenizer)],
+        workers,
+    )
     fates, kept = fates_of(done)
     no_truth, agent = (done.data.column(c).to_numpy(zero_copy_only=False) for c in ("no_truth", "agent"))
     stats.rows += len(fates)
@@ -127,13 +140,25 @@ def cached_map(data, file: str, fn, fn_kwargs: dict, columns: dict, key: list, w
         log.info("%s: templating %d rows in %d process(es), cached in %s", file, len(data), workers, cache.parent)
         datasets.enable_progress_bars()  # a long first start shows its progress
     types = {"fate": "int8", "error": "string", **columns}
-    features = datasets.Features({name: datasets.Sequence(datasets.Value(t[:-2])) if t.endswith("[]")
-                                  else datasets.Value(t) for name, t in types.items()})  # fmt: skip
+    features = datasets.Features(
+        {
+            name: datasets.Sequence(datasets.Value(t[:-2])) if t.endswith("[]") else datasets.Value(t)
+            for name, t in types.items()
+        }
+    )
     try:
-        return data.map(fn, batched=True, batch_size=1000, with_indices=True, features=features,
-                        fn_kwargs={**fn_kwargs, "file": file},
-                        remove_columns=data.column_names, num_proc=workers if workers > 1 else None,
-                        new_fingerprint=fingerprint, cache_file_name=str(cache))  # fmt: skip
+        return data.map(
+            fn,
+            batched=True,
+            batch_size=1000,
+            with_indices=True,
+            features=features,
+            fn_kwargs={**fn_kwargs, "file": file},
+            remove_columns=data.column_names,
+            num_proc=workers if workers > 1 else None,
+            new_fingerprint=fingerprint,
+            cache_file_name=str(cache),
+        )
     finally:
         datasets.disable_progress_bars()
 
@@ -144,9 +169,16 @@ def _map_batch(batch: dict, indices: list[int], *, tokenizer, spec: PromptSpec, 
     records = prompt_records([nested(r) for r in rows] if dotted else rows, file, tokenizer, spec, indices[0])
     for i, (fate, record) in zip(indices, records):
         kept = {} if fate in (BAD, FILTERED) else record
-        values = (fate, record if fate == BAD else None, i, kept.get("prompt_ids", []),
-                  json.dumps(kept.get("messages")), kept.get("data_source"),
-                  bool(kept) and kept["ground_truth"] is None, bool(kept) and is_agent_row(kept))  # fmt: skip
+        values = (
+            fate,
+            record if fate == BAD else None,
+            i,
+            kept.get("prompt_ids", []),
+            json.dumps(kept.get("messages")),
+            kept.get("data_source"),
+            bool(kept) and kept["ground_truth"] is None,
+            bool(kept) and is_agent_row(kept),
+        )
         for column, value in zip(COLUMNS, values):
             out[column].append(value)
     return out

@@ -595,13 +595,17 @@ def translate(
                 noops.append(key)
             continue
         if key in OFFLOAD_KEYS and value is True and not env_flag("FSDP_OFFLOAD_PARAMS"):  # the launch's offload
-            problems.append(f"{arg}: CPU offload here is the launch's: accelerate launch --config_file "
-                            f"configs/fsdp2_offload.yaml (or FSDP_OFFLOAD_PARAMS=true torchrun), which keeps "
-                            f"parameters, gradients and the optimizer step of every model in CPU memory")  # fmt: skip
+            problems.append(
+                f"{arg}: CPU offload here is the launch's: accelerate launch --config_file "
+                f"configs/fsdp2_offload.yaml (or FSDP_OFFLOAD_PARAMS=true torchrun), which keeps "
+                f"parameters, gradients and the optimizer step of every model in CPU memory"
+            )
             continue
         if key.endswith("strategy") and value == "megatron":
-            problems.append(f"{arg}: Megatron is not built here; FSDP2 shards the model (--strategy fsdp2, or an "
-                            f"accelerate FSDP config: configs/fsdp2.yaml)")  # fmt: skip
+            problems.append(
+                f"{arg}: Megatron is not built here; FSDP2 shards the model (--strategy fsdp2, or an "
+                f"accelerate FSDP config: configs/fsdp2.yaml)"
+            )
             continue
         if isinstance(entry, NoOp):
             if key == "algorithm.adv_estimator":
@@ -662,8 +666,10 @@ def translate(
         elif arg in filed and not other_filed:  # the file's setting under the command line's
             overridden.append(f"{arg} (by {said_by})")
         else:
-            problems.append(f"{arg} and {said_by} both set --{field.replace('_', '-')}, to different values "
-                            f"({' '.join(tokens[1:]) or tokens[0]} and {' '.join(other[1:]) or other[0]}); keep one")  # fmt: skip
+            problems.append(
+                f"{arg} and {said_by} both set --{field.replace('_', '-')}, to different values "
+                f"({' '.join(tokens[1:]) or tokens[0]} and {' '.join(other[1:]) or other[0]}); keep one"
+            )
     if problems:
         head = (
             "a verl key cannot be run here" if len(problems) == 1 else f"{len(problems)} verl keys cannot be run here"
@@ -785,10 +791,20 @@ LOSS_MODES = {"vanilla": "grpo.py (or rloo.py, reinforce_pp.py, ppo.py, dapo.py,
 # The policy-loss knobs, and verl's loss modes that read them: another mode leaves them unread (a verl config file
 # holds them all).
 CLIPPED = ("vanilla", "gspo", "cispo", "geo_mean", "clip_cov", "dppo_tv", "dppo_kl")
-READ_BY = {"clip_ratio": CLIPPED, "clip_ratio_low": CLIPPED, "clip_ratio_high": CLIPPED,
-           "clip_ratio_c": ("vanilla", "gspo", "dppo_tv", "dppo_kl"), "tau_pos": ("sapo",), "tau_neg": ("sapo",),
-           "clip_cov_ratio": ("clip_cov",), "clip_cov_lb": ("clip_cov",), "clip_cov_ub": ("clip_cov",),
-           "kl_cov_ratio": ("kl_cov",), "ppo_kl_coef": ("kl_cov",), "dro_beta": ("dro",)}  # fmt: skip
+READ_BY = {
+    "clip_ratio": CLIPPED,
+    "clip_ratio_low": CLIPPED,
+    "clip_ratio_high": CLIPPED,
+    "clip_ratio_c": ("vanilla", "gspo", "dppo_tv", "dppo_kl"),
+    "tau_pos": ("sapo",),
+    "tau_neg": ("sapo",),
+    "clip_cov_ratio": ("clip_cov",),
+    "clip_cov_lb": ("clip_cov",),
+    "clip_cov_ub": ("clip_cov",),
+    "kl_cov_ratio": ("kl_cov",),
+    "ppo_kl_coef": ("kl_cov",),
+    "dro_beta": ("dro",),
+}
 
 
 def _check_estimator(arg: str, value, adv_estimator: str | None, recipe: str) -> str | None:
@@ -907,9 +923,12 @@ def _flatten(tree: dict, flag: str) -> dict:
 
 
 def verl_args(
-    args_class, adv_estimator: str | None = None, argv: list[str] | None = None, trainer: str | None = None,
+    args_class,
+    adv_estimator: str | None = None,
+    argv: list[str] | None = None,
+    trainer: str | None = None,
     loss_mode: str = "vanilla",
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """The argument list tyro should read: sys.argv[1:] with verl's key=value arguments and a
     verl config translated (what was read without effect and verl's defaults applied, said on
     rank 0). The config is a file (--verl-config FILE) or Hydra's launch of one
@@ -954,3 +973,15 @@ def _take(argv: list[str], *names: str) -> tuple[str | None, list[str]]:
                 raise UsageError(f"{names[0]}: give a value")
             return value, argv[:i] + argv[i + (1 if "=" in arg else 2) :]
     return None, argv
+
+
+def refuse_longer_run(total_epochs: int, steps_per_epoch: int, steps: int) -> None:
+    """trainer.total_training_steps past trainer.total_epochs' steps: verl stops at whichever ends first, so a verl
+    command that trained `steps` here would train longer than it does in verl; refused, saying both ways out."""
+    epochs = total_epochs * steps_per_epoch
+    raise UsageError(
+        f"{ORIGINS['total_training_steps']}: verl would stop after {total_epochs} epochs "
+        f"({ORIGINS.get('total_epochs', '--total-epochs')}), {epochs} steps of {steps_per_epoch}, and here "
+        f"it would train all {steps}; give trainer.total_training_steps={epochs}, or trainer.total_epochs="
+        f"{-(-steps // max(1, steps_per_epoch))} for all {steps}"
+    )

@@ -1,10 +1,10 @@
 """ROLL's environment manager on Gymnasium's API, over any engine of common.engines.
 
-Rows of an --env-config run (common.envs.env_rows) each name a tag and a seed. For every row,
+Rows of an --env-config run (common.agents.envs.env_rows) each name a tag and a seed. For every row,
 sampling.n trajectories (the group: train_batch_size groups of rollout_n, ROLL's env_groups x
 group_size) reset with the row's seed, so a group starts from one state. Each turn, every live
 trajectory of every group samples an assistant reply at once; the action it names
-(common.envs.parse_action) steps its environment in the environment workers, and the observation
+(common.agents.envs.parse_action) steps its environment in the environment workers, and the observation
 comes back as the next user message, until the environment terminates or truncates, the
 trajectory has had --max-env-steps turns, or the response budget (--max-response-length) is spent.
 A reply whose action does not parse does not step the environment: its turn gets --format-penalty
@@ -15,7 +15,7 @@ observation); its mask marks only the tokens the policy sampled, so observations
 loss. Its reward is the return: sum over turns t of gamma^t (r_t + penalty_t), r_t the
 environment's reward (--env-gamma, default 1: the plain sum).
 
-Environments run in worker processes (common.rewards.RewardPool with common.envs.EnvHost), each
+Environments run in worker processes (common.rewards.RewardPool with common.agents.envs.EnvHost), each
 trajectory pinned to one worker for its life. An environment that raises, hangs past
 --env-timeout or kills its worker ends that trajectory, counted in env/<tag>/errors or timeouts,
 and the trajectory is left out of the loss (its mask is zeroed: the policy did nothing wrong).
@@ -32,10 +32,10 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 
-from common.agent import between_turns
+from common.agents.agent import between_turns
+from common.agents.envs import EnvHost, EnvSpec, first_messages, parse_action, read_env_config
 from common.data import render_chat
 from common.engines import Completion, Sampling
-from common.envs import EnvConfig, EnvHost, EnvSpec, first_messages, parse_action
 from common.errors import UsageError
 from common.parallel import all_reduce_max
 
@@ -85,10 +85,18 @@ class Trajectory:
         ret = sum(gamma**t * r for t, r in enumerate(self.turn_rewards))
         tokens, logprobs = (self.tokens, self.logprobs) if self.tokens else ([eos_id], [0.0])
         mask = [0] * len(tokens) if self.error or not self.tokens else self.mask
-        env = dict(tag=self.tag, seed=self.seed, success=bool(self.success), steps=len(self.actions),
-                   turns=len(self.turn_rewards), format_errors=self.format_errors,
-                   invalid_actions=self.invalid_actions, env_return=sum(self.env_rewards),
-                   errors=int(self.error == "error"), timeouts=int(self.error == "timeout"))  # fmt: skip
+        env = dict(
+            tag=self.tag,
+            seed=self.seed,
+            success=bool(self.success),
+            steps=len(self.actions),
+            turns=len(self.turn_rewards),
+            format_errors=self.format_errors,
+            invalid_actions=self.invalid_actions,
+            env_return=sum(self.env_rewards),
+            errors=int(self.error == "error"),
+            timeouts=int(self.error == "timeout"),
+        )
         env["return"] = ret
         return Completion(tokens, logprobs, self.finish_reason, mask=mask, extra_info={"env": env})
 
@@ -97,17 +105,16 @@ class EnvLoop:
     """The environment manager over an engine: generate_rows(rows, sampling) plays env rows;
     everything else (generate, update_weights, the lifecycle, weight_version) is the engine's.
 
-    pool: the environment workers (common.rewards.RewardPool over an EnvHost); max_prompt_length: the
-    longest first prompt (system prompt and first observation) a trajectory may have (common.envs.check_envs
-    tries a seed per tag and split before the run; any other seed is held to it here); lockstep: every
-    rank calls the engine equally often (needed when its generate is collective, as in training)."""
+    env: the env group (--env-config's environments, --max-env-steps, --format-penalty, --env-gamma); pool: the
+    environment workers (common.rewards.RewardPool over an EnvHost); max_prompt_length: the longest first prompt
+    (system prompt and first observation) a trajectory may have (common.agents.envs.check_envs tries a seed per tag
+    and split before the run; any other seed is held to it here); lockstep: every rank calls the engine equally
+    often (needed when its generate is collective, as in training)."""
 
-    def __init__(self, engine, tokenizer, *, config: EnvConfig, pool, max_env_steps: int, format_penalty: float,
-                 gamma: float, max_response_length: int, max_prompt_length: int | None = None,
-                 lockstep: bool = True):  # fmt: skip
-        self.engine, self.tokenizer, self.config, self.pool = engine, tokenizer, config, pool
-        self.max_steps, self.penalty, self.gamma = max_env_steps, format_penalty, gamma
-        self.max_length, self.max_prompt, self.lockstep = max_response_length, max_prompt_length, lockstep
+    def __init__(self, engine, tokenizer, env, pool, max_prompt_length: int | None = None, lockstep: bool = True):
+        self.engine, self.tokenizer, self.config, self.pool = engine, tokenizer, read_env_config(env.env_config), pool
+        self.max_steps, self.penalty, self.gamma = env.max_env_steps, env.format_penalty, env.env_gamma
+        self.max_length, self.max_prompt, self.lockstep = 0, max_prompt_length, lockstep
         self.eos_id = tokenizer.eos_token_id
         self.reported = set()  # failures already shown once
 
@@ -119,7 +126,7 @@ class EnvLoop:
 
     # --- what a user's manager may override ---------------------------------------------------------
     def first_messages(self, spec: EnvSpec, observation: str) -> list[dict]:
-        """The prompt of a trajectory (common.envs.first_messages: system prompt, first observation)."""
+        """The prompt of a trajectory (common.agents.envs.first_messages: system prompt, first observation)."""
         return first_messages(spec, observation)
 
     def next_message(self, trajectory: Trajectory, observation: str, parsed: bool) -> dict:
@@ -129,16 +136,19 @@ class EnvLoop:
         return {"role": "user", "content": text}
 
     def parse(self, trajectory: Trajectory, reply: str) -> str | None:
-        """The action a reply names, None when it names none (common.envs.parse_action)."""
+        """The action a reply names, None when it names none (common.agents.envs.parse_action)."""
         return parse_action(reply, trajectory.spec)
 
     # --- the loop -------------------------------------------------------------------------------------
     def generate_rows(self, rows: list[dict], sampling: Sampling) -> list[list[Completion]]:
-        """sampling.n trajectories per row, each as one Completion; sets each row's prompt_ids and
-        messages (the group's shared start)."""
+        """sampling.n trajectories per row, each as one Completion of at most sampling.max_tokens tokens; sets each
+        row's prompt_ids and messages (the group's shared start)."""
         n, workers = sampling.n, len(self.pool.workers)
-        trajectories = [Trajectory(row, uuid.uuid4().hex, k % workers, self.config.specs[row["data_source"]])
-                        for k, row in enumerate(r for r in rows for _ in range(n))]  # fmt: skip
+        self.max_length = sampling.max_tokens  # a trajectory's room, observations included
+        trajectories = [
+            Trajectory(row, uuid.uuid4().hex, k % workers, self.config.specs[row["data_source"]])
+            for k, row in enumerate(r for r in rows for _ in range(n))
+        ]
         self._run([("reset", t.id, t.tag, t.seed) for t in trajectories], trajectories, self._reset)
         for i, row in enumerate(rows):
             self._set_prompt(row, trajectories[i * n : (i + 1) * n])
@@ -150,16 +160,26 @@ class EnvLoop:
                 break
             budget = [self.max_length - len(t.tokens) for t in active]
             # Each conversation generates at most its own room left (a filler 1 token: it is dropped).
-            more = Sampling(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                            max_tokens=reduce(max(budget, default=1)),
-                            budgets=tuple(budget) + (1,) * (count - len(active)))  # fmt: skip
+            more = Sampling(
+                n=1,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                max_tokens=reduce(max(budget, default=1)),
+                budgets=tuple(budget) + (1,) * (count - len(active)),
+            )
             filler = rows[0]["prompt_ids"] if rows else [self.eos_id]
-            outs = self.engine.generate([t.row["prompt_ids"] + t.tokens for t in active]
-                                        + [filler] * (count - len(active)), more)  # fmt: skip
+            outs = self.engine.generate(
+                [t.row["prompt_ids"] + t.tokens for t in active] + [filler] * (count - len(active)), more
+            )
             stepping = []
             for t, left, (out,) in zip(active, budget, outs):
-                if self._replied(t, out.token_ids[:left], out.logprobs[:left], len(out.token_ids) > left
-                                 or out.finish_reason == "length"):  # fmt: skip
+                if self._replied(
+                    t,
+                    out.token_ids[:left],
+                    out.logprobs[:left],
+                    len(out.token_ids) > left or out.finish_reason == "length",
+                ):
                     stepping.append(t)
             self._run([("step", t.id, t.pending) for t in stepping], stepping, self._stepped)
             for t in active:
@@ -233,8 +253,16 @@ class EnvLoop:
         if (t.tag, t.error) not in self.reported:
             self.reported.add((t.tag, t.error))
             reason = f"no answer within {self.pool.timeout:g}s" if failure == "timeout" else failure
-            log.error("envs.%s: %s failed for seed %s (%s); the trajectory ends and is left out of the loss (counted "
-                      "in env/%s/%ss; shown once)", t.tag, what, t.seed, reason, t.tag, t.error)  # fmt: skip
+            log.error(
+                "envs.%s: %s failed for seed %s (%s); the trajectory ends and is left out of the loss (counted "
+                "in env/%s/%ss; shown once)",
+                t.tag,
+                what,
+                t.seed,
+                reason,
+                t.tag,
+                t.error,
+            )
 
     def _next_turn(self, t: Trajectory) -> None:
         """After a turn: the trajectory ends at its turn limit, else the next observation follows."""
