@@ -311,7 +311,7 @@ def main(argv: list[str]) -> int:
     """`python -m common.check`: the tool in the module docstring (common.proofs.tool, a feature: loaded only here)."""
     from common.proofs.tool import main as tool
 
-    return tool(argv)
+    return tool(argv, environment_report)
 
 
 if __name__ == "__main__":

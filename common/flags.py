@@ -187,3 +187,21 @@ def env_flag(name: str, default: str = "false") -> bool:
 def flag_name(name: str) -> str:
     """A field's flag as the command line spells it: lr_warmup_steps_ratio -> --lr-warmup-steps-ratio."""
     return "--" + name.replace("_", "-")
+
+
+def parse_band(threshold: float | str) -> tuple[float | None, float]:
+    """verl's rollout_is_threshold: a number u truncates the weights at u (TIS: (None, u)); a text
+    "lo_hi" keeps the weights inside [lo, hi] and zeroes the rest (IcePop's mask: (lo, hi))."""
+    if isinstance(threshold, str) and "_" in threshold:
+        lo, hi = threshold.split("_", 1)
+        return float(lo), float(hi)
+    return None, float(threshold)
+
+
+def band_ok(threshold) -> bool:
+    """rollout_is_threshold: a number >= 1, or lo_hi with 0 < lo <= 1 <= hi."""
+    try:
+        lo, hi = parse_band(threshold)
+    except ValueError:
+        return False
+    return hi >= 1 if lo is None else 0 < lo <= 1 <= hi

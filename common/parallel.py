@@ -151,11 +151,6 @@ def wrap_model(model: nn.Module, strategy: str, dist: Dist, mixed_precision: str
     return shard(model, dist, mixed_precision, options)
 
 
-def blocks_of(model: nn.Module) -> list[nn.Module]:  # its decoder layers: the classes in _no_split_modules
-    names = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or []}
-    return [module for module in model.modules() if type(module).__name__ in names]
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 

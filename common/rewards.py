@@ -379,14 +379,10 @@ def start_reward_pool(reward: "RewardArgs", agent, env, data, run_dir, tokenizer
     batch = reward.reward_manager == "batch"
     pool = reward_pool(reward.reward_fn, reward.reward_workers, reward.reward_timeout, log_path, batch)
     if env.env_config:
-        from common.agents.envs import start_env_pool
-
         pool.envs = start_env_pool(env, data.max_prompt_length, rows, tokenizer, log_path)
     elif rows and not reward.reward_model:
         pool.dry_run(rows)
     if agent.on:
-        from common.agents.tools import start_agent_pools
-
         pool.tools, pool.interactions = start_agent_pools(agent, reward.reward_workers, log_path)
     return pool
 
@@ -402,13 +398,34 @@ def reward_pool(reward_fn: str | None, workers: int, timeout: float, log_path=No
     return RewardPool(spec, workers=1 if batch else workers, timeout=timeout, log_path=log_path)
 
 
-def __getattr__(name: str):  # older forks import the agent loop's pools from here; they live with the agents now
-    if name in ("start_agent_pools", "start_env_pool"):
-        import common.agents.envs
-        import common.agents.tools
+def start_agent_pools(agent, workers: int, log_path=None) -> tuple[RewardPool | None, RewardPool | None]:
+    """The agent loop's pools (common.agents.agent), each None without its flag of the agent group: --tool-config's
+    tools (`workers` workers) and --interaction-config's interactions (one worker: it holds every interaction's
+    state). Started now, so an import that fails or hangs is an error before any model loads."""
 
-        return getattr(common.agents.tools, name, None) or getattr(common.agents.envs, name)
-    raise AttributeError(f"module 'common.rewards' has no attribute {name!r}")
+    def pool(prefix: str, config: str | None, workers: int) -> RewardPool | None:
+        return (
+            RewardPool(prefix + config, workers=workers, timeout=agent.tool_timeout, log_path=log_path)
+            if config
+            else None
+        )
+
+    return pool(TOOLS_PREFIX, agent.tool_config, workers), pool(INTERACTIONS_PREFIX, agent.interaction_config, 1)
+
+
+def start_env_pool(env, max_prompt_length: int, rows: list[dict], tokenizer, log_path=None) -> RewardPool:
+    """The environment workers of an --env-config run (common.agents.envs.EnvHost, the env group's --env-workers of
+    them), checked before any model loads on the rows to be played (common.agents.envs.check_envs)."""
+    from common.agents.envs import check_envs, read_env_config  # a feature: an --env-config run's
+
+    spec = f"{ENVS_PREFIX}{env.max_traj_per_env}:{env.env_config}"
+    pool = RewardPool(spec, workers=env.env_workers, timeout=env.env_timeout, log_path=log_path)
+    try:
+        check_envs(pool, read_env_config(env.env_config), rows, tokenizer, max_prompt_length)
+    except BaseException:
+        pool.close()
+        raise
+    return pool
 
 
 BATCHED = (

@@ -265,10 +265,9 @@ def read_rows(args: Args, tokenizer) -> tuple[list[dict], str]:
 def main(args: Args) -> dict:
     from tqdm.auto import tqdm
 
-    from common.agents.envs import start_env_pool
-    from common.agents.tools import start_agent_pools
     from common.engines import Sampling
     from common.model import load_policy, load_tokenizer
+    from common.rewards import start_agent_pools, start_env_pool
     from common.rollout import local_engine, sample, with_agents
 
     dist = init_distributed(args.wait_timeout, args.seed)

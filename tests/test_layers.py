@@ -100,6 +100,43 @@ def test_the_features_live_in_subpackages_and_the_core_flat():
     assert all("." not in m and ((COMMON / f"{m}.py").is_file() or m in packages) for m in LAYERS), LAYERS
 
 
+def circles(folder: Path = COMMON) -> list[list[str]]:
+    """The import circles among folder's modules, counting imports inside functions (a core module's call into a
+    feature included): each a sorted list of the modules on it (Tarjan's strongly connected components)."""
+    edges = {module_name(p, folder): {name for _, name, _ in common_imports(p, folder)} for p in folder.rglob("*.py")}
+    index, low, stack, found = {}, {}, [], []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in edges.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            part = stack[stack.index(node) :]
+            del stack[stack.index(node) :]
+            if len(part) > 1 or node in edges.get(node, ()):
+                found.append(sorted(part))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_common_has_no_import_circle(tmp_path):
+    """DESIGN.md: common/ never imports in a circle, not even inside a function. A feature the core reaches imports
+    only what sits below the module that reaches it (what that module's caller must hand it, it is handed)."""
+    assert circles() == [], "import circles in common/ (counting imports inside functions)"
+    (tmp_path / "low.py").write_text("def f():\n    from common.high import g\n    return g\n")
+    (tmp_path / "high.py").write_text("from common.low import f\n")
+    (tmp_path / "other.py").write_text("from common.low import f\n")
+    assert circles(tmp_path) == [["high", "low"]]
+
+
 def test_common_imports_only_downward():
     problems = layer_violations(LAYERS, FEATURES)
     assert not problems, "common/ imports against its layers (common/__init__.py):\n" + "\n".join(problems)
@@ -148,8 +185,8 @@ def test_a_default_run_loads_no_ray_gymnasium_engines_agent_or_environments(defa
 # The names the recipes import, by module: the surface a fork builds on. The recipes are held to it, so that every
 # name a recipe uses is named here and every name here is used (test_the_recipes_import_exactly_the_public_names).
 PUBLIC = {
-    "agents.envs": "env_rows env_tags start_env_pool",
-    "agents.tools": "check_rows read_tool_config start_agent_pools",
+    "agents.envs": "env_rows env_tags",
+    "agents.tools": "check_rows read_tool_config",
     "check": "launch_check prove_resume trainer_check",
     "checkpoint": "find_resume resume save_checkpoint",
     "config": "AgentArgs BUNDLED EngineArgs EnvPlayArgs ModelArgs OptimArgs RLArgs TrainerArgs WaitArgs check_flags cli "
@@ -168,7 +205,7 @@ PUBLIC = {
     "optim": "trainable",
     "parallel": "StopSignal all_reduce_sum barrier clip_grad_norm gather_objects grad_sync init_distributed "
     "seed_everything setup_logging shard_evenly",
-    "rewards": "Scored reward_pool start_reward_pool",
+    "rewards": "Scored reward_pool start_agent_pools start_env_pool start_reward_pool",
     "rollout": "Rollout engine_logprobs generate_and_score load_reward_model load_rl_data load_rl_models local_engine "
     "regroup sample start_engine with_agents",
     "runlock": "claim_output claim_run_dir",

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from common import kl_reward, ops, shaping
+from common import flags, kl_reward, ops, shaping
 from common.kl_reward import KLRewardArgs
 from common.shaping import CorrectionArgs, correction
 from common.shaping.conditioning import topr_loss
@@ -194,7 +194,7 @@ def test_a_lo_hi_band_zeroes_the_weights_outside_it():
     weights, loss_mask, metrics = rollout_correction(old, rollout, mask, mode="token", threshold="0.5_5.0")
     assert loss_mask is mask and metrics["rollout_corr/rollout_is_oob_ratio"] == 0.5
     assert "rollout_corr/rollout_is_ratio_fraction_high" not in metrics
-    assert shaping.parse_band(2.0) == (None, 2.0) and shaping.parse_band("0.5_5") == (0.5, 5.0)
+    assert flags.parse_band(2.0) == (None, 2.0) and flags.parse_band("0.5_5") == (0.5, 5.0)
 
 
 def test_batch_normalize_rescales_the_weights_to_mean_one():

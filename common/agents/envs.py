@@ -501,18 +501,3 @@ def env_metrics(rows: list[tuple], prefix: str = "env") -> dict:
         for key in ("errors", "timeouts"):
             metrics[f"{prefix}/{tag}/{key}"] = sum(e[key] for e in of)
     return metrics
-
-
-def start_env_pool(env, max_prompt_length: int, rows: list[dict], tokenizer, log_path=None):
-    """The environment workers of an --env-config run (EnvHost, the env group's --env-workers of them), checked
-    before any model loads on the rows to be played (check_envs)."""
-    from common.rewards import ENVS_PREFIX, RewardPool  # the trainer's; a worker imports this module without it
-
-    spec = f"{ENVS_PREFIX}{env.max_traj_per_env}:{env.env_config}"
-    pool = RewardPool(spec, workers=env.env_workers, timeout=env.env_timeout, log_path=log_path)
-    try:
-        check_envs(pool, read_env_config(env.env_config), rows, tokenizer, max_prompt_length)
-    except BaseException:
-        pool.close()
-        raise
-    return pool

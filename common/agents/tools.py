@@ -439,16 +439,3 @@ def check_rows(rows: list[dict], agent) -> None:
     tools = read_tool_config(agent.tool_config) if agent.tool_config else None
     interactions = read_interaction_config(agent.interaction_config).names if agent.interaction_config else None
     check_agent_rows(rows, tools.schemas if tools else None, interactions, list(tools.classes) if tools else [])
-
-
-def start_agent_pools(agent, workers: int, log_path=None):
-    """The agent loop's pools (common.agents.agent), each None without its flag of the agent group: --tool-config's
-    tools (`workers` workers) and --interaction-config's interactions (one worker: it holds every interaction's
-    state). Started now, so an import that fails or hangs is an error before any model loads."""
-    from common.rewards import INTERACTIONS_PREFIX, TOOLS_PREFIX, RewardPool
-
-    def pool(prefix: str, config: str | None, workers: int):
-        return RewardPool(prefix + config, workers=workers, timeout=agent.tool_timeout, log_path=log_path)
-
-    tools = pool(TOOLS_PREFIX, agent.tool_config, workers) if agent.tool_config else None
-    return tools, pool(INTERACTIONS_PREFIX, agent.interaction_config, 1) if agent.interaction_config else None

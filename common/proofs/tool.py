@@ -8,16 +8,16 @@ python -m common.check grpo [grpo.py's flags] # the recipe up to its launch chec
 import os
 import sys
 
-from common.check import environment_report
 from common.errors import STOP_AFTER_CHECK
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], environment_report) -> int:
     """`--env`: print the environment report. `RECIPE [FLAGS]`: run recipes/RECIPE.py with FLAGS up to the
     end of its launch check (data, models, engine as the flags say) and exit: 0 when every item passed,
     1 (with what to do) when one failed. Every probe runs, --check full's child runs included, unless
     FLAGS name another --check (fast: the probes a training run makes; warn is honoured). Without
-    --output-dir the run folder is a temporary one, so no run of the user's is touched."""
+    --output-dir the run folder is a temporary one, so no run of the user's is touched. environment_report:
+    common.check's, handed down (this feature sits above it)."""
     import runpy
     import tempfile
     from pathlib import Path

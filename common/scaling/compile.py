@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from common.parallel import blocks_of
+from common.scaling import blocks_of
 
 
 def compile_layers(model):

@@ -3,7 +3,7 @@ under --strategy fsdp2 (or an accelerate FSDP config, or CPU offload)."""
 
 import torch
 
-from common.parallel import blocks_of
+from common.scaling import blocks_of
 
 
 def shard(model, dist, mixed_precision: str, options: dict):

@@ -10,26 +10,7 @@ from typing import Literal
 import torch
 
 from common.errors import UsageError
-from common.flags import flag
-
-
-def parse_band(threshold: float | str) -> tuple[float | None, float]:
-    """verl's rollout_is_threshold: a number u truncates the weights at u (TIS: (None, u)); a text
-    "lo_hi" keeps the weights inside [lo, hi] and zeroes the rest (IcePop's mask: (lo, hi))."""
-    if isinstance(threshold, str) and "_" in threshold:
-        lo, hi = threshold.split("_", 1)
-        return float(lo), float(hi)
-    return None, float(threshold)
-
-
-def band_ok(threshold) -> bool:
-    """rollout_is_threshold: a number >= 1, or lo_hi with 0 < lo <= 1 <= hi."""
-    try:
-        lo, hi = parse_band(threshold)
-    except ValueError:
-        return False
-    return hi >= 1 if lo is None else 0 < lo <= 1 <= hi
-
+from common.flags import band_ok, flag
 
 BAND_RULE = "a cap >= 1, or lo_hi with 0 < lo <= 1 <= hi (else even an on-policy token's weight of 1 is cut)"
 # When the run reads a flag (common.flags.flag's only_with), for flags that share it

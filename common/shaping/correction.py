@@ -9,8 +9,8 @@ import math
 import torch
 
 from common.errors import UsageError
+from common.flags import parse_band
 from common.parallel import all_reduce_sum, gather_objects
-from common.shaping import parse_band
 
 
 def _masked_mean_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
