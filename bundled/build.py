@@ -137,6 +137,32 @@ def build_task(out: Path) -> None:
         pq.write_table(pa.Table.from_pylist(records), out / f"{split}.parquet")
 
 
+PLAIN_SOURCE = "bundled/plain_addition"
+N_PLAIN_TEST = 200
+
+
+def build_plain_task(out: Path) -> None:
+    """The real model's task (bundled/real_model.py): sums of two numbers from 10 to 49 asked in plain words,
+    answered as the instruct model answers ("36 + 46 = 82"), the reward reading the last number."""
+    pairs = [(a, b) for a in range(10, 50) for b in range(10, 50)]
+    random.Random(SEED).shuffle(pairs)
+    out.mkdir(parents=True, exist_ok=True)
+    for split, rows in {"test": pairs[:N_PLAIN_TEST], "train": pairs[N_PLAIN_TEST:]}.items():
+        records = []
+        for i, (a, b) in enumerate(rows):
+            q = f"Compute {a} + {b}. Reply with the number only."
+            records.append(
+                {
+                    "data_source": PLAIN_SOURCE,
+                    "prompt": [{"role": "user", "content": q}],
+                    "ability": "math",
+                    "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                    "extra_info": {"split": split, "index": i, "question": q, "answer": str(a + b)},
+                }
+            )
+        pq.write_table(pa.Table.from_pylist(records), out / f"{split}.parquet")
+
+
 def tool_call(a: int, b: int) -> str:
     call = {"name": "calculator", "arguments": {"expression": f"{a}*{b}"}}
     return f"<tool_call>{json.dumps(call)}</tool_call>"
@@ -272,6 +298,7 @@ def main() -> None:
     tokenizer.save_pretrained(llama_dir)
     build_task(HERE / "addition")
     build_tool_task(HERE / "calculator")
+    build_plain_task(HERE / "plain-addition")
     build_games(HERE / "envs")
     n = sum(p.numel() for p in model.parameters())
     print(json.dumps({"model": str(model_dir), "params": n, "vocab": len(tokenizer)}))

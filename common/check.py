@@ -11,6 +11,11 @@ what to do, or (--check warn) only says so.
   are restored bit for bit (from a copy of this rank's share) and synced again.
 - packing: where the model may run padding-free (--use-remove-padding auto or True), packed and padded agree.
 - rewards: the reward pool's dry run (common.rewards) scored real rows of every data_source.
+- reward signal: a few training prompts sampled as the run samples them (its temperature, top-p / top-k, length,
+  agent loop or environments) and scored as step 3 scores them. When every sample scores the same (all 0: the
+  model never writes the answer the way the reward reads it), every group's advantage is 0 and no step can learn:
+  a warning with the usual causes and the samples, a stop under --check strict, before the minutes of validation
+  and steps that common.tracking's in-training warning waits for.
 - resume (--check full; prove_resume, before the models load): two short child runs of this command line,
   one resumed in a fresh process from the other's step-1 checkpoint, train the same step 2 (metrics, weights).
 The report opens with the stack's versions (environment_report, against TESTED). sft.py has no engine or
@@ -26,9 +31,11 @@ import importlib.metadata
 import itertools
 import logging
 import os
+import random
 import sys
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,8 +44,8 @@ from common.engines import Sampling
 from common.errors import STOP_AFTER_CHECK, RunStopped
 from common.model import VARLEN, pack_mode, trainer_logprobs
 from common.ops import logprob_gap
-from common.parallel import unwrap
-from common.rollout import TOLERANCE, engine_logprobs
+from common.parallel import gather_objects, unwrap
+from common.rollout import TOLERANCE, engine_logprobs, generate_and_score
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +115,11 @@ class Item:
     ok: bool | str | None  # None: does not apply to this run; "warn": said, never stops it
     figure: str
     advice: str = ""
+    detail: tuple[str, ...] = ()  # lines printed under the item's own
 
     def line(self) -> str:
         verdict = {True: "pass", False: "FAIL", None: "n/a", "warn": "warn"}[self.ok]
-        return f"  check {self.name:<16} {verdict:<5} {self.figure}"
+        return "\n".join([f"  check {self.name:<16} {verdict:<5} {self.figure}", *self.detail])
 
 
 def probe_prompts(rows: list[dict], tokenizer) -> list[list[int]]:
@@ -171,6 +179,56 @@ def check_packing(model, batch, dtype) -> Item:
         "padding-free attention disagrees with the padded pass on this model: set --use-remove-padding False "
         "and report the model",
     )
+
+
+def _reward_probe(engine, rollout, prompts: int, n: int) -> list[tuple]:
+    """Per rank (gathered): (rewards, texts, truncated, groups that differ, groups) of `prompts` training prompts a
+    rank (a fixed draw) x n samples at the run's sampling, scored as step 3 scores them."""
+    rows, dist = rollout.train, rollout.dist
+    picked = random.Random(0).sample(range(len(rows)), min(prompts * dist.world_size, len(rows)))
+    mine = [rows[i] for i in picked[dist.rank :: dist.world_size] or picked[:1]]
+    args = (rollout.pool, rollout.tokenizer, dist.device, rollout.reward_model)
+    batch = generate_and_score(mine, engine, replace(rollout.sampling, n=n), *args)
+    texts = rollout.tokenizer.batch_decode([c.token_ids for _, c in batch["rows"]], skip_special_tokens=True)
+    groups: dict = {}
+    for group, reward in zip(batch["group_ids"].tolist(), batch["rewards"].tolist()):
+        groups.setdefault(group, set()).add(reward)
+    cut = sum(c.finish_reason == "length" for _, c in batch["rows"])
+    varied = sum(len(v) > 1 for v in groups.values())
+    return gather_objects((batch["rewards"].tolist(), texts, cut, varied, len(groups)))
+
+
+def check_reward_signal(engine, rollout, strict: bool) -> tuple:
+    """(ok, figure, advice, detail), collective: 4 prompts a rank x up to 4 samples, and when they all score the same
+    (rare successes may hide there) a step's worth (its prompts x --rollout-n, up to 256 samples a rank). True when
+    some rewards differ, else "warn" (strict: False, a stop). detail: the lowest and highest scored samples."""
+    if not rollout.train:
+        return None, "no training rows to probe", "", ()
+    n, ranks = rollout.sampling.n, rollout.dist.world_size
+    parts = _reward_probe(engine, rollout, 4, min(n, 4))
+    step = min(-(-rollout.batch_size // ranks), max(1, 256 // n))
+    if len({r for p in parts for r in p[0]}) == 1 and step * n > 4 * min(n, 4):
+        parts = _reward_probe(engine, rollout, step, n)
+    samples = sorted((r, t) for p in parts for r, t in zip(p[0], p[1]))
+    counts = Counter(round(r, 4) for r, _ in samples)
+    spread = ", ".join(f"{v:g} x{k}" for v, k in sorted(counts.items()))
+    if len(counts) > 3:
+        spread = f"mean {sum(r for r, _ in samples) / len(samples):.3g}, {samples[0][0]:.3g} to {samples[-1][0]:.3g}"
+    varied, prompts, total = sum(p[3] for p in parts), sum(p[4] for p in parts), len(samples)
+    figure = f"{total} samples of {prompts} training prompts as the run samples: rewards {spread}"
+    figure += f"; {varied} of {prompts} groups differ"
+    detail = tuple(f"    reward {r:g}: {t[:100]!r}" for r, t in dict.fromkeys([samples[0], samples[-1]]))
+    if len(counts) > 1:
+        return True, figure, "", detail
+    advice = (
+        f"every probe sample scored {samples[0][0]:g}: a step like this has no advantage to learn from. Usual "
+        f"causes: the model does not write the answer the way the reward reads it (the samples above), "
+        f"--max-response-length {rollout.sampling.max_tokens} cuts the answer off ({sum(p[2] for p in parts)} of "
+        f"{total} samples hit it), or the reward function returns one value for everything. Try a prompt that asks "
+        f"for the format, a longer --max-response-length, a reward that reads the answer as the model writes it, or "
+        f"a model that gets some answers right{'' if strict else '; --check strict stops the run here'}"
+    )
+    return (False if strict else "warn"), figure, advice, detail
 
 
 def _keep_rng():
@@ -266,6 +324,8 @@ def launch_check(mode: str, model, engine, rollout, tracker, resumed: Item | Non
         if dry is None
         else Item("rewards", True if dry[0] else "warn", dry[1], REWARD_ADVICE)
     )
+    with _keep_rng():
+        items.append(Item("reward signal", *check_reward_signal(engine, rollout, strict=mode == "strict")))
     _report(mode, [*items, resumed or NO_RESUME], time.time() - t, tracker, rollout.dist.is_main)
     return check
 

@@ -127,10 +127,11 @@ def check_flags(args) -> None:
 class TrainerArgs(WaitArgs):
     """A run's folder, its length, its checkpoints and logs, and what it proves before step 1 (verl's trainer)."""
 
-    check: Literal["fast", "full", "warn", "off"] = "fast"
+    check: Literal["fast", "full", "strict", "warn", "off"] = "fast"
     """before step 1, prove on this stack what the run relies on (common.check; the RL recipes: that the engine
-    samples what the trainer trains): fast stops the run on a failed item, full also proves that a resumed step
-    equals the uninterrupted one (two short child runs first), warn only says so"""
+    samples what the trainer trains, and that the policy's samples can get different rewards): fast stops the run
+    on a failed item, full also proves that a resumed step equals the uninterrupted one (two short child runs
+    first), strict also stops when every probe sample scores the same, warn only says so"""
     output_dir: str = ""
     """run folder (default: runs/<experiment_name>); one live run at a time (run.lock names it)"""
     force_unlock: bool = False

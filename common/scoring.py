@@ -14,6 +14,7 @@ from pathlib import Path
 from common.errors import UsageError
 
 BUNDLED_SOURCES = ("bundled/addition", "bundled/calculator")  # the bundled tasks: 2-digit, and 3-digit with a tool
+PLAIN_SOURCES = ("bundled/plain_addition",)  # the real model's task: a plain answer, its last number read
 GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
 MATH_SOURCES = (
     "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math",
@@ -55,6 +56,11 @@ def gsm8k_score(
     return score if answer == truth.replace(",", "").strip() else format_score
 
 
+def last_number_score(solution_str: str, ground_truth) -> float:
+    """Plain-answer task: 1.0 when the reply's last number is the ground truth ("27 + 48 = 75."; GSM8K's flexible rule)."""
+    return gsm8k_score(solution_str, ground_truth, method="flexible")
+
+
 def math_score(solution_str: str, ground_truth) -> float:
     """Checks the \\boxed{} (or last) answer against the ground truth with math-verify."""
     from math_verify import parse, verify
@@ -89,6 +95,8 @@ def builtin_scorer(data_source: str):
     """The built-in (solution_str, ground_truth) -> score for a data_source, or None."""
     if data_source in BUNDLED_SOURCES:
         return addition_score
+    if data_source in PLAIN_SOURCES:
+        return last_number_score
     if data_source in GSM8K_SOURCES:
         return gsm8k_score
     if data_source in MATH_SOURCES or data_source.startswith(("math", "aime")):
@@ -101,6 +109,7 @@ def builtin_scorer(data_source: str):
 def extract_answer(data_source: str, text: str) -> str | None:
     """The final answer a built-in reward reads from a response (for maj@k votes in recipes/evaluate.py), or None."""
     readers = {addition_score: extract_answer_tag, gsm8k_score: _gsm8k_answer, math_score: last_boxed}
+    readers[last_number_score] = lambda text: _gsm8k_answer(text, "flexible")
     read = readers.get(builtin_scorer(data_source))
     return read(text) if read else None
 
@@ -109,7 +118,7 @@ def default_compute_score(data_source, solution_str, ground_truth, extra_info=No
     scorer = builtin_scorer(data_source)
     if scorer is None:
         raise ValueError(
-            f"no built-in reward for data_source={data_source!r} (built-ins: {', '.join(BUNDLED_SOURCES)}, "
+            f"no built-in reward for data_source={data_source!r} (built-ins: {', '.join(BUNDLED_SOURCES + PLAIN_SOURCES)}, "
             f"{', '.join(GSM8K_SOURCES)}, math sources such as {MATH_SOURCES[0]}, format); pass "
             f"--reward-fn path/to/file.py:compute_score"
         )

@@ -69,7 +69,7 @@ class Tracker:
         self.path = self.run_dir / "metrics.jsonl"
         self.loggers = self.bar = None
         self.val_first, self.val_last = {}, {}  # before training (step 0), and the latest
-        self.zero_grad_steps, self.warned_zero_grad = 0, False
+        self.zero_grad_steps, self.warned_zero_grad, self.no_signal_steps = 0, False, 0
         measured = plan is not None and run_info.get("flops")
         self.perf = _perf_context({**run_info, "epochs": flags.get("ppo_epochs", 1)}) if measured else None
         self.run_facts = None  # the flags the closing block's advice depends on
@@ -188,6 +188,7 @@ class Tracker:
                 f"causes: rewards far larger than the others (a reward function's scale), a learning rate too high, "
                 f"float16 overflow. Resume from the last checkpoint with a lower --lr, or check the reward function"
             )
+        self.no_signal_steps += metrics.get("reward/equal_groups") == 1
         if "train/grad_norm" not in metrics:
             return
         self.zero_grad_steps = self.zero_grad_steps + 1 if _plain(metrics["train/grad_norm"]) == 0 else 0
@@ -216,6 +217,7 @@ class Tracker:
         a failure stopped (StopSignal.fail) raises it as RunStopped (exit status 1). Returns the summary."""
         barrier()
         summary = {"steps": self.last_step - self.start_step, "seconds": time.time() - self.t_start, **self.val_last}
+        summary["no_signal_steps"] = self.no_signal_steps
         png = self.close(plot_keys)
         if "val/accuracy" in summary:
             before = f"{self.val_first['val/accuracy']:.1%} -> " if "val/accuracy" in self.val_first else ""
@@ -223,6 +225,11 @@ class Tracker:
             self.write(f"val accuracy {before}{summary['val/accuracy']:.1%}{loss}")
         curves = f"; curves {png}" if png else ""
         self.write(f"{summary['steps']} steps in {summary['seconds']:.0f}s; run folder {self.run_dir}{curves}")
+        if self.no_signal_steps:
+            self.write(
+                f"{self.no_signal_steps} of {summary['steps']} steps had no reward signal: every group's rewards were "
+                f"equal (reward/equal_groups 1), so every advantage was 0"
+            )
         if self.totals:
             self.write(self.time_report(summary["seconds"]))
         checkpoint = self.run_dir / "checkpoints" / f"step_{self.last_step}"
@@ -296,8 +303,14 @@ def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
     lengths = batch["attention_mask"].sum(-1).double()  # each sequence's real tokens, prompt and response
     needed = needed_tokens(lengths, lengths - batch["response_mask"].sum(-1), batch["group_ids"])
     width = lengths.new_tensor(float(batch["attention_mask"].numel()))  # tokens with padding
-    sums = torch.stack([lengths.sum(), *needed, batch["response_mask"].sum().double(), width])
-    tokens, needed, needed_sq, generated, width = all_reduce_sum(sums).tolist()
+    by_group: dict = {}
+    for group, reward in zip(batch["group_ids"].tolist(), rewards.tolist()):
+        by_group.setdefault(group, set()).add(reward)
+    counts = lengths.new_tensor([sum(len(v) == 1 for v in by_group.values()), len(by_group), len(rows)])
+    sums = [lengths.sum(), *needed, batch["response_mask"].sum().double(), width, *counts]
+    tokens, needed, needed_sq, generated, width, equal, groups, samples = all_reduce_sum(torch.stack(sums)).tolist()
+    if samples > groups:  # groups of several: the share whose rewards are all equal (their advantages are 0)
+        metrics["reward/equal_groups"] = equal / groups
     metrics.update(batch.get("conditioning", {}))  # common.shaping.conditioning's, when a knob is on
     metrics.update(batch["timing"])
     metrics["perf/sync_s"] = PHASES.pop("sync", 0.0)  # the engine's weight sync after this step's update

@@ -54,14 +54,16 @@ SHARED_FIXTURES = ("stopped", "default_run", "help_pages", "gpu_config_launches"
 
 @pytest.hookimpl(tryfirst=True)  # before -m reads the marks
 def pytest_collection_modifyitems(config, items):
-    """Every test that launches torchrun (torchrun_runs) or starts Ray (ray_cluster) is end-to-end
-    (the e2e mark: pytest -m "not e2e" is the inner loop). Under xdist (-n 2, --dist loadgroup) those of
-    torchrun_runs share one worker, whose session makes the launch once, and the Ray tests another, as
-    they count Ray's processes on the machine, and those of each of SHARED_FIXTURES another; a GPU test skips
-    without CUDA."""
+    """Every test that launches torchrun (torchrun_runs), starts Ray (ray_cluster) or trains the real model
+    (real_model, which marks it real as well) is end-to-end (the e2e mark: pytest -m "not e2e" is the inner
+    loop). Under xdist (-n 2, --dist loadgroup) those of torchrun_runs share one worker, whose session makes
+    the launch once, and the Ray tests another, as they count Ray's processes on the machine, and those of
+    each of SHARED_FIXTURES another; a GPU test skips without CUDA."""
     for item in items:
-        if {"torchrun_runs", "ray_cluster"} & set(getattr(item, "fixturenames", ())):
+        if {"torchrun_runs", "ray_cluster", "real_model"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)
+        if "real_model" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real)
         if "torchrun_runs" in getattr(item, "fixturenames", ()):  # one worker makes the one torchrun launch
             item.add_marker(pytest.mark.xdist_group("torchrun"))
         elif item.module.__name__ in ("test_remote", "test_remote_recipes") or "ray_cluster" in item.fixturenames:
@@ -460,6 +462,45 @@ def val200(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "val200.parquet"
     pq.write_table(pq.read_table(TASK_TEST).slice(0, 200), path)
     return path
+
+
+PLAIN_DENSE_REWARD = """
+from common.scoring import extract_answer
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    try:
+        distance = min(abs(float(extract_answer(data_source, solution_str)) - float(ground_truth)), 100.0)
+    except (TypeError, ValueError):  # no number in the reply
+        distance = 100.0
+    return {"score": -distance / 100, "acc": float(distance == 0)}
+"""
+
+
+@pytest.fixture(scope="session")
+def plain_task(tmp_path_factory):
+    """64 training and 8 held-out rows of bundled/plain-addition (the real model's task), and dense.py: a reward
+    that says how far the reply's last number is from the sum, so that a few samples of the real model carry a
+    gradient."""
+    folder = tmp_path_factory.mktemp("plain")
+    pq.write_table(pq.read_table(BUNDLED / "plain-addition" / "train.parquet").slice(0, 64), folder / "train.parquet")
+    pq.write_table(pq.read_table(BUNDLED / "plain-addition" / "test.parquet").slice(0, 8), folder / "test.parquet")
+    (folder / "dense.py").write_text(PLAIN_DENSE_REWARD)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """bundled/real_model.py's folder (SmolLM2-135M-Instruct), built once and cached; without the real extra
+    (and no folder built) the test skips with the one line that says how to install it."""
+    spec = importlib.util.spec_from_file_location("real_model", BUNDLED / "real_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if (reason := module.missing()) and os.environ.get("REQUIRE_REAL"):  # .ci/run: the tier never silently skips
+        pytest.fail(reason)
+    if reason:
+        pytest.skip(reason)
+    return module.build()
 
 
 @pytest.fixture(scope="session")

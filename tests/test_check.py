@@ -325,3 +325,38 @@ def test_check_full_proves_a_resumed_step_equals_the_uninterrupted_one(tmp_path,
     assert (Path(kept) / "resumed" / "console.log").is_file()
     metrics = tmp_path / "bad" / "metrics.jsonl"
     assert not metrics.exists() or "train/loss" not in metrics.read_text(), "the run stopped before its first step"
+
+
+ZERO_REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
+
+
+def test_the_reward_signal_item_says_before_step_1_when_no_sample_can_be_rewarded(tmp_path, small_files):
+    """A reward that is always 0: the launch check's probe (training prompts sampled as the run samples) says so
+    with the usual causes and a scored sample; each step logs reward/equal_groups 1 and the closing summary counts
+    the steps without signal; --check strict stops before step 1. The shipped model on its task passes the item."""
+    from conftest import read_metrics, run_recipe
+
+    zero = tmp_path / "zero.py"
+    zero.write_text(ZERO_REWARD)
+    flags = [*small_files, "--train-batch-size", "4", "--rollout-n", "4", *ONE_STEP[2:], "--total-training-steps"]
+    proc = run_recipe("grpo", *flags, "2", "--reward-fn", zero, "--output-dir", tmp_path / "zero")
+    assert (
+        "check reward signal    warn  16 samples of 4 training prompts as the run samples: rewards 0 x16" in proc.stdout
+    )
+    assert "    reward 0: '" in proc.stdout and "warning: reward signal: every probe sample scored 0" in proc.stdout
+    assert "--check strict stops the run here" in proc.stdout
+    steps = [m for m in read_metrics(tmp_path / "zero") if "train/loss" in m]
+    assert [m["reward/equal_groups"] for m in steps] == [1.0, 1.0]
+    assert "2 of 2 steps had no reward signal: every group's rewards were equal" in proc.stdout
+
+    strict = run_recipe(
+        "grpo", *flags, "2", "--reward-fn", zero, "--check", "strict", "--output-dir", tmp_path / "s", check=False
+    )
+    assert strict.returncode == 1 and "error: launch check" in strict.stderr
+    assert "reward signal: every probe sample scored 0" in strict.stderr and "Traceback" not in strict.stderr
+    assert not any("train/loss" in m for m in read_metrics(tmp_path / "s"))
+
+    proc = run_recipe("grpo", *flags, "2", "--output-dir", tmp_path / "ok")
+    assert "check reward signal    pass  16 samples of 4 training prompts" in proc.stdout
+    steps = [m for m in read_metrics(tmp_path / "ok") if "train/loss" in m]
+    assert all(0 <= m["reward/equal_groups"] < 1 for m in steps) and "no reward signal" not in proc.stdout

@@ -763,7 +763,8 @@ def compute_score(data_sources, solution_strs, ground_truths, extra_infos):
 
 def test_a_verl_batch_reward_function_trains_grpo(tmp_path):
     """verl's batch reward manager from verl's keys: the function is called once per step with the
-    step's 4 prompts x 2 samples (after the dry run's one call), and its extra key is a metric."""
+    step's 4 prompts x 2 samples (after the dry run's call and the launch check's reward-signal probe, 4 prompts
+    x 2 samples too), and its extra key is a metric."""
     (tmp_path / "batch_reward.py").write_text(VERL_BATCH_REWARD)
     calls = tmp_path / "calls"
     out = tmp_path / "run"
@@ -784,7 +785,7 @@ def test_a_verl_batch_reward_function_trains_grpo(tmp_path):
         f"trainer.default_local_dir={out}",
         env={"BATCH_CALLS": str(calls)},
     )
-    assert calls.read_text().split()[1:] == ["8", "8"]
+    assert calls.read_text().split()[1:] == ["8", "8", "8"]
     steps = [m for m in read_metrics(out) if "train/loss" in m]
     assert len(steps) == 2 and all(0 <= m["reward/mean"] <= 1 for m in steps)
     assert any(key.endswith("formatted") for key in steps[0]), sorted(steps[0])
@@ -913,7 +914,7 @@ def test_a_verl_multi_turn_tool_run(tmp_path):
     assert len(steps) == 2 and sum(m["agent/tool_calls_mean"] for m in steps) > 0
     assert all(m["agent/tool_errors"] == 0 for m in steps)
     seen = [s for line in scores.read_text().splitlines()[1:] for s in json.loads(line)]
-    assert len(seen) == 2 * 8 * 4
+    assert len(seen) == 4 * 4 + 2 * 8 * 4  # the launch check's reward-signal probe (4 prompts x 4), then 2 steps
     called = [s for s in seen if s]  # conversations that called the calculator carry its calc_reward
     assert called and all(set(s) == {"calculator"} and s["calculator"] in (0.0, 1.0) for s in called)
 

@@ -652,3 +652,18 @@ def test_a_hung_vllm_generate_ends_the_run_with_the_dump(tmp_path):
     assert "rank 0 (pid" in err and "step 2, policy version 1" in err, err[-3000:]
     assert "waits in the vLLM engine's generate (8 prompts x 4) since" in err, err[-3000:]
     assert "called from recipes/grpo.py:" in err and "in sitecustomize" not in err.split("main thread's stack")[0]
+
+
+def test_grpo_on_vllm_with_the_real_model(tmp_path, real_model, plain_task):
+    """The real model (a 49k BPE vocabulary, tied embeddings) served by vLLM: the launch check's logprob gap and
+    weight sync pass, and two steps train with the engine following every sync (rollout/logprob_diff_mean)."""
+    from conftest import read_metrics, run_recipe
+    from test_real import small, trained
+
+    proc = run_recipe(
+        "grpo", "--output-dir", tmp_path, *small(real_model, plain_task, "--rollout-name", "vllm", check="fast")
+    )
+    for item in ("engine logprobs", "weight sync"):
+        assert f"check {item:<16} pass" in proc.stdout, proc.stdout
+    trained(tmp_path)
+    assert all(m["rollout/logprob_diff_mean"] < 1e-3 for m in read_metrics(tmp_path) if "train/loss" in m)
