@@ -43,9 +43,15 @@ def load(cli):
     torch.manual_seed(0)
     if cli.shape == "qwen2.5-0.5b":
         config = Qwen2Config(
-            vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-            num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=4096,
-        )  # fmt: skip
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            max_position_embeddings=4096,
+        )
         return Qwen2ForCausalLM(config).float()
     if cli.model is None:
         import importlib.util
