@@ -200,13 +200,13 @@ def _reward_probe(engine, rollout, prompts: int, n: int) -> list[tuple]:
 
 def check_reward_signal(engine, rollout, strict: bool) -> tuple:
     """(ok, figure, advice, detail), collective: 4 prompts a rank x up to 4 samples, and when they all score the same
-    (rare successes may hide there) a step's worth (its prompts x --rollout-n, up to 256 samples a rank). True when
-    some rewards differ, else "warn" (strict: False, a stop). detail: the lowest and highest scored samples."""
+    (rare successes hide in small probes) up to a step's worth (its prompts x --rollout-n, at most 64 samples a rank).
+    True when some rewards differ, else "warn" (strict: False, a stop). detail: the lowest and highest scored samples."""
     if not rollout.train:
         return None, "no training rows to probe", "", ()
     n, ranks = rollout.sampling.n, rollout.dist.world_size
     parts = _reward_probe(engine, rollout, 4, min(n, 4))
-    step = min(-(-rollout.batch_size // ranks), max(1, 256 // n))
+    step = min(-(-rollout.batch_size // ranks), max(1, 64 // n))
     if len({r for p in parts for r in p[0]}) == 1 and step * n > 4 * min(n, 4):
         parts = _reward_probe(engine, rollout, step, n)
     samples = sorted((r, t) for p in parts for r, t in zip(p[0], p[1]))

@@ -304,7 +304,7 @@ def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
     needed = needed_tokens(lengths, lengths - batch["response_mask"].sum(-1), batch["group_ids"])
     width = lengths.new_tensor(float(batch["attention_mask"].numel()))  # tokens with padding
     by_group: dict = {}
-    for group, reward in zip(batch["group_ids"].tolist(), rewards.tolist()):
+    for group, reward in zip(batch["group_ids"].tolist(), batch["rewards"].tolist()):  # the scores, before shaping
         by_group.setdefault(group, set()).add(reward)
     counts = lengths.new_tensor([sum(len(v) == 1 for v in by_group.values()), len(by_group), len(rows)])
     sums = [lengths.sum(), *needed, batch["response_mask"].sum().double(), width, *counts]
