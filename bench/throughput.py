@@ -80,7 +80,19 @@ def random_model(shape: str, folder: Path) -> Path:
     if (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
         return folder
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(shape_config(shape), dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(BUNDLED / SHAPES[shape][0] / name, folder / name)
+    return folder
+
+
+def shape_config(shape: str):
+    """The transformers config of `shape` (SHAPES): the bundled model's, with the public configuration's fields."""
+    from transformers import AutoConfig
 
     base, fields = SHAPES[shape]
     config = AutoConfig.from_pretrained(BUNDLED / base)
@@ -88,12 +100,7 @@ def random_model(shape: str, folder: Path) -> Path:
         setattr(config, key, value)
     config.head_dim = fields.get("head_dim", config.hidden_size // config.num_attention_heads)
     config.layer_types = ["full_attention"] * config.num_hidden_layers
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(BUNDLED / base / name, folder / name)
-    return folder
+    return config
 
 
 def run(model: Path, out: Path, flags: list[str], processes: int) -> list[dict]:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 
 def status(key: str) -> int:
@@ -38,28 +39,17 @@ def status(key: str) -> int:
 
 def load(cli):
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     if cli.shape == "qwen2.5-0.5b":
-        config = Qwen2Config(
-            vocab_size=151936,
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-            max_position_embeddings=4096,
-        )
-        return Qwen2ForCausalLM(config).float()
-    if cli.model is None:
-        import importlib.util
+        from throughput import shape_config  # bench/: the public configuration's shape
 
-        spec = importlib.util.spec_from_file_location("real_model", ROOT / "bundled" / "real_model.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        cli.model = str(module.build())
+        return AutoModelForCausalLM.from_config(shape_config(cli.shape), dtype=torch.float32)
+    if cli.model is None:
+        from real_task import real_model  # bench/: bundled/real_model.py's folder, built once
+
+        cli.model = str(real_model())
     return AutoModelForCausalLM.from_pretrained(cli.model, dtype=torch.float32)
 
 
