@@ -1,6 +1,7 @@
 """recipes/grpo.py against TRL's GRPOTrainer, side by side in one run, on the same setup.
 
-Same model (bundled SFT checkpoint), data (bundled addition task), prompts per step, group size,
+Same model (bundled SFT checkpoint, or --model: a real one on bundled/plain-addition), data (bundled addition task),
+prompts per step, group size,
 response length, learning rate (constant), clip, loss (token-mean; TRL's loss_type="dapo"), no KL,
 no gradient checkpointing, no weight decay, grad clip 1.0, CPU. Each side runs in its own
 process, one after the other, and both final models are scored by the same greedy evaluation on
@@ -12,6 +13,8 @@ short, long, long.
 
     pip install -e ".[bench]"
     python bench/grpo_vs_trl.py                        # 16 prompts x 4 samples, 12 new tokens
+    python bench/grpo_vs_trl.py --model ~/.cache/recipes-posttrain/SmolLM2-135M-Instruct --steps 20 --prompts 8 \
+        --group 8 --lr 1e-5                            # a real model (bundled/real_model.py) on plain-answer sums
 """
 
 import argparse
@@ -26,11 +29,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SFT = ROOT / "bundled" / "tiny-qwen2-sft"
-TRAIN = ROOT / "bundled" / "addition" / "train.parquet"
-TEST = ROOT / "bundled" / "addition" / "test.parquet"
+TASKS = {  # the model -> (train, test): the bundled one's own task, or the one a real instruct model can start on
+    "bundled": (ROOT / "bundled" / "addition" / "train.parquet", ROOT / "bundled" / "addition" / "test.parquet"),
+    "real": (
+        ROOT / "bundled" / "plain-addition" / "train.parquet",
+        ROOT / "bundled" / "plain-addition" / "test.parquet",
+    ),
+}
 
 
-def greedy_accuracy(model_dir) -> float:
+def task(args) -> tuple[Path, Path]:
+    return TASKS["bundled" if args.model == str(SFT) else "real"]
+
+
+def greedy_accuracy(model_dir, test: Path, max_new_tokens: int) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -41,14 +53,14 @@ def greedy_accuracy(model_dir) -> float:
 
     tokenizer = load_tokenizer(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    rows, _ = load_prompts([TEST], tokenizer, max_prompt_length=128)
+    rows, _ = load_prompts([test], tokenizer, max_prompt_length=256)
     completions = hf_generate_greedy(
         model,
         [r["prompt_ids"] for r in rows],
         pad_id=tokenizer.pad_token_id,
         eos_id=tokenizer.eos_token_id,
-        max_new_tokens=16,
-        batch_size=500,
+        max_new_tokens=max_new_tokens,
+        batch_size=100,
         device="cpu",
     )
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
@@ -70,6 +82,10 @@ def run_ours(args, out: Path, steps: int) -> dict:
         str(ROOT / "recipes" / "grpo.py"),
         "--output-dir",
         str(out),
+        "--model",
+        args.model,
+        "--train-files",
+        str(task(args)[0]),
         "--resume",
         "disable",
         "--total-training-steps",
@@ -121,13 +137,18 @@ def trl_worker(args, out: Path) -> None:
 
     from common.data import read_rows
     from common.model import load_tokenizer
-    from common.scoring import addition_score
+    from common.scoring import default_compute_score
 
-    rows = read_rows([TRAIN])[0][1]
-    data = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]} for r in rows])
+    rows = read_rows([task(args)[0]])[0][1]
+    data = Dataset.from_list(
+        [
+            {"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"], "source": r["data_source"]}
+            for r in rows
+        ]
+    )
 
-    def reward(prompts, completions, ground_truth, **kwargs):
-        return [addition_score(c[0]["content"], g) for c, g in zip(completions, ground_truth)]
+    def reward(prompts, completions, ground_truth, source, **kwargs):  # the scorer grpo.py picks by data_source
+        return [default_compute_score(s, c[0]["content"], g) for c, g, s in zip(completions, ground_truth, source)]
 
     times = []
 
@@ -167,8 +188,8 @@ def trl_worker(args, out: Path) -> None:
         report_to=[],
         dataloader_num_workers=0,
     )
-    tokenizer = load_tokenizer(str(SFT))
-    model = AutoModelForCausalLM.from_pretrained(SFT, dtype=torch.float32)
+    tokenizer = load_tokenizer(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward,
@@ -193,6 +214,7 @@ def run_trl(args, out: Path, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(SFT), help="a Hugging Face folder (default: the bundled SFT model)")
     parser.add_argument("--steps", type=int, default=40, help="steps of the long run (the short one runs 10)")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
     parser.add_argument("--group", type=int, default=4, help="samples per prompt")
@@ -217,8 +239,9 @@ def main() -> None:
         trl_short = run_trl(args, Path(tmp) / "trl-short", short)
         ours = run_ours(args, Path(tmp) / "ours", args.steps)
         theirs = run_trl(args, Path(tmp) / "trl", args.steps)
-        before = greedy_accuracy(SFT)
-        acc_ours, acc_trl = greedy_accuracy(ours["model"]), greedy_accuracy(theirs["model"])
+        test, new_tokens = task(args)[1], max(16, args.max_tokens)
+        before = greedy_accuracy(args.model, test, new_tokens)
+        acc_ours, acc_trl = (greedy_accuracy(side["model"], test, new_tokens) for side in (ours, theirs))
     # From outside: the long run's wall less the short one's is args.steps - 10 steady steps, with
     # everything a step costs (logging, probes, collectives), and none of the start-up.
     steady = [
@@ -226,7 +249,10 @@ def main() -> None:
         for long, first in ((ours, ours_short), (theirs, trl_short))
     ]
     med_ours, med_trl = statistics.median(ours["step_s"][1:]), statistics.median(theirs["step_s"][1:])
-    print(f"\nGRPO, {args.prompts} prompts x {args.group} samples, {args.max_tokens} new tokens, lr {args.lr}, CPU")
+    print(
+        f"\nGRPO, {Path(args.model).name} on {task(args)[0].parent.name}, {args.prompts} prompts x {args.group} samples,"
+    )
+    print(f"{args.max_tokens} new tokens, lr {args.lr}, CPU")
     print(f"{'':40}{'recipes/grpo.py':>18}{'TRL GRPOTrainer':>18}{'ratio':>8}")
     rows = (
         (f"steady step, s (wall {args.steps} - wall {short}) / {args.steps - short}", *steady),

@@ -2,12 +2,15 @@
 
 For a model (the real one, bundled/real_model.py, or a random one at Qwen2.5-0.5B's shape: 151,936 tokens), one
 micro-batch of `--sequences` sequences (groups of 8 sharing a prompt of `--prompt` tokens, `--response` response
-tokens each) runs twice in a fresh process each:
+tokens each) runs three times, in a fresh process each:
 
-- head: the update's pass as the recipes run it (common.model.response_logits, then common.ops.logprobs_and_entropy,
-  a loss, backward): the logits of every response position, (sequences x response x vocabulary), and their gradient;
+- whole: the LM head run whole (common.model.response_logits, then common.ops.logprobs_and_entropy, a loss,
+  backward), as the recipes ran it before issue 61: the logits of every response position, (sequences x response x
+  vocabulary), and their gradient;
+- fused: the pass as the recipes run it (common.model.response_logprobs: the head fused with the logprob, chunk by
+  chunk, so those logits never exist);
 - trunk: the same pass stopped before the LM head (the decoder's hidden states at the response positions, a loss on
-  them, backward): what a head that never holds those logits would leave.
+  them, backward): the floor a head could reach.
 
 Each prints its peak resident memory above the loaded model (Linux's VmHWM, reset after a warm-up pass), the seconds
 of the pass (median of 3), and the size of one float32 copy of the logits, for scale.
@@ -27,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+MODES = ("whole", "fused", "trunk")
 
 
 def status(key: str) -> int:
@@ -57,7 +61,7 @@ def measure(cli) -> dict:
     import torch
 
     from common.data import pack_sequences
-    from common.model import response_logits
+    from common.model import response_logits, response_logprobs
     from common.ops import logprobs_and_entropy
 
     model = load(cli)
@@ -71,9 +75,12 @@ def measure(cli) -> dict:
     trunk = model.model
 
     def one_pass():
-        if cli.mode == "head":
+        if cli.mode == "whole":
             logits = response_logits(model, batch, share_prompts=False)
             logprobs, entropy = logprobs_and_entropy(logits, batch["responses"], batch["response_mask"], True)
+            loss = -(logprobs * batch["response_mask"]).sum() - 0.0 * entropy.sum()
+        elif cli.mode == "fused":
+            logprobs, entropy, _ = response_logprobs(model, batch, False, 1.0, with_entropy=True)
             loss = -(logprobs * batch["response_mask"]).sum() - 0.0 * entropy.sum()
         else:
             hidden = trunk(
@@ -107,23 +114,30 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=48)
     parser.add_argument("--response", type=int, default=24)
-    parser.add_argument("--mode", choices=["head", "trunk"], help=argparse.SUPPRESS)  # one side, in its own process
+    parser.add_argument(
+        "--mode", choices=["whole", "fused", "trunk"], help=argparse.SUPPRESS
+    )  # one side, in its own process
     cli = parser.parse_args()
     if cli.mode:
         print(json.dumps(measure(cli)))
         return
     results = {}
-    for mode in ("head", "trunk"):
+    for mode in MODES:
         argv = [a for a in sys.argv[1:]] + ["--mode", mode]
         out = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, check=True).stdout
         results[mode] = json.loads(out.strip().splitlines()[-1])
-    head, trunk = results["head"], results["trunk"]
+    whole, fused, trunk = (results[m] for m in MODES)
     print(
-        f"{cli.shape} (vocabulary {head['vocab']:,}), {cli.sequences} sequences of {cli.prompt} + {cli.response} tokens:"
-        f"\n  head  (as the update runs)  peak {head['peak_above_model_gb']:.2f} GB above the model, {head['seconds']:.2f} s"
-        f"\n  trunk (no LM head)          peak {trunk['peak_above_model_gb']:.2f} GB, {trunk['seconds']:.2f} s"
-        f"\n  one float32 copy of the response logits: {head['logits_float32_gb']:.2f} GB; the head's share of the "
-        f"peak: {1 - trunk['peak_above_model_gb'] / head['peak_above_model_gb']:.0%}"
+        f"{cli.shape} (vocabulary {whole['vocab']:,}), {cli.sequences} sequences of {cli.prompt} + {cli.response} tokens:"
+    )
+    for mode, what in zip(MODES, ("the head whole (before)", "the head fused (now)", "no LM head (the floor)")):
+        r = results[mode]
+        print(f"  {mode:5}  {what:24} peak {r['peak_above_model_gb']:.2f} GB above the model, {r['seconds']:.2f} s")
+    print(
+        f"  one float32 copy of the response logits: {whole['logits_float32_gb']:.2f} GB; fused against whole: peak "
+        f"{fused['peak_above_model_gb'] / whole['peak_above_model_gb']:.2f}x, time {fused['seconds'] / whole['seconds']:.2f}x; "
+        f"the head's share of the peak: {1 - trunk['peak_above_model_gb'] / whole['peak_above_model_gb']:.0%} whole, "
+        f"{1 - trunk['peak_above_model_gb'] / fused['peak_above_model_gb']:.0%} fused"
     )
 
 

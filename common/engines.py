@@ -21,8 +21,7 @@ from common import watchdog
 from common.data import pack_sequences, pad
 from common.errors import UsageError
 from common.flags import flag
-from common.model import cache_kwarg, response_logits
-from common.ops import logprobs_from_logits
+from common.model import cache_kwarg, response_logprobs
 from common.parallel import is_fsdp, unwrap
 from common.serving import VLLMArgs
 
@@ -158,8 +157,7 @@ class HFEngine:
             chunk = responses[start : start + self.batch_size]
             batch = pack_sequences(prompts[start : start + self.batch_size], chunk, self.pad_id, self.device)
             batch["group_ids"] = torch.arange(len(chunk), device=self.device)  # each row its own prompt
-            logits = response_logits(inner, batch, share_prompts=False).float() / temperature
-            logprobs = logprobs_from_logits(logits, batch["responses"]).tolist()
+            logprobs = response_logprobs(inner, batch, share_prompts=False, temperature=temperature)[0].tolist()
             out.extend(row[: len(response)] for row, response in zip(logprobs, chunk))
         inner.train(was_training)
         return out

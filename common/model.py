@@ -1,8 +1,10 @@
 """Load a policy and its tokenizer (LoRA through peft); the forward passes that give response logits."""
 
+import contextlib
 import functools
 import inspect
 import logging
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +17,7 @@ import tyro
 from common import watchdog
 from common.errors import UsageError
 from common.flags import BUNDLED, flag
-from common.ops import logprobs_from_logits
+from common.ops import kl_from_logits, logprobs_and_entropy
 from common.parallel import all_reduce_sum, is_fsdp, resolve_strategy, sharding_report, unwrap, wrap_model
 from common.perf import compute_dtype, flop_terms
 
@@ -418,10 +420,111 @@ def response_logits(model, batch: dict, share_prompts: bool = True) -> torch.Ten
     return response_outputs(model, batch, share_prompts, keep_logits=True)
 
 
+# Where response_logprobs made the logits: {"fused": n, reason the head ran whole: n}, since tracking.step_metrics
+# last read it for perf/fused_head_share.
+HEADS: Counter = Counter()
+_SAID: set = set()
+
+
+def response_logprobs(model, batch: dict, share_prompts: bool, temperature: float, with_entropy=False, kl_ref=None):
+    """(logprobs, entropy or None, KL or None) of the response tokens of a micro-batch (response_logits' batch),
+    each (b, T): the logits divided by temperature; with kl_ref (a reference model) the exact KL(model || kl_ref)
+    of each token's whole next-token distribution.
+
+    The LM head is fused with the logprob where it can be (why_head_whole): the forward stops at the hidden states
+    of the response positions and common.ops.logprobs_and_entropy makes the logits chunk by chunk, so neither the
+    (b, T, vocabulary) logits nor their gradient exist: at a real vocabulary most of the update's memory."""
+    responses, mask = batch["responses"], batch["response_mask"]
+    why = why_head_whole(model) if kl_ref is None else "the exact KL over the vocabulary needs the whole logits"
+    if why and why not in _SAID:
+        _SAID.add(why)
+        log.info("the LM head of %s runs whole (no fused logprob): %s", type(_base(model)).__name__, why)
+    HEADS[why or "fused"] += 1
+    if why is None:
+        head = output_head(model)
+        with skipped(head):  # the model's `.logits` are then the head's input
+            hidden = response_logits(model, batch, share_prompts)
+        fused = (head.weight, head.bias, getattr(_base(model), "autocast_dtype", None))
+        return *logprobs_and_entropy(hidden, responses, mask, with_entropy, temperature, fused), None
+    with torch.no_grad():  # the reference's first: one forward of it, outside the policy's graph
+        ref_logits = None if kl_ref is None else response_logits(kl_ref, batch, share_prompts) / temperature
+    logits = response_logits(model, batch, share_prompts)
+    logprobs, entropy = logprobs_and_entropy(logits, responses, mask, with_entropy, temperature)
+    return logprobs, entropy, (None if kl_ref is None else kl_from_logits(logits / temperature, ref_logits))
+
+
+def _base(model):
+    """The model under DDP and AdapterOff (peft's PeftModel stays: its forward applies the adapter)."""
+    return unwrap(model.policy if isinstance(model, AdapterOff) else model)
+
+
+def output_head(model) -> torch.nn.Module:
+    base = _base(model)
+    return (base.get_base_model() if hasattr(base, "get_base_model") else base).get_output_embeddings()
+
+
+@contextlib.contextmanager
+def skipped(module: torch.nn.Module):
+    """module(x) returns x inside the block."""
+    own = module.__dict__.get("forward")  # a hook's wrapper (accelerate's) stays
+    module.forward = lambda x: x
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
+_HEAD_CHECKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def why_head_whole(model) -> str | None:
+    """Why response_logprobs cannot fuse the model's LM head (None: it can). It can where the head is a plain
+    Linear whose output the forward returns as it is, checked once per model on a few tokens: that excludes a
+    head LoRA wraps, FSDP2's sharded weights (only its forward gathers them) and models that soft-cap or scale
+    their logits after the head (Gemma 2, Cohere, Granite)."""
+    if is_fsdp(model):
+        return "FSDP2 shards its weight, which only the model's forward gathers"
+    base, head = _base(model), output_head(model)
+    if type(head) is not torch.nn.Linear:
+        return f"it is a {type(head).__name__}, not a plain Linear (LoRA or modules_to_save on lm_head?)"
+    if base not in _HEAD_CHECKS:
+        _HEAD_CHECKS[base] = _check_head(base, head)
+    return _HEAD_CHECKS[base]
+
+
+@torch.no_grad()
+def _check_head(base, head) -> str | None:
+    """Whether, on 4 tokens, the forward's logits are the head's output at the head's input, to the bit, and the
+    forward with the head skipped returns that input."""
+    was_training, dtype = base.training, getattr(base, "autocast_dtype", None) or head.weight.dtype
+    ids = torch.arange(4, device=head.weight.device)[None] % base.config.vocab_size
+    taken = []
+    hook = head.register_forward_pre_hook(lambda module, args: taken.append(args[0]))
+    try:
+        base.eval()  # no dropout: the two forwards must meet
+        logits = base(input_ids=ids).logits
+        hook.remove()
+        with skipped(head):
+            hidden = base(input_ids=ids).logits
+    finally:
+        hook.remove()
+        base.train(was_training)
+    if len(taken) != 1:
+        return f"the model's forward calls it {len(taken)} times, not once"
+    bias = None if head.bias is None else head.bias.to(dtype)
+    if not torch.equal(F.linear(taken[0].to(dtype), head.weight.to(dtype), bias).to(logits.dtype), logits):
+        return "the model's forward changes the head's output (soft-capped or scaled logits?)"
+    if not torch.equal(hidden, taken[0]):
+        return "the model's forward with the head skipped does not return the head's input"
+    return None
+
+
 def trainer_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
     with torch.no_grad():
-        logits = response_logits(model, batch, share_prompts=False).float() / temperature
-    return logprobs_from_logits(logits, batch["responses"])
+        return response_logprobs(model, batch, share_prompts=False, temperature=temperature)[0]
 
 
 LORA = (lambda a: getattr(a, "lora_rank", 0) > 0, "set --lora-rank (LoRA is off at 0)")  # when LoRA's knobs are read

@@ -5,12 +5,16 @@ import functools
 from typing import Literal, get_args
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from common.parallel import all_reduce_max, all_reduce_sum
 
 # Rows of (N, V) logits processed at once in float32: bounds the temporary to CHUNK x V floats.
 CHUNK_ROWS = 1024
+# The fused LM head's chunk (logprobs_and_entropy's head): at most HEAD_CHUNK logits, 128 MB in float32, as a
+# chunk's logits, probabilities and gradient exist together in its backward.
+HEAD_CHUNK = 2**25
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
@@ -68,8 +72,8 @@ def logprob_gap(a: torch.Tensor, b: torch.Tensor, batch: dict) -> tuple[float, f
     return largest, float(total[0] / total[1].clamp(min=1))
 
 
-def _row_chunks(n: int) -> list[slice]:
-    return [slice(start, min(start + CHUNK_ROWS, n)) for start in range(0, n, CHUNK_ROWS)]
+def _row_chunks(n: int, size: int = CHUNK_ROWS) -> list[slice]:
+    return [slice(start, min(start + size, n)) for start in range(0, n, size)]
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -84,49 +88,70 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return torch.cat(out).reshape(labels.shape) if out else flat_logits.new_zeros(labels.shape)
 
 
-def logprobs_and_entropy(logits, labels, mask=None, with_entropy: bool = True):
-    """(log softmax(logits)[labels], entropy of softmax(logits) or None) for (..., V) logits and (...) labels, in
-    float32 (float64 logits: float64), where mask (...) is true (0 elsewhere; everywhere without a mask).
+def logprobs_and_entropy(logits, labels, mask=None, with_entropy: bool = True, temperature: float = 1.0, head=None):
+    """(log softmax(logits / temperature)[labels], entropy of that softmax or None) for (..., V) logits and (...)
+    labels, in float32 (float64 logits: float64), where mask (...) is true (0 elsewhere; everywhere without a mask).
 
     At a real vocabulary (151,936 for Qwen2.5) these per-token sums over V move more bytes than the model's
     matmuls, so one float32 copy and logsumexp per chunk of rows serve both results, the backward is written out
     (d logprob / dx = onehot - p, d entropy / dx = -p (log p + H)), padding rows are never read, and an entropy
-    nobody differentiates (the metric, at entropy_coeff 0) adds nothing to the backward."""
+    nobody differentiates (the metric, at entropy_coeff 0) adds nothing to the backward.
+
+    head=(weight, bias, dtype): `logits` are the hidden states (..., H) the LM head would take, and each chunk's
+    logits are made there (x @ weight.T + bias, in dtype, as autocast would) and remade in the backward, which
+    returns the gradients of the hidden states, weight and bias: no (..., V) tensor exists, nor its gradient."""
     flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
     rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(-1)
-    logprobs, entropy = _LogprobEntropy.apply(flat, flat_labels, rows, with_entropy)
+    weight, bias, dtype = head or (None, None, None)
+    logprobs, entropy = _LogprobEntropy.apply(flat, flat_labels, rows, with_entropy, temperature, weight, bias, dtype)
     return logprobs.reshape(labels.shape), (entropy.reshape(labels.shape) if with_entropy else None)
+
+
+def _chunk_logits(inputs, index, temperature, head) -> torch.Tensor:
+    """The float32 (or float64) logits / temperature of rows `index`: inputs' own, or made by head (weight, bias)."""
+    x = inputs[index] if head is None else F.linear(inputs[index].to(head[0].dtype), *head)
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return x if temperature == 1 else x.div_(temperature)
 
 
 class _LogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, rows, with_entropy):
+    def forward(ctx, inputs, labels, rows, with_entropy, temperature, weight, bias, dtype):
         ctx.set_materialize_grads(False)
-        n, dtype = logits.shape[0], torch.promote_types(logits.dtype, torch.float32)
-        picked = torch.arange(n, device=logits.device) if rows is None else rows
-        logprobs, entropy, lse = (logits.new_zeros(n, dtype=dtype) for _ in range(3))
-        for part in _row_chunks(len(picked)):
+        dtype = dtype or (None if weight is None else weight.dtype)
+        head = None if weight is None else (weight.to(dtype), None if bias is None else bias.to(dtype))
+        n = inputs.shape[0]
+        picked = torch.arange(n, device=inputs.device) if rows is None else rows
+        float_type = torch.promote_types(inputs.dtype if head is None else head[0].dtype, torch.float32)
+        logprobs, entropy, lse = (inputs.new_zeros(n, dtype=float_type) for _ in range(3))
+        ctx.size = CHUNK_ROWS if head is None else max(1, HEAD_CHUNK // head[0].shape[0])
+        for part in _row_chunks(len(picked), ctx.size):
             index = picked[part]
-            x = logits[index].to(dtype)
+            x = _chunk_logits(inputs, index, temperature, head)
             z = torch.logsumexp(x, dim=-1)
             lse[index] = z
             logprobs[index] = x.gather(-1, labels[index].unsqueeze(-1)).squeeze(-1) - z
             if with_entropy:
                 logp = x.sub_(z.unsqueeze(-1))
                 entropy[index] = -(logp.exp() * logp).sum(-1)
-        ctx.save_for_backward(logits, labels, picked, lse, entropy)
+        ctx.temperature, ctx.dtypes = temperature, [None if t is None else t.dtype for t in (weight, bias)]
+        ctx.save_for_backward(inputs, labels, picked, lse, entropy, *(head or ()))
         ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        logits, labels, picked, lse, entropy = ctx.saved_tensors
-        grad = torch.zeros_like(logits)
+        inputs, labels, picked, lse, entropy, *head = ctx.saved_tensors
+        head = tuple(head) or None  # (weight, bias) in the head's dtype
+        wants_inputs, wants_weight, wants_bias = (ctx.needs_input_grad[i] for i in (0, 5, 6))
+        grad = torch.zeros_like(inputs) if wants_inputs else None
+        grad_weight = torch.zeros_like(head[0], dtype=lse.dtype) if wants_weight else None  # summed over chunks
+        grad_bias = torch.zeros(head[0].shape[0], dtype=lse.dtype, device=lse.device) if wants_bias else None
         if grad_logprobs is None and grad_entropy is None:
-            return grad, None, None, None
-        for part in _row_chunks(len(picked)):
+            return grad, None, None, None, None, grad_weight, grad_bias, None
+        for part in _row_chunks(len(picked), ctx.size):
             index = picked[part]
-            logp = logits[index].to(lse.dtype).sub_(lse[index].unsqueeze(-1))
+            logp = _chunk_logits(inputs, index, ctx.temperature, head).sub_(lse[index].unsqueeze(-1))
             p = logp.exp()
             if grad_entropy is not None:  # -g_H p (log p + H)
                 g = logp.add_(entropy[index].unsqueeze(-1)).mul_(p).mul_(-grad_entropy[index].unsqueeze(-1))
@@ -135,8 +160,24 @@ class _LogprobEntropy(torch.autograd.Function):
             if grad_logprobs is not None:  # g_lp (onehot - p)
                 g_lp = grad_logprobs[index].unsqueeze(-1)
                 g.sub_(p.mul_(g_lp)).scatter_add_(-1, labels[index].unsqueeze(-1), g_lp)
-            grad[index] = g.to(grad.dtype)
-        return grad, None, None, None
+            if ctx.temperature != 1:  # through x / temperature
+                g.div_(ctx.temperature)
+            if head is None:
+                grad[index] = g.to(grad.dtype)
+                continue
+            g = g.to(head[0].dtype)  # through x @ weight.T + bias, in the head's dtype
+            if wants_inputs:
+                grad[index] = (g @ head[0]).to(grad.dtype)
+            if wants_weight:  # in place where the dtypes allow: no second (V, H) tensor
+                x = inputs[index].to(g.dtype)
+                grad_weight.addmm_(g.T, x) if grad_weight.dtype == g.dtype else grad_weight.add_(g.T @ x)
+            if wants_bias:
+                grad_bias += g.sum(0)
+        if wants_weight:
+            grad_weight = grad_weight.to(ctx.dtypes[0])
+        if wants_bias:
+            grad_bias = grad_bias.to(ctx.dtypes[1])
+        return grad, None, None, None, None, grad_weight, grad_bias, None
 
 
 def _kl_rows(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:

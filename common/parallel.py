@@ -137,6 +137,7 @@ def wrap_model(model: nn.Module, strategy: str, dist: Dist, mixed_precision: str
         model.to(dist.device)
     if mixed_precision == "bf16" and not fsdp:
         model.forward = torch.autocast(device_type=dist.device.type, dtype=torch.bfloat16)(model.forward)
+        model.autocast_dtype = torch.bfloat16  # the dtype common.model.response_logprobs's fused LM head computes in
     elif mixed_precision not in ("no", "bf16"):
         raise ValueError(f"mixed_precision={mixed_precision!r}; use no or bf16")
     if not fsdp and (dist.world_size == 1 or strategy == "none"):  # "none": a frozen model each rank keeps whole

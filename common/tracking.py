@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from common import watchdog
 from common.errors import RunStopped
-from common.model import LAYOUTS
+from common.model import HEADS, LAYOUTS
 from common.parallel import all_reduce_sum, barrier, gather_objects
 from common.parallel import setup_logging as setup_logging  # re-exported for older forks
 from common.perf import PHASES, device_peak, needed_tokens, phase_seconds, update_flops, verdict
@@ -331,6 +331,10 @@ def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
     LAYOUTS.clear()
     if total:  # a model that can run padding-free (--use-remove-padding auto or True): the share that did
         metrics["perf/packed_share"] = packed / total
+    fused, total = all_reduce_sum(lengths.new_tensor([HEADS["fused"], HEADS.total()])).tolist()
+    HEADS.clear()
+    if total:  # the share of the step's passes whose LM head was fused with the logprob (response_logprobs)
+        metrics["perf/fused_head_share"] = fused / total
     return metrics
 
 

@@ -42,7 +42,7 @@ from common.data import RLDataArgs, StepPrompts, split_rows, take_rows
 from common.engines import RolloutArgs
 from common.errors import usage_errors
 from common.flags import flag, flag_values
-from common.model import load_tokenizer, response_logits
+from common.model import load_tokenizer, response_logits, response_logprobs
 from common.ops import (
     KLEstimator,
     agg_loss,
@@ -224,19 +224,19 @@ def forward_logprobs(model, batch, rows, plan, with_entropy=False, kl_ref=None, 
     distribution (kl_loss_type full), (b, T); with teacher (--loss gkd) GKD's divergence to it,
     over the vocabulary both heads have. Returns (logprobs, entropy or None, KL or None, JSD or None)."""
     mb = take_rows(batch, rows)  # padding columns trimmed; widened back to T below
+    widen = (0, batch["responses"].shape[1] - mb["responses"].shape[1])
+    if teacher is None:  # grpo.py's pass, the LM head fused with the logprob
+        out = response_logprobs(model, mb, plan.share_prompts, plan.temperature, with_entropy, kl_ref)
+        return *(None if x is None else F.pad(x, widen) for x in out), None
     with torch.no_grad():  # the other models' first: one forward each, outside the policy's graph
         ref_logits = None if kl_ref is None else response_logits(kl_ref, mb, plan.share_prompts) / plan.temperature
-        teacher_logits = None if teacher is None else response_logits(teacher, mb, plan.share_prompts)
-    logits = response_logits(model, mb, share_prompts=plan.share_prompts) / plan.temperature
-    widen = (0, batch["responses"].shape[1] - logits.shape[1])
+        teacher_logits = response_logits(teacher, mb, plan.share_prompts)
+    logits = response_logits(model, mb, share_prompts=plan.share_prompts) / plan.temperature  # GKD needs them whole
     logprobs, entropy = logprobs_and_entropy(logits, mb["responses"], mb["response_mask"], with_entropy)
-    logprobs, entropy = F.pad(logprobs, widen), (F.pad(entropy, widen) if with_entropy else None)
-    kl = None if kl_ref is None else F.pad(kl_from_logits(logits, ref_logits), widen)
-    if teacher is None:
-        return logprobs, entropy, kl, None
+    kl = None if kl_ref is None else kl_from_logits(logits, ref_logits)
     width = min(logits.shape[-1], teacher_logits.shape[-1])  # a head padded past the tokenizer's ids is cut
     jsd = jsd_from_logits(logits[..., :width], teacher_logits[..., :width] / plan.temperature, jsd_beta)
-    return logprobs, entropy, kl, F.pad(jsd, widen)
+    return tuple(None if x is None else F.pad(x, widen) for x in (logprobs, entropy, kl, jsd))
 
 
 @torch.no_grad()

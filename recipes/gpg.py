@@ -46,8 +46,8 @@ from common.config import RLArgs, cli, engine_sync, is_due, plan_rl_batches
 from common.data import StepPrompts, split_rows, take_rows
 from common.errors import usage_errors
 from common.flags import flag, flag_values
-from common.model import load_tokenizer, response_logits
-from common.ops import KLEstimator, agg_loss, kl_from_logits, kl_penalty, logprobs_and_entropy, masked_mean
+from common.model import load_tokenizer, response_logprobs
+from common.ops import KLEstimator, agg_loss, kl_penalty, masked_mean
 from common.optim import trainable
 from common.parallel import StopSignal, all_reduce_sum, clip_grad_norm, grad_sync, init_distributed
 from common.rewards import start_reward_pool
@@ -135,13 +135,9 @@ def forward_logprobs(model, batch, rows, plan, with_entropy=False, kl_ref=None):
     reference model) also the exact KL(model || kl_ref) of each token's whole next-token
     distribution (kl_loss_type full), (b, T). Returns (logprobs, entropy or None, KL or None)."""
     mb = take_rows(batch, rows)  # padding columns trimmed; widened back to T below
-    with torch.no_grad():  # the reference's first: one forward of it, outside the policy's graph
-        ref_logits = None if kl_ref is None else response_logits(kl_ref, mb, plan.share_prompts) / plan.temperature
-    logits = response_logits(model, mb, share_prompts=plan.share_prompts) / plan.temperature
-    widen = (0, batch["responses"].shape[1] - logits.shape[1])
-    logprobs, entropy = logprobs_and_entropy(logits, mb["responses"], mb["response_mask"], with_entropy)
-    logprobs, entropy = F.pad(logprobs, widen), (F.pad(entropy, widen) if with_entropy else None)
-    return logprobs, entropy, (None if kl_ref is None else F.pad(kl_from_logits(logits, ref_logits), widen))
+    out = response_logprobs(model, mb, plan.share_prompts, plan.temperature, with_entropy, kl_ref)
+    widen = (0, batch["responses"].shape[1] - mb["responses"].shape[1])
+    return tuple(None if x is None else F.pad(x, widen) for x in out)
 
 
 @torch.no_grad()

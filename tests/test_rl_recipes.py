@@ -275,6 +275,7 @@ def test_smoke_checkpoint_and_exact_resume(tmp_path, small_files, small_args, re
     for key in ("train/loss", "reward/mean", "response/length_mean", "perf/step_s", "train/grad_norm"):
         assert key in want[-1], key
     assert want[-1]["perf/packed_share"] == 0.0, "--use-remove-padding auto: the task's micro-batches run padded"
+    assert want[-1]["perf/fused_head_share"] == 1.0, "every pass's LM head fused with its logprob"
     console = first.stdout + first.stderr
     assert "step 2/4" in console and "step 4/4" in console, "the every-N-steps console line"
     assert f"final model: {out / 'checkpoints' / 'step_4' / 'hf'}" in console
@@ -714,7 +715,9 @@ SIBLING_BUDGET = {"rloo": 85, "reinforce_pp": 105, "dapo": 66, "gspo": 60, "dist
 FORK_BUDGET = {
     r: 60 for r in ("cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "dppo", "dro", "gpg", "opo", "grpo_passk")
 }
-FORK_BUDGET["otb"] = 65  # its step 4 pass returns sum_v pi_v^2 too, and step 5 takes the correction's weights
+# its step 4 pass returns sum_v pi_v^2 too, and step 5 takes the correction's weights; 65 -> 72 (issue 61): that
+# pass keeps the LM head whole for sum_v pi_v^2 beside grpo.py's fused one (common.model.response_logprobs)
+FORK_BUDGET["otb"] = 72
 FORK_BUDGET["remax"] = 100  # its step 5 samples once more: the issue's budget for a fork that changes the sampling
 FORK_BUDGET["gdpo"] = 110  # several rewards, named by the reward function: checked at launch and each step
 # A fork of the recipe it truly derives from is measured against that recipe: OTB makes OPO's optimal baseline per token.
