@@ -589,7 +589,7 @@ class ActorArgs:
     """most sequences per forward/backward pass on one process (the last micro-batch may be smaller)"""
     use_dynamic_bsz: bool = False
     """pack micro-batches by a token budget (--ppo-max-token-len-per-gpu) instead of a sequence count"""
-    ppo_max_token_len_per_gpu: int = flag(16384, ge=1)
+    ppo_max_token_len_per_gpu: int = flag(16384, ge=1, only_with="use_dynamic_bsz")
     """with --use-dynamic-bsz: most padded tokens (rows x longest) per micro-batch on one process (verl: real ones)"""
     ppo_epochs: int = flag(1, ge=1)
     """passes over each step's samples"""

@@ -310,7 +310,12 @@ def main(args: Args) -> dict:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        table_out = pq.read_table(Path(args.data_path).expanduser())
+        from common.data import read_rows as read_input
+
+        path = Path(
+            args.data_path
+        ).expanduser()  # a parquet keeps its schema; JSONL, CSV, a datasets folder: their rows
+        table_out = pq.read_table(path) if path.suffix == ".parquet" else pa.Table.from_pylist(read_input([path])[0][1])
         table_out = table_out.append_column("scores", pa.array([p["scores"] for p in prompts]))
         table_out = table_out.append_column("correct", pa.array([p["correct"] for p in prompts]))
         Path(args.output_scores).parent.mkdir(parents=True, exist_ok=True)

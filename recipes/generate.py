@@ -46,7 +46,7 @@ from types import SimpleNamespace
 from typing import Annotated, Literal
 
 import torch
-from tyro.conf import OmitArgPrefixes
+from tyro.conf import OmitArgPrefixes, arg
 
 from common.config import BUNDLED, AgentArgs, EngineArgs, EnvPlayArgs, WaitArgs, check_flags, cli, group
 from common.errors import UsageError, usage_errors
@@ -69,8 +69,8 @@ class Args(WaitArgs):  # generate.py's own knobs; the engine's, the agent loop's
     data_path: str = str(BUNDLED / "addition" / "test.parquet")
     """input in verl's format (a prompt column; other columns are copied to the output): parquet, JSON / JSONL, CSV,
     Arrow, a save_to_disk folder or a dataset's name, as --train-files takes them"""
-    prompt_key: str = "prompt"
-    """column holding the prompt: a chat list of {role, content} or a plain string"""
+    prompt_key: Annotated[str, arg(aliases=("--input-key",))] = "prompt"
+    """column holding the prompt: a chat list of {role, content} or a plain string (OpenRLHF's --input-key)"""
     output_path: str = ""
     """output parquet (default: runs/generate/<input name>_n<n_samples>.parquet)"""
     force_unlock: bool = False
@@ -124,8 +124,10 @@ class Args(WaitArgs):  # generate.py's own knobs; the engine's, the agent loop's
 
     def __post_init__(self):  # checked as the flags are parsed, before anything loads
         check_flags(self)
-        if not Path(self.data_path).expanduser().is_file():
-            raise UsageError(f"--data-path {self.data_path}: no such file; pass a parquet file in verl's format")
+        from common.formats.sources import KINDS, NAME  # a file, a save_to_disk folder or a dataset's name
+
+        if not Path(self.data_path).expanduser().exists() and not NAME.match(self.data_path):
+            raise UsageError(f"--data-path {self.data_path}: no such file or folder; pass {KINDS}, or a dataset's name")
         out = self.output()
         if out.suffix != ".parquet":
             raise UsageError(f"--output-path {out}: must end in .parquet")

@@ -238,6 +238,11 @@ CASES = [
         "--lora-alpha 32 would change nothing in this run: set --lora-rank",
     ),
     (
+        "a token budget without dynamic micro-batches",
+        dict(ppo_max_token_len_per_gpu=4096),
+        "--ppo-max-token-len-per-gpu 4096 would change nothing in this run: add --use-dynamic-bsz",
+    ),
+    (
         "a vLLM knob with the HF engine",
         dict(max_num_seqs=64),
         "--max-num-seqs 64 would change nothing in this run: add --rollout-name vllm",

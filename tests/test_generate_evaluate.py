@@ -138,6 +138,14 @@ def test_sampled_generation_two_processes_equal_one_and_evaluate(tmp_path, gen, 
     scores = pq.read_table(tmp_path / "scores.parquet").to_pylist()
     hits = sum(sum(r["correct"]) for r in scores)
     assert all_["pass@1"] == pytest.approx(hits / 800)  # pass@1 is the share of correct responses
+    jsonl = tmp_path / "one.jsonl"  # the same rows as JSONL: --output-scores reads them as the scoring did
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in a))
+    from_jsonl = ev.main(ev.Args(data_path=str(jsonl), output_scores=str(tmp_path / "scores-jsonl.parquet")))
+    assert [from_jsonl["all"][f"pass@{k}"] for k in range(1, 5)] == [all_[f"pass@{k}"] for k in range(1, 5)]
+    again = pq.read_table(tmp_path / "scores-jsonl.parquet").to_pylist()
+    assert [(r["responses"], r["scores"], r["correct"]) for r in again] == [
+        (r["responses"], r["scores"], r["correct"]) for r in scores
+    ]
 
 
 @pytest.mark.e2e
@@ -246,3 +254,27 @@ def test_generate_reads_jsonl_and_copies_its_columns(tmp_path, gen):
     table = pq.read_table(out)
     assert table.num_rows == 6 and {"data_source", "prompt", "reward_model", "responses"} <= set(table.column_names)
     assert table.column("extra_info").to_pylist() == [r["extra_info"] for r in rows]
+
+
+def test_generate_reads_a_save_to_disk_folder_as_its_help_says(tmp_path, gen):
+    """--data-path a folder written by datasets' save_to_disk (its help: "as --train-files takes them"): the
+    folder's rows, each with its responses, where a missing path is still refused as the flags are parsed."""
+    from datasets import Dataset
+
+    rows = pq.read_table(BUNDLED / "addition" / "test.parquet").slice(0, 4).to_pylist()
+    folder = tmp_path / "saved"
+    Dataset.from_list(rows).save_to_disk(str(folder))
+    out = tmp_path / "out.parquet"
+    gen.main(gen.Args(data_path=str(folder), output_path=str(out), temperature=0.0, batch_size=4))
+    table = pq.read_table(out).to_pylist()
+    assert [r["extra_info"] for r in table] == [r["extra_info"] for r in rows]
+    assert all(len(r["responses"]) == 1 for r in table)
+    with pytest.raises(UsageError, match="no such file or folder; pass a parquet"):
+        gen.Args(data_path=str(tmp_path / "missing"))
+    renamed = tmp_path / "renamed.jsonl"  # OpenRLHF's --input-key, which the missing-column message names, is taken
+    renamed.write_text("".join(json.dumps({"question": r.pop("prompt"), **r}) + "\n" for r in rows))
+    with pytest.raises(Exception, match="--input-key"):
+        gen.main(gen.Args(data_path=str(renamed), output_path=str(tmp_path / "none.parquet")))
+    run_recipe("generate", "--data-path", renamed, "--input-key", "question", "--output-path", out, "--temperature", 0)
+    questions = [json.loads(line)["question"] for line in renamed.read_text().splitlines()]
+    assert [r["question"] for r in pq.read_table(out).to_pylist()] == questions
