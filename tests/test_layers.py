@@ -197,7 +197,7 @@ PUBLIC = {
     "errors": "UsageError usage_errors",
     "flags": "flag flag_values",
     "formats.prompt_cache": "load_prompts",
-    "formats.sources": "open_source",
+    "formats.sources": "KINDS NAME open_source",
     "model": "load_policy load_tokenizer load_trained_model response_logits response_logprobs sequence_logits",
     "kl_reward": "KLRewardArgs kl_controller_step",
     "ops": "KLEstimator agg_loss kl_from_logits kl_penalty logprobs_and_entropy logprobs_from_logits "

@@ -184,6 +184,11 @@ def flag_names(lines: list[str]) -> list[str]:
     return [m.group(1) for line in lines if (m := re.match(r"^  (-{1,2}[\w-]+)", line))]
 
 
+def every_name(lines: list[str]) -> list[str]:
+    """Each flag line's names, aliases too (tyro writes "--input-key STR, --prompt-key STR")."""
+    return [n for line in lines if re.match(r"^  -", line) for n in re.findall(r"(?:^  |, )(-{1,2}[\w-]+)", line)]
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_help_renders_without_loading_the_libraries(help_pages, recipe):
     """--help lists the flags; it answers before transformers, accelerate or the checkpoint code
@@ -206,8 +211,8 @@ def test_help_opens_with_the_recipes_own_box(help_pages, recipe):
     types = typing.get_type_hints(load_recipe(recipe).Args)
     own = [name for name, t in types.items() if not dataclasses.is_dataclass(t)]
     groups = [name for name, t in types.items() if dataclasses.is_dataclass(t)]
-    shown = flag_names(boxes[f"{name} options"])
-    assert len(shown) == len(own) and all(f"--{name.replace('_', '-')}" in shown for name in own), (shown, own)
+    shown, named = flag_names(boxes[f"{name} options"]), every_name(boxes[f"{name} options"])
+    assert len(shown) == len(own) and all(f"--{name.replace('_', '-')}" in named for name in own), (shown, own)
     assert {f"{name}.{g} options" for g in groups} <= set(names), (groups, names)
     crowded = {name: len(flag_names(lines)) for name, lines in boxes.items() if len(flag_names(lines)) > BOX_FLAGS}
     assert not crowded, f"boxes over {BOX_FLAGS} flags: {crowded}"
