@@ -20,7 +20,8 @@ TRUNCATION_MODES = ("error", "left", "right", "middle")
 
 
 # --- reading -----------------------------------------------------------------------------------
-MULTIMODAL_COLUMNS = ("images", "videos")  # verl's image_key and video_key: refused, never silently dropped
+# verl's image_key and video_key, and TRL's singular columns: refused, never silently dropped
+MULTIMODAL_COLUMNS = ("images", "videos", "image", "video")
 
 
 def read_rows(files, what: str = "train_files") -> list[tuple[str, list[dict]]]:
@@ -56,7 +57,7 @@ def read_rows(files, what: str = "train_files") -> list[tuple[str, list[dict]]]:
 
 def multimodal_error(what: str, file, column: str, held: int, rows: int) -> DataError:
     return DataError(
-        f"{what}: {str(file)!r} column {column!r} holds {column} in {held} of {rows} rows; the recipes "
+        f"{what}: {str(file)!r} column {column!r} holds {column.removesuffix('s')}s in {held} of {rows} rows; the recipes "
         f"train text-only models, so those rows would be trained without them. Drop the column (or "
         f"empty it) to use the text alone"
     )

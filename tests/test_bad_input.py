@@ -40,6 +40,10 @@ def files(tmp_path_factory):
     (d / "no_config").mkdir()
     with_images = [dict(r, images=[{"bytes": b"\x89PNG", "path": None}] if i % 2 else []) for i, r in enumerate(rows)]
     pq.write_table(pa.Table.from_pylist(with_images), d / "images.parquet")
+    with_image = [
+        dict(r, image={"bytes": b"\x89PNG", "path": None} if i % 4 == 0 else None) for i, r in enumerate(rows)
+    ]
+    pq.write_table(pa.Table.from_pylist(with_image), d / "image.parquet")  # TRL's column: one image a row
     rows = pq.read_table(TASK_TEST).slice(0, 16).to_pylist()
     odd = {
         "human_role": {5: dict(prompt=[{"role": "human", "content": "1+1=?"}])},
@@ -313,6 +317,7 @@ SFT_CASES = [
     ("train file not parquet", dict(train_files=("{d}/not_parquet.parquet",)), "not a readable parquet file"),
     ("no train files", dict(train_files=()), "train_files is empty"),
     ("multimodal rows", dict(train_files=("{d}/images.parquet",)), "column 'images' holds images in 8 of 16 rows"),
+    ("TRL's image column", dict(train_files=("{d}/image.parquet",)), "column 'image' holds images in 4 of 16 rows"),
     ("response column missing", dict(response_key="extra_info.nope"), "not found"),
     ("model folder missing", dict(model="./no/such/model"), "folder does not exist"),
     ("model folder without config", dict(model="{d}/no_config"), "no config.json in that folder"),
