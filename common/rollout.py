@@ -100,6 +100,8 @@ def load_rl_data(data_args, tokenizer, reward, agent, env, conditioning) -> tupl
             f"train_files hold {len(train)} prompts, fewer than train_batch_size={data_args.train_batch_size}"
         )
     val, val_stats = load(val_files, tokenizer, **spec, what="val_files") if val_files else ([], LoadStats())
+    if val_stats.filtered_overlong or val_stats.truncated:  # the run's header says the training rows' own
+        log.warning("%s: validation scores the rows kept", val_stats.summary("val_files"))
     for described in dict.fromkeys([*stats.columns, *val_stats.columns]):  # one line per mapping, said once
         files = [Path(f).name for f in stats.columns.get(described, []) + val_stats.columns.get(described, [])]
         log.info("columns of %s: %s", ", ".join(files), described)

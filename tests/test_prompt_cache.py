@@ -277,6 +277,37 @@ def test_a_long_file_is_mapped_with_one_worker(tmp_path, tokenizer, cache, verl_
     assert isinstance(rl_data()[0], list)
 
 
+def test_validation_rows_filtered_as_over_long_are_said(tmp_path, tokenizer, verl_rows, caplog):
+    """--filter-overlong-prompts drops validation rows too: a warning says how many, as the header does for training."""
+    from conftest import make_args
+
+    from common.config import RLArgs
+    from common.rollout import load_rl_data
+
+    longer = [  # every other prompt a few tokens longer
+        dict(r, prompt=[{**m, "content": m["content"] + " Show the sum." * (i % 2)} for m in r["prompt"]])
+        for i, r in enumerate(verl_rows)
+    ]
+    f = write_parquet(tmp_path / "a.parquet", longer)
+    longest = max(len(r["prompt_ids"]) for r in load_prompts([f], tokenizer, max_prompt_length=4096)[0])
+
+    def rl_data(max_prompt_length):
+        flags = dict(train_files=(f,), val_files=(f,), train_batch_size=1, filter_overlong_prompts=True)
+        a = make_args(RLArgs, max_prompt_length=max_prompt_length, **flags)
+        return load_rl_data(a.data, tokenizer, a.reward, a.agent, a.env, a.conditioning)
+
+    with caplog.at_level("WARNING", logger="common.rollout"):
+        _, stats, val = rl_data(longest - 1)
+    dropped = stats.filtered_overlong
+    assert dropped == len(longer) // 2 and len(val) == stats.kept
+    said = [r.message for r in caplog.records if "val_files" in r.message]
+    assert said and f"{dropped} over-long rows filtered out" in said[0] and "validation scores the rows kept" in said[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="common.rollout"):
+        rl_data(longest)
+    assert not [r for r in caplog.records if "val_files" in r.message], "nothing filtered, nothing said"
+
+
 def test_under_a_launcher_the_nodes_first_process_maps_and_the_others_read_its_cache(
     tmp_path, tokenizer, cache, verl_rows, monkeypatch
 ):
