@@ -327,14 +327,13 @@ def step_metrics(batch: dict, rewards, advantages, old_logprobs=None) -> dict:
     )
     if batch["timing"].get("perf/generate_s"):
         metrics["perf/generate_tokens_per_s"] = generated / batch["timing"]["perf/generate_s"]
-    packed, total = all_reduce_sum(lengths.new_tensor([LAYOUTS["packed"], LAYOUTS.total()])).tolist()
-    LAYOUTS.clear()
-    if total:  # a model that can run padding-free (--use-remove-padding auto or True): the share that did
-        metrics["perf/packed_share"] = packed / total
-    fused, total = all_reduce_sum(lengths.new_tensor([HEADS["fused"], HEADS.total()])).tolist()
-    HEADS.clear()
-    if total:  # the share of the step's passes whose LM head was fused with the logprob (response_logprobs)
-        metrics["perf/fused_head_share"] = fused / total
+    counts = [LAYOUTS["packed"], LAYOUTS.total(), HEADS["fused"], HEADS.total()]  # one all-reduce for both
+    packed, layouts, fused, heads = all_reduce_sum(lengths.new_tensor(counts)).tolist()
+    LAYOUTS.clear(), HEADS.clear()
+    if layouts:  # a model that can run padding-free (--use-remove-padding auto or True): the share that did
+        metrics["perf/packed_share"] = packed / layouts
+    if heads:  # the share of the step's passes whose LM head was fused with the logprob (response_logprobs)
+        metrics["perf/fused_head_share"] = fused / heads
     return metrics
 
 
