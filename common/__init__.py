@@ -68,6 +68,7 @@ FEATURES = (  # above the core, bottom-up: each loads only where a flag asks for
     "agents.agent",  # the multi-turn loop with tools and interactions over any engine
     "agents.env_manager",  # ROLL's environment manager: groups of Gymnasium environments played over any engine
     "serving.weight_sync",  # the trainer's weights under checkpoint names, for engines with their own copy
+    "serving.replay",  # the kept set of top-k / top-p / min-p for engines that report none (vLLM), from the trainer
     "serving.vllm_engine",  # vLLM's engine in the trainer process (--rollout-name vllm), synced through weight_sync
     "serving.remote",  # engines in Ray actors, the weight stream to them, bounded staleness
     "serving.sync_check",  # --check's weight sync item, for engines with their own copy (vLLM, remote)

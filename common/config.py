@@ -37,7 +37,8 @@ from common.serving import PlacementArgs
 from common.shaping import ConditioningArgs, CorrectionArgs
 
 # What only common.formats.verl reads: a verl key=value (its OVERRIDE) and the flags that name a verl config.
-VERL_KEY = re.compile(r"^\+{0,2}[A-Za-z_][\w-]*(?:\.[\w-]+)+=")
+# verl's keys are dotted but for sft_trainer.yaml's top-level two (common.formats.verl.VERL_KEYS says so).
+VERL_KEY = re.compile(r"^\+{0,2}(?:[A-Za-z_][\w-]*(?:\.[\w-]+)+|use_remove_padding|ulysses_sequence_parallel_size)=")
 VERL_FLAGS = ("--verl-config", "--config-path", "-cp", "--config-name", "-cn", "--print-verl-translation")
 
 
@@ -259,16 +260,15 @@ def engine_sync(policy: ModelArgs, rollout: RolloutArgs, placement, correction, 
     are needed before the update (a KL penalty in the reward, distill's teacher advantage) or set against the engine's (an engine
     with its own weights, a rollout correction); else ("when-stale") a pass only for a sample the policy moved past,
     the update's own logprobs being exact for the rest. The logged gap proves the sync where an engine with its own
-    weights samples on policy from the whole distribution (no --max-staleness, --top-p, --top-k), against the
+    weights samples on policy (no --max-staleness: the trainer replays top-k / top-p / min-p), against the
     trainer's old logprobs (no --bypass-mode), in a run that expects no gap (no --rollout-is / --rollout-rs)."""
     own = rollout.rollout_name != "hf" or placement.remote
     before = needed_before_update or own or correction.on
     old = "engine" if correction.bypass_mode else "pass" if before else "when-stale"
     trainer = policy.trainer_dtype
     engine = trainer if rollout.rollout_dtype == "auto" else DTYPES[rollout.rollout_dtype]
-    whole = rollout.top_p == 1 and rollout.top_k == -1 and not placement.max_staleness
     expected = correction.bypass_mode or correction.rollout_is or correction.rollout_rs
-    proves = own and whole and not expected
+    proves = own and not placement.max_staleness and not expected
     gap = max(trainer, engine, key=lambda dtype: TOLERANCE[dtype][1])
     return Sync(own, old, trainer, gap, proves, rollout.check_freq)
 

@@ -494,7 +494,7 @@ def take_rows(batch: dict, rows) -> dict:
     response_width = max(1, int(attention[:, P:].sum(-1).max()))
     columns = slice(P - prompt_width, P + response_width)
     out = {k: batch[k][rows][:, columns] for k in ("input_ids", "attention_mask", "position_ids")}
-    out |= {k: batch[k][rows][:, :response_width] for k in ("responses", "response_mask")}
+    out |= {k: batch[k][rows][:, :response_width] for k in ("responses", "response_mask", "kept") if k in batch}
     if "group_ids" in batch:
         out["group_ids"] = batch["group_ids"][rows]
     return out
@@ -715,3 +715,42 @@ def plan_batches(
         share_prompts=share_prompts,
         shuffle=shuffle,
     )
+
+
+PROBE_CHAT = (
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "5"},
+    {"role": "user", "content": "And 4 + 4?"},
+    {"role": "assistant", "content": "8"},
+)
+
+
+def template_problems(tokenizer) -> list[str]:
+    """What the tokenizer's chat template gets wrong for training, one line each, on a fixed two-turn chat: a later
+    turn's render that does not extend the earlier tokens (multi-turn history would differ from what was sampled, and
+    SFT's masks could not be cut); an end-of-turn token (the eos the engine stops at) outside an assistant turn's
+    loss mask, so the model never learns to stop (GLM's template); an assistant turn whose render after the
+    generation prompt does not start with its content, so the engine samples from another point than the trainer
+    trains (a template that adds an empty think block to past turns only)."""
+    turns, chat = [t for t, message in enumerate(PROBE_CHAT) if message["role"] == "assistant"], list(PROBE_CHAT)
+    try:  # the whole chat, then each assistant turn's prompt and the chat to its end (sft.py's cuts)
+        full = render_chat(tokenizer, chat, False)
+        spans = [render_chat(tokenizer, chat[: t + end], not end) for t in turns for end in (0, 1)]
+    except Exception as e:  # a template that cannot render a plain chat
+        return [f"it fails to render a plain two-turn chat: {type(e).__name__}: {e}"]
+    if any(full[: len(part)] != part for part in spans):
+        return ["a later turn's render does not extend the tokens of the turns before it (history renders differently)"]
+    problems = {}
+    for turn, start, end in zip(turns, spans[0::2], spans[1::2]):
+        trained = full[len(start) : len(end)]
+        if tokenizer.eos_token_id not in trained:
+            problems["eos"] = (
+                f"the end-of-turn token {tokenizer.eos_token!r} (the eos the engine stops at) falls outside the "
+                f"assistant's loss mask (turn {turn}): the model would never learn to stop"
+            )
+        if not tokenizer.decode(trained).lstrip().startswith(PROBE_CHAT[turn]["content"]):
+            problems["prompt"] = (
+                f"after the generation prompt the assistant's turn {turn} renders as {tokenizer.decode(trained)!r}, "
+                f"not its content first: the engine starts sampling elsewhere than the trainer trains"
+            )
+    return list(problems.values())

@@ -2,7 +2,8 @@
 
     engine.generate(prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]
 gives `sampling.n` completions per prompt, each token's logprob as the sampler saw it (after
-temperature / top-k / top-p).
+temperature / top-k / top-p / min-p) and, where those truncated it, how many tokens the sampler kept (the
+trainer replays that set: common.ops.logprobs_and_entropy's kept).
     engine.score(prompts, responses, temperature) -> list[list[float]]
 gives the model's logprob of each response token (distill.py's teacher served by an engine).
 The lifecycle hooks (`reset_cache`, `update_weights(version)`) serve engines with their own copy of the
@@ -37,6 +38,12 @@ class Sampling:
     """per prompt, the most tokens to generate (each <= max_tokens): a multi-turn loop's room left in
     each conversation. vLLM stops each there; the HF engine generates a batch to max_tokens, and the
     loop cuts each response to its budget (the same tokens: a step never depends on later ones)"""
+    min_p: float = 0.0  # keep the tokens at least min_p times as likely as the most likely one (0: off)
+
+    @property
+    def truncated(self) -> bool:
+        """Whether top-k, top-p or min-p cut the distribution the engine samples from."""
+        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
 
 
 @dataclass
@@ -47,21 +54,26 @@ class Completion:
     version: int | None = None  # the weights that sampled it, when an engine holds its own (remote)
     mask: list[int] | None = None  # 1 where the policy sampled the token (common.agents.agent); None: every token
     extra_info: dict | None = None  # added to the row's extra_info for the reward (common.agents.agent: num_turns, ...)
+    kept: list[int] | None = None  # per token, the most likely tokens top-k / top-p / min-p kept; None: all of them
 
 
 class _SampledLogprobs:
     """A logits processor last in the list, so it sees the sampler's final distribution. It keeps one
     step's log-softmax until the next call shows the token sampled from it, then only that token's
-    logprob: O(sequences x tokens) memory, where output_scores keeps the vocabulary every step."""
+    logprob: O(sequences x tokens) memory, where output_scores keeps the vocabulary every step. It counts
+    each step's kept tokens too (the warpers set the others to -inf)."""
 
     def __init__(self):
         self.picked: list[torch.Tensor] = []  # (B,) per step
+        self.kept: list[torch.Tensor] = []  # (B,) per step
         self.last: torch.Tensor | None = None  # (B, V) of the latest step only
 
     def __call__(self, input_ids, scores):
         if self.last is not None:
             self.picked.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))
         self.last = torch.log_softmax(scores.float(), -1)
+        kept = torch.isfinite(scores).sum(-1)
+        self.kept.append(kept.masked_fill(kept == scores.shape[-1], 0))  # 0: the whole vocabulary
         return scores
 
     def finish(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -103,7 +115,13 @@ class HFEngine:
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         """Under FSDP2 every rank must call this with the same number of prompts: the forward
         passes are collective (`synced_gpus` keeps them in step when one rank finishes early)."""
-        from transformers import GenerationConfig, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+        from transformers import (
+            GenerationConfig,
+            MinPLogitsWarper,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
 
         inner = unwrap(self.model)
         was_training = inner.training
@@ -119,6 +137,8 @@ class HFEngine:
                 warpers.append(TopKLogitsWarper(sampling.top_k))
             if sampling.top_p < 1.0:
                 warpers.append(TopPLogitsWarper(sampling.top_p))
+            if sampling.min_p > 0:
+                warpers.append(MinPLogitsWarper(sampling.min_p))
         config = GenerationConfig(
             do_sample=not greedy,
             **({} if greedy else dict(temperature=1.0, top_p=1.0, top_k=0)),  # our warpers sample, not transformers'
@@ -136,7 +156,7 @@ class HFEngine:
         try:
             for start in range(0, len(prompts), self.batch_size):
                 batch = prompts[start : start + self.batch_size]
-                out.extend(self._generate_batch(inner, batch, config, warpers, sampling.n))
+                out.extend(self._generate_batch(inner, batch, config, warpers, sampling))
                 watchdog.progress()
         finally:
             inner.generation_config = saved
@@ -162,9 +182,10 @@ class HFEngine:
         inner.train(was_training)
         return out
 
-    def _generate_batch(self, inner, prompts, config, warpers, n) -> list[list[Completion]]:
+    def _generate_batch(self, inner, prompts, config, warpers, sampling) -> list[list[Completion]]:
         from transformers import DynamicCache, LogitsProcessorList
 
+        n = sampling.n
         ids = pad(prompts, self.pad_id, side="left").to(self.device)
         attention = pad([[1] * len(p) for p in prompts], 0, side="left").to(self.device)
         cache = None
@@ -198,11 +219,13 @@ class HFEngine:
         )
         tokens = result.sequences[:, ids.shape[1] :]  # (B*n, T), grouped by prompt
         picked = recorder.finish(tokens)
+        kept = torch.stack(recorder.kept[: tokens.shape[1]], 1).tolist() if sampling.truncated else None
         completions = []
-        for row, lps in zip(tokens.tolist(), picked.tolist()):
+        for i, (row, lps) in enumerate(zip(tokens.tolist(), picked.tolist())):
             stop = next((t for t, tok in enumerate(row) if tok in self.eos_ids), None)
             end = len(row) if stop is None else stop + 1
-            completions.append(Completion(row[:end], lps[:end], "length" if stop is None else "stop"))
+            finish = "length" if stop is None else "stop"
+            completions.append(Completion(row[:end], lps[:end], finish, kept=None if kept is None else kept[i][:end]))
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 
@@ -248,13 +271,16 @@ class RolloutArgs(EngineArgs):
     """nucleus sampling: keep the smallest token set with this much probability (1.0: off)"""
     top_k: int = flag(-1, rule=(lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"))
     """sample among the k most likely tokens (-1: off)"""
+    min_p: float = flag(0.0, ge=0, lt=1)
+    """keep only the tokens at least this fraction as likely as the most likely one (vLLM's min_p; 0.0: off). Like
+    --top-p and --top-k, the trainer's logprobs are taken over the tokens the engine kept, so the ratio stays exact"""
     max_response_length: int = flag(16, ge=1)
     """generated tokens per response"""
     val_batch_size: int = flag(256, ge=1)
     """prompts per generate call of the HF engine, in training and validation (verl's data.val_batch_size)"""
     check_freq: int = flag(10, ge=0, note="0: never during training", only_with=CHECKING)
     """after the launch check, the engine's logprobs stay the trainer's: the per-step gap (rollout/logprob_diff_*) is
-    bounded or, where it proves nothing (--top-p, --top-k, --max-staleness, --bypass-mode, a rollout correction), the
+    bounded or, where it proves nothing (--max-staleness, --bypass-mode, a rollout correction), the
     check's probe reruns every N steps (check/engine_gap_*); past the bounds the run saves and stops (0: never)"""
 
     def __post_init__(self):
@@ -267,4 +293,6 @@ class RolloutArgs(EngineArgs):
     @property
     def sampling(self) -> Sampling:
         """The training sampling: rollout_n responses a prompt."""
-        return Sampling(self.rollout_n, self.temperature, self.top_p, self.top_k, self.max_response_length)
+        return Sampling(
+            self.rollout_n, self.temperature, self.top_p, self.top_k, self.max_response_length, min_p=self.min_p
+        )

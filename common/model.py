@@ -32,7 +32,23 @@ def looks_local(path: str) -> bool:
 
 
 def check_source(path: str, what: str) -> str:
-    """What from_pretrained takes for path (~ expanded); raises UsageError where a local path is no folder."""
+    """What from_pretrained takes for path (~ expanded); raises UsageError where a local path is no folder, for a
+    remote filesystem's URL (hdfs://), and for a hub name missing from the cache when the hub is off (HF_HUB_OFFLINE)."""
+    from huggingface_hub import constants, snapshot_download
+
+    if "://" in path:
+        raise UsageError(
+            f"{what} {path!r}: {path.split('://')[0]}:// paths are not read here (no remote filesystem library is "
+            f"chosen yet); copy the folder to a local disk first (hdfs dfs -get, aws s3 cp) and pass that folder"
+        )
+    if not looks_local(path) and constants.HF_HUB_OFFLINE:
+        try:
+            snapshot_download(path, local_files_only=True)
+        except Exception:  # not cached (or not a hub name at all)
+            raise UsageError(
+                f"{what} {path!r} is not in the Hugging Face cache and HF_HUB_OFFLINE=1 forbids downloading it; "
+                f"download it where the hub is reachable (hf download {path}) or pass a local folder"
+            ) from None
     if looks_local(path) and not Path(path).expanduser().is_dir():
         raise UsageError(
             f"{what} folder {path!r} does not exist; pass a Hugging Face folder (config.json, "
@@ -429,12 +445,13 @@ _SAID: set = set()
 def response_logprobs(model, batch: dict, share_prompts: bool, temperature: float, with_entropy=False, kl_ref=None):
     """(logprobs, entropy or None, KL or None) of the response tokens of a micro-batch (response_logits' batch),
     each (b, T): the logits divided by temperature; with kl_ref (a reference model) the exact KL(model || kl_ref)
-    of each token's whole next-token distribution.
+    of each token's whole next-token distribution. Where the engine truncated its sampling (the batch's kept:
+    top-k, top-p, min-p), each logprob is over the tokens it kept, as the engine's was.
 
     The LM head is fused with the logprob where it can be (why_head_whole): the forward stops at the hidden states
     of the response positions and common.ops.logprobs_and_entropy makes the logits chunk by chunk, so neither the
     (b, T, vocabulary) logits nor their gradient exist: at a real vocabulary most of the update's memory."""
-    responses, mask = batch["responses"], batch["response_mask"]
+    responses, mask, kept = batch["responses"], batch["response_mask"], batch.get("kept")
     why = why_head_whole(model) if kl_ref is None else "the exact KL over the vocabulary needs the whole logits"
     if why and why not in _SAID:
         _SAID.add(why)
@@ -445,11 +462,11 @@ def response_logprobs(model, batch: dict, share_prompts: bool, temperature: floa
         with skipped(head):  # the model's `.logits` are then the head's input
             hidden = response_logits(model, batch, share_prompts)
         fused = (head.weight, head.bias, getattr(_base(model), "autocast_dtype", None))
-        return *logprobs_and_entropy(hidden, responses, mask, with_entropy, temperature, fused), None
+        return *logprobs_and_entropy(hidden, responses, mask, with_entropy, temperature, fused, kept), None
     with torch.no_grad():  # the reference's first: one forward of it, outside the policy's graph
         ref_logits = None if kl_ref is None else response_logits(kl_ref, batch, share_prompts) / temperature
     logits = response_logits(model, batch, share_prompts)
-    logprobs, entropy = logprobs_and_entropy(logits, responses, mask, with_entropy, temperature)
+    logprobs, entropy = logprobs_and_entropy(logits, responses, mask, with_entropy, temperature, kept=kept)
     return logprobs, entropy, (None if kl_ref is None else kl_from_logits(logits / temperature, ref_logits))
 
 

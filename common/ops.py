@@ -88,7 +88,9 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return torch.cat(out).reshape(labels.shape) if out else flat_logits.new_zeros(labels.shape)
 
 
-def logprobs_and_entropy(logits, labels, mask=None, with_entropy: bool = True, temperature: float = 1.0, head=None):
+def logprobs_and_entropy(
+    logits, labels, mask=None, with_entropy: bool = True, temperature: float = 1.0, head=None, kept=None
+):
     """(log softmax(logits / temperature)[labels], entropy of that softmax or None) for (..., V) logits and (...)
     labels, in float32 (float64 logits: float64), where mask (...) is true (0 elsewhere; everywhere without a mask).
 
@@ -99,11 +101,17 @@ def logprobs_and_entropy(logits, labels, mask=None, with_entropy: bool = True, t
 
     head=(weight, bias, dtype): `logits` are the hidden states (..., H) the LM head would take, and each chunk's
     logits are made there (x @ weight.T + bias, in dtype, as autocast would) and remade in the backward, which
-    returns the gradients of the hidden states, weight and bias: no (..., V) tensor exists, nor its gradient."""
+    returns the gradients of the hidden states, weight and bias: no (..., V) tensor exists, nor its gradient.
+
+    kept (...) int: the sampler's truncation replayed (top-k, top-p and min-p each keep the most likely tokens),
+    each logprob over the `kept` tokens of highest logit, the label among them (0: the whole vocabulary), as the
+    engine's logprob was; the entropy stays the whole distribution's."""
     flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
     rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(-1)
     weight, bias, dtype = head or (None, None, None)
-    logprobs, entropy = _LogprobEntropy.apply(flat, flat_labels, rows, with_entropy, temperature, weight, bias, dtype)
+    kept = None if kept is None else kept.reshape(-1)
+    args = (flat, flat_labels, rows, with_entropy, temperature, weight, bias, dtype, kept)
+    logprobs, entropy = _LogprobEntropy.apply(*args)
     return logprobs.reshape(labels.shape), (entropy.reshape(labels.shape) if with_entropy else None)
 
 
@@ -114,9 +122,17 @@ def _chunk_logits(inputs, index, temperature, head) -> torch.Tensor:
     return x if temperature == 1 else x.div_(temperature)
 
 
+def _kept_floor(x: torch.Tensor, kept: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    """(n,) the lowest logit of each row's kept set: its kept-th highest, or the label's if that is lower (a
+    last-bit difference from the engine's ranking keeps the sampled token in); -inf where kept is 0."""
+    k = kept.clamp(max=x.shape[-1])
+    top = x.topk(max(1, int(k.max())), dim=-1).values.gather(-1, (k - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(k > 0, torch.minimum(top, picked), torch.full_like(top, float("-inf")))
+
+
 class _LogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inputs, labels, rows, with_entropy, temperature, weight, bias, dtype):
+    def forward(ctx, inputs, labels, rows, with_entropy, temperature, weight, bias, dtype, kept):
         ctx.set_materialize_grads(False)
         dtype = dtype or (None if weight is None else weight.dtype)
         head = None if weight is None else (weight.to(dtype), None if bias is None else bias.to(dtype))
@@ -124,42 +140,55 @@ class _LogprobEntropy(torch.autograd.Function):
         picked = torch.arange(n, device=inputs.device) if rows is None else rows
         float_type = torch.promote_types(inputs.dtype if head is None else head[0].dtype, torch.float32)
         logprobs, entropy, lse = (inputs.new_zeros(n, dtype=float_type) for _ in range(3))
+        floor, kept_lse = (None, None) if kept is None else (torch.zeros_like(lse), torch.zeros_like(lse))
         ctx.size = CHUNK_ROWS if head is None else max(1, HEAD_CHUNK // head[0].shape[0])
         for part in _row_chunks(len(picked), ctx.size):
             index = picked[part]
             x = _chunk_logits(inputs, index, temperature, head)
             z = torch.logsumexp(x, dim=-1)
             lse[index] = z
-            logprobs[index] = x.gather(-1, labels[index].unsqueeze(-1)).squeeze(-1) - z
+            label = x.gather(-1, labels[index].unsqueeze(-1)).squeeze(-1)
+            if kept is not None:  # over the kept set (a floor of -inf where the sampler kept every token)
+                low = floor[index] = _kept_floor(x, kept[index], label)
+                kept_lse[index] = torch.logsumexp(x.masked_fill(x < low.unsqueeze(-1), float("-inf")), dim=-1)
+            logprobs[index] = label - (z if kept is None else kept_lse[index])
             if with_entropy:
                 logp = x.sub_(z.unsqueeze(-1))
                 entropy[index] = -(logp.exp() * logp).sum(-1)
         ctx.temperature, ctx.dtypes = temperature, [None if t is None else t.dtype for t in (weight, bias)]
-        ctx.save_for_backward(inputs, labels, picked, lse, entropy, *(head or ()))
+        ctx.truncated = kept is not None
+        truncation = () if kept is None else (floor, kept_lse)
+        ctx.save_for_backward(inputs, labels, picked, lse, entropy, *truncation, *(head or ()))
         ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        inputs, labels, picked, lse, entropy, *head = ctx.saved_tensors
+        inputs, labels, picked, lse, entropy, *rest = ctx.saved_tensors
+        (floor, kept_lse), head = (rest[:2], rest[2:]) if ctx.truncated else ((None, None), rest)
         head = tuple(head) or None  # (weight, bias) in the head's dtype
         wants_inputs, wants_weight, wants_bias = (ctx.needs_input_grad[i] for i in (0, 5, 6))
         grad = torch.zeros_like(inputs) if wants_inputs else None
         grad_weight = torch.zeros_like(head[0], dtype=lse.dtype) if wants_weight else None  # summed over chunks
         grad_bias = torch.zeros(head[0].shape[0], dtype=lse.dtype, device=lse.device) if wants_bias else None
         if grad_logprobs is None and grad_entropy is None:
-            return grad, None, None, None, None, grad_weight, grad_bias, None
+            return grad, None, None, None, None, grad_weight, grad_bias, None, None
         for part in _row_chunks(len(picked), ctx.size):
             index = picked[part]
-            logp = _chunk_logits(inputs, index, ctx.temperature, head).sub_(lse[index].unsqueeze(-1))
+            x = _chunk_logits(inputs, index, ctx.temperature, head)
+            outside = None if floor is None or grad_logprobs is None else x < floor[index].unsqueeze(-1)
+            logp = x.sub_(lse[index].unsqueeze(-1))
             p = logp.exp()
+            q = p  # the kept set's softmax where truncated: p rescaled, 0 outside the set
+            if outside is not None:
+                q = (logp + (lse[index] - kept_lse[index]).unsqueeze(-1)).exp_().masked_fill_(outside, 0)
             if grad_entropy is not None:  # -g_H p (log p + H)
                 g = logp.add_(entropy[index].unsqueeze(-1)).mul_(p).mul_(-grad_entropy[index].unsqueeze(-1))
             else:
                 g = torch.zeros_like(p)
-            if grad_logprobs is not None:  # g_lp (onehot - p)
+            if grad_logprobs is not None:  # g_lp (onehot - q)
                 g_lp = grad_logprobs[index].unsqueeze(-1)
-                g.sub_(p.mul_(g_lp)).scatter_add_(-1, labels[index].unsqueeze(-1), g_lp)
+                g.sub_(q.mul_(g_lp)).scatter_add_(-1, labels[index].unsqueeze(-1), g_lp)
             if ctx.temperature != 1:  # through x / temperature
                 g.div_(ctx.temperature)
             if head is None:
@@ -177,7 +206,7 @@ class _LogprobEntropy(torch.autograd.Function):
             grad_weight = grad_weight.to(ctx.dtypes[0])
         if wants_bias:
             grad_bias = grad_bias.to(ctx.dtypes[1])
-        return grad, None, None, None, None, grad_weight, grad_bias, None
+        return grad, None, None, None, None, grad_weight, grad_bias, None, None
 
 
 def _kl_rows(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:

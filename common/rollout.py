@@ -202,13 +202,17 @@ def engine_logprobs(engine, batch: dict, temperature: float) -> torch.Tensor:
 
 def pack_groups(rows: list[tuple], n: int, tokenizer, device) -> dict:
     """The trainer tensors (common.data.pack_sequences) of rows [(prompt row, Completion)], group g at rows g*n ..
-    g*n+n-1, plus those rows, group_ids (B,) and rollout_logprobs (B, T): the engine's (0 past a response's end)."""
+    g*n+n-1, plus those rows, group_ids (B,) and rollout_logprobs (B, T): the engine's (0 past a response's end), and
+    kept (B, T) where the engine truncated its sampling (common.engines.Completion.kept)."""
     prompts, responses = [p["prompt_ids"] for p, _ in rows], [c.token_ids for _, c in rows]
     batch = pack_sequences(prompts, responses, tokenizer.pad_token_id, device)
     width = batch["responses"].shape[1]
     batch["rollout_logprobs"] = torch.tensor(
         [c.logprobs + [0.0] * (width - len(c.logprobs)) for _, c in rows], dtype=torch.float32, device=device
     )
+    if any(c.kept for _, c in rows):  # the sampler's truncation, which the trainer's logprobs replay
+        kept = [(c.kept or [0] * len(c.token_ids)) + [0] * (width - len(c.token_ids)) for _, c in rows]
+        batch["kept"] = torch.tensor(kept, dtype=torch.long, device=device)
     for i, (_, c) in enumerate(rows):  # multi-turn: only the sampled tokens are the policy's (common.agents.agent)
         if c.mask is not None:
             batch["response_mask"][i, : len(c.mask)] = torch.tensor(c.mask, dtype=batch["response_mask"].dtype)

@@ -85,6 +85,9 @@ def _assistant_spans(pieces: list[list[int]], turns: list[int], file, index) -> 
     return full, mask, spans[-2]
 
 
+RESPONSE_KEY = "extra_info.answer"  # sft.py's default response column (--response-key)
+
+
 @dataclass(frozen=True)
 class SftSpec:
     """What sft_records makes of a file's rows: its columns, and whether they hold conversations (for_file)."""
@@ -100,6 +103,11 @@ class SftSpec:
 
     def for_file(self, file: str, first: dict) -> "SftSpec":
         chat = has_column([first], self.messages_key)
+        if chat and self.response_key not in (RESPONSE_KEY, "response"):  # the flag given, and never read
+            raise DataError(
+                f"{file}: a {self.messages_key!r} column makes each row a conversation, so --response-key "
+                f"{self.response_key!r} would not be read; drop --response-key, or name another --messages-key"
+            )
         if not chat and not has_column([first], self.prompt_key):
             raise DataError(
                 f"{file}: neither a {self.messages_key!r} column (chat) nor a {self.prompt_key!r} column "
@@ -117,6 +125,14 @@ def _sft_texts(tokenizer, row, file, i, spec: SftSpec) -> tuple[list[str], list[
         messages = as_messages(value, file, i, spec.messages_key, template_reads(tokenizer))
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{file} row {i} column {spec.messages_key!r}: no assistant message to train on")
+        empty = [
+            t for t, m in enumerate(messages) if m["role"] == "assistant" and not str(m.get("content") or "").strip()
+        ]
+        if any(not messages[t].get("tool_calls") for t in empty):  # a turn of tool calls alone has no text
+            raise DataError(
+                f"{file} row {i} column {spec.messages_key!r}: assistant turn {empty[0]} is empty, which would "
+                f"train the model to answer nothing; fill it or drop the row"
+            )
         tools = as_tools(get_field(row, spec.tools_key, file, i), file, i, spec.tools_key) if spec.with_tools else None
         return _chat_texts(tokenizer, messages, tools)
     value = get_field(row, spec.prompt_key, file, i, "prompt_key")
@@ -297,7 +313,7 @@ def _example_of(done: dict) -> dict:
 class SFTDataArgs(DataArgs):
     """sft.py's data: DataArgs with its columns, its sequence length and its batch (verl's SFT data section)."""
 
-    response_key: Annotated[str, tyro.conf.arg(aliases=("--output-key",))] = "extra_info.answer"
+    response_key: Annotated[str, tyro.conf.arg(aliases=("--output-key",))] = RESPONSE_KEY
     """column holding the response (dotted keys reach into structs; OpenRLHF's --output-key)"""
     messages_key: str = "messages"
     """chat column; used instead of prompt/response when a file has it"""

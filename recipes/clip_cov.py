@@ -73,7 +73,8 @@ class Args(RLArgs):  # the flag groups (args.model, args.data, args.rollout, ...
     norm_adv_by_std_in_grpo: bool = True
     """divide by the group std (off: Dr.GRPO)"""
     clip_ratio: float = flag(0.2, gt=0)
-    """PPO clip range; clip_ratio_low / clip_ratio_high override each side"""
+    """PPO clip range of both sides unless clip_ratio_low / clip_ratio_high set one (verl configs that pin those at 0.2
+    move neither with clip_ratio alone: docs/configuration.md)"""
     clip_ratio_low: float | None = flag(None, gt=0, le=1, note="the ratio is kept above 1 - clip_ratio_low")
     """lower clip range: the ratio is kept above 1 - clip_ratio_low (default clip_ratio)"""
     clip_ratio_high: float | None = flag(None, gt=0)

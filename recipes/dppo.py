@@ -73,7 +73,8 @@ class Args(RLArgs):  # the flag groups (args.model, args.data, args.rollout, ...
     loss_mode: Literal["dppo_tv", "dppo_kl"] = "dppo_tv"
     """DPPO's divergence: total variation or binary KL of each token's probability (verl's loss_mode names)"""
     clip_ratio: float = flag(0.2, gt=0)
-    """DPPO's divergence threshold; clip_ratio_low / clip_ratio_high override each side"""
+    """DPPO's divergence threshold of both sides unless clip_ratio_low / clip_ratio_high set one (verl configs that pin those at 0.2
+    move neither with clip_ratio alone: docs/configuration.md)"""
     clip_ratio_low: float | None = flag(None, gt=0)
     """threshold where A <= 0 (the probability falling) (default clip_ratio)"""
     clip_ratio_high: float | None = flag(None, gt=0)

@@ -111,7 +111,8 @@ def compute_advantages(rewards, group_ids, response_mask, norm_by_std=True, eps=
 def compute_loss(new_logprobs, old_logprobs, advantages, response_mask, agg, args, entropy=None, kl=None):
     """KL-Cov's surrogate, plus optional KL-to-reference and entropy terms.
 
-    All tensors (B, T). ratio = exp(clamp(new - old, +-20)); per token
+    All tensors (B, T). ratio = exp(clamp(new - old, +-20)): verl's kl_cov takes exp(new - old) unclamped; the clamp
+    only keeps exp finite (a ratio past e^20 is a diverged policy either way), where verl's would overflow. Per token
         pg = -A * ratio,  + ppo_kl_coef * |log ratio| on the kl_cov_ratio of tokens of the largest covariance
     loss = agg(pg) - args.entropy_coeff * agg(entropy) + args.kl_loss_coef * agg(kl), each agg by
     common.ops.agg_loss with agg's mode and counts (the whole mini-batch's tokens / sequences); kl is the per-token

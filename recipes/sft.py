@@ -214,7 +214,7 @@ def main(args: Args) -> dict:
         run_dir, start_step, total_steps, dist.is_main, args.trainer, RECIPE, flags, run_info, bar_keys=bar
     )
     tracker.write(describe_run(stats.summary("train"), total_steps, checkpoint, args.model.path, run_info, plan))
-    trainer_check(args.trainer.check, tracker, resumed, dist.is_main)  # the stack's versions; resume (--check full)
+    trainer_check(args.trainer.check, tracker, resumed, dist.is_main, tokenizer)  # versions, template, resume
 
     validation = dict(batch_size=args.val_batch_size, max_new_tokens=args.max_new_tokens)
     if val and args.trainer.val_before_train and start_step == 0:

@@ -77,7 +77,10 @@ class Scripted:
             tokens = self.tokenizer(reply, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
             tokens = tokens[: sampling.max_tokens]
             done = tokens[-1] == self.tokenizer.eos_token_id
-            out.append([Completion(tokens, [-0.25] * len(tokens), "stop" if done else "length")] * sampling.n)
+            kept = [sampling.top_k] * len(tokens) if sampling.truncated else None  # as an engine under --top-k
+            out.append(
+                [Completion(tokens, [-0.25] * len(tokens), "stop" if done else "length", kept=kept)] * sampling.n
+            )
         return out
 
 
@@ -150,6 +153,18 @@ def test_the_mask_covers_exactly_the_sampled_tokens(tokenizer, pool, tool_config
     batch = pack_groups([(r, c)], 1, tokenizer, "cpu")
     assert batch["response_mask"][0, : len(c.mask)].tolist() == c.mask
     assert batch["response_mask"][0].sum().item() == len(sampled)
+
+
+def test_the_engines_kept_counts_follow_the_sampled_tokens_through_the_turns(tokenizer, pool, tool_config):
+    """Under --top-k the engine's kept counts sit on the tokens it sampled in every turn (0, the whole vocabulary,
+    on the tool's), so the trainer replays each turn's truncation; without truncation there are none."""
+    agent, _ = loop(tokenizer, [CALL, "<answer>5</answer>"], pool, tool_config)
+    r = row(tokenizer)
+    (c,) = agent.generate_rows([r], Sampling(n=1, top_k=7, max_tokens=200))[0]
+    assert c.kept == [7 * m for m in c.mask] and sum(c.mask) < len(c.mask)
+    assert pack_groups([(r, c)], 1, tokenizer, "cpu")["kept"][0, : len(c.kept)].tolist() == c.kept
+    (c,) = agent.generate_rows([r], Sampling(n=1, max_tokens=200))[0]
+    assert c.kept is None and "kept" not in pack_groups([(r, c)], 1, tokenizer, "cpu")
 
 
 def test_single_turn_rows_are_sampled_once(tokenizer, pool, tool_config):

@@ -457,3 +457,20 @@ def test_a_usage_error_under_a_launch_is_printed_once_whichever_rank_exits_first
     errors = [line for out in outputs for line in out.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: --lr -1: must be > 0"), outputs
     assert first.returncode == 2 and "Traceback" not in "".join(outputs)
+
+
+@pytest.mark.parametrize(
+    "model, words",
+    [
+        ("hdfs://namenode/models/qwen", "hdfs:// paths are not read here"),
+        ("nobody-here/no-such-model", "is not in the Hugging Face cache and HF_HUB_OFFLINE=1 forbids downloading"),
+    ],
+)
+def test_a_model_no_loader_can_reach_is_one_line_and_exit_2(tmp_path, model, words):
+    """An HDFS path, or a hub name missing from the cache with the hub off, ended in four transformers tracebacks
+    and exit 1; it is one line naming the flag's value and what to do, exit 2."""
+    cmd = [sys.executable, str(ROOT / "recipes" / "grpo.py"), "--model", model, "--output-dir", str(tmp_path / "r")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert words in done.stderr and f"{model!r}" in done.stderr and "Traceback" not in done.stderr

@@ -5,6 +5,7 @@ warn goes on. Every RL recipe run in the suite runs the fast check, so a check t
 sound stack would fail them all."""
 
 import os
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ from conftest import BUNDLED, ROOT
 from common.check import Check, check_engine_logprobs, launch_check
 from common.config import Sync, engine_sync
 from common.data import load_prompts
-from common.engines import HFEngine
+from common.engines import HFEngine, Sampling
 from common.errors import RunStopped
 from common.model import load_policy
 from common.parallel import Dist
@@ -63,14 +64,14 @@ def gap_bound(args) -> dict | None:
     return dict(mean=bound, dtype=str(sync.gap_dtype).removeprefix("torch."), warn=args.trainer.check == "warn")
 
 
-def rollout_of(engine, tokenizer):
+def rollout_of(engine, tokenizer, sampling: Sampling | None = None):
     rows, _ = load_prompts([BUNDLED / "addition" / "test.parquet"], tokenizer, max_prompt_length=64)
     pool = SimpleNamespace(dry_run_report=(True, "2 of 2 rows"))
     return SimpleNamespace(
         val=rows[:8],
         train=[],
         tokenizer=tokenizer,
-        sampling=SimpleNamespace(temperature=1.0),
+        sampling=sampling or Sampling(),
         dist=Dist(0, 1, 0, torch.device("cpu")),
         pool=pool,
     )
@@ -87,7 +88,7 @@ def test_an_engine_serving_another_model_fails_the_logprob_item(tokenizer):
     rollout = rollout_of(None, tokenizer)
     for served, want in ((policy, True), (load_policy(TEACHER), False)):
         engine = HFEngine(served, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu")
-        batch, reported = _probe(engine, tokenizer, [r["prompt_ids"] for r in rollout.val[:4]], 1.0, "cpu")
+        batch, reported = _probe(engine, tokenizer, [r["prompt_ids"] for r in rollout.val[:4]], Sampling(), "cpu")
         item = check_engine_logprobs(policy, batch, reported, 1.0, torch.float32)
         assert item.ok is want, item.figure
         rollout.engine = engine
@@ -101,6 +102,32 @@ def test_an_engine_serving_another_model_fails_the_logprob_item(tokenizer):
         written = Written()
         launch_check("warn", policy, engine, rollout, written, None, sync_of())
         assert "FAIL" in written.text and "warning: engine logprobs" in written.text
+
+
+def replayed_truncation(policy, tokenizer, prompts) -> str:
+    """--top-p 0.8 --top-k 20, and --min-p: the probe samples as the run does, the engine reports the logprobs it
+    sampled with (over the kept tokens) and the trainer replays the kept set, so the engine item passes far inside
+    the float32 bound; the same probe over the whole vocabulary (the trainer before the replay) is past it. Returns
+    the launch check's report at --top-p 0.8 --top-k 20."""
+    from common.check import _probe, _whole
+
+    engine = HFEngine(policy, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu")
+    for sampling in (Sampling(top_p=0.8, top_k=20), Sampling(temperature=0.7, min_p=0.05)):
+        batch, reported = _probe(engine, tokenizer, prompts, sampling, "cpu")
+        assert (batch["kept"][batch["response_mask"].bool()] > 0).float().mean() > 0.5  # most tokens truncated
+        item = check_engine_logprobs(policy, batch, reported, sampling.temperature, torch.float32)
+        assert item.ok is True and float(item.figure.split("max gap ")[1].split(",")[0]) < 1e-4, item.figure
+        whole = check_engine_logprobs(policy, _whole(batch), reported, sampling.temperature, torch.float32)
+        assert whole.ok is False, whole.figure
+    written, rollout = Written(), rollout_of(engine, tokenizer, Sampling(top_p=0.8, top_k=20))
+    rollout.val = [{"prompt_ids": p} for p in prompts]
+    launch_check("fast", policy, engine, rollout, written, None, sync_of())
+    return written.text
+
+
+def test_the_engine_item_passes_under_truncated_sampling_by_replaying_it(tokenizer):
+    prompts = [r["prompt_ids"] for r in rollout_of(None, tokenizer).val[:4]]
+    assert re.search(r"check engine logprobs +pass", replayed_truncation(load_policy(SFT), tokenizer, prompts))
 
 
 def test_the_check_leaves_the_samplers_generator_where_it_was(tokenizer):
@@ -126,7 +153,7 @@ def test_the_packing_item_holds_each_layout_to_the_compute_dtypes_bound(tokenize
     policy = load_policy(SFT, remove_padding=True)
     engine = HFEngine(policy, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu")
     rows = rollout_of(engine, tokenizer).val[:4]
-    batch, _ = _probe(engine, tokenizer, [r["prompt_ids"] for r in rows], 1.0, "cpu")
+    batch, _ = _probe(engine, tokenizer, [r["prompt_ids"] for r in rows], Sampling(), "cpu")
     item = check_packing(policy, batch, torch.float32)
     assert item.ok is True and "float32 bounds 0.001, 0.0001" in item.figure
     trainer_logprobs = check.trainer_logprobs
@@ -161,9 +188,10 @@ def test_check_off_and_warn_are_flags_of_every_rl_recipe():
     assert Check(remote.trainer.check, sync(remote)).freq == 0 and gap_bound(remote) == dict(
         mean=1e-4, dtype="float32", warn=False
     )
+    for truncated in (dict(top_k=50), dict(top_p=0.9), dict(min_p=0.05)):  # replayed by the trainer: still bounded
+        args = make_args(grpo, rollout_placement="remote", **truncated)
+        assert gap_bound(args) == dict(mean=1e-4, dtype="float32", warn=False), truncated
     for unusable in (
-        dict(top_k=50),
-        dict(top_p=0.9),
         dict(max_staleness=1),
         dict(bypass_mode=True),
         dict(rollout_is="token"),
@@ -360,3 +388,48 @@ def test_the_reward_signal_item_says_before_step_1_when_no_sample_can_be_rewarde
     assert "check reward signal    pass  16 samples of 4 training prompts" in proc.stdout
     steps = [m for m in read_metrics(tmp_path / "ok") if "train/loss" in m]
     assert all(0 <= m["reward/equal_groups"] < 1 for m in steps) and "no reward signal" not in proc.stdout
+
+
+BROKEN_TEMPLATES = {  # each breaks one thing training needs, as real templates have
+    "eos": "{% for m in messages %}{% if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
+    "<|im_start|>assistant\n{% else %}{{ m.content }}\n{% endif %}{% endfor %}",  # GLM: the turn ends untrained
+    "history": "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and not loop.last %}"
+    "<think></think>{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",  # past turns re-rendered
+    "prompt": "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}<think></think>"
+    "{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}",  # the generation prompt stops short of what the assistant's turn renders
+}
+
+
+def broken_tokenizer(tokenizer, kind: str):
+    import copy
+
+    broken = copy.deepcopy(tokenizer)
+    broken.chat_template = BROKEN_TEMPLATES[kind]
+    return broken
+
+
+def test_the_chat_template_item_names_what_a_broken_template_gets_wrong(tokenizer):
+    """The bundled template passes; each broken one is named by its one problem: a stop for sft.py (its masks come
+    from the template), a warning for an RL run."""
+    from common.check import check_template
+
+    assert check_template(tokenizer, stops=True).ok is True
+    words = {"eos": "falls outside the assistant's loss mask", "history": "does not extend", "prompt": "renders as"}
+    for kind, said in words.items():
+        item = check_template(broken_tokenizer(tokenizer, kind), stops=True)
+        assert item.ok is False and len(item.detail) == 1 and said in item.detail[0], (kind, item.detail)
+        assert check_template(broken_tokenizer(tokenizer, kind), stops=False).ok == "warn"
+
+
+def test_sft_stops_at_the_launch_check_on_a_template_that_never_trains_the_end_of_turn(tmp_path, tokenizer):
+    from conftest import run_recipe
+
+    folder = tmp_path / "tokenizer"
+    broken_tokenizer(tokenizer, "eos").save_pretrained(folder)
+    flags = ("--tokenizer", folder, "--total-training-steps", 1, "--output-dir", tmp_path / "run", "--test-freq", 0)
+    done = run_recipe("sft", *flags, check=False)
+    assert done.returncode == 1 and "check chat template    FAIL" in done.stderr + done.stdout, done.stderr[-3000:]
+    assert "falls outside the assistant's loss mask" in done.stderr + done.stdout
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -79,7 +79,8 @@ class Scripted:
             tokens = self.tokenizer(self.script(last, turn), add_special_tokens=False)["input_ids"]
             tokens = (tokens + [self.tokenizer.eos_token_id])[: sampling.max_tokens]
             done = tokens[-1] == self.tokenizer.eos_token_id
-            out.append([Completion(tokens, [-0.5] * len(tokens), "stop" if done else "length")] * sampling.n)
+            kept = [sampling.top_k] * len(tokens) if sampling.truncated else None  # as an engine under --top-k
+            out.append([Completion(tokens, [-0.5] * len(tokens), "stop" if done else "length", kept=kept)] * sampling.n)
         return out
 
 
@@ -242,7 +243,7 @@ def test_a_scripted_player_gives_the_exact_trajectory_mask_and_return(tokenizer)
     try:
         loop = manager(tokenizer, GAMES, pool, lambda obs, turn: f"<answer>{path[turn]}</answer>")
         (row,) = rows(GAMES, "FrozenLake", [0])
-        group = loop.generate_rows([row], Sampling(n=2, max_tokens=400))[0]
+        group = loop.generate_rows([row], Sampling(n=2, top_k=5, max_tokens=400))[0]
     finally:
         pool.close()
     messages = [{"role": "user", "content": observations[0]}]
@@ -262,6 +263,7 @@ def test_a_scripted_player_gives_the_exact_trajectory_mask_and_return(tokenizer)
         ]
         assert [t for t, m in zip(c.token_ids, c.mask) if m] == replies
         assert all((lp != 0) == bool(m) for lp, m in zip(c.logprobs, c.mask))
+        assert c.kept == [5 * m for m in c.mask]
         env = c.extra_info["env"]
         assert (env["return"], env["success"], env["steps"], env["turns"]) == (1.0, True, 6, 6)
         assert (env["format_errors"], env["invalid_actions"], env["errors"], env["timeouts"]) == (0, 0, 0, 0)

@@ -212,3 +212,58 @@ def test_every_verl_listing_runs_under_verl_config_or_is_refused_naming_its_key(
                 assert any(key.split(".")[-1] in str(e) for key in keys), f"{path.name} listing {i}: {e}"
                 refused += 1
     assert ran > 20 and refused > 3
+
+
+GENERATION_YAML = """\
+trainer: {nnodes: 1, n_gpus_per_node: 8, device: cuda}
+data: {path: DATA, prompt_key: prompt, n_samples: 5, output_path: OUT, batch_size: 128}
+model: {path: MODEL, external_lib: null}
+rollout:
+  name: vllm
+  mode: sync
+  temperature: 1.0
+  top_k: 50
+  top_p: 0.7
+  prompt_length: 1536
+  response_length: 512
+  dtype: bfloat16
+  gpu_memory_utilization: 0.5
+  ignore_eos: False
+  enforce_eager: True
+  free_cache_engine: True
+  load_format: dummy_dtensor
+  tensor_model_parallel_size: 1
+  max_num_batched_tokens: 8192
+  max_num_seqs: 1024
+  log_prob_micro_batch_size_per_gpu: 8
+  do_sample: True
+  disable_log_stats: True
+  enable_chunked_prefill: True
+  n: 1
+  calculate_log_probs: False
+actor:
+  strategy: fsdp
+  ulysses_sequence_parallel_size: 1
+  entropy_from_logits_with_chunking: False
+  entropy_checkpointing: False
+  fsdp_config: {fsdp_size: -1, forward_prefetch: False}
+ray_init: {num_cpus: null, timeline_json_file: null}
+"""
+
+
+def test_verls_generation_yaml_as_written_is_read_by_generate_py(tmp_path, capsys):
+    """verl's generation.yaml, whole as the guide lists it (its six actor.* keys too, which generate.py refused as
+    "not a verl key"), is a --verl-config generate.py reads: the sampling and engine keys become its flags, the
+    actor's and the launcher's keys are said to change nothing."""
+    from test_verl import args_class
+
+    from common.formats.verl import verl_args
+
+    text = GENERATION_YAML.replace("DATA", str(ROOT / "bundled" / "addition" / "test.parquet"))
+    (tmp_path / "generation.yaml").write_text(text.replace("OUT", str(tmp_path / "out.parquet")).replace("MODEL", "m"))
+    argv = verl_args(args_class("generate"), None, argv=["--verl-config", str(tmp_path / "generation.yaml")])
+    said = capsys.readouterr().err
+    flags = dict(zip(argv[::2], argv[1::2]))
+    assert flags["--top-k"] == "50" and flags["--top-p"] == "0.7" and flags["--n-samples"] == "5"
+    assert flags["--rollout-name"] == "vllm" and flags["--max-response-length"] == "512"
+    assert "actor.strategy" in said and "actor.fsdp_config.forward_prefetch" in said

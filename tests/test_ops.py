@@ -460,3 +460,71 @@ def test_logprobs_and_entropy_keep_bfloat16_logits_in_float32_maths():
     assert torch.allclose(h, -(logp.exp() * logp).sum(-1), atol=1e-4)
     (lp.sum() + h.sum()).backward()
     assert logits.grad.dtype == torch.bfloat16 and logits.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_the_kept_set_replays_transformers_truncation_with_its_gradient(head):
+    """kept (the sampler's kept count) makes each logprob the one transformers' top-k / top-p / min-p warpers
+    sample from, label inside the set; the gradient is autograd's through those masked logits; entropy stays
+    whole; kept 0 is the whole vocabulary. With head=(weight, bias, dtype) the same from hidden states."""
+    from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from common.ops import logprobs_and_entropy
+
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 6, 8, generator=g, dtype=torch.float64)
+    weight = (torch.randn(40, 8, generator=g, dtype=torch.float64)).requires_grad_()
+    bias = torch.randn(40, generator=g, dtype=torch.float64)
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    # the sampler's processed logits: temperature 0.7, then one truncation per row (top-p 1.0 keeps all)
+    warpers = [TopKLogitsWarper(5), TopPLogitsWarper(0.8), MinPLogitsWarper(0.1), TopPLogitsWarper(1.0)]
+    flat = logits.detach().reshape(-1, 40) / 0.7
+    warped = torch.cat([warpers[i % 4](None, row[None].clone()) for i, row in enumerate(flat)])
+    kept = torch.isfinite(warped).sum(-1).reshape(2, 6)
+    kept[kept == 40] = 0
+    labels = torch.multinomial(warped.softmax(-1), 1, generator=g).reshape(2, 6)
+    # the reference: autograd through the masked logits
+    masked = (logits / 0.7).masked_fill(~torch.isfinite(warped).reshape(2, 6, 40), float("-inf"))
+    ref = torch.log_softmax(masked, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ref_grad = torch.autograd.grad(ref.sum(), weight, retain_graph=True)[0]
+    whole = torch.log_softmax(logits / 0.7, -1)
+    if head:
+        lp, h = logprobs_and_entropy(hidden, labels, temperature=0.7, head=(weight, bias, None), kept=kept)
+    else:
+        lp, h = logprobs_and_entropy(logits, labels, temperature=0.7, kept=kept)
+    assert torch.allclose(lp, ref, atol=1e-12)
+    assert torch.allclose(h, -(whole.exp() * whole).sum(-1), atol=1e-12)
+    assert (lp[kept > 0] > whole.gather(-1, labels.unsqueeze(-1)).squeeze(-1)[kept > 0]).all()
+    assert torch.allclose(torch.autograd.grad(lp.sum(), weight)[0], ref_grad, atol=1e-12)
+    # a label ranked just outside its kept count (a last-bit ranking difference) stays in the set
+    one = torch.tensor([[2.0, 1.0, 0.5, -1.0]], dtype=torch.float64)
+    lp, _ = logprobs_and_entropy(one, torch.tensor([2]), kept=torch.tensor([2]), with_entropy=False)
+    assert torch.allclose(lp, torch.log_softmax(one[:, :3], -1)[:, 2])
+
+
+def test_the_kept_count_is_found_again_from_the_engines_logprob():
+    """vLLM reports the processed logprob, not the set: kept_from_logprobs finds the count from the logits and that
+    logprob, exactly where the logits are the engine's and it truncated; the replayed logprobs then meet the
+    engine's (a whole distribution may come back less its least likely tokens, whose mass is below rounding)."""
+    from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from common.ops import logprobs_and_entropy
+    from common.serving.replay import kept_from_logprobs
+
+    g = torch.Generator().manual_seed(5)
+    logits = 2 * torch.randn(64, 300, generator=g, dtype=torch.float64)
+    warpers = [TopPLogitsWarper(0.8), MinPLogitsWarper(0.05), TopPLogitsWarper(0.95), TopKLogitsWarper(300)]
+    warped = torch.cat([warpers[i % 4](None, row[None].clone()) for i, row in enumerate(logits)])
+    labels = torch.multinomial(warped.softmax(-1), 1, generator=g).squeeze(-1)
+    engine = torch.log_softmax(warped, -1).gather(-1, labels[:, None]).squeeze(-1)
+    truth = torch.isfinite(warped).sum(-1)
+    truth[truth == 300] = 0
+    kept = kept_from_logprobs(logits, labels, engine)
+    cut = truth > 0
+    assert cut.sum() >= 40 and torch.equal(kept[cut], truth[cut])
+    replayed, _ = logprobs_and_entropy(logits, labels, kept=kept, with_entropy=False)
+    assert torch.allclose(replayed, engine, atol=1e-10)
+    # the trainer's logits a float32 rounding away from the engine's: the same logprobs, to that rounding
+    near = kept_from_logprobs(logits.float().double(), labels, engine.float())
+    replayed, _ = logprobs_and_entropy(logits, labels, kept=near, with_entropy=False)
+    assert torch.allclose(replayed, engine, atol=1e-5)

@@ -10,6 +10,7 @@ gradient: a recipe whose update never moves the real model's weights fails here.
 bench/real_task.py, not asserted on a clock."""
 
 import json
+import re
 
 import pyarrow.parquet as pq
 import pytest
@@ -190,3 +191,27 @@ def test_the_launch_check_says_the_real_model_cannot_be_rewarded_on_the_bundled_
     assert proc.returncode == 1 and "64 samples of 16 training prompts as the run samples: rewards 0 x64" in proc.stderr
     assert "reward signal: every probe sample scored 0" in proc.stderr and "    reward 0: '" in proc.stderr
     assert not any("train/loss" in m for m in read_metrics(tmp_path / "run"))
+
+
+def test_truncated_sampling_is_replayed_on_the_real_model(real_model, plain_task):
+    """The real model's entropy is where truncation bites: at --top-p 0.8 --top-k 20 (and --min-p) its engine item
+    passes by replaying the kept set, and fails over the whole vocabulary (test_check.replayed_truncation)."""
+    from test_check import replayed_truncation
+
+    from common.data import load_prompts
+    from common.model import load_policy, load_tokenizer
+
+    tokenizer = load_tokenizer(str(real_model))
+    rows, _ = load_prompts([plain_task / "test.parquet"], tokenizer, max_prompt_length=64)
+    report = replayed_truncation(load_policy(str(real_model)), tokenizer, [r["prompt_ids"] for r in rows[:4]])
+    assert re.search(r"check engine logprobs +pass", report), report
+
+
+def test_the_real_models_chatml_template_passes_the_template_item(real_model):
+    """SmolLM2's ChatML template (a system turn of its own) trains its end-of-turn token, extends its history and
+    starts the assistant's turn where its generation prompt ends."""
+    from common.check import check_template
+    from common.model import load_tokenizer
+
+    item = check_template(load_tokenizer(str(real_model)), stops=True)
+    assert item.ok is True and item.detail == (), item.detail

@@ -321,8 +321,18 @@ def write(path, rows):
             {"train_batch_size": 10, "micro_batch_size_per_gpu": 0},
             "--micro-batch-size-per-gpu 0: must be >= 1",
         ),
+        (
+            [{"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": " "}]}] * 10,
+            {"train_batch_size": 10},
+            "column 'messages': assistant turn 1 is empty, which would train the model to answer nothing",
+        ),
+        (
+            [{"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}], "a": "2"}],
+            {"response_key": "a"},
+            "a 'messages' column makes each row a conversation, so --response-key 'a' would not be read",
+        ),
     ],
-    ids=["missing-column", "wrong-type", "too-long", "zero-micro-batch"],
+    ids=["missing-column", "wrong-type", "too-long", "zero-micro-batch", "empty-turn", "response-key-unread"],
 )
 def test_bad_input_fails_before_model_loads(tmp_path, sft_no_model, rows, flags, expected):
     f = write(tmp_path / "bad.parquet", rows)

@@ -32,7 +32,14 @@ MARKERS = 40  # `` in the repository, each on a literal table
 # every step logs the share of groups whose rewards are all equal, which the closing summary counts. 6100 -> 6250
 # (issue 61): the LM head fused with the logprob (common.model.response_logprobs, its once-per-model check and
 # common.ops' head in logprobs_and_entropy), so no (b, T, vocabulary) logits exist in a default run's passes.
-CORE_LINES = 6250
+# 6250 -> 6300 (issue 62): truncated sampling replayed (the HF engine's kept counts, carried through the agent
+# loops and batches, and each logprob over the kept set in logprobs_and_entropy and its backward), so that
+# --top-p / --top-k / --min-p leave the ratio exact; vLLM's count-finding pass is a feature (common.serving.replay).
+# 6300 -> 6325 (issue 62): a model path no loader can reach (hdfs://, a hub name offline and not cached) is one
+# line before anything loads (common.model.check_source), not four transformers tracebacks. 6325 -> 6370 (issue
+# 62): every launch check reads the chat template (common.data.template_problems: the end-of-turn token trained,
+# history extended, the generation prompt where the assistant's turn starts), sft.py's a stop.
+CORE_LINES = 6370
 MARKER = re.compile(r"[ \t]*# fmt: skip\b")
 
 

@@ -78,13 +78,17 @@ def test_a_folder_of_two_splits_gives_the_one_named(saved):
         ("rows.jsonl@train", "@train picks a split of a save_to_disk folder; a file is one split"),
         ("missing.jsonl", "file '{d}/missing.jsonl' does not exist (give a parquet, JSON / JSONL"),
         ("rows.txt", "is not a data file this library reads (suffix '.txt'); give a parquet, JSON / JSONL, CSV"),
-        ("bad.jsonl", "'{d}/bad.jsonl' is not a readable JSON file"),
+        ("bad.jsonl", "'{d}/bad.jsonl' is not a readable JSON file (line 3 is not valid JSON: Expecting"),
+        ("lists.jsonl", "(line 2 is a JSON list, not an object: JSON Lines hold one row, an object, a line)"),
+        ("empty.csv", "'{d}/empty.csv' is not a readable CSV file (it is empty: a CSV file needs a header line"),
         ("plain", "'{d}/plain' is a folder that datasets' save_to_disk did not write"),
     ],
 )
 def test_a_bad_input_is_named_with_what_to_give(saved, name, message):
     (saved / "rows.txt").write_text("x")
-    (saved / "bad.jsonl").write_text('{"prompt": "1+1="}\n{not json\n')
+    (saved / "bad.jsonl").write_text('{"prompt": "1+1="}\n\n{not json\n')  # the file's line 3, past a blank one
+    (saved / "lists.jsonl").write_text('{"prompt": "1+1="}\n[1, 2]\n')
+    (saved / "empty.csv").write_text("")
     (saved / "plain").mkdir(exist_ok=True)
     with pytest.raises(DataError) as error:
         read_rows([str(saved / name)], "train_files")
@@ -170,3 +174,39 @@ def test_grpo_trains_on_a_mixed_list_of_formats(saved, hf_cache, tmp_path):
     assert f"train: {3 * ROWS}/{3 * ROWS} rows from 3 file(s)" in done.stdout + done.stderr
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "train/loss" in m] == [1, 2] and "val/accuracy" in metrics[-1]
+
+
+def test_a_malformed_line_deep_in_a_large_jsonl_is_named_by_its_line(tmp_path):
+    """datasets names the row of the chunk it was parsing ("row 8032" for line 40,000); the message names the
+    file's own line."""
+    lines = [json.dumps({"prompt": f"{i}+1=", "data_source": "t"}) for i in range(39_999)] + ['{"prompt": "x"']
+    (tmp_path / "big.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=r"big.jsonl' is not a readable JSON file \(line 40000 is not valid JSON"):
+        read_rows([str(tmp_path / "big.jsonl")], "train_files")
+
+
+def test_with_the_hub_out_of_reach_a_name_is_read_from_the_cache_at_once(hf_cache, rows, monkeypatch):
+    """Without HF_HUB_OFFLINE, datasets retried an unreachable Hub for 33 s before answering. When a connection to
+    the Hub's host does not open, the name is read from the cache alone at once (a cached dataset loads; a missing
+    one is named, with HF_HUB_OFFLINE=1 said), and the offline flags are as they were afterwards."""
+    import datasets
+    import huggingface_hub
+
+    import common.formats.sources as sources
+
+    for module, name in ((datasets.config, "HF_HUB_OFFLINE"), (datasets.config, "HF_DATASETS_OFFLINE")):
+        monkeypatch.setattr(module, name, False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(sources, "_hub_reachable", lambda seconds=3.0: False)
+    seen, load = [], datasets.load_dataset
+
+    def recorded(*args, **kwargs):
+        seen.append((datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", recorded)
+    ((_, got),) = read_rows(["someorg/addition"])
+    assert got == rows and seen == [(True, True)]
+    with pytest.raises(DataError, match="out of reach .*HF_HUB_OFFLINE=1 reads the cache without trying the Hub"):
+        read_rows(["other/missing"], "train_files")
+    assert not datasets.config.HF_HUB_OFFLINE and not huggingface_hub.constants.HF_HUB_OFFLINE

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BUNDLED, ROOT, read_metrics, run_recipe
+from conftest import BUNDLED, ROOT, make_args, read_metrics, run_recipe
 
 from common.errors import ORIGINS, UsageError, usage_errors
 from common.flags import flag_types
@@ -1174,3 +1174,60 @@ def test_verls_loss_modes_and_estimators_route_to_their_recipes(recipe):
 
 
 ACTOR_KEY = "actor_rollout_ref.actor."
+
+
+def test_a_loss_mode_key_and_the_flat_flag_that_differ_are_refused_naming_both():
+    """dppo.py's --loss-mode dppo_kl beside loss_mode=dppo_tv ran dppo_kl with no word, where any other key and its
+    flag that differ are refused; equal ones are one setting, and the key alone still sets the flag."""
+    args, key = args_class("dppo"), ACTOR_KEY + "policy_loss.loss_mode"
+    for argv in ([f"{key}=dppo_tv", "--loss-mode", "dppo_kl"], [f"{key}=dppo_kl", "--loss-mode=dppo_tv"]):
+        with pytest.raises(UsageError, match=r"both set --loss-mode, to different values .*keep one"):
+            translate(argv, args, "grpo", "dppo.py", loss_mode="dppo_tv")
+    assert translate([f"{key}=dppo_kl", "--loss-mode", "dppo_kl"], args, "grpo", "dppo.py", loss_mode="dppo_tv")[0] == [
+        "--loss-mode",
+        "dppo_kl",
+    ]
+    assert translate([f"{key}=dppo_kl"], args, "grpo", "dppo.py", loss_mode="dppo_tv")[0] == ["--loss-mode", "dppo_kl"]
+
+
+def test_verls_tensor_parallel_size_is_said_unused_with_the_hf_engine_and_read_with_vllm():
+    """The guides' tensor_model_parallel_size=2 with the HF engine (the default here) shards nothing: the run says
+    so among the keys read with nothing to change, where it was accepted in silence; with vLLM it is the flag. Our
+    own --tensor-parallel-size with the HF engine is refused (tests/test_config.py's only-with table)."""
+    args, key = args_class("grpo"), "actor_rollout_ref.rollout.tensor_model_parallel_size=2"
+    flags, said = translate([key], args, "grpo", "grpo.py")
+    assert "--tensor-parallel-size" not in flags
+    assert any("tensor_model_parallel_size (the HF engine generates unsharded" in line for line in said), said
+    flags, _ = translate([key, "actor_rollout_ref.rollout.name=vllm"], args, "grpo", "grpo.py")
+    assert flags[flags.index("--tensor-parallel-size") + 1] == "2"
+    with pytest.raises(UsageError, match="--tensor-parallel-size.*--rollout-name vllm"):
+        make_args(args, tensor_parallel_size=2)
+
+
+def test_every_verl_key_on_the_command_line_is_read_as_one():
+    """sft.py's use_remove_padding=True was refused on the command line ("unrecognized") and read in --verl-config:
+    verl's two top-level keys have no dot. Every key of the table is now one on the command line as in a file."""
+    from common.config import VERL_KEY
+    from common.formats.verl import VERL_KEYS, is_override
+
+    for key in (k for k in VERL_KEYS if re.fullmatch(r"[\w.-]+", k)):
+        assert VERL_KEY.match(f"{key}=1") and is_override(f"{key}=1"), key
+    assert not is_override("use_remove_padding_x=1") and not VERL_KEY.match("lr=1")
+    flags, _ = translate(["use_remove_padding=True"], args_class("sft"), None, "sft.py", trainer="sft")
+    assert flags[:2] == ["--use-remove-padding", "True"]  # and verl's SFT defaults after it
+
+
+def test_a_config_saved_by_a_verl_run_may_carry_the_critics_grad_clip_and_the_reward_models_strategy():
+    """critic.grad_clip and reward_model.strategy, which a verl run's saved config carries, were refused as "not a
+    verl key": the critic's clip is read as the actor's (refused where the two differ, naming why), and the reward
+    model's strategy is said to change nothing (the reward model loads whole: no sharding, no offload)."""
+    args = args_class("ppo")
+    flags, said = translate(
+        ["critic.grad_clip=1.0", "reward_model.strategy=fsdp"], args, "gae", "ppo.py", trainer="ppo"
+    )
+    assert "reward_model.strategy" in " ".join(said) and "critic.grad_clip" in " ".join(said)
+    with pytest.raises(UsageError, match="critic.grad_clip=5.0: only critic.grad_clip=1.0 .*actor's --grad-clip"):
+        translate(["critic.grad_clip=5.0"], args, "gae", "ppo.py", trainer="ppo")
+    both = ["critic.grad_clip=5.0", "actor_rollout_ref.actor.grad_clip=5.0"]
+    flags, _ = translate(both, args, "gae", "ppo.py", trainer="ppo")
+    assert flags[flags.index("--grad-clip") + 1] == "5.0"

@@ -85,6 +85,32 @@ def test_sampled_logprobs_equal_the_trainers(setup, tokenizer, temperature):
         assert torch.allclose(trainer[i, : len(c.logprobs)], torch.tensor(c.logprobs), atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "sampling", [Sampling(n=3, top_p=0.8, top_k=20), Sampling(n=3, temperature=0.7, min_p=0.05), Sampling(n=3, top_k=5)]
+)
+def test_truncated_sampling_is_replayed_against_vllms_processed_logprobs(setup, tokenizer, sampling):
+    """vLLM returns the logprob it sampled with after top-k / top-p / min-p, not the set it kept; the engine gives
+    each token the kept count that meets it on the trainer's logits (common.engines.replay_kept), and the
+    trainer's replayed logprobs then equal vLLM's within float32's bound, where the whole vocabulary's do not."""
+    from common.rollout import pack_groups
+
+    engine, prompts = setup
+    model = load_policy(SFT)
+    use(engine, model, 1)
+    groups = engine.generate(prompts, sampling)
+    batch = pack_groups([({"prompt_ids": p}, c) for p, g in zip(prompts, groups) for c in g], 3, tokenizer, "cpu")
+    mask = batch["response_mask"].bool()
+    assert (batch["kept"][mask] > 0).float().mean() > 0.5
+    if sampling.top_p == 1 and sampling.min_p == 0:
+        assert (batch["kept"][mask] == 5).all()
+    from common.model import trainer_logprobs as replayed
+
+    gap = (replayed(model, batch, sampling.temperature) - batch["rollout_logprobs"]).abs()[mask]
+    whole = replayed(model, {k: v for k, v in batch.items() if k != "kept"}, sampling.temperature)
+    assert gap.max() < 1e-3 and gap.mean() < 1e-4, (gap.max(), gap.mean())
+    assert (whole - batch["rollout_logprobs"]).abs()[mask].max() > 1e-3
+
+
 def test_an_optimizer_step_reaches_the_engine_only_through_the_sync(setup, tokenizer):
     engine, prompts = setup
     model = load_policy(SFT)

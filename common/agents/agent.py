@@ -22,7 +22,7 @@ mismatch with the turn and both token strings.
 
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.agents.tools import (
     conversation_extra_info,
@@ -47,6 +47,7 @@ class Conversation:
     tokens: list[int] = field(default_factory=list)  # after the prompt
     mask: list[int] = field(default_factory=list)  # 1: sampled by the policy
     logprobs: list[float] = field(default_factory=list)  # the engine's, 0 where not sampled
+    kept: list[int] = field(default_factory=list)  # the engine's kept counts (common.engines.Completion), 0: all
     assistant_turns: int = 0
     user_turns: int = 0  # the interaction's replies
     tool_calls: int = 0
@@ -63,10 +64,11 @@ class Conversation:
     finish_reason: str = "stop"
     done: bool = False
 
-    def add(self, tokens: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
+    def add(self, tokens: list[int], sampled: bool, logprobs: list[float] | None = None, kept=None) -> None:
         self.tokens += tokens
         self.mask += [int(sampled)] * len(tokens)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
+        self.kept += kept if kept is not None else [0] * len(tokens)
 
     @property
     def agent(self) -> str:
@@ -77,7 +79,8 @@ class Conversation:
         extra = conversation_extra_info(
             self.row, self.user_turns, self.assistant_turns, self.turn_scores, self.tool_rewards, self.tool_step_rewards
         )
-        return Completion(self.tokens, self.logprobs, self.finish_reason, mask=self.mask, extra_info=extra)
+        kept = self.kept if any(self.kept) else None
+        return Completion(self.tokens, self.logprobs, self.finish_reason, mask=self.mask, extra_info=extra, kept=kept)
 
 
 def between_turns(tokenizer, messages: list[dict], new: list[dict], eos_id: int, tools=None) -> list[int]:
@@ -206,7 +209,7 @@ class AgentLoop:
             conversation.slot = slot
         self._start_interactions(conversations)
         for conversation, c in zip(conversations, (c for group in first for c in group)):
-            self._sampled(conversation, c.token_ids, c.logprobs, c.finish_reason)
+            self._sampled(conversation, c.token_ids, c.logprobs, c.finish_reason, c.kept)
         self._after_turns(conversations)
         reduce = all_reduce_max if self.lockstep else (lambda value: value)
         while True:
@@ -218,11 +221,9 @@ class AgentLoop:
             if count == 0:
                 break
             # Each conversation generates at most its own room left (a filler 1 token: it is dropped).
-            more = Sampling(
+            more = replace(
+                sampling,
                 n=1,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
                 max_tokens=reduce(max(budget, default=1)),
                 budgets=tuple(budget) + (1,) * (count - len(active)),
             )
@@ -230,9 +231,8 @@ class AgentLoop:
             outs = self.engine.generate(inputs + [rows[0]["prompt_ids"]] * (count - len(inputs)), more)
             for conversation, left, (out,) in zip(active, budget, outs):
                 cut = len(out.token_ids) > left
-                self._sampled(
-                    conversation, out.token_ids[:left], out.logprobs[:left], "length" if cut else out.finish_reason
-                )
+                finish, kept = "length" if cut else out.finish_reason, out.kept and out.kept[:left]
+                self._sampled(conversation, out.token_ids[:left], out.logprobs[:left], finish, kept)
             self._after_turns(active)
         self._finish_tools(conversations)
         self._finish_interactions(conversations)
@@ -242,8 +242,8 @@ class AgentLoop:
         done = [c.completion() for c in conversations]
         return [done[i * n : (i + 1) * n] for i in range(len(rows))]
 
-    def _sampled(self, conversation: Conversation, ids: list[int], logprobs: list[float], finish_reason: str) -> None:
-        conversation.add(ids, True, logprobs)
+    def _sampled(self, conversation: Conversation, ids, logprobs, finish_reason: str, kept=None) -> None:
+        conversation.add(ids, True, logprobs, kept)
         conversation.assistant_turns += 1
         conversation.finish_reason = finish_reason
         text = self.tokenizer.decode([t for t in ids if t != self.eos_id])

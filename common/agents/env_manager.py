@@ -30,7 +30,7 @@ parse (the action of a reply).
 
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.agents.agent import between_turns
 from common.agents.envs import EnvHost, EnvSpec, first_messages, parse_action, read_env_config
@@ -54,6 +54,7 @@ class Trajectory:
     tokens: list[int] = field(default_factory=list)  # after the prompt
     mask: list[int] = field(default_factory=list)  # 1: sampled by the policy
     logprobs: list[float] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)  # the engine's kept counts (common.engines.Completion), 0: all
     observations: list[str] = field(default_factory=list)  # the first, then one per environment step
     actions: list[str] = field(default_factory=list)  # the actions that stepped the environment
     turn_rewards: list[float] = field(default_factory=list)  # per turn: the environment's reward and penalty
@@ -74,16 +75,17 @@ class Trajectory:
     def seed(self) -> int:
         return self.row["env_seed"]
 
-    def add(self, tokens: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
+    def add(self, tokens: list[int], sampled: bool, logprobs: list[float] | None = None, kept=None) -> None:
         self.tokens += tokens
         self.mask += [int(sampled)] * len(tokens)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
+        self.kept += kept if kept is not None else [0] * len(tokens)
 
     def completion(self, gamma: float, eos_id: int) -> Completion:
         """As the trainer takes it: extra_info["env"] holds the return and the counts. A trajectory
         whose environment failed keeps its tokens but none in the loss."""
         ret = sum(gamma**t * r for t, r in enumerate(self.turn_rewards))
-        tokens, logprobs = (self.tokens, self.logprobs) if self.tokens else ([eos_id], [0.0])
+        tokens, logprobs, kept = (self.tokens, self.logprobs, self.kept) if self.tokens else ([eos_id], [0.0], [0])
         mask = [0] * len(tokens) if self.error or not self.tokens else self.mask
         env = dict(
             tag=self.tag,
@@ -98,7 +100,8 @@ class Trajectory:
             timeouts=int(self.error == "timeout"),
         )
         env["return"] = ret
-        return Completion(tokens, logprobs, self.finish_reason, mask=mask, extra_info={"env": env})
+        kept = kept if any(kept) else None
+        return Completion(tokens, logprobs, self.finish_reason, mask=mask, extra_info={"env": env}, kept=kept)
 
 
 class EnvLoop:
@@ -160,11 +163,9 @@ class EnvLoop:
                 break
             budget = [self.max_length - len(t.tokens) for t in active]
             # Each conversation generates at most its own room left (a filler 1 token: it is dropped).
-            more = Sampling(
+            more = replace(
+                sampling,
                 n=1,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
                 max_tokens=reduce(max(budget, default=1)),
                 budgets=tuple(budget) + (1,) * (count - len(active)),
             )
@@ -174,12 +175,8 @@ class EnvLoop:
             )
             stepping = []
             for t, left, (out,) in zip(active, budget, outs):
-                if self._replied(
-                    t,
-                    out.token_ids[:left],
-                    out.logprobs[:left],
-                    len(out.token_ids) > left or out.finish_reason == "length",
-                ):
+                cut = len(out.token_ids) > left or out.finish_reason == "length"
+                if self._replied(t, out.token_ids[:left], out.logprobs[:left], cut, out.kept and out.kept[:left]):
                     stepping.append(t)
             self._run([("step", t.id, t.pending) for t in stepping], stepping, self._stepped)
             for t in active:
@@ -210,9 +207,9 @@ class EnvLoop:
         for t in group:
             t.messages = list(row["messages"])
 
-    def _replied(self, t: Trajectory, ids: list[int], logprobs: list[float], cut: bool) -> bool:
+    def _replied(self, t: Trajectory, ids: list[int], logprobs: list[float], cut: bool, kept=None) -> bool:
         """Record a sampled reply; True when its action is to step the environment."""
-        t.add(ids, True, logprobs)
+        t.add(ids, True, logprobs, kept)
         text = self.tokenizer.decode([i for i in ids if i != self.eos_id])
         t.messages.append({"role": "assistant", "content": text})
         t.turn_rewards.append(0.0)

@@ -7,6 +7,8 @@ turns a file into its Arrow cache once (~/.cache/huggingface/datasets, found aga
 memory-maps it; a folder is memory-mapped as saved. A flat format's dotted column (CSV: reward_model.ground_truth)
 is nested as verl's structs are. Every error names the input and says what to give instead."""
 
+import contextlib
+import json
 import re
 from pathlib import Path
 
@@ -53,9 +55,28 @@ def open_source(spec: str, what: str):
             raise DataError(f"{what}: {spec!r}: @{split} picks a split of a save_to_disk folder; a file is one split")
         try:
             data = datasets.load_dataset(builder, data_files=str(path), split="train")
-        except Exception as e:  # datasets raises several types for a malformed file
-            raise DataError(f"{what}: {spec!r} is not a readable {builder.upper()} file ({_first_line(e)})") from e
+        except Exception as e:  # datasets raises several types for a malformed file, naming its chunk's row
+            why = _why_malformed(path, builder) or _first_line(e)
+            raise DataError(f"{what}: {spec!r} is not a readable {builder.upper()} file ({why})") from e
     return data
+
+
+def _why_malformed(path: Path, builder: str) -> str | None:
+    """Plainer than datasets' words for the usual malformed JSON Lines or CSV file: the line to fix, in the file's
+    own numbering (datasets counts rows of the chunk it was parsing), or that the file is empty."""
+    if builder == "csv" and not path.read_text(errors="replace").strip():
+        return "it is empty: a CSV file needs a header line and a line a row"
+    if builder != "json" or path.suffix.lower() != ".jsonl":
+        return None
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        for number, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line) if line.strip() else {}
+            except ValueError as e:
+                return f"line {number} is not valid JSON: {e}"
+            if not isinstance(row, dict):
+                return f"line {number} is a JSON {type(row).__name__}, not an object: JSON Lines hold one row, an object, a line"
+    return None
 
 
 def dotted(data) -> bool:
@@ -88,18 +109,54 @@ def _folder(datasets, path: Path, spec: str, split: str | None, what: str):
 def _named(datasets, spec: str, what: str, name: str, subset: str | None, split: str | None):
     """A dataset by its name: the split asked for (default: test for validation, else train) of its subset."""
     split = split or ("test" if what.startswith("val") else "train")
+    offline = datasets.config.HF_HUB_OFFLINE or not _hub_reachable()
     try:
-        return datasets.load_dataset(name, subset, split=split)
+        with _offline(datasets, offline):  # the cache alone, at once: datasets would retry the Hub for 30 s
+            return datasets.load_dataset(name, subset, split=split)
     except ConnectionError as e:  # offline (HF_HUB_OFFLINE) and not in the cache, or the Hub out of reach
         raise DataError(
             f"{what}: {spec!r} is neither a file nor a dataset in the local Hugging Face cache "
-            f"({datasets.config.HF_DATASETS_CACHE}), and the Hub is out of reach ({_first_line(e)}); "
-            f"give {KINDS}, or the name of a dataset loaded once with datasets"
+            f"({datasets.config.HF_DATASETS_CACHE}), and the Hub is out of reach ({_first_line(e)}); give {KINDS}, or the name "
+            f"of a dataset loaded once with datasets (HF_HUB_OFFLINE=1 reads the cache without trying the Hub)"
         ) from e
     except (ValueError, FileNotFoundError) as e:  # an unknown split or subset; a cache without the files
         raise DataError(
             f"{what}: {spec!r}: {_first_line(e)} (the split follows @, the subset :, as in {name}:main@{split})"
         ) from e
+
+
+def _hub_reachable(seconds: float = 3.0) -> bool:
+    """Whether a connection to the Hugging Face Hub's host opens within `seconds`."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=seconds).close()
+        return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _offline(datasets, offline: bool):
+    """datasets and huggingface_hub reading only the local cache inside the block (their flags, as HF_HUB_OFFLINE=1
+    sets them at import), when `offline`."""
+    import huggingface_hub
+
+    flags = [(datasets.config, "HF_HUB_OFFLINE"), (datasets.config, "HF_DATASETS_OFFLINE")]
+    flags.append((huggingface_hub.constants, "HF_HUB_OFFLINE"))
+    saved = [getattr(module, name) for module, name in flags]
+    try:
+        if offline:
+            for module, name in flags:
+                setattr(module, name, True)
+        yield
+    finally:
+        for (module, name), value in zip(flags, saved):
+            setattr(module, name, value)
 
 
 def nested(row: dict) -> dict:

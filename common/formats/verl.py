@@ -69,12 +69,15 @@ DIFFERS = {
 }
 LAUNCHER = "processes and GPUs come from the launcher here (accelerate / torchrun / launch/)"
 MICRO = "a memory-only micro-batch; --micro-batch-size-per-gpu sets every forward's here"
-OFFLOAD = "offload here is the launch's and covers every model (configs/fsdp2_offload.yaml, FSDP_OFFLOAD_PARAMS=true)"
+OFFLOAD = (
+    "offload here is the launch's and covers every sharded model (configs/fsdp2_offload.yaml, FSDP_OFFLOAD_PARAMS=true)"
+)
 # The trained model's offload keys: on, they need that launch (without it they are refused, naming it).
 OFFLOAD_KEYS = ("actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
                 "model.fsdp_config.cpu_offload", "model.fsdp_config.offload_params")  # fmt: skip
 SP = "sequence parallelism is not built"
 WRAP = "FSDP2 wraps each decoder layer"
+REWARD_WHOLE = "the reward model loads whole onto each process's device, neither sharded nor offloaded"
 CKPT = "a checkpoint holds the model, the optimizer and the rest of the state, with hf/ beside it"
 MEGATRON_OPTIM_KEYS = ("lr_warmup_init", "lr_decay_steps", "lr_decay_style", "min_lr", "weight_decay_incr_style",
                        "lr_wsd_decay_style", "lr_wsd_decay_steps", "use_checkpoint_opt_param_scheduler")  # fmt: skip
@@ -347,13 +350,15 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     ROLLOUT + "interaction_config_file": Flag("interaction_config"),
     "critic.strategy": NoOp(STRATEGY),
     "critic.ppo_epochs": Fixed(1, "the critic updates with the actor's --ppo-epochs"),  # the actor's, in translate
+    "critic.grad_clip": Fixed(1.0, "the critic's gradients are clipped at the actor's --grad-clip"),  # likewise
+    "reward_model.strategy": NoOp(REWARD_WHOLE),
     "reward_model.model.input_tokenizer": NoOp(
         "the reward model re-renders the decoded conversation with its own tokenizer"
     ),
     "reward_model.model.external_lib": Fixed(None, EXTERNAL),
     "reward_model.model.trust_remote_code": NoOp(TRUST),
-    "reward_model.model.fsdp_config.min_num_params": NoOp(WRAP),
-    "reward_model.model.fsdp_config.param_offload": NoOp(OFFLOAD),
+    "reward_model.model.fsdp_config.min_num_params": NoOp(REWARD_WHOLE),
+    "reward_model.model.fsdp_config.param_offload": NoOp(REWARD_WHOLE),
     "reward_model.micro_batch_size_per_gpu": NoOp(MICRO),
     "reward_model.max_length": Fixed(None, "the reward model reads the whole prompt and response"),
     "custom_reward_function.reward_kwargs.*": Refused(
@@ -400,6 +405,18 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     "rollout.disable_log_stats": NoOp("generate.py logs no vLLM stats"),
     "rollout.calculate_log_probs": NoOp("generate.py writes the responses, not their logprobs"),
     "rollout.log_prob_micro_batch_size_per_gpu": NoOp(MICRO),
+    # generation.yaml's actor block configures a trainer main_generation never builds
+    **{
+        "actor." + key: NoOp("generate.py trains nothing: verl's generation.yaml carries the actor's keys unread")
+        for key in (
+            "strategy",
+            "ulysses_sequence_parallel_size",
+            "entropy_from_logits_with_chunking",
+            "entropy_checkpointing",
+            "fsdp_config.fsdp_size",
+            "fsdp_config.forward_prefetch",
+        )
+    },
     "model.fsdp_config.model_dtype": Flag("dtype"),
     "model.fsdp_config.wrap_policy.min_num_params": NoOp(WRAP),
     "model.fsdp_config.cpu_offload": NoOp(OFFLOAD),
@@ -444,7 +461,16 @@ VERL_DEFAULTS: dict[str, dict[str, object]] = {
     },
 }
 
-OVERRIDE = re.compile(r"^\+{0,2}([A-Za-z_][\w-]*(?:\.[\w-]+)+)=(.*)$", re.DOTALL)
+OVERRIDE = re.compile(  # dotted, or one of the top-level keys of verl's sft_trainer.yaml
+    r"^\+{0,2}([A-Za-z_][\w-]*(?:\.[\w-]+)+|use_remove_padding|ulysses_sequence_parallel_size)=(.*)$", re.DOTALL
+)
+
+
+# critic keys whose value is the actor's here: (our flag, the actor's verl keys)
+SHARED_WITH_ACTOR = {
+    "critic.ppo_epochs": ("ppo_epochs", [ACTOR + "ppo_epochs"]),
+    "critic.grad_clip": ("grad_clip", [ACTOR + "grad_clip", ACTOR + "optim.clip_grad"]),
+}
 
 
 def lookup(key: str):
@@ -502,10 +528,15 @@ def _given(argv: list[str], field: str) -> list[str]:
     return found
 
 
+def _vllm(ours: list[str], overrides: dict) -> bool:
+    """Whether the run's engine is vLLM, by our flag or verl's key."""
+    named = overrides.get(ROLLOUT + "name") or overrides.get("rollout.name") or (None, "hf")  # generation.yaml's
+    return (_given(ours, "rollout_name")[1:] or [named[1]]) == ["vllm"]
+
+
 def _own_weights(ours: list[str], overrides: dict) -> bool:
     """Whether the run's engine holds weights of its own (vLLM, or remote engines), by our flags or verl's key."""
-    name = _given(ours, "rollout_name")[1:] or [overrides.get(ROLLOUT + "name", (None, "hf"))[1]]
-    return name == ["vllm"] or _given(ours, "rollout_placement")[1:] == ["remote"]
+    return _vllm(ours, overrides) or _given(ours, "rollout_placement")[1:] == ["remote"]
 
 
 def _agree(a: list[str], b: list[str]) -> bool:
@@ -583,8 +614,12 @@ def translate(
         if isinstance(entry, Refused):
             problems.append(f"{arg}: not supported here: {entry.why}")
             continue
-        if key == "critic.ppo_epochs":
-            actor = overrides.get(ACTOR + "ppo_epochs", (None, defaults.get("ppo_epochs")))[1]
+        if key in ("critic.ppo_epochs", "critic.grad_clip"):  # the actor's setting, which the critic shares
+            field = entry.why.split("--")[-1].replace("-", "_")
+            named = (
+                [ACTOR + "ppo_epochs"] if field == "ppo_epochs" else [ACTOR + "grad_clip", ACTOR + "optim.clip_grad"]
+            )
+            actor = next((overrides[k] for k in named if k in overrides), (None, defaults.get(field)))[1]
             entry = Fixed(actor, entry.why)
         if key == "algorithm.filter_groups.enable":
             entry = Fixed("max_num_gen_batches" in fields, entry.why)  # True only in dapo.py
@@ -621,7 +656,14 @@ def translate(
                 if problem:
                     problems.append(problem)
                     continue
-                if value != loss_mode:  # the recipe's other loss (cov.py's kl_cov, dppo.py's dppo_kl)
+                mine = _given(ours, "loss_mode") if "loss_mode" in given else None
+                if mine and mine[1:] != [str(value)]:  # --loss-mode dppo_kl beside loss_mode=dppo_tv
+                    problems.append(
+                        f"{arg} and {' '.join(mine)} both set --loss-mode, to different values ({value} and "
+                        f"{' '.join(mine[1:])}); keep one"
+                    )
+                    continue
+                if value != loss_mode and not mine:  # the recipe's other loss (cov.py's kl_cov, dppo.py's dppo_kl)
                     flags["loss_mode"] = ["--loss-mode", value]
                     continue
             noops.append(key)
@@ -629,6 +671,9 @@ def translate(
         field = entry.flag
         if field == "rollout_dtype" and not _own_weights(ours, overrides):  # verl's HF rollout runs in the policy's
             noops.append(f"{key} (the HF engine runs in the policy's dtype, --dtype)")
+            continue
+        if field == "tensor_parallel_size" and not _vllm(ours, overrides) and value not in (1, "1"):
+            noops.append(f"{key} (the HF engine generates unsharded, on each trainer process; only vLLM shards)")
             continue
         if field not in fields and value in (False, None, "0", "0.0", 0):
             noops.append(key)  # switched off, and this recipe has nothing of it to switch

@@ -27,7 +27,7 @@ class VLLMArgs:
         0.5, gt=0, le=1, only_with=(lambda a: a.rollout_name == "vllm", "add --rollout-name vllm")
     )
     """vllm: fraction of GPU memory its engine may take (weights and KV cache)"""
-    tensor_parallel_size: int = flag(1, ge=1)
+    tensor_parallel_size: int = flag(1, ge=1, only_with=VLLM)
     """vllm: GPUs one engine spans (verl's tensor_model_parallel_size)"""
     enforce_eager: bool = flag(True, only_with=VLLM)
     """vllm: no CUDA graphs (less memory and start-up time beside a trainer)"""

@@ -46,6 +46,7 @@ from common.errors import RunStopped
 from common.model import load_policy
 from common.parallel import Dist, broadcast_object, gather_objects
 from common.perf import timed
+from common.serving.replay import replay_kept
 from common.serving.weight_sync import hf_name, hf_weights, weight_manifest
 
 log = logging.getLogger(__name__)
@@ -262,7 +263,7 @@ class RemoteEngines:
         ray_num_cpus: int | None = None,
     ):
         self.model, self.dist, self.k, self.timeout, self.seed = model, dist, max_staleness, timeout, seed
-        self.role, self.ray_num_cpus = role, ray_num_cpus
+        self.role, self.ray_num_cpus, self.pad_id = role, ray_num_cpus, pad_id
         self.schedule, self.total_steps = schedule, total_steps  # (StepPrompts, the sampling of each step)
         self.weight_version, self.restarts, self.prefetch_misses, self.stale_resent, self.calls = -1, 0, 0, 0, 0
         self.engine_seconds, self.waited = 0.0, 0.0
@@ -616,7 +617,10 @@ class RemoteEngines:
             bounds = [sum(sizes[:r]) for r in range(len(sizes) + 1)]
             parts = [groups[a:b] for a, b in zip(bounds, bounds[1:])]
         self.waited, self.collecting = self.waited + time.time() - t, None
-        return scatter_objects(parts)
+        mine = scatter_objects(parts)
+        if self.model is None:  # a served checkpoint (a teacher): nobody trains on its truncation
+            return mine
+        return replay_kept(self.model, prompts, mine, sampling, self.pad_id)  # vLLM actors report no kept set
 
     def score(
         self, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0

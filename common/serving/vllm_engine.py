@@ -15,6 +15,7 @@ from common import watchdog
 from common.engines import Completion, Sampling
 from common.errors import RunStopped, UsageError
 from common.perf import timed
+from common.serving.replay import replay_kept
 from common.serving.weight_sync import check_against, checkpoint_shapes, hf_weights
 
 
@@ -195,6 +196,7 @@ class VLLMEngine:
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=sampling.top_k if sampling.top_k > 0 else 0,
+                min_p=sampling.min_p,
                 max_tokens=budget,
                 logprobs=0,
                 stop_token_ids=self.eos_ids,
@@ -214,7 +216,9 @@ class VLLMEngine:
                 stopped = bool(c.token_ids) and c.token_ids[-1] in self.eos_ids
                 group.append(Completion(list(c.token_ids), logprobs, "stop" if stopped else "length"))
             groups.append(group)
-        return groups
+        if self.model is None:  # a served checkpoint (a teacher): nobody trains on its truncation
+            return groups
+        return replay_kept(self.model, prompts, groups, sampling, pad_id=self.eos_ids[0])
 
     def score(
         self, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0
