@@ -6,8 +6,10 @@ flat: tyro's OmitArgPrefixes), check_flags (the rules across groups), and what s
 
 import dataclasses
 import json
+import os
 import re
 import sys
+import typing
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -47,8 +49,37 @@ def cli(args_class, recipe: str, adv_estimator: str | None = None, trainer: str 
     own knobs first, in a box named after the recipe, then one box per flag group."""
     root = dataclasses.make_dataclass(recipe, [(recipe, Annotated[args_class, OmitArgPrefixes])])
     about = (getattr(sys.modules.get(args_class.__module__), "__doc__", None) or "").split("\n")[0]  # its first line
+    if not os.environ.get(LAST_WINS):
+        refuse_repeats(sys.argv[1:], args_class)
     argv = cli_args(args_class, adv_estimator, trainer, loss_mode)
     return getattr(tyro.cli(root, args=argv, description=about), recipe)
+
+
+LAST_WINS = "RECIPES_LAST_FLAG_WINS"  # set by --check full's child runs, which append flags over the user's
+
+
+def refuse_repeats(argv: list[str], args_class) -> None:
+    """A flag given twice, or under two spellings (--input-key and --prompt-key; --x and --no-x), is refused naming
+    both: argparse keeps the last in silence."""
+    aliases, said = _aliases(args_class), {}
+    for token in (t.split("=", 1)[0] for t in argv if t.startswith("--")):
+        name = aliases.get(token, token)
+        name = "--" + name.removeprefix("--no-") if name.startswith("--no-") else name
+        if name in said:
+            twice = f"{token} is given twice" if said[name] == token else f"{said[name]} and {token} both set {name}"
+            raise UsageError(f"{twice}; give it once (the command line would keep the last in silence)")
+        said[name] = token
+
+
+def _aliases(cls) -> dict[str, str]:
+    """{alias: flag} of the tyro aliases of cls's flags and of its groups' (common.data's --input-key)."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls, include_extras=True).items():
+        out |= {a: flag_name(name) for m in getattr(hint, "__metadata__", ()) for a in getattr(m, "aliases", ()) or ()}
+        inner = typing.get_args(hint)[0] if hasattr(hint, "__metadata__") else hint
+        if dataclasses.is_dataclass(inner):
+            out |= _aliases(inner)
+    return out
 
 
 def cli_args(args_class, adv_estimator: str | None = None, trainer: str | None = None, loss_mode="vanilla"):

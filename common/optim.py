@@ -53,11 +53,12 @@ def lr_factor(step: int, *, kind: str, total_steps: int, warmup_steps: int, min_
 
 
 def build_scheduler(
-    optimizer, *, kind: str, total_steps: int, warmup_ratio: float, min_lr_ratio: float = 0.0
+    optimizer, *, kind: str, total_steps: int, warmup_ratio: float, min_lr_ratio: float = 0.0, warmup_steps: int = -1
 ) -> LambdaLR:
+    """warmup_steps > 0: that many warm-up steps (verl's lr_warmup_steps, ROLL's warmup_steps), else the ratio's."""
     if not 0 <= warmup_ratio <= 1:
         raise ValueError(f"lr_warmup_steps_ratio={warmup_ratio} must be within [0, 1]")
-    warmup = int(warmup_ratio * total_steps)
+    warmup = min(warmup_steps, total_steps) if warmup_steps > 0 else int(warmup_ratio * total_steps)
     return LambdaLR(
         optimizer,
         lambda s: lr_factor(s, kind=kind, total_steps=total_steps, warmup_steps=warmup, min_lr_ratio=min_lr_ratio),
@@ -76,6 +77,9 @@ class OptimArgs:
     """AdamW betas"""
     lr_warmup_steps_ratio: float = flag(0.0, ge=0, le=1)
     """fraction of the total steps warming the lr up linearly: step k of w at (k + 1) / w of the peak (verl: k / w)"""
+    lr_warmup_steps: int = flag(-1, rule=(lambda v: v == -1 or v >= 1, "-1 (the ratio decides) or >= 1"))
+    """warm-up steps as a count, over --lr-warmup-steps-ratio (verl's lr_warmup_steps, ROLL's warmup_steps; -1:
+    the ratio decides)"""
     lr_scheduler: Literal["constant", "cosine", "wsd"] = "constant"
     """lr after warmup: constant, cosine decay, or warmup-stable-decay"""
     min_lr_ratio: float = flag(
@@ -95,5 +99,6 @@ def trainable(model, optim: OptimArgs, total_steps: int) -> Trainable:
         total_steps=total_steps,
         warmup_ratio=optim.lr_warmup_steps_ratio,
         min_lr_ratio=optim.min_lr_ratio,
+        warmup_steps=optim.lr_warmup_steps,
     )
     return Trainable(model, optimizer, scheduler)

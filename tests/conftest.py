@@ -182,6 +182,7 @@ def run_recipe(
     quiet one); a run that hits it fails with the last output it printed, so it says how far it got.
     cwd: the folder it runs in, whose recipes/ holds the recipe (a fork copied elsewhere)."""
     script = Path(cwd) / "recipes" / f"{name}.py"
+    flags = last_wins(flags)
     if nproc == 1 and not fresh:
         return _run_in_process(script, [str(f) for f in flags], cwd, env or {}, check, timeout)
     if nproc == 1:
@@ -211,6 +212,25 @@ def run_recipe(
     return proc
 
 
+def last_wins(flags) -> list[str]:
+    """The tests compose a command line as base flags and then overrides; a recipe refuses a flag given twice
+    (common.config.refuse_repeats), so each --flag (or --no-flag) keeps its last setting, in its last place."""
+    parts, current = [], None
+    for token in map(str, flags):
+        if token.startswith("--"):
+            current = [token]
+            parts.append(current)
+        elif current is None or ("=" in token and not token.startswith("-")):
+            parts.append([token])  # a verl key=value stands alone
+            current = None
+        else:
+            current.append(token)
+    name = lambda part: "--" + part[0].split("=", 1)[0].removeprefix("--").removeprefix("no-")  # noqa: E731
+    last = {name(p): i for i, p in enumerate(parts) if p[0].startswith("--")}
+    kept = [p for i, p in enumerate(parts) if not p[0].startswith("--") or last[name(p)] == i]
+    return [token for part in kept for token in part]
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now: each torchrun launch its own rendezvous, so that two launches
     of one test can run side by side."""
@@ -233,7 +253,7 @@ def run_recipes_together(runs: list[tuple], folder, nproc: int = 2, timeout: int
             [
                 [
                     str(name if isinstance(name, Path) else ROOT / "recipes" / f"{name}.py"),
-                    [str(f) for f in flags],
+                    last_wins(flags),
                     {k: str(v) for k, v in (env or {}).items()},
                 ]
                 for name, flags, env in ((*run, None)[:3] for run in runs)

@@ -1,4 +1,6 @@
 import math
+import re
+import sys
 import typing
 from types import SimpleNamespace
 
@@ -420,3 +422,27 @@ def test_validation_samples_with_its_own_top_p_and_top_k(monkeypatch):
         make_args(RLArgs, val_top_k=20)
     keys = ["actor_rollout_ref.rollout.val_kwargs.top_p=0.95", "actor_rollout_ref.rollout.val_kwargs.top_k=50"]
     assert translate(keys, RLArgs, "grpo", "grpo.py")[0] == ["--val-top-p", "0.95", "--val-top-k", "50"]
+
+
+@pytest.mark.parametrize(
+    "recipe, argv, said",
+    [
+        ("grpo", ["--lr", "1e-4", "--lr=3e-4"], "--lr is given twice"),
+        ("generate", ["--input-key", "q", "--prompt-key", "p"], "--input-key and --prompt-key both set --prompt-key"),
+        ("grpo", ["--val-before-train", "--no-val-before-train"], "--val-before-train and --no-val-before-train"),
+        ("sft", ["--output-key", "a", "--response-key", "b"], "--output-key and --response-key both set"),
+    ],
+)
+def test_a_flag_given_twice_or_under_two_spellings_is_refused(recipe, argv, said, monkeypatch):
+    """argparse keeps the last of two settings of one flag in silence (--lr 1e-4 --lr 3e-4 trained at 3e-4); the
+    command line names both. --check full's child runs, which append their flags over the user's, may repeat."""
+    from common.config import LAST_WINS, cli, refuse_repeats
+
+    args_class = load_recipe(recipe).Args
+    with pytest.raises(UsageError, match=re.escape(said) + ".*give it once"):
+        refuse_repeats(argv, args_class)
+    refuse_repeats(["--lr", "1e-4", "--total-training-steps", "2"], args_class)  # distinct flags pass
+    monkeypatch.setattr(sys, "argv", ["x.py", *argv])
+    monkeypatch.setenv(LAST_WINS, "1")
+    if recipe == "grpo" and argv[0] == "--lr":
+        assert cli(args_class, "grpo", "grpo").optim.lr == 3e-4

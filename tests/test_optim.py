@@ -33,3 +33,33 @@ def test_scheduler_and_no_decay_groups():
     assert sched.get_last_lr()[0] == pytest.approx(0.2)
     with pytest.raises(ValueError, match="lr_warmup_steps_ratio"):
         build_scheduler(opt, kind="constant", total_steps=10, warmup_ratio=2)
+
+
+def test_an_absolute_warmup_count_overrides_the_ratio_as_verls_lr_warmup_steps_does():
+    """--lr-warmup-steps 3 (verl's actor.optim.lr_warmup_steps, ROLL's warmup_steps) warms up over 3 steps whatever
+    the ratio says; -1 leaves it to the ratio; a count past the run is the run. The verl key and our flag agree."""
+    import sys
+
+    from conftest import load_recipe, make_args
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_verl import args_class
+
+    from common.formats.verl import translate
+    from common.optim import trainable
+
+    def lrs(**optim):
+        args = make_args(load_recipe("grpo").Args, lr=1.0, lr_scheduler="constant", **optim)
+        _, optimizer, scheduler = trainable(torch.nn.Linear(2, 2), args.optim, total_steps=10)
+        out = []
+        for _ in range(6):
+            out.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return out
+
+    assert lrs(lr_warmup_steps=3, lr_warmup_steps_ratio=0.5) == pytest.approx([1 / 3, 2 / 3, 1, 1, 1, 1])
+    assert lrs(lr_warmup_steps_ratio=0.5) == pytest.approx([0.2, 0.4, 0.6, 0.8, 1, 1])
+    assert lrs(lr_warmup_steps=50)[-1] == pytest.approx(0.6)
+    flags, _ = translate(["actor_rollout_ref.actor.optim.lr_warmup_steps=3"], args_class("grpo"), "grpo", "grpo.py")
+    assert flags[flags.index("--lr-warmup-steps") + 1] == "3"

@@ -327,14 +327,17 @@ def test_the_launch_check_proves_the_remote_engines_sync(tmp_path, ray_cluster, 
     )
 
 
-@pytest.mark.parametrize("sampling", [[], ["--top-k", "50"]], ids=["whole", "top-k"])
+@pytest.mark.parametrize(
+    "sampling", [[], ["--top-k", "50"], ["--rollout-is", "token"]], ids=["whole", "top-k", "rollout-is"]
+)
 def test_check_freq_stops_a_run_whose_engine_went_stale_with_a_checkpoint(tmp_path, ray_cluster, monkeypatch, sampling):
     """The syncs after the launch check send the start's weights again (planted), so the engine holds
-    the version it was sent with stale weights. Sampling the whole distribution, the gap the run logs every step proves it:
-    step 2's samples (the engine's old weights) are away from the trainer's step-1 weights past the
-    float32 bounds, and the run saves step 2's checkpoint and stops (exit 1) naming the gap. With
-    --top-k that logged gap proves nothing, so --check-freq 1 runs the launch check's probe after each
-    sync instead: it stops after step 1, naming the engine and the version it claims."""
+    the version it was sent with stale weights. The gap the run logs every step proves it, sampling the whole
+    distribution or a truncated one (--top-k: the trainer replays the kept set): step 2's samples (the engine's old
+    weights) are away from the trainer's step-1 weights past the float32 bounds, and the run saves step 2's
+    checkpoint and stops (exit 1) naming the gap. Under --rollout-is the run expects a gap, so that logged gap
+    proves nothing and --check-freq 1 runs the launch check's probe after each sync instead: it stops after step 1,
+    naming the engine and the version it claims."""
     from conftest import read_metrics
 
     import common.serving.remote
@@ -370,7 +373,7 @@ def test_check_freq_stops_a_run_whose_engine_went_stale_with_a_checkpoint(tmp_pa
     )
     assert proc.returncode == 1, proc.stderr[-2000:]
     steps = [m for m in read_metrics(tmp_path) if "train/loss" in m]
-    if not sampling:
+    if "--rollout-is" not in sampling:
         assert "step 2: the engine's logprobs of its sampled tokens are" in proc.stderr, proc.stderr[-2000:]
         assert "past the float32 bound 0.0001" in proc.stderr
         assert "stopped after step 2 of 4; checkpoint" in proc.stderr and (tmp_path / "checkpoints" / "step_2").is_dir()

@@ -38,8 +38,10 @@ MARKERS = 40  # `` in the repository, each on a literal table
 # 6300 -> 6325 (issue 62): a model path no loader can reach (hdfs://, a hub name offline and not cached) is one
 # line before anything loads (common.model.check_source), not four transformers tracebacks. 6325 -> 6370 (issue
 # 62): every launch check reads the chat template (common.data.template_problems: the end-of-turn token trained,
-# history extended, the generation prompt where the assistant's turn starts), sft.py's a stop.
-CORE_LINES = 6370
+# history extended, the generation prompt where the assistant's turn starts), sft.py's a stop. 6370 -> 6405 (issue
+# 62): a flag given twice or under two spellings is refused (common.config.refuse_repeats, with the aliases it
+# reads from the flag groups), and --lr-warmup-steps, verl's and ROLL's absolute warm-up.
+CORE_LINES = 6405
 MARKER = re.compile(r"[ \t]*# fmt: skip\b")
 
 

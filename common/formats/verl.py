@@ -158,7 +158,7 @@ VERL_KEYS: dict[str, Flag | NoOp | Fixed | Refused] = {
     ACTOR + "optim.lr_warmup_steps_ratio": Flag("lr_warmup_steps_ratio"),
     "optim.warmup_steps_ratio": Flag("lr_warmup_steps_ratio"),
     "optim.lr_warmup_steps_ratio": Flag("lr_warmup_steps_ratio"),
-    ACTOR + "optim.lr_warmup_steps": Fixed(-1, "warm-up is a ratio here: --lr-warmup-steps-ratio"),
+    ACTOR + "optim.lr_warmup_steps": Flag("lr_warmup_steps"),
     ACTOR + "optim.warmup_style": Flag("lr_scheduler"),
     ACTOR + "optim.lr_scheduler_type": Flag("lr_scheduler"),
     "optim.lr_scheduler": Flag("lr_scheduler"),

@@ -9,6 +9,7 @@ import sys
 import time
 
 from common import watchdog
+from common.config import LAST_WINS
 from common.errors import STOP_AFTER_CHECK
 from common.parallel import broadcast_object
 
@@ -40,6 +41,7 @@ def _child_command(dist) -> tuple[list[str], dict, str]:
     recipe = sys.modules["__main__"].__file__
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
     env.pop(STOP_AFTER_CHECK, None)
+    env[LAST_WINS] = "1"  # RESUME_FLAGS follow the user's own and replace theirs
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))
     if dist.world_size == 1:
         return [sys.executable, recipe, *sys.argv[1:]], env, "1 process"
