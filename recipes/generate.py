@@ -57,7 +57,7 @@ from common.runlock import claim_output
 RECIPE = Path(__file__).stem
 # The flags that decide what a chunk holds: a parts folder made with other values is not reused.
 OUTPUT_FLAGS = ("data_path", "prompt_key", "n_samples", "batch_size", "model", "tokenizer", "dtype", "do_sample",
-                "temperature", "top_p", "top_k", "max_prompt_length", "max_response_length", "truncation",
+                "temperature", "top_p", "top_k", "min_p", "max_prompt_length", "max_response_length", "truncation",
                 "filter_overlong_prompts", "seed", "rollout_name", "tool_config", "interaction_config",
                 "max_assistant_turns", "max_user_turns", "env_config", "env_tags", "env_val_seeds", "max_env_steps",
                 "format_penalty", "env_manager", "env_gamma")  # fmt: skip
@@ -105,6 +105,8 @@ class Args(WaitArgs):  # generate.py's own knobs; the engine's, the agent loop's
         only_with=(lambda a: a.do_sample, "drop --no-do-sample (greedy decoding)"),
     )
     """sample among the k most likely tokens (-1: off)"""
+    min_p: float = flag(0.0, ge=0, lt=1, only_with=(lambda a: a.do_sample, "drop --no-do-sample (greedy decoding)"))
+    """keep only the tokens at least this fraction as likely as the most likely one (vLLM's min_p; 0.0: off)"""
     max_prompt_length: int = flag(64, ge=1)
     """prompt tokens after the chat template (longer ones follow --truncation)"""
     max_response_length: int = flag(16, ge=1)
@@ -298,7 +300,7 @@ def main(args: Args) -> dict:
     engine = local_engine(model, tokenizer, dist, args.engine, *checkpoint, max_model_len, args.batch_size)
     engine = with_agents(engine, tokenizer, pools, args.agent, env, args.max_prompt_length, lockstep=False)  # alone
     temperature = args.temperature if args.do_sample else 0.0  # 0 is greedy, however it was asked for
-    sampling = Sampling(args.n_samples, temperature, args.top_p, args.top_k, args.max_response_length)
+    sampling = Sampling(args.n_samples, temperature, args.top_p, args.top_k, args.max_response_length, min_p=args.min_p)
 
     # Generate this process's missing chunks, each written as soon as it is done.
     t0 = time.time()

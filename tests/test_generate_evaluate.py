@@ -278,3 +278,19 @@ def test_generate_reads_a_save_to_disk_folder_as_its_help_says(tmp_path, gen):
     run_recipe("generate", "--data-path", renamed, "--input-key", "question", "--output-path", out, "--temperature", 0)
     questions = [json.loads(line)["question"] for line in renamed.read_text().splitlines()]
     assert [r["question"] for r in pq.read_table(out).to_pylist()] == questions
+
+
+def test_generate_samples_under_min_p_as_training_does(tmp_path, gen):
+    """--min-p reaches the sampler: at 0.99 only the most likely token survives each step, so every sampled
+    response is the greedy one; at 0 (off) the same seed's samples differ."""
+    data = tmp_path / "in.parquet"
+    pq.write_table(pq.read_table(BUNDLED / "addition" / "test.parquet").slice(0, 6), data)
+
+    def responses(name, **knobs):
+        out = tmp_path / f"{name}.parquet"
+        gen.main(gen.Args(data_path=str(data), output_path=str(out), batch_size=6, max_response_length=12, **knobs))
+        return [r["responses"] for r in pq.read_table(out).to_pylist()]
+
+    greedy = responses("greedy", temperature=0.0)
+    assert responses("min_p", temperature=1.5, n_samples=4, min_p=0.99) == [g * 4 for g in greedy]
+    assert responses("whole", temperature=1.5, n_samples=4) != [g * 4 for g in greedy]

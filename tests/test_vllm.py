@@ -506,6 +506,21 @@ def test_a_model_vllm_cannot_load_is_one_clear_error(tmp_path, tokenizer):
     assert len(str(e.value)) < 600, "one short message"
 
 
+def test_the_block_size_flag_reaches_vllms_kv_cache(tokenizer):
+    """--block-size (ROLL's strategy_config.block_size) is the engine's KV-cache block, where vLLM's own default
+    for the CPU would be another; the engine still samples the trainer's logprobs."""
+    model = load_policy(SFT)
+    dist = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    knobs = VLLMArgs(max_num_seqs=16, max_num_batched_tokens=4096, block_size=32)
+    eos = [tokenizer.eos_token_id]
+    engine = VLLMEngine(
+        model, model_path=SFT, eos_ids=eos, dtype="float32", max_model_len=128, seed=1, dist=dist, vllm=knobs
+    )
+    assert engine.llm.llm_engine.vllm_config.cache_config.block_size == 32
+    (group,) = engine.generate([eos + [100, 101, 102]], Sampling(n=1, max_tokens=8))
+    assert len(group[0].token_ids) >= 1
+
+
 def test_grpo_with_remote_vllm_engines_gets_the_weights_every_step(tmp_path):
     """--rollout-name vllm --rollout-placement remote: a vLLM engine in a Ray actor, fed by the
     weight stream. Each step the trainer's old logprobs match the engine's (within 1e-3: the

@@ -35,6 +35,8 @@ class VLLMArgs:
     """vllm: most sequences in one engine step"""
     max_num_batched_tokens: int = flag(8192, ge=1, only_with=VLLM)
     """vllm: most tokens in one engine step"""
+    block_size: int | None = flag(None, rule=(lambda v: v is None or v >= 1, ">= 1"), only_with=VLLM)
+    """vllm: tokens per KV-cache block (ROLL's strategy_config.block_size; default: vLLM's own for the device)"""
     enable_sleep_mode: bool = flag(False, only_with=VLLM)
     """vllm (GPU): free the engine's memory between rollouts (verl's free_cache_engine)"""
 
