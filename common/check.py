@@ -257,8 +257,9 @@ class Check:
 
     @property
     def freq(self) -> int:
-        """--check-freq for the probe: only for engines with their own weights whose logged gap proves nothing."""
-        return self.sync.freq if self.sync.own_weights and not self.sync.gap_proves_sync else 0
+        """--check-freq for the probe: engines with their own weights, whose sync may fail (the logged gap, where it
+        proves the sync, comes a step later: after a batch sampled from them was trained on)."""
+        return self.sync.freq if self.sync.own_weights else 0
 
     def during(self, step: int, stop, metrics: dict) -> dict:
         """After step `step`'s weight sync (collective): past its dtype's bound, the step's logged gap (metrics'
@@ -293,8 +294,8 @@ class Check:
             largest, mean = logprob_gap(trainer_logprobs(self.model, batch, temperature), served, batch)
         if largest > bound[0] or mean > bound[1]:
             act(
-                f"--check-freq at step {step}: {type(self.engine).__name__}'s logprobs of the probe are {largest:.2g} "
-                f"(largest) and {mean:.2g} (mean) from the trainer's after the sync to version {step}, past the "
+                f"step {step}: after the sync to version {step}, {type(self.engine).__name__}'s logprobs of the probe "
+                f"(--check-freq) are {largest:.2g} (largest) and {mean:.2g} (mean) from the trainer's, past the "
                 f"{str(sync.gap_dtype).removeprefix('torch.')} bounds {bound[0]:g} and {bound[1]:g}; the engine holds "
                 f"version {getattr(self.engine, 'weight_version', '?')}. The engine no longer samples what the "
                 f"trainer trains: check its weight sync and dtype (--dtype, --rollout-name); --check warn goes on"

@@ -278,10 +278,11 @@ class RolloutArgs(EngineArgs):
     """generated tokens per response"""
     val_batch_size: int = flag(256, ge=1)
     """prompts per generate call of the HF engine, in training and validation (verl's data.val_batch_size)"""
-    check_freq: int = flag(10, ge=0, note="0: never during training", only_with=CHECKING)
-    """after the launch check, the engine's logprobs stay the trainer's: the per-step gap (rollout/logprob_diff_*) is
-    bounded or, where it proves nothing (--max-staleness, --bypass-mode, a rollout correction), the
-    check's probe reruns every N steps (check/engine_gap_*); past the bounds the run saves and stops (0: never)"""
+    check_freq: int = flag(1, ge=0, note="0: never during training", only_with=CHECKING)
+    """after the launch check, the engine's logprobs stay the trainer's: an engine with its own weights (vLLM, remote)
+    scores the launch probe after every N-th sync (check/engine_gap_*; a few short sequences), before it samples
+    again, and the per-step gap (rollout/logprob_diff_*) is bounded where it proves the sync; past the bounds the run
+    saves and stops, naming the step (0: never)"""
 
     def __post_init__(self):
         if self.temperature == 0:

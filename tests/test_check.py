@@ -182,10 +182,10 @@ def test_check_off_and_warn_are_flags_of_every_rl_recipe():
         got = dict(dtype=s.gap_dtype, own_weights=s.own_weights, freq=Check("warn", s).freq, trainer=s.trainer_dtype)
         want = dict(dtype=torch.float32, own_weights=False, freq=0, trainer=torch.float32)  # HF: nothing to re-probe
         assert args.trainer.check == "warn" and got == want
-    # an engine with its own weights: the logged gap is bounded every step, unless it proves nothing
+    # an engine with its own weights: the probe after every sync, and the logged gap bounded where it proves the sync
     grpo = load_recipe("grpo").Args
     remote = make_args(grpo, rollout_placement="remote")
-    assert Check(remote.trainer.check, sync(remote)).freq == 0 and gap_bound(remote) == dict(
+    assert Check(remote.trainer.check, sync(remote)).freq == 1 and gap_bound(remote) == dict(
         mean=1e-4, dtype="float32", warn=False
     )
     for truncated in (dict(top_k=50), dict(top_p=0.9), dict(min_p=0.05)):  # replayed by the trainer: still bounded
@@ -198,7 +198,7 @@ def test_check_off_and_warn_are_flags_of_every_rl_recipe():
         dict(rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0"),
     ):
         args = make_args(grpo, rollout_placement="remote", **unusable)
-        assert Check(args.trainer.check, sync(args)).freq == 10 and gap_bound(args) is None, unusable
+        assert Check(args.trainer.check, sync(args)).freq == 1 and gap_bound(args) is None, unusable
     assert gap_bound(make_args(grpo, rollout_placement="remote", check_freq=0)) is None
 
 
@@ -298,7 +298,7 @@ def test_check_freq_measures_the_engine_and_stops_a_run_that_diverged(tokenizer,
         load_policy(TEACHER), pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id], device="cpu"
     )
     assert check.during(4, stop, {})["check/engine_gap_mean"] > 1e-2
-    assert stop.requested() and "--check-freq at step 4: HFEngine's logprobs of the probe are" in stop.failure
+    assert stop.requested() and "step 4: after the sync to version 4, HFEngine's logprobs of the probe" in stop.failure
     warned = StopSignal(rollout.dist)
     check.mode = "warn"
     check.during(6, warned, {})

@@ -328,16 +328,18 @@ def test_the_launch_check_proves_the_remote_engines_sync(tmp_path, ray_cluster, 
 
 
 @pytest.mark.parametrize(
-    "sampling", [[], ["--top-k", "50"], ["--rollout-is", "token"]], ids=["whole", "top-k", "rollout-is"]
+    "sampling",
+    [["--check-freq", "3"], ["--check-freq", "3", "--top-k", "50"], ["--rollout-is", "token"], []],
+    ids=["gap-whole", "gap-top-k", "probe-rollout-is", "probe"],
 )
 def test_check_freq_stops_a_run_whose_engine_went_stale_with_a_checkpoint(tmp_path, ray_cluster, monkeypatch, sampling):
-    """The syncs after the launch check send the start's weights again (planted), so the engine holds
-    the version it was sent with stale weights. The gap the run logs every step proves it, sampling the whole
-    distribution or a truncated one (--top-k: the trainer replays the kept set): step 2's samples (the engine's old
-    weights) are away from the trainer's step-1 weights past the float32 bounds, and the run saves step 2's
-    checkpoint and stops (exit 1) naming the gap. Under --rollout-is the run expects a gap, so that logged gap
-    proves nothing and --check-freq 1 runs the launch check's probe after each sync instead: it stops after step 1,
-    naming the engine and the version it claims."""
+    """The syncs after the launch check send the start's weights again (planted), so the engine holds the version it
+    was sent with stale weights. The probe after every sync (--check-freq 1, the default) catches it at once: the run
+    stops after step 1, before the engine samples again, naming the engine and the version it claims. With the probe
+    every 3 syncs, the gap the run logs each step proves it a step later, sampling the whole distribution or a
+    truncated one (--top-k: the trainer replays the kept set): step 2's samples (the engine's old weights) are away
+    from the trainer's step-1 weights past the float32 bounds, and the run saves step 2's checkpoint and stops (exit
+    1) naming the gap. Under --rollout-is the run expects a gap, so only the probe proves the sync."""
     from conftest import read_metrics
 
     import common.serving.remote
@@ -362,8 +364,6 @@ def test_check_freq_stops_a_run_whose_engine_went_stale_with_a_checkpoint(tmp_pa
         "0",
         "--save-freq",
         "0",
-        "--check-freq",
-        "1",
         "--output-dir",
         tmp_path,
         "--ray-address",
@@ -373,14 +373,14 @@ def test_check_freq_stops_a_run_whose_engine_went_stale_with_a_checkpoint(tmp_pa
     )
     assert proc.returncode == 1, proc.stderr[-2000:]
     steps = [m for m in read_metrics(tmp_path) if "train/loss" in m]
-    if "--rollout-is" not in sampling:
+    if "--check-freq" in sampling:
         assert "step 2: the engine's logprobs of its sampled tokens are" in proc.stderr, proc.stderr[-2000:]
         assert "past the float32 bound 0.0001" in proc.stderr
         assert "stopped after step 2 of 4; checkpoint" in proc.stderr and (tmp_path / "checkpoints" / "step_2").is_dir()
         assert len(steps) == 2 and steps[1]["rollout/logprob_diff_mean"] > 1e-4 >= steps[0]["rollout/logprob_diff_mean"]
         assert "check/engine_gap_mean" not in steps[0]  # no probe: the logged gap is the proof
         return
-    assert "--check-freq at step 1: RemoteEngines's logprobs of the probe are" in proc.stderr
+    assert "step 1: after the sync to version 1, RemoteEngines's logprobs of the probe" in proc.stderr
     assert "the engine holds version 1" in proc.stderr and "stopped after step 1 of 4; checkpoint" in proc.stderr
     assert (tmp_path / "checkpoints" / "step_1").is_dir()
     assert len(steps) == 1 and steps[0]["check/engine_gap_mean"] > 1e-3

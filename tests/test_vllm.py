@@ -570,6 +570,54 @@ def test_distill_with_a_vllm_teacher_trains_as_with_the_teacher_in_the_trainer(t
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.parametrize("plant", ["stale", "lora"])
+def test_a_sync_that_fails_after_the_launch_check_stops_the_run_before_the_engine_samples(tmp_path, monkeypatch, plant):
+    """The probe after every sync (--check-freq 1, the default): a sync after the launch check that loads nothing
+    (vLLM keeps its old weights, claiming the new version), or a LoRA sync that sends the base weights without the
+    adapter, stops the run after step 1, naming the step and the engine, before any rollout from those weights."""
+    from conftest import read_metrics, run_recipe
+
+    import common.serving.weight_sync
+
+    syncs, real_load, real_delta = [], VLLMEngine.load_weights, common.serving.weight_sync._delta
+
+    def counted(self, weights, version):  # the start's sync and the launch check's two load; later ones fail
+        syncs.append(version)
+        if plant == "stale" and len(syncs) > 3:
+            for _ in weights:  # the stream is consumed, then dropped
+                pass
+            self.weight_version = version
+            return None
+        return real_load(self, weights, version)
+
+    monkeypatch.setattr(VLLMEngine, "load_weights", counted)
+    if plant == "lora":  # the adapter's delta dropped from the merge, once the launch check is past
+        monkeypatch.setattr(
+            common.serving.weight_sync, "_delta", lambda layer: 0.0 if len(syncs) >= 3 else real_delta(layer)
+        )
+    lora = ["--lora-rank", "8", "--lora-alpha", "16", "--lr", "5e-3"] if plant == "lora" else ["--lr", "1e-3"]
+    flags = ("--total-training-steps", "3", "--train-batch-size", "8", "--rollout-n", "4", "--no-val-before-train")
+    proc = run_recipe(
+        "grpo",
+        "--rollout-name",
+        "vllm",
+        *flags,
+        "--test-freq",
+        "0",
+        "--save-freq",
+        "0",
+        "--output-dir",
+        tmp_path,
+        *lora,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "step 1: after the sync to version 1, VLLMEngine's logprobs of the probe" in proc.stderr, proc.stderr[-3000:]
+    assert "stopped after step 1 of 3" in proc.stderr
+    steps = [m for m in read_metrics(tmp_path) if "train/loss" in m]
+    assert len(steps) == 1 and steps[0]["check/engine_gap_mean"] > 1e-4
+
+
 @pytest.mark.parametrize("plant", [None, "stale", "lora"])
 def test_the_launch_check_proves_the_vllm_engines_sync(tmp_path, monkeypatch, plant):
     """--check before step 1 with --rollout-name vllm: the engine's logprobs match the trainer's and a
