@@ -340,7 +340,7 @@ def launch_check(mode: str, model, engine, rollout, tracker, resumed: Item | Non
 
 
 def check_template(tokenizer, stops: bool) -> Item:
-    """The chat template against what training needs (common.sft_data.template_problems): a failure stops sft.py,
+    """The chat template against what training needs (common.data.template_problems): a failure stops sft.py,
     whose loss masks come from it; an RL run is warned (its prompts are rendered, its multi-turn history too)."""
     problems = template_problems(tokenizer)
     return Item(

@@ -17,7 +17,7 @@ from common.parallel import all_reduce_max, is_fsdp, unwrap
 def replay_kept(model, prompts, groups: list[list[Completion]], sampling: Sampling, pad_id: int, rows: int = 4):
     """Give each completion of an engine that reports no kept set (vLLM: 0.32's sampling mask needs its V2 model
     runner and top-k) its kept counts, from a no-grad pass of the trainer's `model`: top-k alone keeps k; with
-    top-p or min-p, the count whose set gives each token the engine's logprob (common.ops.kept_from_logprobs), on
+    top-p or min-p, the count whose set gives each token the engine's logprob (kept_from_logprobs, below), on
     weights the engine was just synced with. Under FSDP2 every rank makes as many passes (they are collective)."""
     pairs = [(p, c) for p, group in zip(prompts, groups) for c in group if c.kept is None and c.token_ids]
     if not sampling.truncated or not pairs and not is_fsdp(model):
