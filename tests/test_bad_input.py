@@ -301,6 +301,16 @@ CASES = [
         dict(reward_normalization_grouping="batch"),
         "add --reward-normalization-method",
     ),
+    (
+        "a LoRA adapter sync to remote engines",
+        dict(rollout_name="vllm", lora_rank=8, lora_sync="adapter", rollout_placement="remote"),
+        "--lora-sync adapter: remote engines get LoRA merged",
+    ),
+    (
+        "a LoRA adapter sync past vLLM's ranks",
+        dict(rollout_name="vllm", lora_rank=1024, lora_sync="adapter"),
+        "vLLM's LoRA takes ranks up to 512, not --lora-rank 1024",
+    ),
 ]
 if not torch.cuda.is_available():  # what a CPU machine cannot do with vLLM
     CASES += [

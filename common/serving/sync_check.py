@@ -51,7 +51,7 @@ def check_weight_sync(model, engine, batch, version: int, dtype) -> tuple[bool, 
         f"from the moved model, {old_gap[1]:.2g} from the old; restored: {back_gap[1]:.2g}"
     )
     lora = (
-        " (a LoRA policy: the engine may be getting the base weights without the adapter merged)"
+        " (a LoRA policy: the engine may be serving the base weights without the trainer's current adapter)"
         if is_lora(unwrap(model))
         else ""
     )

@@ -12,6 +12,8 @@ a rollout engine holding its own copy of the policy (vLLM) loads after every opt
   in the same order and must consume the whole stream); peak memory is one full parameter.
 - Every tensor is checked against the checkpoint's own names, shapes (check_against) before an
   engine sees it: a weight the engine would not know is an error here, never a silent skip.
+- An adapter sync (vLLM's LoRA support) sends the adapter alone: save_adapter writes it as a PEFT
+  folder, gathered whole on every rank, which the engine loads in place of the previous one.
 """
 
 import json
@@ -136,3 +138,29 @@ def check_against(weights: Iterator[tuple[str, torch.Tensor]], shapes: dict, whe
     missing = sorted(set(shapes) - seen - {"lm_head.weight"})
     if missing:
         raise RuntimeError(f"weight sync to {where}: {len(missing)} weight(s) never sent, e.g. {missing[0]}")
+
+
+@torch.no_grad()
+def save_adapter(model, folder: Path) -> Path:
+    """Write the policy's LoRA adapter (its active one, full tensors) to `folder` as PEFT saves it,
+    adapter_config.json and adapter_model.safetensors: what vLLM's LoRARequest loads. A collective
+    under FSDP2 (every rank gathers every adapter tensor in the same order)."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    inner = unwrap(model)
+    _lora_layers(inner)  # the adapter kinds vLLM takes are the ones the merge takes
+    state = {}
+    for name, param in inner.named_parameters():
+        if ".lora_" in name:
+            for wrapper in WRAPPERS:
+                name = name.replace(wrapper, "")
+            state[name] = _full(param.detach()).contiguous()
+    (adapter,) = inner.active_adapters
+    folder.mkdir(parents=True)
+    inner.peft_config[adapter].save_pretrained(str(folder))
+    save_file(
+        get_peft_model_state_dict(inner, state_dict=state, adapter_name=adapter),
+        str(folder / "adapter_model.safetensors"),
+    )
+    return folder
