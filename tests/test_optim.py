@@ -63,3 +63,24 @@ def test_an_absolute_warmup_count_overrides_the_ratio_as_verls_lr_warmup_steps_d
     assert lrs(lr_warmup_steps=50)[-1] == pytest.approx(0.6)
     flags, _ = translate(["actor_rollout_ref.actor.optim.lr_warmup_steps=3"], args_class("grpo"), "grpo", "grpo.py")
     assert flags[flags.index("--lr-warmup-steps") + 1] == "3"
+
+
+def test_l2_is_an_l2_term_in_the_loss_as_torchs_adam_weight_decay():
+    """--l2 c (ROLL's l2): three steps equal torch's Adam with weight_decay c (its gradient + c w) on the weight
+    matrices, biases untouched by it; the decoupled --weight-decay stays a different update."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    twin, plain = (torch.nn.Linear(4, 3) for _ in range(2))
+    twin.load_state_dict(model.state_dict())
+    plain.load_state_dict(model.state_dict())
+    ours = build_optimizer(model, 0.1, weight_decay=0.0, l2=0.5)
+    adam = torch.optim.Adam([{"params": [twin.weight], "weight_decay": 0.5}, {"params": [twin.bias]}], lr=0.1)
+    decoupled = build_optimizer(plain, 0.1, weight_decay=0.5)
+    x = torch.randn(8, 4)
+    for _ in range(3):
+        for net, opt in ((model, ours), (twin, adam), (plain, decoupled)):
+            opt.zero_grad()
+            net(x).pow(2).mean().backward()
+            opt.step()
+    assert torch.allclose(model.weight, twin.weight, atol=1e-6) and torch.allclose(model.bias, twin.bias, atol=1e-6)
+    assert not torch.allclose(model.weight, plain.weight, atol=1e-3)
