@@ -62,7 +62,9 @@ FEATURES = (  # above the core, bottom-up: each loads only where a flag asks for
     "formats.loggers",  # --logger wandb / tensorboard
     "shaping.correction",  # verl's rollout correction: importance weights and rejection over the engine's logprobs
     "shaping.conditioning",  # ROLL's reward and advantage conditioning and loss terms
+    "shaping.domains",  # ROLL's domain_interleave_probs: each step's prompts drawn by data_source
     "shaping.reward_model",  # --reward-model: a sequence classifier that scores whole conversations
+    "shaping.judge",  # --judge-url: an LLM judge behind an OpenAI-compatible URL, run in the reward workers
     "agents.tools",  # --tool-config / --interaction-config read without running them; tool calls in text; their pools
     "agents.envs",  # --env-config read without running it; the text adapter, the action of a reply, a worker's host
     "agents.agent",  # the multi-turn loop with tools and interactions over any engine

@@ -282,6 +282,8 @@ class Check:
             )
         if not self.freq or step % self.freq or self.batch is None:
             return {}
+        if sync.own_weights and getattr(self.engine, "weight_version", step) != step:
+            return {}  # no sync this step (--model-update-frequency): the engine still serves an older version
         with _keep_rng():
             if sync.own_weights:
                 batch, temperature = _whole(self.batch), 1.0

@@ -52,10 +52,35 @@ def cli(args_class, recipe: str, adv_estimator: str | None = None, trainer: str 
     if not os.environ.get(LAST_WINS):
         refuse_repeats(sys.argv[1:], args_class)
     argv = cli_args(args_class, adv_estimator, trainer, loss_mode)
-    return getattr(tyro.cli(root, args=argv, description=about), recipe)
+    refuse_foreign(argv)
+    args = getattr(tyro.cli(root, args=argv, description=about), recipe)
+    for pair in flag_values(args).get("system_envs") or ():  # before anything reads them: a hub, a library
+        os.environ[pair.partition("=")[0]] = pair.partition("=")[2]
+    return args
 
 
+TRACKERS = (lambda a: {"wandb", "tensorboard"} & set(a.logger), "add --logger wandb or tensorboard")
+ENV_PAIR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 LAST_WINS = "RECIPES_LAST_FLAG_WINS"  # set by --check full's child runs, which append flags over the user's
+
+
+# Values our users' other tools take that cannot run here, with the reason (a verl key arrives as its flag)
+FOREIGN = {
+    ("--rollout-name", "sglang"): "SGLang is not an engine here; --rollout-name vllm or hf",
+    (
+        "--strategy",
+        "deepspeed",
+    ): "DeepSpeed cannot run here; --strategy ddp or fsdp2 (configs/fsdp2_offload.yaml for ZeRO-3 offload)",
+    ("--strategy", "megatron"): "Megatron cannot run here; FSDP2 shards the model (--strategy fsdp2)",
+}
+
+
+def refuse_foreign(argv: list[str]) -> None:
+    """A value of FOREIGN is a UsageError giving its reason, not the parser's list of choices."""
+    pairs = [tuple(a.split("=", 1)) if "=" in a else (a, b) for a, b in zip(argv, [*argv[1:], ""])]
+    for name, value in pairs:
+        if (name, value.lower()) in FOREIGN:
+            raise UsageError(f"{name} {value}: {FOREIGN[name, value.lower()]}")
 
 
 def refuse_repeats(argv: list[str], args_class) -> None:
@@ -142,6 +167,10 @@ def check_flags(args) -> None:
         from common.serving.vllm_engine import check_vllm  # a feature: loaded where asked for
 
         check_vllm(view, "--rollout-name vllm")
+    if values.get("tracker_kwargs"):
+        from common.formats.loggers import tracker_kwargs  # a feature: loaded where asked for
+
+        tracker_kwargs(values["tracker_kwargs"], values["logger"])
     if values.get("rollout_rs") is not None:
         from common.shaping.correction import check_rejection  # a feature: loaded where asked for
 
@@ -193,6 +222,12 @@ class TrainerArgs(WaitArgs):
     """with LoRA: also save a merged full model under hf/ next to the adapter"""
     logger: tuple[Literal["console", "wandb", "tensorboard"], ...] = ("console",)
     """where metrics go besides metrics.jsonl"""
+    tracker_kwargs: str | None = flag(None, only_with=TRACKERS)
+    """a JSON object of more arguments for the --logger trackers (ROLL's tracker_kwargs): each key goes to those of
+    wandb.init and tensorboard's SummaryWriter that take it, e.g. '{"entity": "team", "tags": ["ablation"]}'"""
+    system_envs: tuple[str, ...] = flag((), rule=(lambda v: all(ENV_PAIR.match(p) for p in v), "NAME=VALUE pairs"))
+    """environment variables the run sets before anything loads (ROLL's system_envs), as NAME=VALUE pairs; they
+    replace the launch's own values and reach every process the run starts"""
     log_interval: int = flag(10, ge=0, note="0: only the progress bar")
     """print one line of key metrics every N steps (0: only the progress bar)"""
     stop_on_nonfinite_reward: bool = False
@@ -291,7 +326,8 @@ def engine_sync(policy: ModelArgs, rollout: RolloutArgs, placement, correction, 
     are needed before the update (a KL penalty in the reward, distill's teacher advantage) or set against the engine's (an engine
     with its own weights, a rollout correction); else ("when-stale") a pass only for a sample the policy moved past,
     the update's own logprobs being exact for the rest. The logged gap proves the sync where an engine with its own
-    weights samples on policy (no --max-staleness: the trainer replays top-k / top-p / min-p), against the
+    weights samples on policy (no --max-staleness or --model-update-frequency: the trainer replays top-k / top-p /
+    min-p), against the
     trainer's old logprobs (no --bypass-mode), in a run that expects no gap (no --rollout-is / --rollout-rs)."""
     own = rollout.rollout_name != "hf" or placement.remote
     before = needed_before_update or own or correction.on
@@ -299,7 +335,7 @@ def engine_sync(policy: ModelArgs, rollout: RolloutArgs, placement, correction, 
     trainer = policy.trainer_dtype
     engine = trainer if rollout.rollout_dtype == "auto" else DTYPES[rollout.rollout_dtype]
     expected = correction.bypass_mode or correction.rollout_is or correction.rollout_rs
-    proves = own and not placement.max_staleness and not expected
+    proves = own and not placement.max_staleness and rollout.model_update_frequency == 1 and not expected
     gap = max(trainer, engine, key=lambda dtype: TOLERANCE[dtype][1])
     return Sync(own, old, trainer, gap, proves, rollout.check_freq)
 

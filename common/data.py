@@ -577,6 +577,9 @@ class RLDataArgs(DataArgs):
     """drop (and count) prompts longer than max_prompt_length instead of truncating / failing"""
     train_batch_size: int = flag(16, ge=1)
     """prompts per step, over all processes"""
+    domain_interleave_probs: tuple[str, ...] = flag((), rule=(lambda v: all("=" in p for p in v), "NAME=P pairs"))
+    """draw each step's prompts by data_source with these probabilities, e.g. math=0.7 code=0.3 (ROLL's
+    domain_interleave_probs; each source's rows in their own seeded order; unset: the rows' order)"""
 
 
 @dataclass
@@ -619,8 +622,18 @@ class StepPrompts:
 
     def step(self, step: int, world_size: int) -> tuple[int, list]:
         """(epoch, [each rank's rows]) of training step `step`."""
+        if self.data.domain_interleave_probs:
+            epoch, indices = self.domains.indices(step)
+            return epoch, [[self.rows[i] for i in indices[r::world_size]] for r in range(world_size)]
         shuffle = self.data.shuffle and not (self.rows and self.rows[0].get("agent_name") == "env")
         return step_rows(step, self.rows, self.data.train_batch_size, self.seed, shuffle, world_size)
+
+    @functools.cached_property
+    def domains(self):
+        from common.shaping.domains import DomainSampler  # a feature: loaded where its flag asks for it
+
+        d = self.data
+        return DomainSampler(self.rows, d.domain_interleave_probs, d.train_batch_size, self.seed, d.shuffle)
 
 
 # --- the batch arithmetic: checked against the world size before any model loads

@@ -244,6 +244,10 @@ OWN_WEIGHTS = (
     "add --rollout-name vllm or --rollout-placement remote (the HF engine runs in --dtype)",
 )
 CHECKING = (lambda a: a.check != "off", "drop --check off (the probe comes from the launch check)")
+COLOCATED_VLLM = (
+    lambda a: a.rollout_name == "vllm" and getattr(a, "rollout_placement", "") != "remote",
+    "add --rollout-name vllm, colocated (the HF engine samples the live policy; remote engines lag by --max-staleness)",
+)
 
 
 @dataclass
@@ -283,6 +287,9 @@ class RolloutArgs(EngineArgs):
     scores the launch probe after every N-th sync (check/engine_gap_*; a few short sequences), before it samples
     again, and the per-step gap (rollout/logprob_diff_*) is bounded where it proves the sync; past the bounds the run
     saves and stops, naming the step (0: never)"""
+    model_update_frequency: int = flag(1, ge=1, only_with=COLOCATED_VLLM)
+    """vllm: the engine gets the trainer's weights every N optimizer steps (ROLL's model_update_frequency): rollouts
+    then lag the policy by up to N - 1 versions (--rollout-is corrects for it)"""
 
     def __post_init__(self):
         if self.temperature == 0:

@@ -5,6 +5,7 @@ Scoring runs in worker processes under a per-sample timeout: a function that rai
 returns costs that sample a 0 and is counted, never the run."""
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -63,8 +64,15 @@ TOOLS_PREFIX = "tools:"  # a pool spec naming a --tool-config file rather than a
 INTERACTIONS_PREFIX = "interactions:"  # ... or an --interaction-config file
 ENVS_PREFIX = "envs:"  # ... or the environments of an --env-config file (common.agents.envs.EnvHost)
 BATCH_PREFIX = "batch:"  # a reward function called once with lists (--reward-manager batch)
+JUDGE_PREFIX = "judge:"  # an LLM judge behind a URL (--judge-url; common.shaping.judge)
+JUDGE_MESSAGES = "judge_messages"  # the extra_info key that brings the judge a prompt's messages
 VERL_NAMES = ("data_source", "solution_str", "ground_truth", "extra_info")  # compute_score's, as verl passes them
-SIDE_POOLS = {TOOLS_PREFIX: "--tool-config", INTERACTIONS_PREFIX: "--interaction-config", ENVS_PREFIX: "--env-config"}
+SIDE_POOLS = {
+    TOOLS_PREFIX: "--tool-config",
+    INTERACTIONS_PREFIX: "--interaction-config",
+    ENVS_PREFIX: "--env-config",
+    JUDGE_PREFIX: "--judge-url",
+}
 
 
 def _by_name(fn, plural: str = ""):
@@ -100,6 +108,10 @@ def _worker_main(fd: int, spec: str) -> None:
             fn, check = load_env_host(spec.removeprefix(ENVS_PREFIX)), lambda result: None
         elif spec.startswith(BATCH_PREFIX):
             fn, check = _by_name(load_reward_fn(spec.removeprefix(BATCH_PREFIX)), "s"), _check_batch
+        elif spec.startswith(JUDGE_PREFIX):  # --judge-url: common.shaping.judge's compute_score
+            from common.shaping.judge import load_judge
+
+            fn, check = load_judge(spec.removeprefix(JUDGE_PREFIX), JUDGE_MESSAGES), score_value
         else:
             fn, check = _by_name(load_reward_fn(spec)), score_value
     except BaseException:
@@ -166,6 +178,7 @@ class RewardPool:
 
     def __init__(self, spec: str | None = None, workers: int = 2, timeout: float = 10.0, log_path=None):
         self.spec, self.timeout = spec, timeout
+        self.judged = bool(spec and spec.startswith(JUDGE_PREFIX))  # its tasks carry the prompt's messages
         self.tools = self.interactions = self.envs = None  # side pools: start_agent_pools, start_env_pool
         self.dry_run_report = None  # (every row scored, what dry_run scored in words): common.check
         self.dry_run_extras = None  # the dry run's results' other keys, one dict a row (gdpo.py reads their names)
@@ -227,7 +240,8 @@ class RewardPool:
         errors = len(failures) - timeouts
         if first_error and not self.printed_error:
             self.printed_error = True
-            log.error("reward function raised (scored 0, counted in reward/errors; shown once):\n%s", first_error)
+            shown = first_error.strip().splitlines()[-1] if self.judged else first_error  # our code: its last line
+            log.error("reward function raised (scored 0, counted in reward/errors; shown once):\n%s", shown)
         if timeouts:
             log.warning("%d sample(s) exceeded the %.1fs reward timeout and scored 0", timeouts, self.timeout)
         scores = [0.0 if r is None else score_value(r) for r in results]
@@ -320,6 +334,8 @@ class RewardPool:
                 tried[source].append(rows[i])
         picked = [r for group in tried.values() for r in group]
         name = (self.spec or "built-in rewards").removeprefix(BATCH_PREFIX)
+        if self.judged:
+            name = "--judge-url " + json.loads(self.spec.removeprefix(JUDGE_PREFIX))["url"]
         start = time.time()
         extras = [r.get("extra_info") for r in picked]  # tool_agent rows: with what a conversation adds
         if any(r.get("agent_name") == "tool_agent" for r in picked):
@@ -329,6 +345,8 @@ class RewardPool:
                 {**(e or {}), **conversation_extra_info(r)} if conversation_extra_info(r) else e
                 for r, e in zip(picked, extras)
             ]
+        if self.judged:
+            extras = [{**(e or {}), JUDGE_MESSAGES: r["messages"]} for r, e in zip(picked, extras)]
         scored = self.score(
             [(r["data_source"], str(r["ground_truth"]), r["ground_truth"], e) for r, e in zip(picked, extras)]
         )
@@ -377,7 +395,12 @@ def start_reward_pool(reward: "RewardArgs", agent, env, data, run_dir, tokenizer
     rank = os.environ.get("RANK", "0")
     log_path = Path(run_dir) / ("reward_workers.log" if rank == "0" else f"reward_workers.rank{rank}.log")
     batch = reward.reward_manager == "batch"
-    pool = reward_pool(reward.reward_fn, reward.reward_workers, reward.reward_timeout, log_path, batch)
+    if reward.judge_url:
+        from common.shaping.judge import judge_config  # a feature: loaded where its flag asks for it
+
+        pool = RewardPool(JUDGE_PREFIX + judge_config(reward), reward.reward_workers, reward.reward_timeout, log_path)
+    else:
+        pool = reward_pool(reward.reward_fn, reward.reward_workers, reward.reward_timeout, log_path, batch)
     if env.env_config:
         pool.envs = start_env_pool(env, data.max_prompt_length, rows, tokenizer, log_path)
     elif rows and not reward.reward_model:
@@ -451,3 +474,18 @@ class RewardArgs:
     """reward worker processes per rank"""
     reward_model: str | None = None
     """AutoModelForSequenceClassification folder / hub name; replaces the rule-based score"""
+    judge_url: str | None = None
+    """an OpenAI-compatible server's base URL (e.g. http://127.0.0.1:8000/v1) whose model judges each response: an
+    LLM-judge reward in place of the rule-based one, in the reward workers ($OPENAI_API_KEY is sent when set)"""
+    judge_model: str = flag("judge", only_with="judge_url")
+    """the judge's model name, as its server knows it"""
+    judge_prompt: str | None = flag(None, only_with="judge_url")
+    """a text file: the judge's instructions with {prompt}, {response} and {ground_truth}, asking for a reply that
+    ends in Score: N (default: a short instruction on a 0-10 scale)"""
+    judge_max_score: float = flag(10.0, gt=0, only_with="judge_url")
+    """the judge's top score: the reward is N / this"""
+
+    def __post_init__(self):
+        if self.judge_url and (self.reward_fn or self.reward_model):
+            other = "--reward-fn" if self.reward_fn else "--reward-model"
+            raise UsageError(f"--judge-url with {other}: each replaces the rule-based score; give one of them")

@@ -16,7 +16,7 @@ from common.engines import hf_generate_greedy as hf_generate_greedy  # re-export
 from common.flags import flag
 from common.model import AdapterOff, load_frozen, load_trained_model
 from common.parallel import Dist, gather_objects, shard_evenly
-from common.rewards import Scored
+from common.rewards import JUDGE_MESSAGES, Scored
 from common.scoring import hit, load_from_file
 
 log = logging.getLogger(__name__)
@@ -63,10 +63,14 @@ def load_rl_data(data_args, tokenizer, reward, agent, env, conditioning) -> tupl
     and interactions (common.agents.tools.check_agent_rows); the env group's --env-config plays environments whose
     seeds replace the files' rows (common.agents.envs.env_rows). --difficulty-loss-weight (the conditioning group's)
     needs a number in every training row."""
-    ground_truth = "unused" if reward.reward_model else "optional" if reward.reward_fn else "required"
+    ground_truth = (
+        "unused" if reward.reward_model else "optional" if reward.reward_fn or reward.judge_url else "required"
+    )
     if env.env_config:
         if conditioning.difficulty_loss_weight:
             raise DataError("--difficulty-loss-weight: environment rows have no difficulty column; drop the flag")
+        if data_args.domain_interleave_probs:
+            raise DataError("--domain-interleave-probs: environment rows have no data_source to draw by; drop the flag")
         from common.agents.envs import play_rows
 
         return play_rows(env, data_args.train_batch_size)
@@ -99,6 +103,10 @@ def load_rl_data(data_args, tokenizer, reward, agent, env, conditioning) -> tupl
         raise DataError(
             f"train_files hold {len(train)} prompts, fewer than train_batch_size={data_args.train_batch_size}"
         )
+    if data_args.domain_interleave_probs:
+        from common.shaping.domains import check_domains  # a feature: loaded where its flag asks for it
+
+        check_domains(data_args.domain_interleave_probs, train)
     val, val_stats = load(val_files, tokenizer, **spec, what="val_files") if val_files else ([], LoadStats())
     if val_stats.filtered_overlong or val_stats.truncated:  # the run's header says the training rows' own
         log.warning("%s: validation scores the rows kept", val_stats.summary("val_files"))
@@ -125,14 +133,20 @@ def start_engine(model, tokenizer, dist, version: int, policy, rollout, placemen
     """The engine an RL run's rollout group asks for, holding weights `version` (the step the run starts from):
     local_engine's, or, with the placement group's --rollout-placement remote, common.serving.remote.RemoteEngines
     (HF or vLLM engines in Ray actors, which sample `prompts`' steps ahead). One with its own weights syncs with
-    `model` at once: call this after a resume has loaded them."""
+    `model` at once: call this after a resume has loaded them; then every --model-update-frequency versions."""
     if placement.remote:
         from common.serving.remote import start_remote_engines
 
-        return start_remote_engines(model, tokenizer, dist, version, policy, rollout, placement, prompts)
-    checkpoint = policy.path, policy.dtype, policy.trust_remote_code
-    lengths = prompts.max_length + rollout.max_response_length
-    return local_engine(model, tokenizer, dist, rollout, *checkpoint, lengths, rollout.val_batch_size, version)
+        engine = start_remote_engines(model, tokenizer, dist, version, policy, rollout, placement, prompts)
+    else:
+        checkpoint = policy.path, policy.dtype, policy.trust_remote_code
+        lengths = prompts.max_length + rollout.max_response_length
+        engine = local_engine(model, tokenizer, dist, rollout, *checkpoint, lengths, rollout.val_batch_size, version)
+    if rollout.model_update_frequency > 1:
+        from common.serving.weight_sync import SyncEvery  # a feature: loaded where its flag asks for it
+
+        return SyncEvery(engine, rollout.model_update_frequency)
+    return engine
 
 
 def local_engine(
@@ -249,7 +263,10 @@ def score(pool, rows: list[tuple], texts: list[str]) -> Scored:
         return Scored(
             [e["return"] for e in results], [{"acc": float(e["success"])} for e in results], ok=[True] * len(rows)
         )
-    return pool.score([reward_task(p, c, x) for (p, c), x in zip(rows, texts)])
+    tasks = [reward_task(p, c, x) for (p, c), x in zip(rows, texts)]
+    if getattr(pool, "judged", False):  # --judge-url: the judge reads the prompt too (a fork may bring its own pool)
+        tasks = [(*t[:3], {**(t[3] or {}), JUDGE_MESSAGES: p["messages"]}) for t, (p, _) in zip(tasks, rows)]
+    return pool.score(tasks)
 
 
 def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, reward_model=None) -> dict:
@@ -366,7 +383,9 @@ class Rollout:
 
     def validate(self) -> dict:
         start, v = time.time(), self.validation
-        sampling = Sampling(v.val_n, v.val_temperature, v.val_top_p, v.val_top_k, self.sampling.max_tokens)
+        sampling = Sampling(
+            v.val_n, v.val_temperature, v.val_top_p, v.val_top_k, self.sampling.max_tokens, min_p=v.val_min_p
+        )
         metrics = evaluate(self.engine, self.pool, self.tokenizer, self.val, sampling, self.dist, v.log_val_generations)
         return {**metrics, "perf/validate_s": time.time() - start}
 
@@ -386,5 +405,7 @@ class ValidationArgs:
     """validation's nucleus sampling (1.0: off; verl's val_kwargs.top_p, apart from training's --top-p)"""
     val_top_k: int = flag(-1, rule=(lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"), only_with=SAMPLED)
     """validation's top-k sampling (-1: off; verl's val_kwargs.top_k, apart from training's --top-k)"""
+    val_min_p: float = flag(0.0, ge=0, lt=1, only_with=SAMPLED)
+    """validation's min-p sampling (0.0: off; apart from training's --min-p)"""
     log_val_generations: int = flag(0, ge=0, note="0: none")
     """each validation, log the first N prompts with a response and its score (val_generations.jsonl; wandb table)"""

@@ -89,7 +89,8 @@ class Tracker:
         if {"wandb", "tensorboard"} & set(loggers):  # a feature: loaded where --logger asks for it
             from common.formats.loggers import Loggers
 
-            self.loggers = Loggers(loggers, self.run_dir, trainer.project_name, experiment, config)
+            extra = getattr(trainer, "tracker_kwargs", None)
+            self.loggers = Loggers(loggers, self.run_dir, trainer.project_name, experiment, config, extra)
         if "console" in loggers:
             self.bar = tqdm(total=total_steps, initial=start_step, desc=experiment, dynamic_ncols=True, file=sys.stderr)
 

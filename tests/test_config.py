@@ -408,16 +408,17 @@ def samplings(args, monkeypatch) -> tuple:
     return rollout.sampling, seen[0]
 
 
-def test_validation_samples_with_its_own_top_p_and_top_k(monkeypatch):
-    """As verl's val_kwargs: validation's top-p / top-k are their own flags (off by default), not
+def test_validation_samples_with_its_own_top_p_top_k_and_min_p(monkeypatch):
+    """As verl's val_kwargs: validation's top-p / top-k (and --val-min-p) are their own flags (off by default), not
     training's; at --val-temperature 0 (greedy) they would change nothing, so setting them is refused."""
     from common.config import RLArgs
     from common.formats.verl import translate
 
-    train, val = samplings(make_args(RLArgs, top_p=0.5, top_k=3, val_temperature=0.7), monkeypatch)
-    assert (train.top_p, train.top_k, val.top_p, val.top_k, val.temperature) == (0.5, 3, 1.0, -1, 0.7)
-    val = samplings(make_args(RLArgs, val_temperature=0.7, val_top_p=0.9, val_top_k=20), monkeypatch)[1]
-    assert (val.top_p, val.top_k) == (0.9, 20)
+    train, val = samplings(make_args(RLArgs, top_p=0.5, top_k=3, min_p=0.1, val_temperature=0.7), monkeypatch)
+    assert (train.top_p, train.top_k, train.min_p) == (0.5, 3, 0.1)
+    assert (val.top_p, val.top_k, val.min_p, val.temperature) == (1.0, -1, 0.0, 0.7)
+    val = samplings(make_args(RLArgs, val_temperature=0.7, val_top_p=0.9, val_top_k=20, val_min_p=0.05), monkeypatch)[1]
+    assert (val.top_p, val.top_k, val.min_p) == (0.9, 20, 0.05)
     with pytest.raises(UsageError, match="--val-top-k 20 would change nothing in this run: add --val-temperature"):
         make_args(RLArgs, val_top_k=20)
     keys = ["actor_rollout_ref.rollout.val_kwargs.top_p=0.95", "actor_rollout_ref.rollout.val_kwargs.top_k=50"]
@@ -446,3 +447,22 @@ def test_a_flag_given_twice_or_under_two_spellings_is_refused(recipe, argv, said
     monkeypatch.setenv(LAST_WINS, "1")
     if recipe == "grpo" and argv[0] == "--lr":
         assert cli(args_class, "grpo", "grpo").optim.lr == 3e-4
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--rollout-name", "sglang"], "--rollout-name sglang: SGLang is not an engine here"),
+        (["--strategy=deepspeed"], "--strategy deepspeed: DeepSpeed cannot run here"),
+        (["--strategy", "megatron"], "--strategy megatron: Megatron cannot run here"),
+        (["actor_rollout_ref.rollout.name=sglang"], "--rollout-name sglang: SGLang is not an engine here"),
+    ],
+)
+def test_an_engine_or_strategy_of_another_tool_is_refused_with_its_reason(argv, said, monkeypatch):
+    """SGLang, DeepSpeed and Megatron, as our users' tools name them (a flag or a verl key): one line with the
+    reason and what to use, not the parser's list of choices."""
+    from common.config import cli
+
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *argv])
+    with pytest.raises(UsageError, match=re.escape(said)):
+        cli(load_recipe("grpo").Args, "grpo", "grpo")

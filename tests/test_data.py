@@ -271,3 +271,54 @@ def test_messages_keep_tool_calls_and_refuse_what_a_template_would_drop(tmp_path
         f = write(tmp_path / "bad.parquet", [{"prompt": [{"role": "user", "content": "hi", **bad}]}])
         with pytest.raises(DataError, match=re.escape(f"bad.parquet row 0 column 'prompt': {words}")):
             load_prompts([f], tokenizer, max_prompt_length=64)
+
+
+def domain_rows() -> list[dict]:
+    """60 rows of "math", 30 of "code" and 10 of "chat", interleaved in the file."""
+    sources = ["math"] * 60 + ["code"] * 30 + ["chat"] * 10
+    return [{"data_source": s, "i": i} for i, s in enumerate(sorted(sources, key=lambda s: hash(s) % 7))]
+
+
+def test_domain_interleave_probs_draw_each_step_by_data_source_and_resume_exactly():
+    """--domain-interleave-probs (ROLL's domain_interleave_probs): over 200 steps of 16 the domains' shares come out
+    at the probabilities (chat's 10 rows drawn at 0.5 repeat, each pass over them a new order, while none of math's
+    60 at 0.2 comes twice in the first 10 steps); a sampler made at step 150, as a resumed run makes it, draws what the run drew, and
+    the ranks share a step's rows as without the flag."""
+    from common.data import RLDataArgs, StepPrompts
+
+    rows = domain_rows()
+    data = RLDataArgs(train_batch_size=16, domain_interleave_probs=("math=0.2", "code=0.3", "chat=0.5"))
+    prompts = StepPrompts(rows, data, seed=3, total_steps=200)
+    steps = [prompts.step(s, 1)[1][0] for s in range(200)]
+    drawn = [row["data_source"] for step in steps for row in step]
+    for name, p in (("math", 0.2), ("code", 0.3), ("chat", 0.5)):
+        assert abs(drawn.count(name) / len(drawn) - p) < 0.02, (name, drawn.count(name))
+    chat = [row["i"] for step in steps for row in step if row["data_source"] == "chat"]
+    passes = [chat[k : k + 10] for k in range(0, 50, 10)]
+    assert all(sorted(p) == sorted(passes[0]) for p in passes) and len({tuple(p) for p in passes}) == 5
+    math = [row["i"] for step in steps[:10] for row in step if row["data_source"] == "math"]
+    assert len(set(math)) == len(math)  # about 32 math draws in 10 steps, of 60 rows: none twice
+    resumed = StepPrompts(rows, data, seed=3, total_steps=200)
+    assert [resumed.step(s, 1)[1][0] for s in (150, 151, 199)] == [steps[150], steps[151], steps[199]]
+    epoch, ranks = resumed.step(7, 2)
+    assert ranks[0] + ranks[1] != [] and sorted(ranks[0] + ranks[1], key=str) == sorted(steps[7], key=str)
+    assert epoch == 7 * 16 // len(rows)
+
+
+@pytest.mark.parametrize(
+    "pairs, said",
+    [
+        (("math=0.5", "code=0.5"), "data_source 'chat' of the training rows has no probability; add chat=P"),
+        (("math=0.5", "code=0.3", "chat=0.1", "poetry=0.1"), "no training row has data_source 'poetry'"),
+        (("math=0.5", "code=0.3", "chat=0.1"), "the probabilities sum to 0.9, not 1"),
+        (("math=half", "code=0.5", "chat=0"), "'half' is not a number"),
+        (("math=0.5", "math=0.5", "chat=0"), "named twice"),
+    ],
+)
+def test_domain_interleave_probs_that_leave_rows_out_or_do_not_add_up_are_refused(pairs, said):
+    from common.errors import UsageError
+    from common.shaping.domains import check_domains
+
+    with pytest.raises(UsageError, match=re.escape(said)):
+        check_domains(pairs, domain_rows())
+    check_domains(("math=0.5", "code=0.5", "chat=0"), domain_rows())  # 0: the rows are there, never drawn

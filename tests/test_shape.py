@@ -42,7 +42,12 @@ MARKERS = 40  # `` in the repository, each on a literal table
 # 62): a flag given twice or under two spellings is refused (common.config.refuse_repeats, with the aliases it
 # reads from the flag groups), and --lr-warmup-steps, verl's and ROLL's absolute warm-up. 6405 -> 6415 (issue 62):
 # --lora-sync, the vLLM group's flag for a LoRA policy's adapter sync (the sync itself is the vLLM feature's).
-CORE_LINES = 6415
+# 6415 -> 6550 (issue 62): the configuration guides' last keys as flags of the core's groups, with their routing:
+# --l2 (its gradient term), --tracker-kwargs, --system-envs, --domain-interleave-probs, --model-update-frequency,
+# --val-min-p, the LLM judge's flags and its place in the reward pool (the prompt's messages to the worker), and the
+# refusal of SGLang, DeepSpeed and Megatron values with their reasons; each one's body is a feature module
+# (shaping.domains, shaping.judge, formats.loggers, weight_sync.SyncEvery).
+CORE_LINES = 6550
 MARKER = re.compile(r"[ \t]*# fmt: skip\b")
 
 

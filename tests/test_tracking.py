@@ -1,4 +1,7 @@
 import json
+import os
+import re
+import sys
 
 import pytest
 
@@ -58,6 +61,53 @@ def test_wandb_logger_offline(tmp_path, monkeypatch):
     (table,) = runs[0].glob("files/media/table/val/generations_*.table.json")
     written = json.loads(table.read_text())
     assert written["columns"] == list(gens[0]) and written["data"] == [list(gens[0].values())]
+
+
+def test_tracker_kwargs_reach_the_trackers_that_take_them(tmp_path, monkeypatch):
+    """--tracker-kwargs (ROLL's tracker_kwargs): wandb.init gets its keys (the offline run's tags and notes), and
+    tensorboard's SummaryWriter its own (the event file's suffix), each only the keys its constructor takes."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    extra = '{"tags": ["ablation"], "notes": "lr sweep", "filename_suffix": ".sweep"}'
+    t = tracker(tmp_path, loggers=("wandb", "tensorboard"), tracker_kwargs=extra)
+    assert t.loggers.wandb.tags == ("ablation",) and t.loggers.wandb.notes == "lr sweep"
+    t.log({"train/loss": 0.5}, step=1)
+    t.close()
+    assert [f.name.endswith(".sweep") for f in (tmp_path / "tensorboard").iterdir()] == [True]
+
+
+@pytest.mark.parametrize(
+    "extra, said",
+    [
+        ('{"flush_secs": 5, "tagz": ["a"]}', "'tagz' is an argument of none of wandb, tensorboard's constructors"),
+        ('{"project": "other"}', "'project' is set by the run (--project-name); set it there"),
+        ("{entity: team}", "not JSON (Expecting property name enclosed in double quotes)"),
+        ('["a"]', "a JSON list; pass an object of arguments"),
+    ],
+)
+def test_tracker_kwargs_that_no_tracker_takes_are_refused_before_anything_loads(extra, said):
+    from common.config import check_flags
+    from common.errors import UsageError
+
+    with pytest.raises(UsageError, match=re.escape(said)):
+        check_flags(TrainerArgs(logger=("wandb", "tensorboard"), tracker_kwargs=extra))
+
+
+def test_system_envs_are_set_before_the_recipe_reads_anything(monkeypatch):
+    """--system-envs NAME=VALUE (ROLL's system_envs) lands in the environment as the flags are parsed; a pair
+    without NAME= is refused."""
+    from conftest import load_recipe, make_args
+
+    from common.config import cli
+    from common.errors import UsageError
+
+    args_class = load_recipe("grpo").Args
+    monkeypatch.delenv("RECIPES_TEST_ENV", raising=False)
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--system-envs", "RECIPES_TEST_ENV=a=b", "HF_HUB_OFFLINE=1"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    cli(args_class, "grpo", "grpo")
+    assert os.environ["RECIPES_TEST_ENV"] == "a=b" and os.environ["HF_HUB_OFFLINE"] == "1"
+    with pytest.raises(UsageError, match="--system-envs.*NAME=VALUE pairs"):
+        make_args(args_class, system_envs=("USE_MODELSCOPE",))
 
 
 def test_finish_reports_the_validation_before_training_and_the_latest(tmp_path, capsys):

@@ -682,6 +682,43 @@ def test_a_lora_policy_reaches_vllm_as_its_adapter_alone(tmp_path, monkeypatch):
     assert max(m["check/engine_gap_mean"] for m in steps) < 1e-4
 
 
+def test_a_model_update_frequency_syncs_vllm_every_n_steps_and_probes_only_after_a_sync(tmp_path, monkeypatch):
+    """--model-update-frequency 2 (ROLL's model_update_frequency): the engine gets the weights after steps 2 and 4
+    only, so steps 1-4 sample from versions 0, 0, 2, 2; the probe runs after the syncs (steps 2 and 4), within
+    float32's bound, and the steps between train on the older version's samples without a stop."""
+    from conftest import read_metrics, run_recipe
+
+    loads, real = [], VLLMEngine.load_weights
+    monkeypatch.setattr(VLLMEngine, "load_weights", lambda self, w, v: loads.append(v) or real(self, w, v))
+    run_recipe(
+        "grpo",
+        "--rollout-name",
+        "vllm",
+        "--model-update-frequency",
+        "2",
+        "--total-training-steps",
+        "4",
+        "--train-batch-size",
+        "8",
+        "--rollout-n",
+        "4",
+        "--no-val-before-train",
+        "--test-freq",
+        "0",
+        "--save-freq",
+        "0",
+        "--lr",
+        "1e-3",
+        "--output-dir",
+        tmp_path,
+    )
+    assert loads == [0, 0, 0, 2, 4]  # the start, the launch check's move and restore, then every second step
+    steps = [m for m in read_metrics(tmp_path) if "train/loss" in m]
+    assert [m["rollout/weight_version"] for m in steps] == [0, 0, 2, 2]
+    assert [("check/engine_gap_mean" in m) for m in steps] == [False, True, False, True]
+    assert all(m["check/engine_gap_max"] < 1e-3 for m in steps if "check/engine_gap_max" in m)
+
+
 @pytest.mark.parametrize("plant", [None, "stale", "lora", "adapter"])
 def test_the_launch_check_proves_the_vllm_engines_sync(tmp_path, monkeypatch, plant):
     """--check before step 1 with --rollout-name vllm: the engine's logprobs match the trainer's and a

@@ -166,3 +166,23 @@ def test_fsdp2_ranks_gather_what_one_process_sends(torchrun_runs):
     for rank in (0, 1):  # each rank's folder holds the full adapter, equal to one process's
         got = load_file(tmp_path / f"adapter{rank}" / "adapter_model.safetensors")
         assert list(got) == list(want) and all(torch.equal(got[n], want[n]) for n in want), rank
+
+
+def test_an_engine_synced_every_n_versions_skips_the_others_and_resyncs_its_own():
+    """SyncEvery (--model-update-frequency 3) over an engine: versions 1 and 2 leave it at 0, 3 reaches it, 4 and 5
+    do not, 6 does; asked again for the version it holds (the launch check's move and restore), it syncs."""
+    from common.engines import HFEngine
+    from common.serving.weight_sync import SyncEvery
+
+    engine = HFEngine(load_policy(str(SFT)), pad_id=0, eos_ids=[1], device="cpu")
+    engine.update_weights(0)
+    every = SyncEvery(engine, 3)
+    held = []
+    for version in range(1, 7):
+        every.update_weights(version)
+        held.append(every.weight_version)
+    assert held == [0, 0, 3, 3, 3, 6]
+    synced = []
+    engine.update_weights = lambda version: synced.append(version)  # count the calls through to the engine
+    every.update_weights(6)
+    assert synced == [6]

@@ -164,3 +164,19 @@ def save_adapter(model, folder: Path) -> Path:
         str(folder / "adapter_model.safetensors"),
     )
     return folder
+
+
+class SyncEvery:
+    """An engine with its own weights, synced every `n` versions (--model-update-frequency): update_weights(version)
+    loads the trainer's weights once `n` versions have passed since the engine's, or when asked again for the
+    version it holds (the launch check moves the weights without a new version); anything else is the engine's."""
+
+    def __init__(self, engine, n: int):
+        self.engine, self.n = engine, n
+
+    def update_weights(self, version: int) -> None:
+        if version == self.engine.weight_version or version - self.engine.weight_version >= self.n:
+            self.engine.update_weights(version)
+
+    def __getattr__(self, name):  # generate, score, sleep, wake_up, weight_version, ...
+        return getattr(self.engine, name)
