@@ -321,7 +321,7 @@ def test_the_launch_check_proves_the_remote_engines_sync(tmp_path, ray_cluster, 
         return
     assert proc.returncode == 1 and "check weight sync      FAIL" in proc.stderr, proc.stderr[-2000:]
     assert "weight sync: the engine does not serve the weights the trainer synced" in proc.stderr
-    assert ("the base weights without the adapter merged" in proc.stderr) == (plant == "lora")
+    assert ("without the trainer's current adapter" in proc.stderr) == (plant == "lora")
     assert (
         "train/loss" not in (tmp_path / "metrics.jsonl").read_text() if (tmp_path / "metrics.jsonl").exists() else True
     )
