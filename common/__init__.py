@@ -68,6 +68,8 @@ FEATURES = (  # above the core, bottom-up: each loads only where a flag asks for
     "agents.tools",  # --tool-config / --interaction-config read without running them; tool calls in text; their pools
     "agents.envs",  # --env-config read without running it; the text adapter, the action of a reply, a worker's host
     "agents.agent",  # the multi-turn loop with tools and interactions over any engine
+    "agents.caller",  # --agent-fn in the workers: the user's agent called with an openai client
+    "agents.endpoint",  # --agent-fn: the OpenAI-compatible endpoint over the run's engine, and the loop of agent calls
     "agents.env_manager",  # ROLL's environment manager: groups of Gymnasium environments played over any engine
     "serving.weight_sync",  # the trainer's weights under checkpoint names, for engines with their own copy
     "serving.replay",  # the kept set of top-k / top-p / min-p for engines that report none (vLLM), from the trainer

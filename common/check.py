@@ -331,7 +331,7 @@ def launch_check(mode: str, model, engine, rollout, tracker, resumed: Item | Non
     items.append(check_template(rollout.tokenizer, stops=False))
     dry = rollout.pool.dry_run_report
     items.append(
-        Item("rewards", None, "no reward function dry run (a reward model or environments score)")
+        Item("rewards", None, "no reward function dry run (a reward model, environments or the --agent-fn agent score)")
         if dry is None
         else Item("rewards", True if dry[0] else "warn", dry[1], REWARD_ADVICE)
     )

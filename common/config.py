@@ -20,7 +20,8 @@ import torch
 import tyro
 from tyro.conf import OmitArgPrefixes
 
-from common.agents import AgentArgs, EnvArgs
+from common.agents import AgentArgs as AgentArgs  # re-exported: generate.py builds on it
+from common.agents import EnvArgs, RLAgentArgs
 from common.agents import EnvPlayArgs as EnvPlayArgs  # re-exported: recipes build on it
 from common.data import ActorArgs, BatchPlan, RLDataArgs, plan_batches
 from common.data import DataArgs as DataArgs  # re-exported for older forks
@@ -158,6 +159,10 @@ def check_flags(args) -> None:
             read_tool_config(tools)  # its YAML and files; the functions are imported in the tool workers
         if interactions:
             read_interaction_config(interactions)  # likewise: the classes are imported in a worker
+    if values.get("agent_fn"):
+        from common.agents.endpoint import check_agent_fn  # a feature: loaded where asked for
+
+        check_agent_fn(SimpleNamespace(**values))
     if values.get("env_config"):  # args.env's
         from common.agents.envs import check_env  # a feature: the environments are made in their workers
 
@@ -278,7 +283,7 @@ class RLArgs:
     """verl's rollout correction against the engine's logprobs (common.shaping.correction), off by default"""
     placement: Annotated[PlacementArgs, OmitArgPrefixes] = group(PlacementArgs)
     """where the rollout engines run: in the trainer's processes, or remote in Ray actors (common.serving.remote)"""
-    agent: Annotated[AgentArgs, OmitArgPrefixes] = group(AgentArgs)
+    agent: Annotated[RLAgentArgs, OmitArgPrefixes] = group(RLAgentArgs)
     """multi-turn rollouts: tools and interactions (common.agents), off without --tool-config / --interaction-config"""
     env: Annotated[EnvArgs, OmitArgPrefixes] = group(EnvArgs)
     """Gymnasium environments played instead of prompts (common.agents.envs), off without --env-config"""

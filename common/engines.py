@@ -55,6 +55,7 @@ class Completion:
     mask: list[int] | None = None  # 1 where the policy sampled the token (common.agents.agent); None: every token
     extra_info: dict | None = None  # added to the row's extra_info for the reward (common.agents.agent: num_turns, ...)
     kept: list[int] | None = None  # per token, the most likely tokens top-k / top-p / min-p kept; None: all of them
+    prompt_ids: list[int] | None = None  # the prompt it continues where not its row's (an --agent-fn agent's own)
 
 
 class _SampledLogprobs:

@@ -65,6 +65,7 @@ INTERACTIONS_PREFIX = "interactions:"  # ... or an --interaction-config file
 ENVS_PREFIX = "envs:"  # ... or the environments of an --env-config file (common.agents.envs.EnvHost)
 BATCH_PREFIX = "batch:"  # a reward function called once with lists (--reward-manager batch)
 JUDGE_PREFIX = "judge:"  # an LLM judge behind a URL (--judge-url; common.shaping.judge)
+AGENT_PREFIX = "agent:"  # an --agent-fn agent, called with an openai client (common.agents.endpoint)
 JUDGE_MESSAGES = "judge_messages"  # the extra_info key that brings the judge a prompt's messages
 VERL_NAMES = ("data_source", "solution_str", "ground_truth", "extra_info")  # compute_score's, as verl passes them
 SIDE_POOLS = {
@@ -72,6 +73,7 @@ SIDE_POOLS = {
     INTERACTIONS_PREFIX: "--interaction-config",
     ENVS_PREFIX: "--env-config",
     JUDGE_PREFIX: "--judge-url",
+    AGENT_PREFIX: "--agent-fn",
 }
 
 
@@ -108,6 +110,10 @@ def _worker_main(fd: int, spec: str) -> None:
             fn, check = load_env_host(spec.removeprefix(ENVS_PREFIX)), lambda result: None
         elif spec.startswith(BATCH_PREFIX):
             fn, check = _by_name(load_reward_fn(spec.removeprefix(BATCH_PREFIX)), "s"), _check_batch
+        elif spec.startswith(AGENT_PREFIX):  # --agent-fn: the user's agent, its return the reward
+            from common.agents.caller import load_agent
+
+            fn, check = load_agent(spec.removeprefix(AGENT_PREFIX)), score_value
         elif spec.startswith(JUDGE_PREFIX):  # --judge-url: common.shaping.judge's compute_score
             from common.shaping.judge import load_judge
 
@@ -179,7 +185,7 @@ class RewardPool:
     def __init__(self, spec: str | None = None, workers: int = 2, timeout: float = 10.0, log_path=None):
         self.spec, self.timeout = spec, timeout
         self.judged = bool(spec and spec.startswith(JUDGE_PREFIX))  # its tasks carry the prompt's messages
-        self.tools = self.interactions = self.envs = None  # side pools: start_agent_pools, start_env_pool
+        self.tools = self.interactions = self.envs = self.agents = None  # side pools: start_agent_pools, start_env_pool
         self.dry_run_report = None  # (every row scored, what dry_run scored in words): common.check
         self.dry_run_extras = None  # the dry run's results' other keys, one dict a row (gdpo.py reads their names)
         self.output = _WorkerOutput(log_path)
@@ -403,10 +409,12 @@ def start_reward_pool(reward: "RewardArgs", agent, env, data, run_dir, tokenizer
         pool = reward_pool(reward.reward_fn, reward.reward_workers, reward.reward_timeout, log_path, batch)
     if env.env_config:
         pool.envs = start_env_pool(env, data.max_prompt_length, rows, tokenizer, log_path)
-    elif rows and not reward.reward_model:
+    elif rows and not reward.reward_model and not getattr(agent, "agent_fn", None):  # an agent's reward: its own
         pool.dry_run(rows)
     if agent.on:
         pool.tools, pool.interactions = start_agent_pools(agent, reward.reward_workers, log_path)
+    if getattr(agent, "agent_fn", None):
+        pool.agents = RewardPool(AGENT_PREFIX + agent.agent_fn, agent.agent_workers, agent.agent_timeout, log_path)
     return pool
 
 

@@ -63,9 +63,8 @@ def load_rl_data(data_args, tokenizer, reward, agent, env, conditioning) -> tupl
     and interactions (common.agents.tools.check_agent_rows); the env group's --env-config plays environments whose
     seeds replace the files' rows (common.agents.envs.env_rows). --difficulty-loss-weight (the conditioning group's)
     needs a number in every training row."""
-    ground_truth = (
-        "unused" if reward.reward_model else "optional" if reward.reward_fn or reward.judge_url else "required"
-    )
+    own = reward.reward_fn or reward.judge_url or getattr(agent, "agent_fn", None)  # may need no ground truth
+    ground_truth = "unused" if reward.reward_model else "optional" if own else "required"
     if env.env_config:
         if conditioning.difficulty_loss_weight:
             raise DataError("--difficulty-loss-weight: environment rows have no difficulty column; drop the flag")
@@ -113,7 +112,7 @@ def load_rl_data(data_args, tokenizer, reward, agent, env, conditioning) -> tupl
     for described in dict.fromkeys([*stats.columns, *val_stats.columns]):  # one line per mapping, said once
         files = [Path(f).name for f in stats.columns.get(described, []) + val_stats.columns.get(described, [])]
         log.info("columns of %s: %s", ", ".join(files), described)
-    if agent.on or stats.agent_rows or val_stats.agent_rows:
+    if (agent.on or stats.agent_rows or val_stats.agent_rows) and not getattr(agent, "agent_fn", None):
         from common.agents.tools import check_rows
 
         train, val = list(train), list(val)  # it fills in each row's interaction_kwargs
@@ -195,6 +194,10 @@ def with_agents(engine, tokenizer, pool, agent, env, max_prompt_length: int, loc
 
         manager = load_from_file(env.env_manager, "--env-manager", "", kind="class") if env.env_manager else EnvLoop
         return manager(engine, tokenizer, env, getattr(pool, "envs", None) or pool, max_prompt_length, lockstep)
+    if getattr(agent, "agent_fn", None):
+        from common.agents.endpoint import AgentFnLoop
+
+        return AgentFnLoop(engine, tokenizer, agent, pool.agents, max_prompt_length)
     if not agent.on:
         return engine
     from common.agents.agent import AgentLoop
@@ -263,6 +266,12 @@ def score(pool, rows: list[tuple], texts: list[str]) -> Scored:
         return Scored(
             [e["return"] for e in results], [{"acc": float(e["success"])} for e in results], ok=[True] * len(rows)
         )
+    if rows and "agent_fn" in (rows[0][1].extra_info or {}):  # --agent-fn: the agent's own reward
+        results = [c.extra_info["agent_fn"] for _, c in rows]
+        failed = [r["failed"] for r in results]
+        return Scored(
+            [r["reward"] for r in results], [r["extras"] for r in results], sum(failed), ok=[not f for f in failed]
+        )
     tasks = [reward_task(p, c, x) for (p, c), x in zip(rows, texts)]
     if getattr(pool, "judged", False):  # --judge-url: the judge reads the prompt too (a fork may bring its own pool)
         tasks = [(*t[:3], {**(t[3] or {}), JUDGE_MESSAGES: p["messages"]}) for t, (p, _) in zip(tasks, rows)]
@@ -275,7 +284,12 @@ def generate_and_score(prompts, engine, sampling, pool, tokenizer, device, rewar
     Scored: errors, timeouts, nonfinite, extra keys), rewards (B,) float32, timing {perf/generate_s, perf/score_s} and
     started (when generation began: perf/step_s counts from it)."""
     t = time.time()
-    rows = [(p, c) for p, group in zip(prompts, sample(engine, prompts, sampling)) for c in group]
+    groups = sample(engine, prompts, sampling)
+    rows = [
+        (p if c.prompt_ids is None else {**p, "prompt_ids": c.prompt_ids}, c)
+        for p, g in zip(prompts, groups)
+        for c in g
+    ]
     responses = [c.token_ids for _, c in rows]
     batch = pack_groups(rows, sampling.n, tokenizer, device)
     batch["started"], batch["timing"] = t, {"perf/generate_s": time.time() - t}

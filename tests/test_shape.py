@@ -46,8 +46,10 @@ MARKERS = 40  # `` in the repository, each on a literal table
 # --l2 (its gradient term), --tracker-kwargs, --system-envs, --domain-interleave-probs, --model-update-frequency,
 # --val-min-p, the LLM judge's flags and its place in the reward pool (the prompt's messages to the worker), and the
 # refusal of SGLang, DeepSpeed and Megatron values with their reasons; each one's body is a feature module
-# (shaping.domains, shaping.judge, formats.loggers, weight_sync.SyncEvery).
-CORE_LINES = 6550
+# (shaping.domains, shaping.judge, formats.loggers, weight_sync.SyncEvery). 6550 -> 6600 (issue 63): --agent-fn's flags
+# (RLAgentArgs), its pool of agent workers, and its trajectories' own prompts and rewards in the rollout's scoring;
+# the endpoint and the loop of agent calls are features (agents.endpoint, agents.caller).
+CORE_LINES = 6600
 MARKER = re.compile(r"[ \t]*# fmt: skip\b")
 
 

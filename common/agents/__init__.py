@@ -9,6 +9,7 @@ from typing import Literal
 from common.flags import flag
 
 TOOLS = (lambda a: a.tool_config or a.interaction_config, "add --tool-config or --interaction-config")
+AGENT_FN = "agent_fn"  # the switch of the agent endpoint's knobs
 ENV = "env_config"  # the switch of every environment knob (common.flags.flag's only_with)
 
 
@@ -32,6 +33,24 @@ class AgentArgs:
     @property
     def on(self) -> bool:
         return bool(self.tool_config or self.interaction_config)
+
+
+@dataclass
+class RLAgentArgs(AgentArgs):
+    """RLArgs' `agent` group: the agent loop's tools and interactions, or an agent of the user's on the run's endpoint."""
+
+    agent_fn: str | None = None
+    """path/to/file.py:function, your agent: fn(client, row) talks to the policy through an openai client on the
+    run's OpenAI-compatible endpoint and returns the reward; each row's --rollout-n calls are its group, trained token
+    for token (common.agents.endpoint; pip install -e ".[agents]")"""
+    agent_timeout: float = flag(300.0, gt=0, unit="seconds", only_with=AGENT_FN)
+    """agent: seconds one call may take before its trajectory ends, counted (its tokens kept out of the loss)"""
+    agent_workers: int = flag(8, ge=1, only_with=AGENT_FN)
+    """agent: worker processes per rank that run the calls, as many at once"""
+    endpoint_host: str = flag("127.0.0.1", only_with=AGENT_FN)
+    """agent: the address the endpoint listens on (127.0.0.1: this machine only; every request needs the run's key)"""
+    endpoint_port: int = flag(0, ge=0, le=65535, note="0: any free port", only_with=AGENT_FN)
+    """agent: the endpoint's port (0: any free one)"""
 
 
 @dataclass
