@@ -56,6 +56,7 @@ LAYERS = (  # the core, bottom-up
 
 FEATURES = (  # above the core, bottom-up: each loads only where a flag asks for it
     "formats",  # other libraries' keys and files
+    "formats.reasoning_gym",  # reasoning-gym's tasks as data (--train-files reasoning-gym:NAME), scored by their own
     "formats.sources",  # data through datasets: JSON / JSONL, CSV, Arrow, save_to_disk, dataset names, large parquet
     "formats.prompt_cache",  # prompts of large data (--data-workers): a cached datasets map, rows memory-mapped
     "formats.verl",  # verl's key=value overrides translated into our flags: the one table of verl's keys

@@ -377,7 +377,7 @@ class RewardPool:
         )
 
     def close(self) -> None:
-        for side in (self.tools, self.interactions, self.envs):
+        for side in (self.tools, self.interactions, self.envs, self.agents):
             if side is not None:
                 side.close()
         for proc, conn in self.workers:

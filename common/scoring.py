@@ -115,6 +115,10 @@ def extract_answer(data_source: str, text: str) -> str | None:
 
 
 def default_compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if str(data_source).startswith("reasoning_gym/"):  # its task's own score_answer (common.formats.reasoning_gym)
+        from common.formats.reasoning_gym import score
+
+        return score(data_source, solution_str, extra_info)
     scorer = builtin_scorer(data_source)
     if scorer is None:
         raise ValueError(

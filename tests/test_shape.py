@@ -48,8 +48,9 @@ MARKERS = 40  # `` in the repository, each on a literal table
 # refusal of SGLang, DeepSpeed and Megatron values with their reasons; each one's body is a feature module
 # (shaping.domains, shaping.judge, formats.loggers, weight_sync.SyncEvery). 6550 -> 6600 (issue 63): --agent-fn's flags
 # (RLAgentArgs), its pool of agent workers, and its trajectories' own prompts and rewards in the rollout's scoring;
-# the endpoint and the loop of agent calls are features (agents.endpoint, agents.caller).
-CORE_LINES = 6600
+# the endpoint and the loop of agent calls are features (agents.endpoint, agents.caller). 6600 -> 6610 (issue 63): the
+# built-in reward routes reasoning-gym rows to their task's scorer (the rows and scorer: formats.reasoning_gym).
+CORE_LINES = 6610
 MARKER = re.compile(r"[ \t]*# fmt: skip\b")
 
 

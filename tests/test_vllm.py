@@ -640,47 +640,6 @@ def test_a_sync_that_fails_after_the_launch_check_stops_the_run_before_the_engin
     assert (said in proc.stderr) == (plant != "stale"), proc.stderr[-3000:]
 
 
-def test_an_agent_fn_trains_through_the_vllm_engine_with_the_engines_own_logprobs(tmp_path):
-    """--agent-fn with --rollout-name vllm: the calculator agent's trajectories (several turns, the tool's replies out
-    of the loss) train 2 steps, and the per-step gap between the logprobs the endpoint recorded for each sampled
-    token and the trainer's own stays within float32's bound: what trains is what vLLM sampled."""
-    from conftest import BUNDLED, read_metrics, run_recipe
-
-    task = BUNDLED / "calculator"
-    run_recipe(
-        "grpo",
-        "--rollout-name",
-        "vllm",
-        "--model",
-        BUNDLED / "tiny-qwen2-tools",
-        "--train-files",
-        task / "train.parquet",
-        "--max-prompt-length",
-        "128",
-        "--max-response-length",
-        "128",
-        "--train-batch-size",
-        "4",
-        "--rollout-n",
-        "4",
-        "--total-training-steps",
-        "2",
-        "--no-val-before-train",
-        "--test-freq",
-        "0",
-        "--save-freq",
-        "0",
-        "--agent-fn",
-        f"{ROOT / 'tests' / 'data' / 'calculator_agent.py'}:run",
-        "--output-dir",
-        tmp_path,
-    )
-    steps = [m for m in read_metrics(tmp_path) if "train/loss" in m]
-    assert len(steps) == 2 and all(m["agent/fn_calls"] == 16 and m["agent/fn_failed"] == 0 for m in steps)
-    assert sum(m["agent/requests_mean"] for m in steps) > 2  # some calls used the tool: several turns
-    assert all(m["rollout/logprob_diff_mean"] < 1e-4 and m["rollout/logprob_diff_max"] < 1e-3 for m in steps), steps
-
-
 def test_a_lora_policy_reaches_vllm_as_its_adapter_alone(tmp_path, monkeypatch):
     """--lora-rank with the vLLM engine (--lora-sync auto): after the start, every sync writes the adapter alone and
     vLLM loads it in place; no full-weight stream runs, the launch check's engine and weight-sync items pass, and the
@@ -909,3 +868,44 @@ def test_grpo_on_vllm_with_the_real_model(tmp_path, real_model, plain_task):
         assert f"check {item:<16} pass" in proc.stdout, proc.stdout
     trained(tmp_path)
     assert all(m["rollout/logprob_diff_mean"] < 1e-3 for m in read_metrics(tmp_path) if "train/loss" in m)
+
+
+def test_an_agent_fn_trains_through_the_vllm_engine_with_the_engines_own_logprobs(tmp_path):
+    """--agent-fn with --rollout-name vllm: the calculator agent's trajectories (several turns, the tool's replies out
+    of the loss) train 2 steps, and the per-step gap between the logprobs the endpoint recorded for each sampled
+    token and the trainer's own stays within float32's bound: what trains is what vLLM sampled."""
+    from conftest import BUNDLED, read_metrics, run_recipe
+
+    task = BUNDLED / "calculator"
+    run_recipe(
+        "grpo",
+        "--rollout-name",
+        "vllm",
+        "--model",
+        BUNDLED / "tiny-qwen2-tools",
+        "--train-files",
+        task / "train.parquet",
+        "--max-prompt-length",
+        "128",
+        "--max-response-length",
+        "128",
+        "--train-batch-size",
+        "4",
+        "--rollout-n",
+        "4",
+        "--total-training-steps",
+        "2",
+        "--no-val-before-train",
+        "--test-freq",
+        "0",
+        "--save-freq",
+        "0",
+        "--agent-fn",
+        f"{ROOT / 'tests' / 'data' / 'calculator_agent.py'}:run",
+        "--output-dir",
+        tmp_path,
+    )
+    steps = [m for m in read_metrics(tmp_path) if "train/loss" in m]
+    assert len(steps) == 2 and all(m["agent/fn_calls"] == 16 and m["agent/fn_failed"] == 0 for m in steps)
+    assert sum(m["agent/requests_mean"] for m in steps) > 2  # some calls used the tool: several turns
+    assert all(m["rollout/logprob_diff_mean"] < 1e-4 and m["rollout/logprob_diff_max"] < 1e-3 for m in steps), steps

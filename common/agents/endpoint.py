@@ -28,6 +28,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -193,6 +194,7 @@ class Endpoint:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+        self.engine = None  # a vLLM engine tears down process-wide state when it goes: now, not at a later collection
 
     # --- the main thread's side -----------------------------------------------------------------------------
     def serve_until(self, done: threading.Event) -> None:
@@ -381,6 +383,7 @@ class AgentFnLoop:
         self.engine, self.tokenizer, self.pool, self.timeout = engine, tokenizer, pool, agent.agent_timeout
         host, port = agent.endpoint_host, agent.endpoint_port
         self.endpoint = Endpoint(engine, tokenizer, host, port, max_prompt_length, model_name="policy")
+        weakref.finalize(self, self.endpoint.close)  # the run's end: the server and its port go with the loop
         self.since = {"calls": 0, "failed": 0, "requests": 0, "restarts": 0, "no_requests": 0}
 
     def __getattr__(self, name):  # update_weights, sleep, wake_up, weight_version, ...

@@ -30,7 +30,14 @@ def read_source(spec: str, what: str) -> list[dict]:
 
 def open_source(spec: str, what: str):
     """One input of `what` as a memory-mapped datasets.Dataset: a file by its suffix (BUILDERS), a save_to_disk
-    folder (FOLDER@SPLIT choosing one split of a folder that holds several, a DatasetDict), or a dataset's name."""
+    folder (FOLDER@SPLIT choosing one split of a folder that holds several, a DatasetDict), a dataset's name, or a
+    reasoning-gym task (reasoning-gym:NAME?size=...&seed=..., common.formats.reasoning_gym)."""
+    if spec.startswith("reasoning-gym:"):
+        import datasets
+
+        from common.formats.reasoning_gym import read
+
+        return datasets.Dataset.from_list(read(spec, what))
     path, split = Path(spec).expanduser(), None
     if not path.exists() and "@" in path.name:
         base, split = spec.rsplit("@", 1)
