@@ -437,7 +437,7 @@ class AgentFnLoop:
         if isinstance(result[0], BaseException):
             raise result[0]
         scored, eos = result[0], self.tokenizer.eos_token_id
-        done = []
+        completions = []
         for t, score, extra, ok in zip(trajectories, scored.scores, scored.extras, scored.ok):
             empty = not t.tokens
             tokens, logprobs, kept = (t.tokens, t.logprobs, t.kept) if t.tokens else ([eos], [0.0], [0])
@@ -449,7 +449,7 @@ class AgentFnLoop:
             self.since["restarts"] += t.restarts
             self.since["no_requests"] += int(t.requests == 0)
             prompt = t.prompt_ids if t.prompt_ids is not None else t.row["prompt_ids"]
-            done.append(
+            completions.append(
                 Completion(
                     tokens,
                     logprobs,
@@ -461,4 +461,4 @@ class AgentFnLoop:
                 )
             )
         self.scored = scored
-        return [done[i * n : (i + 1) * n] for i in range(len(rows))]
+        return [completions[i * n : (i + 1) * n] for i in range(len(rows))]
